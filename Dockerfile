@@ -1,0 +1,10 @@
+# The embedsite service image (also used once to export the model into the shared volume).
+FROM python:3.11-slim
+WORKDIR /app
+ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY requirements*.txt ./
+RUN pip install --no-cache-dir -r requirements.txt -r requirements-export.txt -r requirements-test.txt \
+ && pip install --no-cache-dir --no-deps -r requirements-nodeps.txt
+COPY . .
+RUN python protos/generate.py
+EXPOSE 8080

@@ -1,0 +1,50 @@
+# The two commands a new machine needs: `make run` (set up and run the service) and `make test`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := run
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+REQUIREMENTS := requirements.txt requirements-test.txt requirements-export.txt requirements-nodeps.txt
+MODEL_ONNX := model_repository/minilm/1/model.onnx
+PROTOCOL := embeddings/triton/protocol/grpc_service_pb2.py
+
+.PHONY: run test setup bench lint clean-venv
+
+## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
+run: setup
+	$(PY) manage.py runstack
+
+## test: set everything up, then run the whole test suite (CI runs this)
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## bench: client vs raw ONNX Runtime benchmark (table on stdout, JSON in bench/results/)
+bench: setup
+	$(PY) bench/triton_client.py
+
+setup: $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated
+
+$(VENV)/.installed: $(REQUIREMENTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -r requirements.txt -r requirements-test.txt -r requirements-export.txt
+	$(PIP) install -q --no-deps -r requirements-nodeps.txt
+	touch $@
+
+$(PROTOCOL): $(VENV)/.installed $(wildcard protos/*.proto) protos/generate.py
+	$(PY) protos/generate.py
+
+$(MODEL_ONNX): $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(PY) manage.py export_model --if-missing
+
+.run/.migrated: $(VENV)/.installed $(PROTOCOL) $(wildcard embeddings/migrations/*.py)
+	mkdir -p .run
+	$(PY) manage.py migrate --noinput
+	touch $@
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .
+
+clean-venv:
+	rm -rf $(VENV)

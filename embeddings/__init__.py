@@ -1,0 +1,1 @@
+"""The embeddings app: tenants, the embedding API and its Triton backend."""

@@ -1,0 +1,1 @@
+"""HTTP API: views, serializers, authentication and error rendering."""

@@ -1,0 +1,1 @@
+"""Management commands: export, Triton, the local stack, embedding from the shell."""

@@ -1,0 +1,62 @@
+"""Run the whole local service: Triton, then the ASGI server (uvicorn); Ctrl-C stops both."""
+
+import signal
+import subprocess
+import sys
+import threading
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from embeddings.services.local_triton import local_triton_server
+from embeddings.triton.server import TritonServerError, die_with_parent
+
+
+class Command(BaseCommand):
+    help = "Start Triton and the embedsite ASGI server on the configured ports; Ctrl-C stops everything."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--workers", type=int, default=settings.SERVER_WORKERS)
+        parser.add_argument("--host", default=settings.SERVER_HOST)
+        parser.add_argument("--port", type=int, default=settings.SERVER_PORT)
+
+    def handle(self, *args, workers, host, port, **options):
+        stop = threading.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+        triton_log = settings.RUN_DIR / "triton.log"
+        triton = local_triton_server(log_path=triton_log)
+        web = None
+        try:
+            self.stdout.write(f"Starting Triton (log: {triton_log}) ...")
+            triton.start()
+            triton.wait_until_ready(settings.TRITON_STARTUP_TIMEOUT_S)
+            self.stdout.write(f"Triton ready: gRPC {triton.grpc_target}")
+            web = subprocess.Popen(
+                [
+                    sys.executable, "-m", "uvicorn", "embedsite.asgi:application",
+                    "--host", host, "--port", str(port), "--workers", str(workers),
+                    "--loop", "uvloop", "--http", "httptools", "--no-access-log",
+                ],
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )  # fmt: skip
+            base = f"http://{host}:{port}"
+            self.stdout.write(self.style.SUCCESS(f"embedsite on {base}  (health: {base}/health)"))
+            self.stdout.write('Try: python manage.py embed "hello"   Stop: Ctrl-C')
+            while not stop.wait(0.5):
+                if triton.process is None or triton.process.poll() is not None:
+                    raise CommandError(f"Triton exited unexpectedly; see {triton_log}")
+                if web.poll() is not None:
+                    raise CommandError(f"The web server exited with status {web.returncode}")
+        except TritonServerError as error:
+            raise CommandError(str(error)) from error
+        finally:
+            if web is not None and web.poll() is None:
+                web.send_signal(signal.SIGTERM)
+                try:
+                    web.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    web.kill()
+            triton.stop()
+            self.stdout.write("Stopped.")

@@ -1,0 +1,1 @@
+"""Database models (tenants, keys and usage arrive with the API issue)."""

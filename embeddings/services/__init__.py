@@ -1,0 +1,1 @@
+"""Business logic shared by views, tasks and management commands."""

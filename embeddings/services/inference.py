@@ -1,0 +1,68 @@
+"""The process's Triton clients and per-model tokenizers, configured from settings (one place)."""
+
+from __future__ import annotations
+
+import threading
+from functools import cache
+from pathlib import Path
+
+from django.conf import settings
+
+from embeddings.tokenization import TextTokenizer, tokenizer_for
+from embeddings.triton.client import AsyncTritonClient, TritonClient
+
+_lock = threading.Lock()
+_async_client: AsyncTritonClient | None = None
+_sync_client: TritonClient | None = None
+
+
+def _client_options() -> dict:
+    return {
+        "channels": settings.TRITON_GRPC_CHANNELS,
+        "timeout_s": settings.TRITON_TIMEOUT_S,
+        "retries": settings.TRITON_RETRIES,
+        "max_message_bytes": settings.TRITON_MAX_MESSAGE_BYTES,
+    }
+
+
+def triton_async_client() -> AsyncTritonClient:
+    """The pooled grpc.aio client; its channels open lazily inside the running event loop."""
+    global _async_client
+    with _lock:
+        if _async_client is None:
+            _async_client = AsyncTritonClient(settings.TRITON_GRPC_TARGET, **_client_options())
+        return _async_client
+
+
+def triton_sync_client() -> TritonClient:
+    """The blocking client, for Celery workers and management commands."""
+    global _sync_client
+    with _lock:
+        if _sync_client is None:
+            _sync_client = TritonClient(settings.TRITON_GRPC_TARGET, **_client_options())
+        return _sync_client
+
+
+def reset_clients() -> None:
+    """Forget the clients (settings changed, e.g. in tests); open channels are left to be collected."""
+    global _async_client, _sync_client
+    with _lock:
+        if _sync_client is not None:
+            _sync_client.close()
+        _async_client = None
+        _sync_client = None
+    model_tokenizer.cache_clear()
+
+
+@cache
+def model_tokenizer(model: str) -> TextTokenizer:
+    """The tokenizer exported beside the model, else the default model's (text-input ensembles)."""
+    repository = Path(settings.TRITON_MODEL_REPOSITORY)
+    for candidate in (repository / model / "1", repository / settings.MODEL_NAME / "1"):
+        path = candidate / "tokenizer.json"
+        if path.exists():
+            return tokenizer_for(str(path))
+    raise FileNotFoundError(
+        f"No tokenizer.json for model {model!r} in {repository}; export the model first "
+        "(python manage.py export_model)"
+    )

@@ -1,0 +1,24 @@
+"""The local Triton configured from settings, shared by `runtriton`, `runstack` and the benchmarks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.conf import settings
+
+from embeddings.triton.server import TritonServer
+
+
+def local_triton_server(*, log_path: Path | None = None, extra_repositories: list[Path] = ()) -> TritonServer:
+    """A TritonServer on this machine's configured ports, serving the model repository."""
+    grpc_host, _, grpc_port = settings.TRITON_GRPC_TARGET.rpartition(":")
+    return TritonServer(
+        model_repositories=[Path(settings.TRITON_MODEL_REPOSITORY), *extra_repositories],
+        run_dir=Path(settings.RUN_DIR),
+        grpc_port=int(grpc_port),
+        http_port=settings.TRITON_HTTP_PORT,
+        metrics_port=settings.TRITON_METRICS_PORT,
+        address="127.0.0.1" if grpc_host in {"localhost", "127.0.0.1"} else grpc_host.strip("[]"),
+        model_config_name=settings.TRITON_MODEL_CONFIG_NAME,
+        log_path=log_path,
+    )

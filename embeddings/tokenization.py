@@ -1,0 +1,150 @@
+"""Tokenisation in the service: HF `tokenizers` (Rust) loaded from the model repository's tokenizer.json."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from tokenizers import Tokenizer
+
+TruncationDirection = Literal["right", "left"]
+
+
+class TokenizationError(ValueError):
+    """Base for inputs the tokenizer cannot take; `index` names the offending input."""
+
+    def __init__(self, message: str, *, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+class InvalidText(TokenizationError):
+    """Not a string, or not encodable as UTF-8 (e.g. lone surrogates from undecodable bytes)."""
+
+
+class InputTooLong(TokenizationError):
+    """The client asked not to truncate and an input has more tokens than the model takes."""
+
+    def __init__(self, *, index: int, tokens: int, max_tokens: int) -> None:
+        super().__init__(
+            f"Input {index} has {tokens} tokens, more than the model's maximum of {max_tokens}; "
+            "shorten it or allow truncation.",
+            index=index,
+        )
+        self.tokens = tokens
+        self.max_tokens = max_tokens
+
+
+@dataclass(frozen=True)
+class TokenizedBatch:
+    """Padded INT64 tensors ready for Triton, and the real (unpadded) token count per input."""
+
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    token_counts: np.ndarray
+    truncated: np.ndarray
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.token_counts.sum())
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def padded_length(longest: int, buckets: tuple[int, ...]) -> int:
+    """Pad to the smallest bucket that fits, so Triton's native batcher sees few distinct shapes."""
+    for bucket in buckets:
+        if bucket >= longest:
+            return bucket
+    return longest
+
+
+class TextTokenizer:
+    """A thread-safe batch tokenizer for one model, truncating at the model's maximum."""
+
+    def __init__(self, tokenizer_json: str, *, max_tokens: int, pad_token_id: int = 0) -> None:
+        if max_tokens < 2:
+            raise ValueError("max_tokens must leave room for the special tokens")
+        self.max_tokens = max_tokens
+        self.pad_token_id = pad_token_id
+        self._json = tokenizer_json
+        # `tokenizers` objects hold their truncation setting as mutable state, so each direction
+        # gets its own instance (plus an untruncated one for exact counts) instead of toggling.
+        self._by_direction: dict[str | None, Tokenizer] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_file(cls, path: Path, *, max_tokens: int | None = None) -> TextTokenizer:
+        text = Path(path).read_text(encoding="utf-8")
+        probe = Tokenizer.from_str(text)
+        if max_tokens is None:
+            stored = probe.truncation
+            if not stored:
+                raise ValueError(f"{path} sets no truncation length; pass max_tokens")
+            max_tokens = int(stored["max_length"])
+        padding = probe.padding or {}
+        return cls(text, max_tokens=max_tokens, pad_token_id=int(padding.get("pad_id", 0)))
+
+    def _tokenizer(self, direction: TruncationDirection | None) -> Tokenizer:
+        tokenizer = self._by_direction.get(direction)
+        if tokenizer is None:
+            with self._lock:
+                tokenizer = self._by_direction.get(direction)
+                if tokenizer is None:
+                    tokenizer = Tokenizer.from_str(self._json)
+                    tokenizer.no_padding()
+                    if direction is None:
+                        tokenizer.no_truncation()
+                    else:
+                        tokenizer.enable_truncation(self.max_tokens, direction=direction)
+                    self._by_direction[direction] = tokenizer
+        return tokenizer
+
+    def count_tokens(self, text: str) -> int:
+        """Untruncated length, special tokens included."""
+        return len(self._tokenizer(None).encode(text).ids)
+
+    def encode(
+        self,
+        texts: list[str],
+        *,
+        truncate: bool = True,
+        direction: TruncationDirection = "right",
+        buckets: tuple[int, ...] = (),
+    ) -> TokenizedBatch:
+        for index, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise InvalidText(f"Input {index} is not a string", index=index)
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidText(f"Input {index} is not valid UTF-8 text", index=index) from None
+        if not texts:
+            empty = np.zeros((0, 0), dtype=np.int64)
+            counts = np.zeros(0, dtype=np.int64)
+            return TokenizedBatch(empty, empty.copy(), counts, counts.astype(bool))
+        encodings = self._tokenizer(direction).encode_batch(texts, add_special_tokens=True)
+        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
+        truncated = np.fromiter((bool(e.overflowing) for e in encodings), dtype=bool, count=len(encodings))
+        if not truncate and truncated.any():
+            index = int(np.flatnonzero(truncated)[0])
+            raise InputTooLong(
+                index=index, tokens=self.count_tokens(texts[index]), max_tokens=self.max_tokens
+            )
+        width = padded_length(int(lengths.max()), buckets)
+        input_ids = np.full((len(encodings), width), self.pad_token_id, dtype=np.int64)
+        for row, encoding in enumerate(encodings):
+            input_ids[row, : lengths[row]] = encoding.ids
+        attention_mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
+        return TokenizedBatch(input_ids, attention_mask, lengths, truncated)
+
+
+@cache
+def tokenizer_for(path: str, max_tokens: int | None = None) -> TextTokenizer:
+    """One tokenizer per file per process."""
+    return TextTokenizer.from_file(Path(path), max_tokens=max_tokens)

@@ -1,0 +1,649 @@
+"""Pooled gRPC clients for Triton: `AsyncTritonClient` (grpc.aio) and `TritonClient` (blocking).
+
+What to ask Triton and how to read its answers is written once, in `_TritonClientBase`: each
+operation is a generator that yields the RPCs it needs (a `Call`, or a list of calls to run
+concurrently) and is sent their responses back. The two clients differ only in how they run
+a call: awaiting on grpc.aio channels, or blocking on plain grpc channels from a small
+thread pool. Both give every call a deadline, retry UNAVAILABLE with exponential backoff and
+jitter inside that deadline, and turn gRPC errors into the exceptions of `errors.py`.
+"""
+
+import asyncio
+import itertools
+import os
+import random
+import threading
+import time
+from collections.abc import Generator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import grpc
+import numpy as np
+
+from . import codec
+from .errors import (
+    TritonError,
+    TritonInvalidInput,
+    TritonModelError,
+    TritonTimeout,
+    TritonUnavailable,
+)
+from .protocol import grpc_service_pb2 as pb
+from .protocol import grpc_service_pb2_grpc as pb_grpc
+from .protocol import model_config_pb2
+
+# gRPC's default receive cap is 4 MiB, about 1,000 vectors of 1024 floats.
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+# Triton's gRPC server keeps gRPC core's keepalive defaults: keepalive_permit_without_calls=0,
+# http2 min_recv_ping_interval_without_data=300 s and max_ping_strikes=2; a client pinging
+# more often, or while no call is in flight, collects strikes and is sent GOAWAY
+# (ENHANCE_YOUR_CALM), failing its calls. So: ping only during calls, and no more often than
+# every 360 s. Dead peers during a call are caught sooner by the call's deadline anyway.
+KEEPALIVE_TIME_MS = 360_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """gRPC channel arguments shared by the async and the sync channels."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 2),
+        # Without it gRPC shares one subchannel (one TCP connection) among equal channels,
+        # and a pool of N channels would be one connection.
+        ("grpc.use_local_subchannel_pool", 1),
+        # After a Triton restart, reconnect within seconds instead of backing off up to 120 s.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 5_000),
+    ]
+
+
+_ERRORS_BY_STATUS: dict[grpc.StatusCode, type[TritonError]] = {
+    grpc.StatusCode.UNAVAILABLE: TritonUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: TritonTimeout,
+    grpc.StatusCode.INVALID_ARGUMENT: TritonInvalidInput,
+}
+
+
+def error_from_rpc(error: grpc.RpcError, *, target: str, method: str, model: str = "") -> TritonError:
+    """Our exception for a failed RPC: UNAVAILABLE, DEADLINE_EXCEEDED and INVALID_ARGUMENT map
+    to their own classes; NOT_FOUND and every other status is a `TritonModelError`."""
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    status = code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+    details = (error.details() if callable(getattr(error, "details", None)) else None) or str(error)
+    error_class = _ERRORS_BY_STATUS.get(status, TritonModelError)
+    subject = f"{method} for model {model!r}" if model else method
+    return error_class(
+        f"Triton at {target}: {subject} failed with {status.name}: {details}",
+        target=target,
+        model=model,
+        status=status.name,
+        details=details,
+    )
+
+
+class TensorSpec(NamedTuple):
+    name: str
+    datatype: str
+    # As in ModelMetadata: includes the batch dimension (-1) when the model batches.
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the client needs to know about a model, read once from ModelMetadata and ModelConfig."""
+
+    name: str
+    version: str
+    platform: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    # 0: the model does not batch; otherwise the most rows one ModelInfer call may carry.
+    max_batch_size: int
+
+    def input(self, name: str) -> TensorSpec | None:
+        return next((tensor for tensor in self.inputs if tensor.name == name), None)
+
+    def embedding_output(self, name: str | None = None) -> TensorSpec:
+        """The named output, or else the model's first FP32 output."""
+        for tensor in self.outputs:
+            if tensor.name == name or (name is None and tensor.datatype == "FP32"):
+                return tensor
+        wanted = f"output named {name!r}" if name else "FP32 output"
+        raise TritonModelError(
+            f"model {self.name!r} has no {wanted}; its outputs are {_describe(self.outputs)}",
+            model=self.name,
+        )
+
+
+@dataclass(frozen=True)
+class ModelStatistics:
+    """Cumulative counters of one model, summed over its versions."""
+
+    name: str
+    # Rows inferred: one request of 64 rows adds 64.
+    inference_count: int
+    # Model executions: requests merged by Triton's dynamic batcher count once.
+    execution_count: int
+    success_count: int
+    failure_count: int
+    queue_ns: int
+    compute_infer_ns: int
+    # Batch size -> number of executions with that size.
+    batch_executions: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One RPC an operation needs: the stub method's name, its request, the model it concerns."""
+
+    method: str
+    request: Any
+    model: str = ""
+
+
+# An operation yields a Call (and is sent its response) or a list of Calls (and is sent the
+# list of responses, in the same order), and returns its result.
+Operation = Generator[Call | list[Call], Any, Any]
+
+
+def _describe(tensors: Sequence[TensorSpec]) -> str:
+    return ", ".join(f"{t.name} {t.datatype} {list(t.shape)}" for t in tensors) or "none"
+
+
+def _model_spec(
+    metadata: pb.ModelMetadataResponse, config: model_config_pb2.ModelConfig, version: str
+) -> ModelSpec:
+    def tensors(entries) -> tuple[TensorSpec, ...]:
+        return tuple(TensorSpec(t.name, t.datatype, tuple(t.shape)) for t in entries)
+
+    served = sorted(metadata.versions, key=lambda v: (len(v), v))
+    return ModelSpec(
+        name=metadata.name,
+        version=version or (served[-1] if served else ""),
+        platform=metadata.platform,
+        inputs=tensors(metadata.inputs),
+        outputs=tensors(metadata.outputs),
+        max_batch_size=config.max_batch_size,
+    )
+
+
+def token_inputs(spec: ModelSpec, input_ids: np.ndarray, attention_mask: np.ndarray) -> dict[str, np.ndarray]:
+    """The input tensors of a token-id model (`input_ids`, `attention_mask`, optional `token_type_ids`)."""
+    names = {tensor.name for tensor in spec.inputs}
+    if not {"input_ids", "attention_mask"} <= names or not names <= {
+        "input_ids",
+        "attention_mask",
+        "token_type_ids",
+    }:
+        raise TritonModelError(
+            f"model {spec.name!r} does not take input_ids/attention_mask token ids; "
+            f"its inputs are {_describe(spec.inputs)}",
+            model=spec.name,
+        )
+    input_ids, attention_mask = np.asarray(input_ids), np.asarray(attention_mask)
+    if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
+        raise TritonInvalidInput(
+            f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} "
+            "must both be [batch, sequence]",
+            model=spec.name,
+        )
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if "token_type_ids" in names:
+        inputs["token_type_ids"] = np.zeros_like(input_ids)
+    return inputs
+
+
+def text_inputs(spec: ModelSpec, texts: Sequence[str | bytes]) -> dict[str, np.ndarray]:
+    """The input tensor of a text model: its single BYTES input, one text per row ([N, 1])."""
+    if len(spec.inputs) != 1 or spec.inputs[0].datatype != codec.BYTES or len(spec.inputs[0].shape) > 2:
+        raise TritonModelError(
+            f"model {spec.name!r} does not take a single BYTES text input; its inputs are "
+            f"{_describe(spec.inputs)} (tokenize in the service and use embed_tokens)",
+            model=spec.name,
+        )
+    tensor = spec.inputs[0]
+    array = np.empty(len(texts), dtype=object)
+    array[:] = [text.encode("utf-8") if isinstance(text, str) else bytes(text) for text in texts]
+    return {tensor.name: array.reshape(-1, 1) if len(tensor.shape) == 2 else array}
+
+
+class _TritonClientBase:
+    """Configuration, the model spec cache, and every operation, independent of the transport.
+
+    target: "host:port" of Triton's gRPC endpoint. channels: connections in the round-robin
+    pool. timeout_s: the deadline of each RPC, retries included (an embed call may make
+    several RPCs: ModelMetadata and ModelConfig the first time a model is used, then one
+    ModelInfer per batch, all concurrent). retries: extra attempts after UNAVAILABLE, waiting
+    retry_backoff_s * 2**attempt (at most retry_backoff_max_s) with jitter.
+    max_message_bytes: gRPC send/receive cap.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        channels: int = 2,
+        timeout_s: float = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retries: int = 3,
+        retry_backoff_s: float = 0.1,
+        retry_backoff_max_s: float = 2.0,
+    ) -> None:
+        if channels < 1 or timeout_s <= 0 or retries < 0 or max_message_bytes <= 0:
+            raise ValueError(
+                f"need channels >= 1, timeout_s > 0, retries >= 0 and max_message_bytes > 0; "
+                f"got {channels}, {timeout_s}, {retries}, {max_message_bytes}"
+            )
+        self.target = target
+        self.channels = channels
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self.retry_backoff_max_s = retry_backoff_max_s
+        self._options = channel_options(max_message_bytes)
+        self._round_robin = itertools.count()
+        self._specs: dict[tuple[str, str], ModelSpec] = {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.target!r}, channels={self.channels})"
+
+    # Retries and errors, used by both transports.
+
+    def _retry_delay(self, error: grpc.RpcError, call: Call, attempt: int, deadline: float) -> float:
+        """Seconds to wait before retrying `call`, or raise our exception for `error`.
+
+        Only UNAVAILABLE is retried (Triton unreachable, restarting, or the connection dropped:
+        inference is a pure function, so sending it again is safe), and only while the retry
+        still fits in the call's deadline.
+        """
+        failure = error_from_rpc(error, target=self.target, method=call.method, model=call.model)
+        if isinstance(failure, TritonUnavailable) and attempt < self.retries:
+            backoff = min(self.retry_backoff_max_s, self.retry_backoff_s * 2**attempt)
+            delay = backoff * random.uniform(0.5, 1.0)
+            if time.monotonic() + delay < deadline:
+                return delay
+        if attempt:
+            failure.args = (f"{failure.args[0]} (after {attempt + 1} attempts)",)
+        raise failure from error
+
+    def _remaining(self, deadline: float, call: Call) -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TritonTimeout(
+                f"Triton at {self.target}: {call.method} ran out of its {self.timeout_s} s deadline",
+                target=self.target,
+                model=call.model,
+                status="DEADLINE_EXCEEDED",
+            )
+        return remaining
+
+    # Operations: generators run by the transports' `_run`.
+
+    def _server_live_op(self) -> Operation:
+        return (yield Call("ServerLive", pb.ServerLiveRequest())).live
+
+    def _server_ready_op(self) -> Operation:
+        return (yield Call("ServerReady", pb.ServerReadyRequest())).ready
+
+    def _model_ready_op(self, name: str, version: str) -> Operation:
+        return (yield Call("ModelReady", pb.ModelReadyRequest(name=name, version=version), name)).ready
+
+    def _model_spec_op(self, name: str, version: str) -> Operation:
+        key = (name, version)
+        if key not in self._specs:
+            metadata, config = yield [
+                Call("ModelMetadata", pb.ModelMetadataRequest(name=name, version=version), name),
+                Call("ModelConfig", pb.ModelConfigRequest(name=name, version=version), name),
+            ]
+            self._specs[key] = _model_spec(metadata, config.config, version)
+        return self._specs[key]
+
+    def _model_statistics_op(self, name: str, version: str) -> Operation:
+        response = yield Call("ModelStatistics", pb.ModelStatisticsRequest(name=name, version=version), name)
+        batch_executions: dict[int, int] = {}
+        totals = dict.fromkeys(("inference", "execution", "success", "failure", "queue", "infer"), 0)
+        for stats in response.model_stats:
+            totals["inference"] += stats.inference_count
+            totals["execution"] += stats.execution_count
+            totals["success"] += stats.inference_stats.success.count
+            totals["failure"] += stats.inference_stats.fail.count
+            totals["queue"] += stats.inference_stats.queue.ns
+            totals["infer"] += stats.inference_stats.compute_infer.ns
+            for batch in stats.batch_stats:
+                size = int(batch.batch_size)
+                batch_executions[size] = batch_executions.get(size, 0) + batch.compute_infer.count
+        return ModelStatistics(
+            name=name,
+            inference_count=totals["inference"],
+            execution_count=totals["execution"],
+            success_count=totals["success"],
+            failure_count=totals["failure"],
+            queue_ns=totals["queue"],
+            compute_infer_ns=totals["infer"],
+            batch_executions=batch_executions,
+        )
+
+    def _infer_op(
+        self, model: str, inputs: Mapping[str, np.ndarray], version: str, output_name: str | None
+    ) -> Operation:
+        spec = yield from self._model_spec_op(model, version)
+        output = spec.embedding_output(output_name)
+        inputs = {name: np.asarray(array) for name, array in inputs.items()}
+        rows = self._batch_rows(spec, inputs)
+        # Cast to the model's datatypes (int32 ids to INT64, ...); unknown names are Triton's to refuse.
+        datatypes = {tensor.name: tensor.datatype for tensor in spec.inputs if tensor.name in inputs}
+        requests = [
+            codec.build_infer_request(
+                model,
+                codec.slice_rows(inputs, batch) if spec.max_batch_size > 0 else inputs,
+                version=version,
+                datatypes=datatypes,
+                output_names=[output.name],
+            )
+            for batch in codec.split_batches(rows, spec.max_batch_size)
+        ]
+        responses = yield [Call("ModelInfer", request, model) for request in requests]
+        parts = []
+        for response in responses:
+            decoded = codec.decode_infer_response(response)
+            if output.name not in decoded:
+                raise TritonModelError(
+                    f"model {model!r} answered without output {output.name!r}",
+                    target=self.target,
+                    model=model,
+                )
+            parts.append(decoded[output.name])
+        return codec.reassemble(parts)
+
+    def _embed_op(
+        self, model: str, version: str, output_name: str | None, make_inputs, *arguments
+    ) -> Operation:
+        spec = yield from self._model_spec_op(model, version)
+        embeddings = yield from self._infer_op(model, make_inputs(spec, *arguments), version, output_name)
+        if embeddings.ndim != 2 or embeddings.dtype != np.float32:
+            raise TritonModelError(
+                f"model {model!r} answered {embeddings.dtype} {list(embeddings.shape)}, "
+                "not FP32 [batch, dimensions]",
+                target=self.target,
+                model=model,
+            )
+        return embeddings
+
+    def _batch_rows(self, spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> int:
+        """The number of rows in `inputs` (1 when the model does not batch)."""
+        if not inputs:
+            raise TritonInvalidInput(f"no input tensors for model {spec.name!r}", model=spec.name)
+        if spec.max_batch_size <= 0:
+            return 1
+        counts = {name: (array.shape[0] if array.ndim else None) for name, array in inputs.items()}
+        if len(set(counts.values())) != 1 or None in counts.values():
+            raise TritonInvalidInput(
+                f"inputs of model {spec.name!r} must share their first (batch) dimension: {counts}",
+                model=spec.name,
+            )
+        rows = next(iter(counts.values()))
+        if rows == 0:
+            raise TritonInvalidInput(f"inputs of model {spec.name!r} have no rows", model=spec.name)
+        return rows
+
+
+class AsyncTritonClient(_TritonClientBase):
+    """asyncio client on a pool of grpc.aio channels, used round-robin.
+
+    Channels are created lazily in the running event loop, and created again when the client
+    is used from another loop (grpc.aio channels only work in the loop that made them).
+    """
+
+    def __init__(self, target: str, **options: Any) -> None:
+        super().__init__(target, **options)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._channel_pool: list[grpc.aio.Channel] = []
+        self._stubs: list[pb_grpc.GRPCInferenceServiceStub] = []
+
+    async def __aenter__(self) -> "AsyncTritonClient":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def server_live(self) -> bool:
+        return await self._run(self._server_live_op())
+
+    async def server_ready(self) -> bool:
+        return await self._run(self._server_ready_op())
+
+    async def model_ready(self, name: str, version: str = "") -> bool:
+        return await self._run(self._model_ready_op(name, version))
+
+    async def model_metadata(self, name: str, version: str = "") -> ModelSpec:
+        """The model's inputs, outputs and max_batch_size; read from Triton once, then cached."""
+        return await self._run(self._model_spec_op(name, version))
+
+    async def model_statistics(self, name: str, version: str = "") -> ModelStatistics:
+        return await self._run(self._model_statistics_op(name, version))
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        version: str = "",
+        output_name: str | None = None,
+    ) -> np.ndarray:
+        """One output (named, or the first FP32 one) for `inputs`, split into concurrent calls
+        of at most max_batch_size rows and reassembled in order."""
+        return await self._run(self._infer_op(model, inputs, version, output_name))
+
+    async def embed_tokens(
+        self,
+        model: str,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        *,
+        version: str = "",
+        output_name: str | None = None,
+    ) -> np.ndarray:
+        """FP32 [batch, dimensions] embeddings of token ids ([batch, sequence] each)."""
+        return await self._run(
+            self._embed_op(model, version, output_name, token_inputs, input_ids, attention_mask)
+        )
+
+    async def embed_texts(
+        self, model: str, texts: Sequence[str | bytes], *, version: str = "", output_name: str | None = None
+    ) -> np.ndarray:
+        """FP32 [batch, dimensions] embeddings from a model that takes text (a BYTES input)."""
+        return await self._run(self._embed_op(model, version, output_name, text_inputs, texts))
+
+    async def close(self) -> None:
+        channels, loop = self._channel_pool, self._loop
+        self._channel_pool, self._stubs, self._loop = [], [], None
+        # Channels of another (possibly closed) loop cannot be awaited from this one: dropped.
+        if channels and loop is asyncio.get_running_loop():
+            await asyncio.gather(*(channel.close() for channel in channels))
+
+    def _stub(self) -> pb_grpc.GRPCInferenceServiceStub:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._channel_pool = [
+                grpc.aio.insecure_channel(self.target, options=self._options) for _ in range(self.channels)
+            ]
+            self._stubs = [pb_grpc.GRPCInferenceServiceStub(channel) for channel in self._channel_pool]
+            self._loop = loop
+        return self._stubs[next(self._round_robin) % len(self._stubs)]
+
+    async def _call(self, call: Call) -> Any:
+        deadline = time.monotonic() + self.timeout_s
+        for attempt in itertools.count():
+            method = getattr(self._stub(), call.method)
+            try:
+                return await method(call.request, timeout=self._remaining(deadline, call))
+            except grpc.RpcError as error:
+                delay = self._retry_delay(error, call, attempt, deadline)
+            await asyncio.sleep(delay)
+
+    async def _gather(self, calls: list[Call]) -> list[Any]:
+        if len(calls) == 1:
+            return [await self._call(calls[0])]
+        tasks = [asyncio.ensure_future(self._call(call)) for call in calls]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            # One failed: the others' answers are useless, stop waiting for them.
+            for task in tasks:
+                task.cancel()
+            raise
+
+    async def _run(self, operation: Operation) -> Any:
+        response = None
+        try:
+            while True:
+                try:
+                    step = operation.send(response)
+                except StopIteration as done:
+                    return done.value
+                response = await (self._gather(step) if isinstance(step, list) else self._call(step))
+        finally:
+            operation.close()
+
+
+class TritonClient(_TritonClientBase):
+    """Blocking client for Celery workers and management commands, on a pool of grpc channels.
+
+    A request split into several batches sends them concurrently from a small thread pool:
+    Triton runs them in parallel (dynamic batcher, several model instances) and a blocking
+    gRPC call releases the GIL while it waits, so N batches cost about one round trip rather
+    than N. Channels and threads are created lazily and again after a fork (Celery's prefork
+    workers), since neither survives one.
+    """
+
+    def __init__(self, target: str, *, split_workers: int = 4, **options: Any) -> None:
+        super().__init__(target, **options)
+        self.split_workers = split_workers
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._channel_pool: list[grpc.Channel] = []
+        self._stubs: list[pb_grpc.GRPCInferenceServiceStub] = []
+        self._executor: ThreadPoolExecutor | None = None
+
+    def __enter__(self) -> "TritonClient":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def server_live(self) -> bool:
+        return self._run(self._server_live_op())
+
+    def server_ready(self) -> bool:
+        return self._run(self._server_ready_op())
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        return self._run(self._model_ready_op(name, version))
+
+    def model_metadata(self, name: str, version: str = "") -> ModelSpec:
+        """The model's inputs, outputs and max_batch_size; read from Triton once, then cached."""
+        return self._run(self._model_spec_op(name, version))
+
+    def model_statistics(self, name: str, version: str = "") -> ModelStatistics:
+        return self._run(self._model_statistics_op(name, version))
+
+    def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        version: str = "",
+        output_name: str | None = None,
+    ) -> np.ndarray:
+        """One output (named, or the first FP32 one) for `inputs`, split into concurrent calls
+        of at most max_batch_size rows and reassembled in order."""
+        return self._run(self._infer_op(model, inputs, version, output_name))
+
+    def embed_tokens(
+        self,
+        model: str,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        *,
+        version: str = "",
+        output_name: str | None = None,
+    ) -> np.ndarray:
+        """FP32 [batch, dimensions] embeddings of token ids ([batch, sequence] each)."""
+        return self._run(self._embed_op(model, version, output_name, token_inputs, input_ids, attention_mask))
+
+    def embed_texts(
+        self, model: str, texts: Sequence[str | bytes], *, version: str = "", output_name: str | None = None
+    ) -> np.ndarray:
+        """FP32 [batch, dimensions] embeddings from a model that takes text (a BYTES input)."""
+        return self._run(self._embed_op(model, version, output_name, text_inputs, texts))
+
+    def close(self) -> None:
+        with self._lock:
+            channels, executor = self._channel_pool, self._executor
+            self._channel_pool, self._stubs, self._executor, self._pid = [], [], None, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+        for channel in channels:
+            channel.close()
+
+    def _ensure_process_resources(self) -> None:
+        # Caller holds the lock. A new pid means first use, or first use after a fork.
+        if self._pid != os.getpid():
+            self._channel_pool = [
+                grpc.insecure_channel(self.target, options=self._options) for _ in range(self.channels)
+            ]
+            self._stubs = [pb_grpc.GRPCInferenceServiceStub(channel) for channel in self._channel_pool]
+            self._executor = None
+            self._pid = os.getpid()
+
+    def _stub(self) -> pb_grpc.GRPCInferenceServiceStub:
+        with self._lock:
+            self._ensure_process_resources()
+            return self._stubs[next(self._round_robin) % len(self._stubs)]
+
+    def _split_executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            self._ensure_process_resources()
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.split_workers, thread_name_prefix="triton-split")
+            return self._executor
+
+    def _call(self, call: Call) -> Any:
+        deadline = time.monotonic() + self.timeout_s
+        for attempt in itertools.count():
+            method = getattr(self._stub(), call.method)
+            try:
+                return method(call.request, timeout=self._remaining(deadline, call))
+            except grpc.RpcError as error:
+                delay = self._retry_delay(error, call, attempt, deadline)
+            time.sleep(delay)
+
+    def _gather(self, calls: list[Call]) -> list[Any]:
+        if len(calls) == 1:
+            return [self._call(calls[0])]
+        futures = [self._split_executor().submit(self._call, call) for call in calls]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+    def _run(self, operation: Operation) -> Any:
+        response = None
+        try:
+            while True:
+                try:
+                    step = operation.send(response)
+                except StopIteration as done:
+                    return done.value
+                response = self._gather(step) if isinstance(step, list) else self._call(step)
+        finally:
+            operation.close()

@@ -1,0 +1,1 @@
+"""Python stubs for the Triton gRPC protocol, generated from protos/ by protos/generate.py."""

@@ -1,0 +1,201 @@
+"""Settings, read from the environment with safe local defaults; a bad value fails loudly at startup."""
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env_str(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def env_float(name: str, default: float, *, minimum: float | None = None) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    lowered = raw.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ImproperlyConfigured(f"{name} must be a boolean (true/false), got {raw!r}")
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def database_from_url(url: str) -> dict:
+    """Parse `postgres://user:password@host:port/name` (or `sqlite:///path`) into Django's format."""
+    parts = urlsplit(url)
+    if parts.scheme in {"postgres", "postgresql", "pgsql"}:
+        if not parts.path.strip("/"):
+            raise ImproperlyConfigured("DATABASE_URL needs a database name")
+        return {
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": unquote(parts.path.lstrip("/")),
+            "USER": unquote(parts.username or ""),
+            "PASSWORD": unquote(parts.password or ""),
+            "HOST": parts.hostname or "",
+            "PORT": str(parts.port or ""),
+            "CONN_MAX_AGE": env_int("DATABASE_CONN_MAX_AGE", 0, minimum=0),
+        }
+    if parts.scheme == "sqlite":
+        # sqlite:////abs/path.db is absolute, sqlite:///rel.db relative (as dj-database-url reads them).
+        return {"ENGINE": "django.db.backends.sqlite3", "NAME": unquote(parts.path[1:]) or ":memory:"}
+    raise ImproperlyConfigured(f"DATABASE_URL scheme {parts.scheme!r} is not supported (postgres, sqlite)")
+
+
+def triton_grpc_target(url: str, default_port: int) -> str:
+    """The seed proxy's TRITON_SERVER_URL may be `host`, `host:port` or `http://host[:port]`."""
+    if "://" not in url:
+        url = f"grpc://{url}"
+    parts = urlsplit(url)
+    if not parts.hostname:
+        raise ImproperlyConfigured(f"TRITON_SERVER_URL has no host: {url!r}")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    try:
+        port = parts.port or default_port
+    except ValueError:
+        raise ImproperlyConfigured(f"TRITON_SERVER_URL has a bad port: {url!r}") from None
+    return f"{host}:{port}"
+
+
+DEBUG = env_bool("DJANGO_DEBUG", False)
+SECRET_KEY = env_str("DJANGO_SECRET_KEY", "")
+if not SECRET_KEY:
+    if not DEBUG and env_bool("DJANGO_REQUIRE_SECRET_KEY", False):
+        raise ImproperlyConfigured("DJANGO_SECRET_KEY must be set")
+    # Local default only: production sets DJANGO_SECRET_KEY (docker-compose does).
+    SECRET_KEY = "embedsite-local-development-only-not-secret"
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "embeddings",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "embedsite.urls"
+ASGI_APPLICATION = "embedsite.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": database_from_url(env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / '.run' / 'db.sqlite3'}"))
+}
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / ".run" / "static"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+}
+
+# --- Serving -----------------------------------------------------------------------------------
+SERVER_HOST = env_str("SERVER_HOST", "127.0.0.1")
+SERVER_PORT = env_int("SERVER_PORT", 8080, minimum=1)
+SERVER_WORKERS = env_int("SERVER_WORKERS", 1, minimum=1)
+
+# --- Triton ------------------------------------------------------------------------------------
+# Names kept from the seed proxy: TRITON_SERVER_URL, TRITON_SERVER_GRPC_PORT, MODEL_NAME, ...
+TRITON_SERVER_GRPC_PORT = env_int("TRITON_SERVER_GRPC_PORT", 8001, minimum=1)
+TRITON_SERVER_URL = env_str("TRITON_SERVER_URL", "localhost")
+TRITON_GRPC_TARGET = triton_grpc_target(TRITON_SERVER_URL, TRITON_SERVER_GRPC_PORT)
+TRITON_GRPC_CHANNELS = env_int("TRITON_GRPC_CHANNELS", 4, minimum=1)
+TRITON_TIMEOUT_S = env_float("TRITON_TIMEOUT_S", 30.0, minimum=0.001)
+TRITON_RETRIES = env_int("TRITON_RETRIES", 2, minimum=0)
+TRITON_MAX_MESSAGE_BYTES = env_int("TRITON_MAX_MESSAGE_BYTES", 256 * 1024 * 1024, minimum=4 * 1024 * 1024)
+
+MODEL_NAME = env_str("MODEL_NAME", "minilm")
+MODEL_VERSION = env_str("MODEL_VERSION", "")
+# Unset: read from Triton's model metadata.
+INPUT_NAME = env_str("INPUT_NAME", "") or None
+OUTPUT_NAME = env_str("OUTPUT_NAME", "") or None
+EMBEDDING_SIZE = env_int("EMBEDDING_SIZE", 0, minimum=0) or None
+# Pad sequence lengths up to one of these so Triton's native batcher can merge requests (GPU
+# config); empty = pad to the longest input of the batch (the python-backend model batches ragged).
+SEQUENCE_LENGTH_BUCKETS = [int(b) for b in env_list("SEQUENCE_LENGTH_BUCKETS", [])]
+
+# The local Triton started by `manage.py runtriton` / `manage.py runstack`.
+TRITON_MODEL_REPOSITORY = Path(env_str("TRITON_MODEL_REPOSITORY", str(BASE_DIR / "model_repository")))
+TRITON_HTTP_PORT = env_int("TRITON_HTTP_PORT", 8000, minimum=1)
+TRITON_METRICS_PORT = env_int("TRITON_METRICS_PORT", 8002, minimum=1)
+TRITON_MODEL_CONFIG_NAME = env_str("TRITON_MODEL_CONFIG_NAME", "")
+TRITON_STARTUP_TIMEOUT_S = env_float("TRITON_STARTUP_TIMEOUT_S", 180.0, minimum=1)
+RUN_DIR = Path(env_str("EMBEDSITE_RUN_DIR", str(BASE_DIR / ".run")))
+
+# --- Celery (jobs arrive in a later issue) -----------------------------------------------------
+REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6390/0")
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL)
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True

@@ -1,0 +1,52 @@
+"""Shared fixtures: one real Triton per test run, started on free loopback ports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from embeddings.triton.server import TritonServer, free_port
+
+TESTS_DIR = Path(__file__).resolve().parent
+TEST_MODEL_REPOSITORY = TESTS_DIR / "triton_models"
+
+
+def require_exported_model(repository: Path, name: str = "minilm") -> Path:
+    model_file = repository / name / "1" / "model.onnx"
+    if not model_file.exists():
+        pytest.fail(
+            f"{model_file} is missing: the setup exports it (`make setup`, or "
+            "`python manage.py export_model --if-missing`)",
+            pytrace=False,
+        )
+    return model_file
+
+
+def start_triton(run_dir: Path, repositories: list[Path], *, name: str = "triton") -> TritonServer:
+    server = TritonServer(
+        model_repositories=repositories,
+        run_dir=run_dir,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        metrics_port=free_port(),
+        log_path=run_dir / f"{name}.log",
+    )
+    server.start()
+    server.wait_until_ready(settings.TRITON_STARTUP_TIMEOUT_S)
+    return server
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    """The real Triton serving model_repository/ and the test-only models."""
+    repository = Path(settings.TRITON_MODEL_REPOSITORY)
+    require_exported_model(repository)
+    repositories = [repository]
+    if TEST_MODEL_REPOSITORY.is_dir():
+        repositories.append(TEST_MODEL_REPOSITORY)
+    server = start_triton(tmp_path_factory.mktemp("triton"), repositories)
+    yield server
+    server.stop()

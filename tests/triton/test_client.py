@@ -1,0 +1,219 @@
+"""The Triton clients against a real Triton: readiness, metadata, split batches, faults.
+
+Uses the test-only models in tests/triton_models: `instant_1024` (row i is filled with
+input_ids[i, 0], element 1 counts attended tokens; max_batch_size 16) and `slow_echo`
+(sleeps `sleep_ms`, then echoes `value`).
+"""
+
+import asyncio
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from embeddings.triton import (
+    AsyncTritonClient,
+    TritonClient,
+    TritonInvalidInput,
+    TritonModelError,
+    TritonTimeout,
+    TritonUnavailable,
+)
+from embeddings.triton.server import free_port
+from tests.conftest import TEST_MODEL_REPOSITORY, start_triton
+
+INSTANT = "instant_1024"
+
+
+def token_batch(rows: int, length: int = 9, attended: int = 6) -> tuple[np.ndarray, np.ndarray]:
+    """Row i starts with token 1000 + i; the last `length - attended` positions are padding."""
+    input_ids = np.tile(np.arange(length, dtype=np.int64), (rows, 1))
+    input_ids[:, 0] = 1000 + np.arange(rows)
+    attention_mask = np.zeros_like(input_ids)
+    attention_mask[:, :attended] = 1
+    return input_ids, attention_mask
+
+
+def slow_inputs(sleep_ms: int) -> dict[str, np.ndarray]:
+    return {"sleep_ms": np.array([sleep_ms], dtype=np.int64), "value": np.ones((1, 2), np.float32)}
+
+
+@pytest.fixture
+def client(triton_server):
+    with TritonClient(triton_server.grpc_target, timeout_s=10) as client:
+        yield client
+
+
+async def test_readiness_and_metadata(triton_server):
+    async with AsyncTritonClient(triton_server.grpc_target, timeout_s=10) as client:
+        assert await client.server_live() is True
+        assert await client.server_ready() is True
+        assert await client.model_ready(INSTANT) is True
+        assert await client.model_ready("no_such_model") is False
+
+        spec = await client.model_metadata(INSTANT)
+        assert [(t.name, t.datatype, t.shape) for t in spec.inputs] == [
+            ("input_ids", "INT64", (-1, -1)),
+            ("attention_mask", "INT64", (-1, -1)),
+        ]
+        assert [(t.name, t.datatype, t.shape) for t in spec.outputs] == [("embedding", "FP32", (-1, 1024))]
+        assert (spec.name, spec.version, spec.max_batch_size) == (INSTANT, "1", 16)
+        assert await client.model_metadata(INSTANT) is spec  # read once, then cached
+
+
+def assert_rows_in_order(embeddings: np.ndarray, input_ids: np.ndarray, attended: int) -> None:
+    assert embeddings.shape == (len(input_ids), 1024)
+    assert embeddings.dtype == np.float32
+    np.testing.assert_array_equal(embeddings[:, 0], input_ids[:, 0])
+    np.testing.assert_array_equal(embeddings[:, 1], attended)
+    np.testing.assert_array_equal(embeddings[:, 2:], np.repeat(input_ids[:, :1], 1022, axis=1))
+
+
+async def test_async_request_over_max_batch_size_is_split_and_reassembled_in_order(triton_server):
+    input_ids, attention_mask = token_batch(100)
+    async with AsyncTritonClient(triton_server.grpc_target, channels=3, timeout_s=10) as client:
+        before = await client.model_statistics(INSTANT)
+        embeddings = await client.embed_tokens(INSTANT, input_ids, attention_mask)
+        after = await client.model_statistics(INSTANT)
+
+    assert_rows_in_order(embeddings, input_ids, attended=6)
+    assert after.success_count - before.success_count == 7  # ceil(100 / 16) ModelInfer calls
+    assert after.inference_count - before.inference_count == 100
+
+
+def test_sync_request_over_max_batch_size_is_split_and_reassembled_in_order(client):
+    input_ids, attention_mask = token_batch(100, length=4, attended=3)
+    before = client.model_statistics(INSTANT)
+    embeddings = client.embed_tokens(INSTANT, input_ids.astype(np.int32), attention_mask)
+    after = client.model_statistics(INSTANT)
+
+    assert_rows_in_order(embeddings, input_ids, attended=3)
+    assert after.success_count - before.success_count == 7
+    assert after.inference_count - before.inference_count == 100
+    np.testing.assert_array_equal(
+        client.infer(INSTANT, {"input_ids": input_ids, "attention_mask": attention_mask}), embeddings
+    )
+
+
+async def test_concurrent_requests_of_different_lengths_each_get_their_own_rows(triton_server):
+    async with AsyncTritonClient(triton_server.grpc_target, timeout_s=10) as client:
+        batches = [token_batch(rows, length=rows + 2, attended=rows + 1) for rows in range(1, 21)]
+        results = await asyncio.gather(*(client.embed_tokens(INSTANT, ids, mask) for ids, mask in batches))
+    for (ids, _), embeddings in zip(batches, results, strict=True):
+        assert_rows_in_order(embeddings, ids, attended=len(ids) + 1)
+
+
+async def test_unknown_model_is_a_model_error(triton_server):
+    async with AsyncTritonClient(triton_server.grpc_target, timeout_s=10) as client:
+        with pytest.raises(TritonModelError, match=r"'no_such_model' failed with NOT_FOUND") as raised:
+            await client.embed_texts("no_such_model", ["hello"])
+    assert isinstance(raised.value.__cause__, grpc.RpcError)
+    assert raised.value.target == triton_server.grpc_target
+
+
+def test_unknown_model_is_a_model_error_sync(client):
+    with pytest.raises(TritonModelError, match="NOT_FOUND"):
+        client.embed_tokens("no_such_model", *token_batch(2))
+
+
+def test_wrong_input_is_invalid_input(client):
+    input_ids, attention_mask = token_batch(2)
+    with pytest.raises(TritonInvalidInput, match=r"INVALID_ARGUMENT: unexpected inference input 'token_ids'"):
+        client.infer(INSTANT, {"token_ids": input_ids, "attention_mask": attention_mask})
+    with pytest.raises(TritonInvalidInput, match="missing required input"):
+        client.infer(INSTANT, {"input_ids": input_ids})
+    with pytest.raises(TritonInvalidInput, match="first \\(batch\\) dimension"):
+        client.infer(INSTANT, {"input_ids": input_ids, "attention_mask": attention_mask[:1]})
+    with pytest.raises(TritonModelError, match="single BYTES text input"):
+        client.embed_texts(INSTANT, ["this model takes token ids"])
+
+
+async def test_triton_not_running_is_unavailable_within_the_deadline():
+    target = f"127.0.0.1:{free_port()}"  # nobody listens here
+    started = time.monotonic()
+    async with AsyncTritonClient(target, timeout_s=2, retries=3) as client:
+        with pytest.raises(
+            TritonUnavailable, match=f"Triton at {target}: ServerReady failed with UNAVAILABLE"
+        ):
+            await client.server_ready()
+    sync_client = TritonClient(target, timeout_s=2, retries=3)
+    with pytest.raises(TritonUnavailable, match="after 4 attempts"):
+        sync_client.embed_tokens(INSTANT, *token_batch(2))
+    sync_client.close()
+    assert time.monotonic() - started < 2 * 2 + 1
+
+
+async def test_deadline_shorter_than_the_call_is_a_timeout(triton_server):
+    async with AsyncTritonClient(triton_server.grpc_target, timeout_s=0.5) as client:
+        await client.model_metadata("slow_echo")  # not part of the timed call
+        started = time.monotonic()
+        with pytest.raises(TritonTimeout, match="DEADLINE_EXCEEDED"):
+            await client.infer("slow_echo", slow_inputs(sleep_ms=1500))
+        assert time.monotonic() - started < 1.0
+    with TritonClient(triton_server.grpc_target, timeout_s=0.5) as client, pytest.raises(TritonTimeout):
+        client.infer("slow_echo", slow_inputs(sleep_ms=1500))
+    with TritonClient(triton_server.grpc_target, timeout_s=5) as client:
+        np.testing.assert_array_equal(client.infer("slow_echo", slow_inputs(sleep_ms=10)), [[1.0, 1.0]])
+
+
+async def test_triton_killed_mid_call_fails_fast_with_a_clear_error(tmp_path):
+    """SIGKILL Triton while an async and a sync call wait on a slow model: both end with
+    TritonUnavailable (connection lost, reconnects refused) long before their deadline."""
+    server = start_triton(tmp_path, [TEST_MODEL_REPOSITORY], name="triton-killed")
+    try:
+        async_client = AsyncTritonClient(server.grpc_target, timeout_s=20, retries=3)
+        sync_client = TritonClient(server.grpc_target, timeout_s=20, retries=3)
+        await async_client.model_metadata("slow_echo")
+        sync_client.model_metadata("slow_echo")
+
+        sync_outcome: list[BaseException] = []
+
+        def sync_call() -> None:
+            try:
+                sync_client.infer("slow_echo", slow_inputs(sleep_ms=15_000))
+            except BaseException as error:  # handed over to the test's thread
+                sync_outcome.append(error)
+
+        sync_thread = threading.Thread(target=sync_call)
+        sync_thread.start()
+        async_call = asyncio.ensure_future(async_client.infer("slow_echo", slow_inputs(sleep_ms=15_000)))
+        await asyncio.sleep(1.0)  # both calls now sit in the model's execute()
+        assert not async_call.done() and sync_thread.is_alive()
+
+        server.kill()
+        killed = time.monotonic()
+        with pytest.raises(TritonUnavailable, match=f"Triton at {server.grpc_target}: ModelInfer"):
+            await asyncio.wait_for(async_call, timeout=10)
+        await asyncio.to_thread(sync_thread.join, 10)
+        assert not sync_thread.is_alive()
+        assert len(sync_outcome) == 1 and isinstance(sync_outcome[0], TritonUnavailable), sync_outcome
+        assert time.monotonic() - killed < 5
+
+        # Later calls keep failing the same clear way, and quickly.
+        with pytest.raises(TritonUnavailable):
+            await async_client.server_live()
+        await async_client.close()
+        sync_client.close()
+    finally:
+        server.stop()
+
+
+async def test_texts_reach_a_bytes_model_byte_for_byte(triton_server):
+    texts = [
+        "",
+        "   ",
+        "héllo wörld 🙂",
+        b"\xff\xfe not utf-8",
+        "x" * 100_000,
+        *(f"text {i}" for i in range(15)),
+    ]
+    expected = [
+        [len(raw), raw[0] if raw else -1] for raw in (t.encode() if isinstance(t, str) else t for t in texts)
+    ]
+    async with AsyncTritonClient(triton_server.grpc_target, timeout_s=10) as client:
+        embeddings = await client.embed_texts("bytes_length", texts)  # 20 texts: 3 calls of at most 8
+    np.testing.assert_array_equal(embeddings, np.array(expected, np.float32))
+    with TritonClient(triton_server.grpc_target, timeout_s=10) as client:
+        np.testing.assert_array_equal(client.embed_texts("bytes_length", texts), embeddings)
