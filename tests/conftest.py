@@ -50,3 +50,14 @@ def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonSe
     server = start_triton(tmp_path_factory.mktemp("triton"), repositories)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def service_triton(triton_server: TritonServer, settings) -> Iterator[TritonServer]:
+    """Point the service's Triton clients (embeddings.services.inference) at the test Triton."""
+    from embeddings.services.inference import reset_clients
+
+    settings.TRITON_GRPC_TARGET = triton_server.grpc_target
+    reset_clients()
+    yield triton_server
+    reset_clients()

@@ -1,0 +1,158 @@
+"""The embedding service end to end: service tokenizer -> pooled client -> real Triton -> vectors."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import orjson
+import pytest
+from django.conf import settings
+from django.core.management import CommandError, call_command
+
+from embeddings.services.embedding import embeddings_create, embeddings_create_sync
+from embeddings.services.inference import model_tokenizer
+from embeddings.tokenization import InputTooLong, InvalidText
+from embeddings.triton import TritonModelError, TritonTimeout, TritonUnavailable
+from embeddings.triton.server import free_port
+from tests.conftest import start_triton
+
+SENTENCES = [
+    "A man is eating food.",
+    "A man is riding a white horse on an enclosed ground.",
+    "The new movie is awesome",
+    "",
+    "   ",
+    "Ünïcödé text, 日本語のテキスト, and emoji 🚀",
+    "Triton batches requests of different lengths together " * 12,
+    "short",
+]
+
+
+@pytest.fixture(scope="module")
+def reference_session() -> ort.InferenceSession:
+    model = Path(settings.TRITON_MODEL_REPOSITORY) / "minilm" / "1" / "model.onnx"
+    return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+
+
+def reference_vectors(session: ort.InferenceSession, texts: list[str]) -> np.ndarray:
+    """In-process ONNX Runtime on the same model.onnx, one text at a time (no padding at all)."""
+    tokenizer = model_tokenizer("minilm")
+    rows = []
+    for text in texts:
+        batch = tokenizer.encode([text])
+        rows.append(
+            session.run(None, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask})[0][0]
+        )
+    return np.stack(rows)
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+async def test_async_embeddings_match_in_process_onnx_runtime(service_triton, reference_session):
+    result = await embeddings_create(texts=SENTENCES)
+    assert result.vectors.shape == (len(SENTENCES), 384) and result.vectors.dtype == np.float32
+    assert cosines(result.vectors, reference_vectors(reference_session, SENTENCES)).min() >= 0.9999
+    assert np.allclose(np.linalg.norm(result.vectors, axis=1), 1.0, atol=1e-5)
+    assert result.token_counts.tolist()[3:5] == [2, 2]  # empty and whitespace: [CLS] [SEP]
+
+
+def test_sync_embeddings_match_async_ones(service_triton, reference_session):
+    result = embeddings_create_sync(texts=SENTENCES)
+    assert cosines(result.vectors, reference_vectors(reference_session, SENTENCES)).min() >= 0.9999
+
+
+async def test_order_is_preserved_across_split_batches(service_triton, reference_session):
+    # minilm takes at most 64 rows per call: 150 texts go out as 3 concurrent calls.
+    texts = [f"sentence number {i} " + "word " * (i % 37) for i in range(150)]
+    result = await embeddings_create(texts=texts)
+    picked = [0, 63, 64, 127, 128, 149]
+    expected = reference_vectors(reference_session, [texts[i] for i in picked])
+    assert cosines(result.vectors[picked], expected).min() >= 0.9999
+    # Neighbours differ, so a shuffled reassembly could not pass the check above by luck.
+    assert cosines(result.vectors[:-1], result.vectors[1:]).max() < 0.9999
+
+
+async def test_text_ensemble_gives_the_same_vectors_as_the_token_path(service_triton):
+    tokens = await embeddings_create(texts=SENTENCES, model="minilm")
+    text = await embeddings_create(texts=SENTENCES, model="minilm_text")
+    assert cosines(tokens.vectors, text.vectors).min() >= 0.9999
+
+
+async def test_hundred_thousand_characters_are_truncated(service_triton, reference_session):
+    long_text = "lorem ipsum dolor sit amet " * 3800
+    assert len(long_text) > 100_000
+    result = await embeddings_create(texts=[long_text, "tail"])
+    assert result.token_counts.tolist()[0] == 256
+    assert cosines(result.vectors[:1], reference_vectors(reference_session, [long_text])).min() >= 0.9999
+
+
+async def test_refusing_truncation_names_the_input(service_triton):
+    with pytest.raises(InputTooLong) as caught:
+        await embeddings_create(texts=["ok", "word " * 400], truncate=False)
+    assert caught.value.index == 1
+
+
+async def test_invalid_utf8_is_refused_before_triton(service_triton):
+    with pytest.raises(InvalidText):
+        await embeddings_create(texts=[b"\xff\xfe".decode("utf-8", "surrogateescape")])
+
+
+async def test_unknown_model_is_a_model_error(service_triton):
+    with pytest.raises(TritonModelError, match="no_such_model"):
+        await embeddings_create(texts=["hello"], model="no_such_model")
+
+
+async def test_triton_not_running_fails_fast_with_unavailable(settings):
+    from embeddings.services.inference import reset_clients
+
+    settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"
+    settings.TRITON_TIMEOUT_S = 3.0
+    reset_clients()
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(TritonUnavailable):
+            await embeddings_create(texts=["hello"])
+        assert asyncio.get_running_loop().time() - started < 3.5
+    finally:
+        reset_clients()
+
+
+def test_triton_killed_mid_call_raises_within_the_deadline(tmp_path, settings):
+    """A private Triton is SIGKILLed while a large request is in flight: a clear error, no hang."""
+    import threading
+
+    from embeddings.services.inference import reset_clients
+
+    server = start_triton(tmp_path, [Path(settings.TRITON_MODEL_REPOSITORY)], name="doomed")
+    settings.TRITON_GRPC_TARGET = server.grpc_target
+    settings.TRITON_TIMEOUT_S = 20.0
+    reset_clients()
+    try:
+        embeddings_create_sync(texts=["warm up"])
+        killer = threading.Timer(0.3, server.kill)
+        killer.start()
+        with pytest.raises((TritonUnavailable, TritonTimeout)):
+            embeddings_create_sync(texts=["a fairly long sentence to keep the model busy " * 20] * 1024)
+        killer.join()
+    finally:
+        server.stop()
+        reset_clients()
+
+
+def test_embed_command_prints_a_unit_384_vector(service_triton):
+    out = io.StringIO()
+    call_command("embed", "hello", stdout=out)
+    line = orjson.loads(out.getvalue().splitlines()[0])
+    assert line["dimensions"] == 384 and len(line["embedding"]) == 384
+    assert abs(np.linalg.norm(np.array(line["embedding"])) - 1.0) < 1e-5
+
+
+def test_embed_command_reports_errors_without_a_traceback(service_triton):
+    with pytest.raises(CommandError, match="TritonModelError"):
+        call_command("embed", "hello", "--model", "no_such_model", stdout=io.StringIO())
