@@ -105,6 +105,39 @@ class TextTokenizer:
                     self._by_direction[direction] = tokenizer
         return tokenizer
 
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer(None).get_vocab_size(with_added_tokens=True)
+
+    def encode_ids(
+        self, token_ids: list[list[int]], *, truncate: bool = True, direction: TruncationDirection = "right"
+    ) -> TokenizedBatch:
+        """Pre-tokenised input, used as given (special tokens included if the client added them)."""
+        vocab_size = self.vocab_size
+        lengths = np.fromiter((len(ids) for ids in token_ids), dtype=np.int64, count=len(token_ids))
+        if not truncate and (lengths > self.max_tokens).any():
+            index = int(np.flatnonzero(lengths > self.max_tokens)[0])
+            raise InputTooLong(index=index, tokens=int(lengths[index]), max_tokens=self.max_tokens)
+        truncated = lengths > self.max_tokens
+        lengths = np.minimum(lengths, self.max_tokens)
+        width = int(lengths.max()) if len(lengths) else 0
+        input_ids = np.full((len(token_ids), width), self.pad_token_id, dtype=np.int64)
+        for row, ids in enumerate(token_ids):
+            if not ids:
+                raise InvalidText(f"Input {row} is an empty list of token ids", index=row)
+            kept = ids[: self.max_tokens] if direction == "right" else ids[-self.max_tokens :]
+            try:
+                input_ids[row, : lengths[row]] = kept
+            except (TypeError, ValueError, OverflowError):
+                raise InvalidText(f"Input {row} must be a list of integer token ids", index=row) from None
+        if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
+            row = int(np.flatnonzero(((input_ids < 0) | (input_ids >= vocab_size)).any(axis=1))[0])
+            raise InvalidText(
+                f"Input {row} has token ids outside the vocabulary [0, {vocab_size})", index=row
+            )
+        attention_mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
+        return TokenizedBatch(input_ids, attention_mask, lengths, truncated)
+
     def count_tokens(self, text: str) -> int:
         """Untruncated length, special tokens included."""
         return len(self._tokenizer(None).encode(text).ids)

@@ -166,6 +166,15 @@ SERVER_HOST = env_str("SERVER_HOST", "127.0.0.1")
 SERVER_PORT = env_int("SERVER_PORT", 8080, minimum=1)
 SERVER_WORKERS = env_int("SERVER_WORKERS", 1, minimum=1)
 
+# --- API limits (per model overrides live on EmbeddingModel) -------------------------------------
+MAX_INPUTS_PER_REQUEST = env_int("MAX_INPUTS_PER_REQUEST", 2048, minimum=1)
+MAX_TOKENS_PER_REQUEST = env_int("MAX_TOKENS_PER_REQUEST", 300_000, minimum=1)
+MAX_REQUEST_BODY_BYTES = env_int("MAX_REQUEST_BODY_BYTES", 16 * 1024 * 1024, minimum=1024)
+# Inference requests one server process has in flight; beyond it, 429 with Retry-After at once.
+MAX_INFLIGHT_TRITON_CALLS = env_int("MAX_INFLIGHT_TRITON_CALLS", 64, minimum=1)
+# Django refuses larger bodies before any view runs; our handler turns that into a 413.
+DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
+
 # --- Triton ------------------------------------------------------------------------------------
 # Names kept from the seed proxy: TRITON_SERVER_URL, TRITON_SERVER_GRPC_PORT, MODEL_NAME, ...
 TRITON_SERVER_GRPC_PORT = env_int("TRITON_SERVER_GRPC_PORT", 8001, minimum=1)

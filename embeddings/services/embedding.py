@@ -1,16 +1,46 @@
-"""Embedding texts: tokenise in the service, call Triton, return unit vectors and token counts."""
+"""Embedding inputs: tokenise in the service, call Triton, post-process, count tokens.
+
+One implementation behind every endpoint, the Celery tasks and the `embed` command.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from django.conf import settings
 
+from embeddings.services.errors import InvalidRequest, Overloaded
 from embeddings.services.inference import model_tokenizer, triton_async_client, triton_sync_client
-from embeddings.tokenization import TokenizedBatch, TruncationDirection
+from embeddings.tokenization import TextTokenizer, TokenizedBatch, TruncationDirection
 from embeddings.triton import ModelSpec, TritonModelError
+
+
+@dataclass(frozen=True)
+class EmbeddingTarget:
+    """The Triton model that serves a request and its limits (from an EmbeddingModel or settings)."""
+
+    triton_model: str
+    triton_version: str = ""
+    # None: the tokenizer's own maximum (what the model was exported with).
+    max_tokens: int | None = None
+    # None: whatever the model returns.
+    dimensions: int | None = None
+
+    @classmethod
+    def default(cls) -> EmbeddingTarget:
+        return cls(settings.MODEL_NAME, settings.MODEL_VERSION, dimensions=settings.EMBEDDING_SIZE)
+
+
+@dataclass(frozen=True)
+class EmbeddingOptions:
+    truncate: bool = True
+    direction: TruncationDirection = "right"
+    # Keep the first N dimensions (Matryoshka-style), re-normalised when `normalize`.
+    dimensions: int | None = None
+    normalize: bool = True
 
 
 @dataclass(frozen=True)
@@ -28,71 +58,153 @@ class EmbeddingResult:
         return int(self.token_counts.sum())
 
 
+class InflightGate:
+    """Bounds the inference calls one process has in flight: beyond the limit, refuse at once.
+
+    A bounded queue would only move the wait into our process; refusing with 429 + Retry-After
+    lets clients and load balancers back off, and nothing waits forever.
+    """
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+
+    def __enter__(self) -> InflightGate:
+        if self.in_flight >= settings.MAX_INFLIGHT_TRITON_CALLS:
+            raise Overloaded(
+                f"This server has {self.in_flight} embedding requests in flight, its maximum; retry shortly.",
+                retry_after_s=1,
+            )
+        self.in_flight += 1
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.in_flight -= 1
+
+
+# The event loop runs one coroutine at a time, so the async path needs no lock around the count.
+inflight_gate = InflightGate()
+
+
 def _tokenize(
-    texts: list[str], model: str, truncate: bool, direction: TruncationDirection
-) -> tuple[TokenizedBatch, float]:
+    target: EmbeddingTarget,
+    texts: Sequence[str] | None,
+    token_ids: Sequence[Sequence[int]] | None,
+    options: EmbeddingOptions,
+) -> tuple[TokenizedBatch, TextTokenizer, float]:
     started = time.perf_counter()
-    batch = model_tokenizer(model).encode(
-        texts, truncate=truncate, direction=direction, buckets=tuple(settings.SEQUENCE_LENGTH_BUCKETS)
-    )
-    return batch, time.perf_counter() - started
+    tokenizer = model_tokenizer(target.triton_model, target.max_tokens)
+    if token_ids is not None:
+        batch = tokenizer.encode_ids(list(token_ids), truncate=options.truncate, direction=options.direction)
+    else:
+        batch = tokenizer.encode(
+            list(texts or ()),
+            truncate=options.truncate,
+            direction=options.direction,
+            buckets=tuple(settings.SEQUENCE_LENGTH_BUCKETS),
+        )
+    if len(batch) == 0:
+        raise InvalidRequest("input must contain at least one item", param="input")
+    return batch, tokenizer, time.perf_counter() - started
 
 
-def _check_model(spec: ModelSpec) -> bool:
-    """Whether the model takes text (a BYTES input) rather than token ids; checks seed settings."""
+def _takes_text(spec: ModelSpec, token_ids: object) -> bool:
+    """Whether the model takes text (one BYTES input) rather than token ids; checks seed settings."""
     if settings.INPUT_NAME and spec.input(settings.INPUT_NAME) is None:
         raise TritonModelError(f"model {spec.name!r} has no input named {settings.INPUT_NAME!r} (INPUT_NAME)")
-    return any(tensor.datatype == "BYTES" for tensor in spec.inputs)
-
-
-def _check_vectors(model: str, vectors: np.ndarray) -> np.ndarray:
-    if settings.EMBEDDING_SIZE and vectors.shape[1] != settings.EMBEDDING_SIZE:
-        raise TritonModelError(
-            f"model {model!r} returned {vectors.shape[1]}-d vectors, "
-            f"EMBEDDING_SIZE is {settings.EMBEDDING_SIZE}"
+    takes_text = any(tensor.datatype == "BYTES" for tensor in spec.inputs)
+    if takes_text and token_ids is not None:
+        raise InvalidRequest(
+            f"model {spec.name!r} tokenises inside Triton and takes text, not token ids", param="input"
         )
-    return vectors
+    return takes_text
+
+
+def _check_options(target: EmbeddingTarget, options: EmbeddingOptions) -> None:
+    if options.dimensions is not None:
+        if options.dimensions < 1:
+            raise InvalidRequest("dimensions must be at least 1", param="dimensions")
+        if target.dimensions and options.dimensions > target.dimensions:
+            raise InvalidRequest(
+                f"dimensions {options.dimensions} is larger than the model's {target.dimensions}",
+                param="dimensions",
+            )
+
+
+def _postprocess(target: EmbeddingTarget, vectors: np.ndarray, options: EmbeddingOptions) -> np.ndarray:
+    if target.dimensions and vectors.shape[1] != target.dimensions:
+        raise TritonModelError(
+            f"model {target.triton_model!r} returned {vectors.shape[1]}-d vectors, "
+            f"{target.dimensions} expected"
+        )
+    if options.dimensions is not None:
+        if options.dimensions > vectors.shape[1]:
+            raise InvalidRequest(
+                f"dimensions {options.dimensions} is larger than the model's {vectors.shape[1]}",
+                param="dimensions",
+            )
+        vectors = vectors[:, : options.dimensions]
+        if options.normalize:
+            norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+            vectors = vectors / np.maximum(norms, np.float32(1e-12))
+    return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
 async def embeddings_create(
     *,
-    texts: list[str],
-    model: str | None = None,
-    truncate: bool = True,
-    direction: TruncationDirection = "right",
+    target: EmbeddingTarget,
+    texts: Sequence[str] | None = None,
+    token_ids: Sequence[Sequence[int]] | None = None,
+    options: EmbeddingOptions = EmbeddingOptions(),
 ) -> EmbeddingResult:
-    model = model or settings.MODEL_NAME
-    batch, tokenization_s = _tokenize(texts, model, truncate, direction)
+    """Embed `texts` (or pre-tokenised `token_ids`) with the target model, in input order."""
+    _check_options(target, options)
+    batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
     client = triton_async_client()
-    started = time.perf_counter()
-    options = {"version": settings.MODEL_VERSION, "output_name": settings.OUTPUT_NAME}
-    if _check_model(await client.model_metadata(model, settings.MODEL_VERSION)):
-        vectors = await client.embed_texts(model, texts, **options)
-    else:
-        vectors = await client.embed_tokens(model, batch.input_ids, batch.attention_mask, **options)
-    inference_s = time.perf_counter() - started
-    return EmbeddingResult(
-        model, _check_vectors(model, vectors), batch.token_counts, tokenization_s, inference_s
-    )
+    with inflight_gate:
+        started = time.perf_counter()
+        version = target.triton_version
+        if _takes_text(await client.model_metadata(target.triton_model, version), token_ids):
+            vectors = await client.embed_texts(
+                target.triton_model, list(texts or ()), version=version, output_name=settings.OUTPUT_NAME
+            )
+        else:
+            vectors = await client.embed_tokens(
+                target.triton_model,
+                batch.input_ids,
+                batch.attention_mask,
+                version=version,
+                output_name=settings.OUTPUT_NAME,
+            )
+        inference_s = time.perf_counter() - started
+    vectors = _postprocess(target, vectors, options)
+    return EmbeddingResult(target.triton_model, vectors, batch.token_counts, tokenization_s, inference_s)
 
 
 def embeddings_create_sync(
     *,
-    texts: list[str],
-    model: str | None = None,
-    truncate: bool = True,
-    direction: TruncationDirection = "right",
+    target: EmbeddingTarget,
+    texts: Sequence[str] | None = None,
+    token_ids: Sequence[Sequence[int]] | None = None,
+    options: EmbeddingOptions = EmbeddingOptions(),
 ) -> EmbeddingResult:
-    model = model or settings.MODEL_NAME
-    batch, tokenization_s = _tokenize(texts, model, truncate, direction)
+    """The blocking twin of `embeddings_create`, for Celery workers and commands (no in-flight gate)."""
+    _check_options(target, options)
+    batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
     client = triton_sync_client()
     started = time.perf_counter()
-    options = {"version": settings.MODEL_VERSION, "output_name": settings.OUTPUT_NAME}
-    if _check_model(client.model_metadata(model, settings.MODEL_VERSION)):
-        vectors = client.embed_texts(model, texts, **options)
+    version = target.triton_version
+    if _takes_text(client.model_metadata(target.triton_model, version), token_ids):
+        vectors = client.embed_texts(
+            target.triton_model, list(texts or ()), version=version, output_name=settings.OUTPUT_NAME
+        )
     else:
-        vectors = client.embed_tokens(model, batch.input_ids, batch.attention_mask, **options)
+        vectors = client.embed_tokens(
+            target.triton_model,
+            batch.input_ids,
+            batch.attention_mask,
+            version=version,
+            output_name=settings.OUTPUT_NAME,
+        )
     inference_s = time.perf_counter() - started
-    return EmbeddingResult(
-        model, _check_vectors(model, vectors), batch.token_counts, tokenization_s, inference_s
-    )
+    vectors = _postprocess(target, vectors, options)
+    return EmbeddingResult(target.triton_model, vectors, batch.token_counts, tokenization_s, inference_s)

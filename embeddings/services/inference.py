@@ -55,13 +55,16 @@ def reset_clients() -> None:
 
 
 @cache
-def model_tokenizer(model: str) -> TextTokenizer:
-    """The tokenizer exported beside the model, else the default model's (text-input ensembles)."""
+def model_tokenizer(model: str, max_tokens: int | None = None) -> TextTokenizer:
+    """The tokenizer exported beside the model, else the default model's (text-input ensembles).
+
+    max_tokens: truncate there instead of at the tokenizer file's own maximum.
+    """
     repository = Path(settings.TRITON_MODEL_REPOSITORY)
     for candidate in (repository / model / "1", repository / settings.MODEL_NAME / "1"):
         path = candidate / "tokenizer.json"
         if path.exists():
-            return tokenizer_for(str(path))
+            return tokenizer_for(str(path), max_tokens)
     raise FileNotFoundError(
         f"No tokenizer.json for model {model!r} in {repository}; export the model first "
         "(python manage.py export_model)"

@@ -13,12 +13,27 @@ import pytest
 from django.conf import settings
 from django.core.management import CommandError, call_command
 
-from embeddings.services.embedding import embeddings_create, embeddings_create_sync
+from embeddings.services import embedding
+from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget
+from embeddings.services.errors import InvalidRequest, Overloaded
 from embeddings.services.inference import model_tokenizer
 from embeddings.tokenization import InputTooLong, InvalidText
 from embeddings.triton import TritonModelError, TritonTimeout, TritonUnavailable
 from embeddings.triton.server import free_port
 from tests.conftest import start_triton
+
+MINILM = EmbeddingTarget("minilm", dimensions=384)
+
+
+async def embeddings_create(*, texts, model="minilm", truncate=True, **options):
+    return await embedding.embeddings_create(
+        target=EmbeddingTarget(model), texts=texts, options=EmbeddingOptions(truncate=truncate, **options)
+    )
+
+
+def embeddings_create_sync(*, texts, model="minilm"):
+    return embedding.embeddings_create_sync(target=EmbeddingTarget(model), texts=texts)
+
 
 SENTENCES = [
     "A man is eating food.",
@@ -156,3 +171,47 @@ def test_embed_command_prints_a_unit_384_vector(service_triton):
 def test_embed_command_reports_errors_without_a_traceback(service_triton):
     with pytest.raises(CommandError, match="TritonModelError"):
         call_command("embed", "hello", "--model", "no_such_model", stdout=io.StringIO())
+
+
+async def test_dimensions_keep_the_first_n_renormalised(service_triton):
+    full = await embeddings_create(texts=["hello world"])
+    short = await embeddings_create(texts=["hello world"], dimensions=64)
+    assert short.vectors.shape == (1, 64)
+    assert abs(np.linalg.norm(short.vectors[0]) - 1.0) < 1e-5
+    expected = full.vectors[0, :64] / np.linalg.norm(full.vectors[0, :64])
+    assert np.allclose(short.vectors[0], expected, atol=1e-6)
+
+
+async def test_dimensions_larger_than_the_model_are_refused(service_triton):
+    with pytest.raises(InvalidRequest, match="larger"):
+        await embedding.embeddings_create(
+            target=MINILM, texts=["x"], options=EmbeddingOptions(dimensions=385)
+        )
+
+
+async def test_token_ids_give_the_same_vectors_as_text(service_triton):
+    text = await embeddings_create(texts=["hello world"])
+    ids = model_tokenizer("minilm").encode(["hello world"]).input_ids[0].tolist()
+    tokens = await embedding.embeddings_create(target=MINILM, token_ids=[ids])
+    assert cosines(text.vectors, tokens.vectors).min() >= 0.9999
+    assert tokens.token_counts.tolist() == [len(ids)]
+
+
+async def test_token_ids_outside_the_vocabulary_are_refused(service_triton):
+    with pytest.raises(InvalidText, match="vocabulary"):
+        await embedding.embeddings_create(target=MINILM, token_ids=[[101, 10**9, 102]])
+
+
+async def test_empty_input_list_is_refused(service_triton):
+    with pytest.raises(InvalidRequest):
+        await embeddings_create(texts=[])
+
+
+async def test_inflight_limit_refuses_at_once(service_triton, settings):
+    settings.MAX_INFLIGHT_TRITON_CALLS = 2
+    calls = [embeddings_create(texts=["a sentence to embed " * 30] * 64) for _ in range(6)]
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    refused = [o for o in outcomes if isinstance(o, Overloaded)]
+    served = [o for o in outcomes if not isinstance(o, BaseException)]
+    assert len(served) == 2 and len(refused) == 4
+    assert embedding.inflight_gate.in_flight == 0

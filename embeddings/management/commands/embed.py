@@ -3,7 +3,8 @@
 import orjson
 from django.core.management.base import BaseCommand, CommandError
 
-from embeddings.services.embedding import embeddings_create_sync
+from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
+from embeddings.services.errors import ServiceError
 from embeddings.tokenization import TokenizationError
 from embeddings.triton.errors import TritonError
 
@@ -18,8 +19,13 @@ class Command(BaseCommand):
 
     def handle(self, *args, texts, model, no_truncate, **options):
         try:
-            result = embeddings_create_sync(texts=texts, model=model, truncate=not no_truncate)
-        except (TokenizationError, TritonError) as error:
+            target = EmbeddingTarget.default()
+            if model:
+                target = EmbeddingTarget(model)
+            result = embeddings_create_sync(
+                target=target, texts=texts, options=EmbeddingOptions(truncate=not no_truncate)
+            )
+        except (TokenizationError, TritonError, ServiceError) as error:
             raise CommandError(f"{type(error).__name__}: {error}") from error
         for text, vector, tokens in zip(texts, result.vectors, result.token_counts, strict=True):
             line = {

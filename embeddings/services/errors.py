@@ -1,0 +1,32 @@
+"""Errors the services raise for a request they refuse; the API maps each to a status.
+
+ServiceError
+├── InvalidRequest      (422) a well-formed request the model cannot serve as asked
+├── LimitExceeded       (413) more inputs, tokens or bytes than allowed
+└── Overloaded          (429) too many inference calls in flight in this process
+Tokenisation errors (embeddings.tokenization) and Triton errors (embeddings.triton.errors) are
+separate trees, mapped by the same API handler.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(ServiceError):
+    pass
+
+
+class LimitExceeded(ServiceError):
+    pass
+
+
+class Overloaded(ServiceError):
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
