@@ -51,6 +51,10 @@ class TritonPythonModel:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = int(parameters.get("intra_op_threads", "0"))
         options.inter_op_num_threads = 1
+        # Without spinning, idle intra-op threads sleep instead of burning the other instance's core.
+        options.add_session_config_entry(
+            "session.intra_op.allow_spinning", parameters.get("allow_spinning", "1")
+        )
         options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.session = onnxruntime.InferenceSession(
