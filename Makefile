@@ -38,9 +38,10 @@ $(PROTOCOL): $(VENV)/.installed $(wildcard protos/*.proto) protos/generate.py
 $(MODEL_ONNX): $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(PY) manage.py export_model --if-missing
 
-.run/.migrated: $(VENV)/.installed $(PROTOCOL) $(wildcard embeddings/migrations/*.py)
+.run/.migrated: $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) $(wildcard embeddings/migrations/*.py)
 	mkdir -p .run
 	$(PY) manage.py migrate --noinput
+	$(PY) manage.py register_local_model
 	touch $@
 
 lint: $(VENV)/.installed

@@ -111,10 +111,14 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "embeddings",
 ]
 
 MIDDLEWARE = [
+    "embeddings.api.middleware.ArrivalTimeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -125,6 +129,8 @@ MIDDLEWARE = [
 ]
 
 ROOT_URLCONF = "embedsite.urls"
+# API routes have no trailing slash (as OpenAI's); redirecting a POST would lose its body.
+APPEND_SLASH = False
 ASGI_APPLICATION = "embedsite.asgi.application"
 
 TEMPLATES = [
@@ -165,6 +171,40 @@ LOGGING = {
 SERVER_HOST = env_str("SERVER_HOST", "127.0.0.1")
 SERVER_PORT = env_int("SERVER_PORT", 8080, minimum=1)
 SERVER_WORKERS = env_int("SERVER_WORKERS", 1, minimum=1)
+
+REST_FRAMEWORK = {
+    "DEFAULT_RENDERER_CLASSES": ["embeddings.api.rendering.OrjsonRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["embeddings.api.rendering.OrjsonParser"],
+    "DEFAULT_AUTHENTICATION_CLASSES": ["embeddings.api.authentication.ApiKeyAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": [],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "embedsite",
+    "DESCRIPTION": (
+        "Multi-tenant text embeddings served by NVIDIA Triton. Authenticate with "
+        "`Authorization: Bearer emb_...`. Errors use OpenAI's shape "
+        '`{"error": {"message", "type", "param", "code"}}`.'
+    ),
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    # Swagger UI and ReDoc from the drf-spectacular-sidecar package: no CDN (deployments may be offline).
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+}
+
+# A revoked/expired key or a deactivated tenant stops working within this many seconds.
+API_KEY_CACHE_SECONDS = env_float("API_KEY_CACHE_SECONDS", 5.0, minimum=0)
+# Keyed hash of stored API key secrets; changing it invalidates every key.
+API_KEY_HMAC_SECRET = env_str("API_KEY_HMAC_SECRET", SECRET_KEY)
+# Model catalog changes (admin edits) reach every server process within this many seconds.
+MODEL_CACHE_SECONDS = env_float("MODEL_CACHE_SECONDS", 5.0, minimum=0)
+
+# The model clients get when a request names none (seed shapes).
+DEFAULT_EMBEDDING_MODEL = env_str("DEFAULT_EMBEDDING_MODEL", "all-MiniLM-L6-v2")
 
 # --- API limits (per model overrides live on EmbeddingModel) -------------------------------------
 MAX_INPUTS_PER_REQUEST = env_int("MAX_INPUTS_PER_REQUEST", 2048, minimum=1)

@@ -8,14 +8,18 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from django.conf import settings
 
-from embeddings.services.errors import InvalidRequest, Overloaded
+from embeddings.services.errors import InvalidRequest, LimitExceeded, Overloaded
 from embeddings.services.inference import model_tokenizer, triton_async_client, triton_sync_client
 from embeddings.tokenization import TextTokenizer, TokenizedBatch, TruncationDirection
 from embeddings.triton import ModelSpec, TritonModelError
+
+if TYPE_CHECKING:
+    from embeddings.models import EmbeddingModel
 
 
 @dataclass(frozen=True)
@@ -28,10 +32,42 @@ class EmbeddingTarget:
     max_tokens: int | None = None
     # None: whatever the model returns.
     dimensions: int | None = None
+    # None: no limit (the API always sets both).
+    max_inputs: int | None = None
+    max_total_tokens: int | None = None
+    # Prompt name -> text prepended to every input; the default applies when none is asked for.
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str = ""
 
     @classmethod
     def default(cls) -> EmbeddingTarget:
         return cls(settings.MODEL_NAME, settings.MODEL_VERSION, dimensions=settings.EMBEDDING_SIZE)
+
+    @classmethod
+    def for_model(cls, model: EmbeddingModel) -> EmbeddingTarget:
+        return cls(
+            triton_model=model.triton_model,
+            triton_version=model.triton_version,
+            max_tokens=model.max_tokens,
+            dimensions=model.dimensions,
+            max_inputs=model.max_inputs_per_request or settings.MAX_INPUTS_PER_REQUEST,
+            max_total_tokens=model.max_tokens_per_request or settings.MAX_TOKENS_PER_REQUEST,
+            prompts=tuple(sorted((model.prompts or {}).items())),
+            default_prompt_name=model.default_prompt_name,
+        )
+
+    def prompt(self, name: str | None) -> str:
+        """The text to prepend for `name` (or the default prompt); unknown names are refused."""
+        name = name or self.default_prompt_name
+        if not name:
+            return ""
+        for prompt_name, text in self.prompts:
+            if prompt_name == name:
+                return text
+        known = ", ".join(prompt_name for prompt_name, _ in self.prompts) or "none"
+        raise InvalidRequest(
+            f"Unknown prompt_name {name!r}; this model's prompts: {known}", param="prompt_name"
+        )
 
 
 @dataclass(frozen=True)
@@ -41,6 +77,7 @@ class EmbeddingOptions:
     # Keep the first N dimensions (Matryoshka-style), re-normalised when `normalize`.
     dimensions: int | None = None
     normalize: bool = True
+    prompt_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +129,11 @@ def _tokenize(
     options: EmbeddingOptions,
 ) -> tuple[TokenizedBatch, TextTokenizer, float]:
     started = time.perf_counter()
+    count = len(token_ids if token_ids is not None else texts or ())
+    if target.max_inputs is not None and count > target.max_inputs:
+        raise LimitExceeded(
+            f"{count} inputs in one request; this model takes at most {target.max_inputs}", param="input"
+        )
     tokenizer = model_tokenizer(target.triton_model, target.max_tokens)
     if token_ids is not None:
         batch = tokenizer.encode_ids(list(token_ids), truncate=options.truncate, direction=options.direction)
@@ -104,6 +146,12 @@ def _tokenize(
         )
     if len(batch) == 0:
         raise InvalidRequest("input must contain at least one item", param="input")
+    if target.max_total_tokens is not None and batch.total_tokens > target.max_total_tokens:
+        raise LimitExceeded(
+            f"The inputs have {batch.total_tokens} tokens in all; a request may have at most "
+            f"{target.max_total_tokens}",
+            param="input",
+        )
     return batch, tokenizer, time.perf_counter() - started
 
 
@@ -117,6 +165,15 @@ def _takes_text(spec: ModelSpec, token_ids: object) -> bool:
             f"model {spec.name!r} tokenises inside Triton and takes text, not token ids", param="input"
         )
     return takes_text
+
+
+def _with_prompt(
+    target: EmbeddingTarget, texts: Sequence[str] | None, options: EmbeddingOptions
+) -> Sequence[str] | None:
+    prefix = target.prompt(options.prompt_name)
+    if not prefix or texts is None:
+        return texts
+    return [prefix + text for text in texts]
 
 
 def _check_options(target: EmbeddingTarget, options: EmbeddingOptions) -> None:
@@ -158,6 +215,7 @@ async def embeddings_create(
 ) -> EmbeddingResult:
     """Embed `texts` (or pre-tokenised `token_ids`) with the target model, in input order."""
     _check_options(target, options)
+    texts = _with_prompt(target, texts, options)
     batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
     client = triton_async_client()
     with inflight_gate:
@@ -189,6 +247,7 @@ def embeddings_create_sync(
 ) -> EmbeddingResult:
     """The blocking twin of `embeddings_create`, for Celery workers and commands (no in-flight gate)."""
     _check_options(target, options)
+    texts = _with_prompt(target, texts, options)
     batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
     client = triton_sync_client()
     started = time.perf_counter()

@@ -1,0 +1,147 @@
+"""`Authorization: Bearer emb_...` for every API route: an async authenticator with a short cache.
+
+A request must not hit the database each time, so what a key resolves to is cached in-process for
+API_KEY_CACHE_SECONDS (keyed by a hash of the key, never the key itself). A revoked or expired key
+or a deactivated tenant therefore stops working within that many seconds. Refusals are cached for
+at most a second, so a key created a moment ago works at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.utils import timezone
+from rest_framework.request import Request
+
+from embeddings.api.errors import ApiError, Forbidden, ModelForbidden, Unauthorized
+from embeddings.models import ApiKey, EmbeddingModel
+from embeddings.services.keys import api_key_for_secret, api_key_touch
+
+NEGATIVE_CACHE_SECONDS = 1.0
+CACHE_MAX_ENTRIES = 10_000
+
+
+@dataclass(frozen=True)
+class ApiPrincipal:
+    """Who is calling: a tenant, through one of its keys."""
+
+    tenant_id: int
+    tenant_slug: str
+    key_id: int
+    key_public_id: str
+    allow_all_models: bool
+    allowed_model_ids: frozenset[int]
+    expires_at: datetime | None = None
+    is_authenticated: bool = True  # for DRF permission classes
+
+    def may_use(self, model: EmbeddingModel) -> bool:
+        return self.allow_all_models or model.pk in self.allowed_model_ids
+
+
+def ensure_model_allowed(principal: ApiPrincipal, model: EmbeddingModel) -> None:
+    if not principal.may_use(model):
+        raise ModelForbidden(f"This API key may not use the model {model.name!r}.", param="model")
+
+
+def _principal_for_key(key: str) -> ApiPrincipal | ApiError:
+    """The principal for a key, or the error to answer with (both are cached)."""
+    api_key: ApiKey | None = api_key_for_secret(key=key)
+    if api_key is None:
+        return Unauthorized("Incorrect API key provided.")
+    if api_key.is_revoked():
+        return Unauthorized("This API key has been revoked.", code="api_key_revoked")
+    if api_key.is_expired():
+        return Unauthorized("This API key has expired.", code="api_key_expired")
+    tenant = api_key.tenant
+    if not tenant.is_active:
+        return Forbidden("This API key's tenant is inactive.", code="tenant_inactive")
+    allowed = (
+        frozenset(tenant.allowed_models.values_list("pk", flat=True))
+        if not tenant.allow_all_models
+        else frozenset()
+    )
+    return ApiPrincipal(
+        tenant_id=tenant.pk,
+        tenant_slug=tenant.slug,
+        key_id=api_key.pk,
+        key_public_id=api_key.public_id,
+        allow_all_models=tenant.allow_all_models,
+        allowed_model_ids=allowed,
+        expires_at=api_key.expires_at,
+    )
+
+
+class PrincipalCache:
+    """key digest -> (expiry on the monotonic clock, principal or error)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[float, ApiPrincipal | ApiError]] = {}
+        self.last_touched: dict[int, float] = {}
+
+    def get(self, digest: str) -> ApiPrincipal | ApiError | None:
+        entry = self.entries.get(digest)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1]
+
+    def put(self, digest: str, value: ApiPrincipal | ApiError) -> None:
+        if len(self.entries) >= CACHE_MAX_ENTRIES:
+            self.entries.clear()  # crude but bounded; rebuilding costs one query per key
+        ttl = settings.API_KEY_CACHE_SECONDS
+        if isinstance(value, ApiError):
+            ttl = min(ttl, NEGATIVE_CACHE_SECONDS)
+        self.entries[digest] = (time.monotonic() + ttl, value)
+
+    def should_touch(self, key_id: int) -> bool:
+        """At most one last_used_at UPDATE per key per minute from this process."""
+        now = time.monotonic()
+        if now - self.last_touched.get(key_id, -1e9) < 60:
+            return False
+        self.last_touched[key_id] = now
+        return True
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.last_touched.clear()
+
+
+principal_cache = PrincipalCache()
+
+
+class ApiKeyAuthentication:
+    """DRF authentication class (awaited by embeddings.api.base.ApiView)."""
+
+    keyword = "Bearer"
+
+    async def authenticate(self, request: Request) -> tuple[ApiPrincipal, None]:
+        header = request._request.headers.get("Authorization", "")
+        scheme, _, key = header.partition(" ")
+        key = key.strip()
+        if not header:
+            raise Unauthorized(
+                "You didn't provide an API key. Send it as 'Authorization: Bearer emb_...'.",
+                code="missing_api_key",
+            )
+        if scheme.lower() != "bearer" or not key:
+            raise Unauthorized("Send the API key as 'Authorization: Bearer emb_...'.")
+        digest = hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
+        result = principal_cache.get(digest)
+        if result is None:
+            result = await sync_to_async(_principal_for_key)(key)
+            principal_cache.put(digest, result)
+        if isinstance(result, ApiError):
+            # A fresh instance each time: re-raising one cached object would chain its tracebacks.
+            raise type(result)(result.message, code=result.error_code, param=result.param)
+        if result.expires_at is not None and result.expires_at <= timezone.now():
+            raise Unauthorized("This API key has expired.", code="api_key_expired")
+        if principal_cache.should_touch(result.key_id):
+            await sync_to_async(api_key_touch)(api_key_id=result.key_id)
+        return result, None
+
+    def authenticate_header(self, request: Request) -> str:
+        return self.keyword

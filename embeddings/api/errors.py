@@ -1,0 +1,241 @@
+"""API errors as declarative classes, rendered by one handler in OpenAI's error shape.
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+ApiError (500 server_error)
+├── BadRequest (400 invalid_request_error)            malformed JSON, unparsable body
+├── Unauthorized (401 invalid_api_key)                missing, unknown, revoked or expired key
+├── Forbidden (403 permission_denied)                 inactive tenant
+│   └── ModelForbidden (403 model_not_allowed)        a model the tenant may not use
+├── NotFound (404 not_found)
+│   └── ModelNotFound (404 model_not_found)
+├── MethodNotAllowed (405 method_not_allowed)
+├── PayloadTooLarge (413 payload_too_large)           body, inputs or tokens over a limit
+├── UnsupportedMediaType (415 unsupported_media_type) a body that is not JSON
+├── ValidationFailed (422 invalid_request_error)      well-formed JSON with wrong fields
+├── RateLimited (429 rate_limit_exceeded)             overloaded; carries Retry-After
+├── UpstreamUnavailable (503 model_unavailable)       Triton down or the model not ready
+└── UpstreamTimeout (504 model_timeout)               Triton missed its deadline
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import orjson
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse
+from rest_framework import exceptions as drf
+
+from embeddings.services.errors import InvalidRequest, LimitExceeded, Overloaded, ServiceError
+from embeddings.tokenization import InputTooLong, TokenizationError
+from embeddings.triton.errors import (
+    TritonError,
+    TritonInvalidInput,
+    TritonTimeout,
+    TritonUnavailable,
+)
+
+
+class ApiError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    code: ClassVar[str | None] = "internal_error"
+    default_message: ClassVar[str] = "The server failed to process the request."
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.message = message or self.default_message
+        self.param = param
+        self.error_code = code or self.code
+        self.headers = headers or {}
+        super().__init__(self.message)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.error_code,
+            }
+        }
+
+
+class BadRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+    default_message = "The request could not be parsed."
+
+
+class Unauthorized(ApiError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+    default_message = "Incorrect API key provided."
+
+
+class Forbidden(ApiError):
+    status = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
+    default_message = "This API key may not perform this request."
+
+
+class ModelForbidden(Forbidden):
+    code = "model_not_allowed"
+    default_message = "This API key may not use this model."
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+    default_message = "Not found."
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+    default_message = "The model does not exist or you do not have access to it."
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+    default_message = "The request is too large."
+
+
+class ValidationFailed(ApiError):
+    status = 422
+    type = "invalid_request_error"
+    code = "invalid_value"
+    default_message = "The request has invalid fields."
+
+
+class RateLimited(ApiError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+    default_message = "The server is busy; retry after the time in Retry-After."
+
+    def __init__(self, message: str | None = None, *, retry_after_s: int = 1, **kwargs: Any) -> None:
+        headers = {"Retry-After": str(max(1, int(retry_after_s))), **kwargs.pop("headers", {})}
+        super().__init__(message, headers=headers, **kwargs)
+
+
+class UpstreamUnavailable(ApiError):
+    status = 503
+    type = "server_error"
+    code = "model_unavailable"
+    default_message = "The model server is unavailable; retry shortly."
+
+
+class UpstreamTimeout(ApiError):
+    status = 504
+    type = "server_error"
+    code = "model_timeout"
+    default_message = "The model server did not answer in time."
+
+
+# --- Rendering every failure in the one shape -----------------------------------------------------
+
+logger = logging.getLogger(__name__)
+
+_DRF_ERRORS: dict[type[drf.APIException], type[ApiError]] = {
+    drf.ParseError: BadRequest,
+    drf.NotAuthenticated: Unauthorized,
+    drf.AuthenticationFailed: Unauthorized,
+    drf.PermissionDenied: Forbidden,
+    drf.NotFound: NotFound,
+}
+
+
+class MethodNotAllowed(ApiError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class UnsupportedMediaType(ApiError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+def _first_validation_error(detail: object, path: str = "") -> tuple[str | None, str]:
+    """The first message in a DRF ValidationError detail tree, and the field path it belongs to."""
+    if isinstance(detail, dict):
+        for key, value in detail.items():
+            field = key if key != "non_field_errors" else ""
+            return _first_validation_error(value, f"{path}.{field}".strip(".") if field else path)
+    if isinstance(detail, list) and detail:
+        for index, value in enumerate(detail):
+            if value:
+                nested = isinstance(value, dict | list)
+                return _first_validation_error(value, f"{path}[{index}]" if nested else path)
+    return (path or None), str(detail)
+
+
+def as_api_error(exc: Exception) -> ApiError:
+    """Map any exception a request can raise to the ApiError that describes it to the client."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InputTooLong):
+        return PayloadTooLarge(str(exc), param="input", code="context_length_exceeded")
+    if isinstance(exc, TokenizationError):
+        return ValidationFailed(str(exc), param="input")
+    if isinstance(exc, LimitExceeded):
+        return PayloadTooLarge(exc.message, param=exc.param)
+    if isinstance(exc, Overloaded):
+        return RateLimited(exc.message, retry_after_s=exc.retry_after_s)
+    if isinstance(exc, InvalidRequest | ServiceError):
+        return ValidationFailed(exc.message, param=exc.param)
+    if isinstance(exc, TritonUnavailable):
+        return UpstreamUnavailable()
+    if isinstance(exc, TritonTimeout):
+        return UpstreamTimeout()
+    if isinstance(exc, TritonInvalidInput):
+        return ValidationFailed(f"The model refused the input: {exc}", param="input")
+    if isinstance(exc, TritonError):
+        return UpstreamUnavailable("The model is not available on the model server.")
+    if isinstance(exc, RequestDataTooBig):
+        return PayloadTooLarge("The request body is larger than this server accepts.")
+    if isinstance(exc, drf.ValidationError):
+        param, message = _first_validation_error(exc.detail)
+        return ValidationFailed(f"{param}: {message}" if param else message, param=param)
+    if isinstance(exc, drf.MethodNotAllowed):
+        return MethodNotAllowed(str(exc.detail))
+    if isinstance(exc, drf.UnsupportedMediaType):
+        return UnsupportedMediaType(str(exc.detail))
+    if isinstance(exc, drf.Throttled):
+        return RateLimited(str(exc.detail), retry_after_s=int(exc.wait or 1))
+    for drf_class, api_class in _DRF_ERRORS.items():
+        if isinstance(exc, drf_class):
+            return api_class(str(exc.detail))
+    logger.error("Unhandled error in an API request", exc_info=exc)
+    return ApiError()
+
+
+def _json_error(error: ApiError) -> HttpResponse:
+    response = HttpResponse(orjson.dumps(error.body()), status=error.status, content_type="application/json")
+    for name, value in error.headers.items():
+        response[name] = value
+    return response
+
+
+def json_not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    """Unknown URLs answer in the API's error shape, not an HTML page."""
+    return _json_error(NotFound(f"No route for {request.method} {request.path}."))
+
+
+def json_server_error(request: HttpRequest) -> HttpResponse:
+    return _json_error(ApiError())

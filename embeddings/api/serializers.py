@@ -1,0 +1,233 @@
+"""Request validation and the documented response shapes of the embedding endpoints.
+
+Inputs can be 2,048 items long, so the input fields check types in one pass each instead of
+running a DRF field per item.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+INPUT_HELP = (
+    "A string, an array of strings, an array of token ids, or an array of arrays of token ids "
+    "(ids of the model's own tokenizer, used as given)."
+)
+
+
+@dataclass(frozen=True)
+class ParsedInput:
+    """Either texts or pre-tokenised ids, never both."""
+
+    texts: list[str] | None = None
+    token_ids: list[list[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.texts if self.texts is not None else self.token_ids or ())
+
+
+def _is_token_list(value: object) -> bool:
+    return isinstance(value, list) and all(type(item) is int for item in value)
+
+
+def _parse_texts(data: object, field: serializers.Field) -> list[str]:
+    if isinstance(data, str):
+        return [data]
+    if not isinstance(data, list):
+        field.fail("invalid")
+    if not data:
+        field.fail("empty")
+    if not all(type(item) is str for item in data):
+        field.fail("invalid")
+    return data
+
+
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+            {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "minItems": 1},
+        ],
+        "description": INPUT_HELP,
+        "example": ["The food was delicious and the waiter was friendly."],
+    }
+)
+class EmbeddingInputField(serializers.Field):
+    default_error_messages = {
+        "invalid": "must be a string, an array of strings, an array of token ids or an array of arrays "
+        "of token ids",
+        "empty": "must not be empty",
+        "empty_tokens": "item {index} is an empty array of token ids",
+    }
+
+    def to_internal_value(self, data: object) -> ParsedInput:
+        if isinstance(data, list) and data and all(type(item) is int for item in data):
+            return ParsedInput(token_ids=[data])
+        if isinstance(data, list) and data and isinstance(data[0], list):
+            if not all(_is_token_list(item) for item in data):
+                self.fail("invalid")
+            for index, item in enumerate(data):
+                if not item:
+                    self.fail("empty_tokens", index=index)
+            return ParsedInput(token_ids=data)
+        return ParsedInput(texts=_parse_texts(data, self))
+
+    def to_representation(self, value):
+        return value
+
+
+@extend_schema_field(
+    {
+        "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}],
+        "example": "What is Deep Learning?",
+    }
+)
+class TextsField(serializers.Field):
+    default_error_messages = {
+        "invalid": "must be a string or an array of strings",
+        "empty": "must not be empty",
+    }
+
+    def to_internal_value(self, data: object) -> list[str]:
+        return _parse_texts(data, self)
+
+    def to_representation(self, value):
+        return value
+
+
+class OpenAIEmbeddingsRequest(serializers.Serializer):
+    model = serializers.CharField(help_text="A model id from GET /v1/models (or one of its aliases).")
+    input = EmbeddingInputField(help_text=INPUT_HELP)
+    encoding_format = serializers.ChoiceField(
+        choices=["float", "base64"],
+        default="float",
+        help_text="`base64`: each embedding is the base64 of its little-endian float32 bytes.",
+    )
+    dimensions = serializers.IntegerField(
+        min_value=1, required=False, allow_null=True, help_text="Keep the first N dimensions, re-normalised."
+    )
+    user = serializers.CharField(
+        required=False, allow_blank=True, max_length=256, help_text="Your end user's id, recorded."
+    )
+
+
+@extend_schema_field(
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}},
+            "required": ["query"],
+        },
+        "minItems": 1,
+        "example": [{"query": "hello"}, {"query": "world"}],
+    }
+)
+class SeedQueriesField(serializers.Field):
+    default_error_messages = {
+        "invalid": 'must be an array of objects like {{"query": "text"}}',
+        "empty": "must not be empty",
+    }
+
+    def to_internal_value(self, data: object) -> list[str]:
+        if not isinstance(data, list):
+            self.fail("invalid")
+        if not data:
+            self.fail("empty")
+        try:
+            texts = [item["query"] for item in data]
+        except (TypeError, KeyError):
+            self.fail("invalid")
+        if not all(type(text) is str for text in texts):
+            self.fail("invalid")
+        return texts
+
+    def to_representation(self, value):
+        return value
+
+
+class TeiEmbedRequest(serializers.Serializer):
+    inputs = TextsField()
+    model = serializers.CharField(required=False, help_text="Default: the server's default model.")
+    truncate = serializers.BooleanField(
+        default=True, help_text="Truncate inputs longer than the model's maximum; false: refuse them (413)."
+    )
+    truncation_direction = serializers.ChoiceField(choices=["Left", "Right"], default="Right")
+    prompt_name = serializers.CharField(
+        required=False, allow_null=True, help_text="A prompt of the model, e.g. `query`, prepended to inputs."
+    )
+    normalize = serializers.BooleanField(default=True)
+    dimensions = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+
+
+# --- Documented responses ---------------------------------------------------------------------
+
+
+class UsageSerializer(serializers.Serializer):
+    prompt_tokens = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
+
+
+class EmbeddingObjectSerializer(serializers.Serializer):
+    object = serializers.CharField(default="embedding")
+    index = serializers.IntegerField()
+    embedding = serializers.JSONField(help_text="float array, or a base64 string with encoding_format=base64")
+
+
+class OpenAIEmbeddingsResponse(serializers.Serializer):
+    object = serializers.CharField(default="list")
+    data = EmbeddingObjectSerializer(many=True)
+    model = serializers.CharField()
+    usage = UsageSerializer()
+
+
+class SeedEmbeddingSerializer(serializers.Serializer):
+    embedding = serializers.ListField(child=serializers.FloatField())
+
+
+class TeiEmbeddingSerializer(serializers.Serializer):
+    embedding = serializers.ListField(child=serializers.FloatField())
+    index = serializers.IntegerField()
+
+
+class TimingsSerializer(serializers.Serializer):
+    tokenization = serializers.FloatField(help_text="milliseconds")
+    queue = serializers.FloatField(help_text="milliseconds from arrival to the start of tokenisation")
+    inference = serializers.FloatField(help_text="milliseconds in Triton")
+
+
+class TeiEmbedResponse(serializers.Serializer):
+    data = TeiEmbeddingSerializer(many=True)
+    model = serializers.CharField()
+    usage = UsageSerializer()
+    timings = TimingsSerializer()
+
+
+class ModelObjectSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(default="model")
+    created = serializers.IntegerField(help_text="Unix seconds")
+    owned_by = serializers.CharField()
+    dimensions = serializers.IntegerField()
+    max_tokens = serializers.IntegerField()
+    aliases = serializers.ListField(child=serializers.CharField())
+
+
+class ModelListSerializer(serializers.Serializer):
+    object = serializers.CharField(default="list")
+    data = ModelObjectSerializer(many=True)
+
+
+class ErrorDetailSerializer(serializers.Serializer):
+    message = serializers.CharField()
+    type = serializers.CharField()
+    param = serializers.CharField(allow_null=True)
+    code = serializers.CharField(allow_null=True)
+
+
+class ErrorSerializer(serializers.Serializer):
+    error = ErrorDetailSerializer()

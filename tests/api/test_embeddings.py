@@ -1,0 +1,282 @@
+"""The embedding endpoints through the real ASGI app and the real Triton: shapes, agreement, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+import pytest
+
+from embeddings.services.catalog import embedding_model_cache_clear
+from embeddings.services.inference import model_tokenizer, reset_clients
+from embeddings.triton.server import free_port
+
+TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", "", "日本語のテキスト"]
+
+
+def unit(vectors) -> np.ndarray:
+    array = np.asarray(vectors, dtype=np.float32)
+    return array / np.linalg.norm(array, axis=-1, keepdims=True)
+
+
+def assert_error(response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+async def test_openai_shape_for_a_list_of_strings(client, alpha, model):
+    response = await client.post(
+        "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": TEXTS}, headers=alpha.headers
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert set(body) == {"object", "data", "model", "usage"}
+    assert body["object"] == "list" and body["model"] == "all-MiniLM-L6-v2"
+    assert [item["index"] for item in body["data"]] == [0, 1, 2, 3]
+    assert all(item["object"] == "embedding" and len(item["embedding"]) == 384 for item in body["data"])
+    tokens = int(model_tokenizer("minilm").encode(TEXTS).token_counts.sum())
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    norms = np.linalg.norm(np.array([item["embedding"] for item in body["data"]]), axis=1)
+    assert np.allclose(norms, 1.0, atol=1e-5)
+
+
+async def test_openai_single_string_alias_and_base64(client, alpha):
+    floats = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": "hello world"}, headers=alpha.headers
+    )
+    encoded = await client.post(
+        "/v1/embeddings",
+        json={"model": "minilm", "input": "hello world", "encoding_format": "base64"},
+        headers=alpha.headers,
+    )
+    assert floats.status_code == encoded.status_code == 200
+    vector = np.frombuffer(base64.b64decode(encoded.json()["data"][0]["embedding"]), dtype="<f4")
+    assert np.allclose(vector, floats.json()["data"][0]["embedding"], atol=1e-7)
+    assert encoded.json()["model"] == "all-MiniLM-L6-v2"
+
+
+async def test_openai_token_id_inputs_match_text(client, alpha):
+    ids = model_tokenizer("minilm").encode(["hello world"]).input_ids[0].tolist()
+    by_text = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": "hello world"}, headers=alpha.headers
+    )
+    one = await client.post("/v1/embeddings", json={"model": "minilm", "input": ids}, headers=alpha.headers)
+    many = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": [ids, ids[:2]]}, headers=alpha.headers
+    )
+    assert one.status_code == many.status_code == 200, (one.text, many.text)
+    reference = np.array(by_text.json()["data"][0]["embedding"])
+    assert np.dot(reference, one.json()["data"][0]["embedding"]) > 0.9999
+    assert len(many.json()["data"]) == 2 and many.json()["usage"]["prompt_tokens"] == len(ids) + 2
+
+
+async def test_dimensions_truncate_and_renormalise(client, alpha):
+    full = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": "hello"}, headers=alpha.headers
+    )
+    short = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": "hello", "dimensions": 32}, headers=alpha.headers
+    )
+    vector = np.array(short.json()["data"][0]["embedding"])
+    assert vector.shape == (32,) and abs(np.linalg.norm(vector) - 1) < 1e-5
+    assert np.allclose(vector, unit(full.json()["data"][0]["embedding"][:32]), atol=1e-6)
+    too_many = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": "hello", "dimensions": 385}, headers=alpha.headers
+    )
+    assert_error(too_many, 422, param="dimensions")
+
+
+async def test_the_three_shapes_agree(client, alpha):
+    texts = ["first text", "a second, longer text to embed"]
+    openai = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": texts}, headers=alpha.headers
+    )
+    seed = await client.post("/v1/embedding", json=[{"query": t} for t in texts], headers=alpha.headers)
+    tei = await client.post("/api/v1/embed", json={"inputs": texts}, headers=alpha.headers)
+    tei_short = await client.post("/embed", json={"inputs": texts[0]}, headers=alpha.headers)
+    assert openai.status_code == seed.status_code == tei.status_code == tei_short.status_code == 200
+    a = np.array([item["embedding"] for item in openai.json()["data"]])
+    b = np.array([item["embedding"] for item in seed.json()])
+    c = np.array([item["embedding"] for item in tei.json()["data"]])
+    assert np.allclose(a, b, atol=1e-6) and np.allclose(a, c, atol=1e-6)
+    assert np.allclose(a[0], tei_short.json()["data"][0]["embedding"], atol=1e-6)
+    assert set(seed.json()[0]) == {"embedding"}
+    body = tei.json()
+    assert [item["index"] for item in body["data"]] == [0, 1]
+    assert body["usage"]["prompt_tokens"] == openai.json()["usage"]["prompt_tokens"]
+    assert set(body["timings"]) == {"tokenization", "queue", "inference"}
+    assert all(value >= 0 for value in body["timings"].values()) and body["timings"]["inference"] > 0
+
+
+async def test_tei_options(client, alpha):
+    long_text = " ".join(f"w{i}" for i in range(600)) + " ending"
+    left = await client.post(
+        "/api/v1/embed", json={"inputs": long_text, "truncation_direction": "Left"}, headers=alpha.headers
+    )
+    right = await client.post("/api/v1/embed", json={"inputs": long_text}, headers=alpha.headers)
+    assert left.status_code == right.status_code == 200
+    assert left.json()["usage"]["prompt_tokens"] == 256
+    assert np.dot(left.json()["data"][0]["embedding"], right.json()["data"][0]["embedding"]) < 0.999
+    refused = await client.post(
+        "/api/v1/embed", json={"inputs": long_text, "truncate": False}, headers=alpha.headers
+    )
+    assert_error(refused, 413, code="context_length_exceeded", param="input")
+    raw = await client.post(
+        "/api/v1/embed", json={"inputs": "hello", "dimensions": 16, "normalize": False}, headers=alpha.headers
+    )
+    assert 0 < np.linalg.norm(raw.json()["data"][0]["embedding"]) < 1.0
+    unknown_prompt = await client.post(
+        "/api/v1/embed", json={"inputs": "hello", "prompt_name": "nope"}, headers=alpha.headers
+    )
+    assert_error(unknown_prompt, 422, param="prompt_name")
+
+
+async def test_prompts_are_prepended(client, alpha, model):
+    model.prompts = {"query": "query: "}
+    await model.asave(update_fields=["prompts"])
+    with_prompt = await client.post(
+        "/api/v1/embed", json={"inputs": "what is triton", "prompt_name": "query"}, headers=alpha.headers
+    )
+    by_hand = await client.post(
+        "/api/v1/embed", json={"inputs": "query: what is triton"}, headers=alpha.headers
+    )
+    assert with_prompt.status_code == 200, with_prompt.text
+    assert np.allclose(
+        with_prompt.json()["data"][0]["embedding"], by_hand.json()["data"][0]["embedding"], atol=1e-6
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"input": "x"}, 422, "model"),
+        ({"model": "minilm"}, 422, "input"),
+        ({"model": "minilm", "input": []}, 422, "input"),
+        ({"model": "minilm", "input": [1, "a"]}, 422, "input"),
+        ({"model": "minilm", "input": [[1, 2], []]}, 422, "input"),
+        ({"model": "minilm", "input": [{"text": "x"}]}, 422, "input"),
+        ({"model": "minilm", "input": [101, 99999999, 102]}, 422, "input"),
+        ({"model": "minilm", "input": "x", "encoding_format": "int8"}, 422, "encoding_format"),
+        ({"model": "minilm", "input": "x", "dimensions": 0}, 422, "dimensions"),
+        ({"model": "minilm", "input": "x", "dimensions": "ten"}, 422, "dimensions"),
+    ],
+)
+async def test_validation_errors(client, alpha, body, status, param):
+    response = await client.post("/v1/embeddings", json=body, headers=alpha.headers)
+    assert_error(response, status, param=param)
+
+
+async def test_malformed_and_wrongly_shaped_bodies(client, alpha):
+    malformed = await client.post(
+        "/v1/embeddings",
+        content=b'{"model": "minilm", "input": ',
+        headers={**alpha.headers, "content-type": "application/json"},
+    )
+    assert_error(malformed, 400)
+    not_object = await client.post("/v1/embeddings", json=["hello"], headers=alpha.headers)
+    assert_error(not_object, 422)
+    seed_bad = await client.post("/v1/embedding", json={"query": "x"}, headers=alpha.headers)
+    assert_error(seed_bad, 422)
+    tei_bad = await client.post("/api/v1/embed", json={"inputs": 42}, headers=alpha.headers)
+    assert_error(tei_bad, 422, param="inputs")
+
+
+async def test_unknown_model_and_routes(client, alpha):
+    assert_error(
+        await client.post("/v1/embeddings", json={"model": "gpt-9", "input": "x"}, headers=alpha.headers),
+        404,
+        code="model_not_found",
+        param="model",
+    )
+    assert_error(await client.get("/v1/nothing-here", headers=alpha.headers), 404)
+    assert_error(await client.get("/v1/embeddings", headers=alpha.headers), 405)
+
+
+async def test_size_limits(client, alpha, model, settings):
+    settings.MAX_REQUEST_BODY_BYTES = 2048
+    big = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": "x" * 4096}, headers=alpha.headers
+    )
+    assert_error(big, 413)
+    settings.MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+    model.max_inputs_per_request = 3
+    model.max_tokens_per_request = 50
+    await model.asave(update_fields=["max_inputs_per_request", "max_tokens_per_request"])
+    embedding_model_cache_clear()
+    too_many = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": ["a"] * 4}, headers=alpha.headers
+    )
+    assert_error(too_many, 413, param="input")
+    too_long = await client.post(
+        "/v1/embeddings",
+        json={"model": "minilm", "input": ["word " * 30, "word " * 30]},
+        headers=alpha.headers,
+    )
+    assert_error(too_long, 413, param="input")
+    fine = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": ["a", "b", "c"]}, headers=alpha.headers
+    )
+    assert fine.status_code == 200
+
+
+async def test_overload_is_refused_at_once_with_retry_after(client, alpha, settings):
+    settings.MAX_INFLIGHT_TRITON_CALLS = 1
+    body = {"model": "minilm", "input": ["a sentence that takes a while to embed " * 20] * 48}
+    responses = await asyncio.gather(
+        *(client.post("/v1/embeddings", json=body, headers=alpha.headers) for _ in range(4))
+    )
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses[0] == 200 and 429 in statuses, statuses
+    refused = next(r for r in responses if r.status_code == 429)
+    assert_error(refused, 429, code="rate_limit_exceeded")
+    assert int(refused.headers["retry-after"]) >= 1
+
+
+async def test_triton_down_is_503(client, alpha, settings):
+    settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"
+    settings.TRITON_TIMEOUT_S = 2.0
+    reset_clients()
+    response = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": "x"}, headers=alpha.headers
+    )
+    assert_error(response, 503, code="model_unavailable")
+
+
+async def test_triton_deadline_is_504(client, alpha, settings):
+    # Metadata is cached by a first call; then a deadline far shorter than inference.
+    assert (
+        await client.post("/v1/embeddings", json={"model": "minilm", "input": "x"}, headers=alpha.headers)
+    ).status_code == 200
+    settings.TRITON_TIMEOUT_S = 0.02
+    reset_clients()
+    from embeddings.services.inference import triton_async_client
+
+    await triton_async_client().model_metadata("minilm")  # may be slower than 20 ms on its own
+    body = {"model": "minilm", "input": ["a long sentence to keep the model busy " * 25] * 64}
+    response = await client.post("/v1/embeddings", json=body, headers=alpha.headers)
+    assert_error(response, 504, code="model_timeout")
+
+
+async def test_models_list_and_detail(client, alpha, beta, model):
+    listed = await client.get("/v1/models", headers=alpha.headers)
+    assert listed.status_code == 200
+    body = listed.json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["all-MiniLM-L6-v2"]
+    assert body["data"][0]["object"] == "model" and body["data"][0]["dimensions"] == 384
+    detail = await client.get("/v1/models/sentence-transformers/all-MiniLM-L6-v2", headers=alpha.headers)
+    assert detail.status_code == 200 and detail.json()["id"] == "all-MiniLM-L6-v2"
+    assert_error(await client.get("/v1/models/nope", headers=alpha.headers), 404)
+
+
+async def test_health_needs_no_key(client):
+    response = await client.get("/health")
+    assert response.status_code == 200 and response.text == "ok"
