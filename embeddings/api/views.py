@@ -81,6 +81,12 @@ def log_request(
     )
 
 
+def embedding_response(data: object, result: EmbeddingResult) -> Response:
+    """The response, with where the time went in a Server-Timing header (milliseconds)."""
+    timing = f"tokenize;dur={result.tokenization_s * 1000:.3f}, inference;dur={result.inference_s * 1000:.3f}"
+    return Response(data, headers={"Server-Timing": timing})
+
+
 def usage(result: EmbeddingResult) -> dict:
     return {"prompt_tokens": result.total_tokens, "total_tokens": result.total_tokens}
 
@@ -125,7 +131,9 @@ class OpenAIEmbeddingsView(ApiView):
         else:
             embeddings = list(result.vectors)
         data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(embeddings)]
-        return Response({"object": "list", "data": data, "model": model.name, "usage": usage(result)})
+        return embedding_response(
+            {"object": "list", "data": data, "model": model.name, "usage": usage(result)}, result
+        )
 
 
 class SeedEmbeddingView(ApiView):
@@ -142,7 +150,7 @@ class SeedEmbeddingView(ApiView):
         model = await model_for_request(request.user, None)
         result = await embeddings_create(target=EmbeddingTarget.for_model(model), texts=texts)
         log_request(request, "seed", model, result)
-        return Response([{"embedding": vector} for vector in result.vectors])
+        return embedding_response([{"embedding": vector} for vector in result.vectors], result)
 
 
 class TeiEmbedView(ApiView):
@@ -177,7 +185,7 @@ class TeiEmbedView(ApiView):
             ),
         )
         log_request(request, "tei", model, result)
-        return Response(
+        return embedding_response(
             {
                 "data": [{"embedding": vector, "index": i} for i, vector in enumerate(result.vectors)],
                 "model": model.name,
@@ -187,7 +195,8 @@ class TeiEmbedView(ApiView):
                     "queue": queue_s * 1000,
                     "inference": result.inference_s * 1000,
                 },
-            }
+            },
+            result,
         )
 
 

@@ -280,3 +280,11 @@ async def test_models_list_and_detail(client, alpha, beta, model):
 async def test_health_needs_no_key(client):
     response = await client.get("/health")
     assert response.status_code == 200 and response.text == "ok"
+
+
+async def test_server_timing_header(client, alpha):
+    response = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": "x"}, headers=alpha.headers
+    )
+    parts = dict(part.strip().split(";dur=") for part in response.headers["server-timing"].split(","))
+    assert set(parts) == {"tokenize", "inference"} and float(parts["inference"]) > 0
