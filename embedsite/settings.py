@@ -128,6 +128,10 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
+# API routes (and health checks) run with this lean, async-only stack instead (embedsite/asgi.py).
+API_MIDDLEWARE = ["embeddings.api.middleware.ArrivalTimeMiddleware"]
+API_PATH_PREFIXES = ("/v1/", "/api/v1/", "/embed", "/health", "/ready", "/metrics")
+
 ROOT_URLCONF = "embedsite.urls"
 # API routes have no trailing slash (as OpenAI's); redirecting a POST would lose its body.
 APPEND_SLASH = False
