@@ -20,7 +20,7 @@ from rest_framework.request import Request
 
 from embeddings.api.errors import ApiError, Forbidden, ModelForbidden, Unauthorized
 from embeddings.models import ApiKey, EmbeddingModel
-from embeddings.services.keys import api_key_for_secret, api_key_touch
+from embeddings.services.keys import api_key_for_secret, api_key_touch, parse_api_key
 
 NEGATIVE_CACHE_SECONDS = 1.0
 CACHE_MAX_ENTRIES = 10_000
@@ -91,7 +91,12 @@ class PrincipalCache:
 
     def put(self, digest: str, value: ApiPrincipal | ApiError) -> None:
         if len(self.entries) >= CACHE_MAX_ENTRIES:
-            self.entries.clear()  # crude but bounded; rebuilding costs one query per key
+            # Bounded: drop what has expired; if a flood of distinct keys filled it, start afresh
+            # (rebuilding costs one query per key).
+            now = time.monotonic()
+            self.entries = {d: entry for d, entry in self.entries.items() if entry[0] >= now}
+            if len(self.entries) >= CACHE_MAX_ENTRIES:
+                self.entries.clear()
         ttl = settings.API_KEY_CACHE_SECONDS
         if isinstance(value, ApiError):
             ttl = min(ttl, NEGATIVE_CACHE_SECONDS)
@@ -129,6 +134,12 @@ class ApiKeyAuthentication:
             )
         if scheme.lower() != "bearer" or not key:
             raise Unauthorized("Send the API key as 'Authorization: Bearer emb_...'.")
+        if parse_api_key(key) is None:
+            # Refused without the database or the cache: garbage cannot fill either.
+            raise Unauthorized(
+                "Malformed API key: embedsite keys look like 'emb_<id>_<secret>'.",
+                code="malformed_api_key",
+            )
         digest = hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
         result = principal_cache.get(digest)
         if result is None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from embeddings.models import EmbeddingModel
+from embeddings.models import EmbeddingModel, Tenant
 
 if TYPE_CHECKING:
     from embeddings.api.authentication import ApiPrincipal
@@ -28,6 +28,14 @@ def embedding_models_enabled() -> tuple[EmbeddingModel, ...]:
 def embedding_model_for_name(*, name: str) -> EmbeddingModel | None:
     """An enabled model by its name or one of its aliases."""
     return next((model for model in embedding_models_enabled() if model.answers_to(name)), None)
+
+
+def embedding_models_for_tenant(*, tenant: Tenant) -> list[EmbeddingModel]:
+    """The enabled models `tenant` may use (all of them unless the tenant is restricted)."""
+    models = EmbeddingModel.objects.filter(enabled=True).order_by("name")
+    if not tenant.allow_all_models:
+        models = models.filter(pk__in=tenant.allowed_models.values("pk"))
+    return list(models)
 
 
 async def _enabled_cached() -> tuple[EmbeddingModel, ...]:

@@ -20,7 +20,7 @@ PUBLIC_ID_LENGTH = 12
 SECRET_BYTES = 32
 # The public id has no "_", so the first "_" after it splits the key unambiguously; the secret is
 # url-safe base64 and may itself contain "_" or "-".
-KEY_PATTERN = re.compile(r"^emb_(?P<public_id>[a-z0-9]{12})_(?P<secret>[A-Za-z0-9_-]{20,100})$")
+KEY_PATTERN = re.compile(r"emb_(?P<public_id>[a-z0-9]{12})_(?P<secret>[A-Za-z0-9_-]{20,100})")
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 
@@ -30,7 +30,8 @@ def _secret_hash(secret: str) -> str:
 
 def parse_api_key(key: str) -> tuple[str, str] | None:
     """(public id, secret) of a well-formed key, else None."""
-    match = KEY_PATTERN.match(key)
+    # fullmatch, not match with "$": "$" also matches before a trailing newline.
+    match = KEY_PATTERN.fullmatch(key)
     return (match["public_id"], match["secret"]) if match else None
 
 
@@ -60,8 +61,10 @@ def api_key_for_secret(*, key: str) -> ApiKey | None:
     if parsed is None:
         return None
     public_id, secret = parsed
+    # Hash before the lookup so an unknown public id costs the same as a wrong secret.
+    presented_hash = _secret_hash(secret)
     api_key = ApiKey.objects.select_related("tenant").filter(public_id=public_id).first()
-    if api_key is None or not hmac.compare_digest(api_key.secret_hash, _secret_hash(secret)):
+    if api_key is None or not hmac.compare_digest(api_key.secret_hash, presented_hash):
         return None
     return api_key
 

@@ -1,0 +1,233 @@
+"""The Django admin (keys shown once, actions through services) and the management commands."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import pytest
+from django.contrib.admin.models import LogEntry
+from django.core.management import CommandError, call_command
+from django.urls import reverse
+
+from embeddings.models import ApiKey, EmbeddingModel, Tenant
+from embeddings.services.keys import api_key_create, api_key_for_secret, parse_api_key
+from embeddings.services.tenants import tenant_create
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def alpha() -> Tenant:
+    return tenant_create(name="Alpha")
+
+
+@pytest.fixture
+def beta() -> Tenant:
+    return tenant_create(name="Beta")
+
+
+def full_keys_in(text: str) -> list[str]:
+    return re.findall(r"emb_[a-z0-9]{12}_[A-Za-z0-9_-]{20,100}", text)
+
+
+def test_add_form_asks_only_for_tenant_name_and_expiry(admin_client, alpha):
+    response = admin_client.get(reverse("admin:embeddings_apikey_add") + f"?tenant={alpha.pk}")
+
+    assert response.status_code == 200
+    assert list(response.context["adminform"].form.fields) == ["tenant", "name", "expires_at"]
+
+
+def test_creating_a_key_shows_it_once_and_stores_only_the_hash(admin_client, alpha, caplog):
+    caplog.set_level("DEBUG")
+    response = admin_client.post(
+        reverse("admin:embeddings_apikey_add"),
+        {"tenant": alpha.pk, "name": "ci key", "expires_at_0": "", "expires_at_1": ""},
+    )
+
+    assert response.status_code == 200
+    body = response.content.decode()
+    (full_key,) = full_keys_in(body)  # on the page, exactly once
+    assert "shown only this once" in body
+    assert "no-store" in response["Cache-Control"]
+    # Nothing carries it to a later request: no redirect, no message cookie, no session.
+    assert not any(full_key in morsel.value for morsel in response.cookies.values())
+    assert full_key not in str(admin_client.session.items())
+    assert full_key not in caplog.text
+
+    api_key = ApiKey.objects.get()
+    assert (api_key.tenant, api_key.name) == (alpha, "ci key")
+    assert api_key_for_secret(key=full_key) == api_key
+    secret = parse_api_key(full_key)[1]
+    assert secret not in json.dumps(ApiKey.objects.values().get(), default=str)
+
+    # The history entry names the key without its secret.
+    entry = LogEntry.objects.get()
+    assert secret not in entry.object_repr and secret not in entry.change_message
+
+
+def test_the_key_is_never_shown_again(admin_client, alpha):
+    response = admin_client.post(
+        reverse("admin:embeddings_apikey_add"), {"tenant": alpha.pk, "name": "ci key"}
+    )
+    (full_key,) = full_keys_in(response.content.decode())
+    secret = parse_api_key(full_key)[1]
+    api_key = ApiKey.objects.get()
+
+    pages = [
+        reverse("admin:embeddings_apikey_change", args=[api_key.pk]),
+        reverse("admin:embeddings_apikey_changelist"),
+        reverse("admin:embeddings_tenant_change", args=[alpha.pk]),
+        reverse("admin:embeddings_apikey_history", args=[api_key.pk]),
+        reverse("admin:index"),
+    ]
+    for url in pages:
+        page = admin_client.get(url)
+        assert page.status_code == 200, url
+        assert secret not in page.content.decode(), url
+    # The change page does show what is stored: the public id and the hash, read-only.
+    change_page = admin_client.get(pages[0]).content.decode()
+    assert api_key.public_id in change_page and api_key.secret_hash in change_page
+    assert 'name="secret_hash"' not in change_page and 'name="public_id"' not in change_page
+
+
+def test_editing_a_key_keeps_its_secret(admin_client, alpha):
+    api_key, full_key = api_key_create(tenant=alpha, name="old name")
+
+    response = admin_client.post(
+        reverse("admin:embeddings_apikey_change", args=[api_key.pk]),
+        {"name": "new name", "expires_at_0": "", "expires_at_1": ""},
+    )
+
+    assert response.status_code == 302
+    api_key.refresh_from_db()
+    assert api_key.name == "new name"
+    assert api_key_for_secret(key=full_key) == api_key
+    assert ApiKey.objects.count() == 1
+
+
+def test_revoke_action(admin_client, alpha, beta):
+    first, _ = api_key_create(tenant=alpha, name="first")
+    second, _ = api_key_create(tenant=alpha, name="second")
+    kept, _ = api_key_create(tenant=beta, name="kept")
+
+    response = admin_client.post(
+        reverse("admin:embeddings_apikey_changelist"),
+        {"action": "revoke_keys", "_selected_action": [first.pk, second.pk]},
+        follow=True,
+    )
+
+    assert response.status_code == 200
+    assert "Revoked 2 key(s)." in response.content.decode()
+    for api_key in (first, second, kept):
+        api_key.refresh_from_db()
+    assert first.is_revoked() and second.is_revoked()
+    assert not kept.is_revoked()
+
+
+def test_deactivate_action(admin_client, alpha, beta):
+    response = admin_client.post(
+        reverse("admin:embeddings_tenant_changelist"),
+        {"action": "deactivate_tenants", "_selected_action": [alpha.pk]},
+        follow=True,
+    )
+
+    assert "Deactivated 1 tenant(s)." in response.content.decode()
+    alpha.refresh_from_db()
+    beta.refresh_from_db()
+    assert not alpha.is_active
+    assert beta.is_active
+
+
+def test_tenant_page_lists_its_keys_read_only(admin_client, alpha, beta):
+    alpha_key, _ = api_key_create(tenant=alpha, name="alpha-ci")
+    api_key_create(tenant=beta, name="beta-ci")
+
+    page = admin_client.get(reverse("admin:embeddings_tenant_change", args=[alpha.pk])).content.decode()
+
+    assert "alpha-ci" in page and alpha_key.prefix in page
+    assert "beta-ci" not in page
+    assert reverse("admin:embeddings_apikey_add") + f"?tenant={alpha.pk}" in page
+
+
+def test_changelists_search_and_filter(admin_client, alpha, beta):
+    api_key_create(tenant=alpha, name="alpha-ci")
+    revoked, _ = api_key_create(tenant=beta, name="beta-ci")
+    revoked.revoked_at = revoked.created_at
+    revoked.save(update_fields=["revoked_at"])
+    changelist = reverse("admin:embeddings_apikey_changelist")
+
+    found = admin_client.get(changelist, {"q": "alpha"})
+    assert [key.name for key in found.context["cl"].result_list] == ["alpha-ci"]
+    not_revoked = admin_client.get(changelist, {"revoked_at__isempty": "1"})
+    assert [key.name for key in not_revoked.context["cl"].result_list] == ["alpha-ci"]
+    tenants = admin_client.get(reverse("admin:embeddings_tenant_changelist"), {"q": "bet"})
+    assert [tenant.slug for tenant in tenants.context["cl"].result_list] == ["beta"]
+    models = admin_client.get(reverse("admin:embeddings_embeddingmodel_changelist"))
+    assert models.status_code == 200
+
+
+# --- Management commands ---------------------------------------------------------------------------
+
+
+def write_export(repository, *, dims: int = 384, max_tokens: int = 256) -> None:
+    version_dir = repository / "minilm" / "1"
+    version_dir.mkdir(parents=True, exist_ok=True)
+    (version_dir / "export.json").write_text(
+        json.dumps({"name": "minilm", "pooling": "mean", "dims": dims, "max_tokens": max_tokens})
+    )
+
+
+def test_register_local_model_is_idempotent(settings, tmp_path):
+    settings.TRITON_MODEL_REPOSITORY = tmp_path
+    write_export(tmp_path)
+
+    call_command("register_local_model", stdout=io.StringIO())
+    call_command("register_local_model", stdout=io.StringIO())
+
+    model = EmbeddingModel.objects.get()
+    assert (model.name, model.triton_model, model.dimensions, model.max_tokens) == (
+        "all-MiniLM-L6-v2",
+        "minilm",
+        384,
+        256,
+    )
+    assert "minilm" in model.aliases
+
+    write_export(tmp_path, max_tokens=512)  # a re-export updates the row, never duplicates it
+    call_command("register_local_model", stdout=io.StringIO())
+    assert EmbeddingModel.objects.get().max_tokens == 512
+
+
+def test_register_local_model_without_an_export_fails_clearly(settings, tmp_path):
+    settings.TRITON_MODEL_REPOSITORY = tmp_path
+    with pytest.raises(CommandError, match="export_model"):
+        call_command("register_local_model")
+
+
+def test_create_tenant_and_key_commands():
+    out = io.StringIO()
+    call_command("create_tenant", "--name", "Acme Corp", stdout=out)
+    assert out.getvalue().strip() == "acme-corp"
+
+    out, err = io.StringIO(), io.StringIO()
+    call_command("create_api_key", "--tenant", "acme-corp", "--expires-in-days", "30", stdout=out, stderr=err)
+
+    full_key = out.getvalue().strip()  # stdout is the key alone, for scripts
+    assert out.getvalue().count("\n") == 1
+    api_key = api_key_for_secret(key=full_key)
+    assert api_key is not None and api_key.tenant.slug == "acme-corp"
+    assert api_key.expires_at is not None
+    assert full_key not in err.getvalue()
+
+
+def test_create_api_key_for_an_unknown_tenant_fails():
+    with pytest.raises(CommandError, match="create_tenant"):
+        call_command("create_api_key", "--tenant", "nobody")
+
+
+def test_create_tenant_twice_fails_clearly():
+    call_command("create_tenant", "--name", "Acme", stdout=io.StringIO())
+    with pytest.raises(CommandError, match="Cannot create tenant"):
+        call_command("create_tenant", "--name", "Acme", stdout=io.StringIO())
