@@ -42,8 +42,21 @@ class Command(BaseCommand):
                 preexec_fn=die_with_parent,
             )  # fmt: skip
             base = f"http://{host}:{port}"
-            self.stdout.write(self.style.SUCCESS(f"embedsite on {base}  (health: {base}/health)"))
-            self.stdout.write('Try: python manage.py embed "hello"   Stop: Ctrl-C')
+            manage = f"{sys.executable} manage.py"
+            self.stdout.write(
+                self.style.SUCCESS(
+                    f"embedsite on {base}  ({workers} worker(s), Triton gRPC {triton.grpc_target})"
+                )
+            )
+            self.stdout.write(
+                f"  API docs   {base}/explorer/   {base}/redoc/   schema {base}/api/schema/\n"
+                f"  admin      {base}/admin/   (first: {manage} createsuperuser)\n"
+                f"  health     {base}/health   {base}/ready   {base}/metrics\n"
+                f"  first key  {manage} create_tenant --name Acme && {manage} create_api_key --tenant acme\n"
+                f'  embed      curl {base}/v1/embeddings -H "Authorization: Bearer $KEY" '
+                """-d '{"model": "all-MiniLM-L6-v2", "input": "hello"}'\n"""
+                "  Stop: Ctrl-C"
+            )
             while not stop.wait(0.5):
                 if triton.process is None or triton.process.poll() is not None:
                     raise CommandError(f"Triton exited unexpectedly; see {triton_log}")
