@@ -6,7 +6,7 @@ Thin: creating, revoking and deactivating go through the services the API and co
 from __future__ import annotations
 
 from django.contrib import admin, messages
-from django.db.models import Count, QuerySet
+from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import reverse
@@ -27,6 +27,27 @@ def api_key_status(api_key: ApiKey) -> str:
     if api_key.is_expired(timezone.now()):
         return "expired"
     return "active"
+
+
+class ApiKeyStatusFilter(admin.SimpleListFilter):
+    """Active, revoked or expired, as `api_key_status` says (revoked wins over expired)."""
+
+    title = "status"
+    parameter_name = "status"
+
+    def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin) -> list[tuple[str, str]]:
+        return [("active", "active"), ("revoked", "revoked"), ("expired", "expired")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> QuerySet[ApiKey]:
+        now = timezone.now()
+        not_revoked = queryset.filter(revoked_at__isnull=True)
+        if self.value() == "active":
+            return not_revoked.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        if self.value() == "revoked":
+            return queryset.filter(revoked_at__isnull=False)
+        if self.value() == "expired":
+            return not_revoked.filter(expires_at__lte=now)
+        return queryset
 
 
 class ApiKeyInline(admin.TabularInline):
@@ -77,7 +98,8 @@ class TenantAdmin(admin.ModelAdmin):
         url = reverse("admin:embeddings_apikey_add") + f"?tenant={tenant.pk}"
         return format_html('<a href="{}">Create an API key for this tenant</a>', url)
 
-    @admin.action(description="Deactivate selected tenants")
+    # Without `permissions`, Django offers an action to staff who may only view the changelist.
+    @admin.action(description="Deactivate selected tenants", permissions=["change"])
     def deactivate_tenants(self, request: HttpRequest, queryset: QuerySet[Tenant]) -> None:
         count = 0
         for tenant in queryset.filter(is_active=True):
@@ -98,11 +120,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "revoked_at",
         "last_used_at",
     )
-    list_filter = (
-        ("revoked_at", admin.EmptyFieldListFilter),
-        ("expires_at", admin.EmptyFieldListFilter),
-        "tenant",
-    )
+    list_filter = (ApiKeyStatusFilter, "tenant")
     list_select_related = ("tenant",)
     search_fields = ("name", "public_id", "tenant__name", "tenant__slug")
     autocomplete_fields = ("tenant",)
@@ -162,7 +180,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         add_never_cache_headers(response)
         return response
 
-    @admin.action(description="Revoke selected keys")
+    @admin.action(description="Revoke selected keys", permissions=["change"])
     def revoke_keys(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
         now = timezone.now()
         count = 0

@@ -5,14 +5,17 @@ from __future__ import annotations
 import io
 import json
 import re
+from datetime import timedelta
 
 import pytest
 from django.contrib.admin.models import LogEntry
+from django.contrib.auth.models import Permission, User
 from django.core.management import CommandError, call_command
 from django.urls import reverse
+from django.utils import timezone
 
 from embeddings.models import ApiKey, EmbeddingModel, Tenant
-from embeddings.services.keys import api_key_create, api_key_for_secret, parse_api_key
+from embeddings.services.keys import api_key_create, api_key_for_secret, api_key_revoke, parse_api_key
 from embeddings.services.tenants import tenant_create
 
 pytestmark = pytest.mark.django_db
@@ -160,12 +163,60 @@ def test_changelists_search_and_filter(admin_client, alpha, beta):
 
     found = admin_client.get(changelist, {"q": "alpha"})
     assert [key.name for key in found.context["cl"].result_list] == ["alpha-ci"]
-    not_revoked = admin_client.get(changelist, {"revoked_at__isempty": "1"})
+    not_revoked = admin_client.get(changelist, {"status": "active"})
     assert [key.name for key in not_revoked.context["cl"].result_list] == ["alpha-ci"]
     tenants = admin_client.get(reverse("admin:embeddings_tenant_changelist"), {"q": "bet"})
     assert [tenant.slug for tenant in tenants.context["cl"].result_list] == ["beta"]
     models = admin_client.get(reverse("admin:embeddings_embeddingmodel_changelist"))
     assert models.status_code == 200
+
+
+def test_status_filter_tells_active_revoked_and_expired_apart(admin_client, alpha):
+    now = timezone.now()
+    api_key_create(tenant=alpha, name="forever")
+    api_key_create(tenant=alpha, name="next-year", expires_at=now + timedelta(days=365))
+    api_key_create(tenant=alpha, name="lapsed", expires_at=now - timedelta(seconds=1))
+    revoked, _ = api_key_create(tenant=alpha, name="revoked-and-lapsed", expires_at=now - timedelta(days=1))
+    api_key_revoke(api_key=revoked)
+    changelist = reverse("admin:embeddings_apikey_changelist")
+
+    def names(status: str) -> set[str]:
+        response = admin_client.get(changelist, {"status": status})
+        assert response.status_code == 200
+        return {key.name for key in response.context["cl"].result_list}
+
+    assert names("active") == {"forever", "next-year"}
+    assert names("expired") == {"lapsed"}
+    assert names("revoked") == {"revoked-and-lapsed"}  # as the status column says: revoked wins
+    page = admin_client.get(changelist).content.decode()
+    assert "?status=expired" in page
+
+
+def test_staff_who_may_only_view_cannot_revoke_or_deactivate(client, alpha):
+    api_key, full_key = api_key_create(tenant=alpha, name="ci")
+    viewer = User.objects.create_user("viewer", password="pw", is_staff=True)
+    viewer.user_permissions.set(
+        Permission.objects.filter(
+            codename__in=["view_apikey", "view_tenant"], content_type__app_label="embeddings"
+        )
+    )
+    client.force_login(viewer)
+
+    keys = client.get(reverse("admin:embeddings_apikey_changelist"))
+    assert keys.status_code == 200 and "revoke_keys" not in keys.content.decode()
+    client.post(
+        reverse("admin:embeddings_apikey_changelist"),
+        {"action": "revoke_keys", "_selected_action": [api_key.pk]},
+    )
+    client.post(
+        reverse("admin:embeddings_tenant_changelist"),
+        {"action": "deactivate_tenants", "_selected_action": [alpha.pk]},
+    )
+
+    api_key.refresh_from_db()
+    alpha.refresh_from_db()
+    assert not api_key.is_revoked() and alpha.is_active
+    assert api_key_for_secret(key=full_key) == api_key
 
 
 # --- Management commands ---------------------------------------------------------------------------

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from asgiref.sync import async_to_sync
 
 from embeddings.models import EmbeddingModel
 from embeddings.services.catalog import (
+    embedding_model_cache_clear,
     embedding_model_for_name,
     embedding_model_register_local,
+    embedding_model_resolve,
     embedding_models_for_tenant,
 )
 from embeddings.services.tenants import tenant_create, tenant_deactivate, tenant_may_use_model
@@ -111,6 +114,28 @@ def test_register_local_model_reads_the_export(db, tmp_path):
     assert embedding_model_for_name(name="minilm") == model
 
 
+def test_register_local_model_is_idempotent_and_clears_the_request_path_cache(db, tmp_path, settings):
+    settings.MODEL_CACHE_SECONDS = 3600
+    write_export(tmp_path, max_tokens=256)
+    resolve = async_to_sync(embedding_model_resolve)
+    embedding_model_cache_clear()
+    assert resolve(name="minilm") is None  # the per-process cache now holds "no models"
+
+    first = embedding_model_register_local(repository=tmp_path)
+    assert resolve(name="minilm") == first  # served at once, not after MODEL_CACHE_SECONDS
+
+    write_export(tmp_path, max_tokens=512)
+    second = embedding_model_register_local(repository=tmp_path)
+    assert second.pk == first.pk and EmbeddingModel.objects.count() == 1
+    assert resolve(name="minilm").max_tokens == 512
+
+
 def test_register_local_model_needs_the_export(db, tmp_path):
     with pytest.raises(FileNotFoundError, match="export_model"):
         embedding_model_register_local(repository=tmp_path)
+
+
+def write_export(repository, *, max_tokens: int) -> None:
+    version_dir = repository / "minilm" / "1"
+    version_dir.mkdir(parents=True, exist_ok=True)
+    (version_dir / "export.json").write_text(json.dumps({"dims": 384, "max_tokens": max_tokens}))
