@@ -10,7 +10,7 @@ REQUIREMENTS := requirements.txt requirements-test.txt requirements-export.txt r
 MODEL_ONNX := model_repository/minilm/1/model.onnx
 PROTOCOL := embeddings/triton/protocol/grpc_service_pb2.py
 
-.PHONY: run test setup bench lint clean-venv
+.PHONY: run test setup bench bench-api lint clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
 run: setup
@@ -23,6 +23,12 @@ test: setup
 ## bench: client vs raw ONNX Runtime benchmark (table on stdout, JSON in bench/results/)
 bench: setup
 	$(PY) bench/triton_client.py
+
+## bench-api: the HTTP service's overhead, end-to-end ratio and ceiling (table, JSON, PNG plot)
+bench-api: setup
+	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
+	$(PIP) install -q -r requirements-bench.txt
+	$(PY) bench/api.py
 
 setup: $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated
 

@@ -1,0 +1,312 @@
+"""Benchmark the HTTP service: its own overhead, end-to-end throughput against raw ORT, and its ceiling.
+
+Run: `make bench-api` (or `.venv/bin/python bench/api.py [--quick]`). Starts its own Triton, a
+SQLite database and a uvicorn server on free ports, then measures in one run:
+
+1. The seed proxy's table: batch 8..256 through POST /v1/embeddings against `instant_1024` (a
+   test-only Triton model that returns 1024-d vectors at once): request latency p50/p90, the Triton
+   call time the service reports (Server-Timing `inference`), and processing = total - Triton, for
+   float and base64 responses.
+2. End-to-end throughput with the real MiniLM model at saturation (wrk, 16 connections; batch 8 and
+   32 short texts) against raw ONNX Runtime in this process on the same texts (16 threads sharing a
+   session): the ratio.
+3. The ceiling with the instant model: embeddings per second per server core, from the server
+   process's own CPU time (wrk and Triton share the machine, so wall-clock rates understate it).
+
+Writes bench/results/api.json and the plot docs/bench-api-processing.png. Needs `wrk` (Debian).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx2
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from triton_client import RawOnnxRuntime, make_texts, percentile  # noqa: E402
+
+SEED_RUST_PROCESSING_P90_MS = {8: 1.8, 16: 2.3, 32: 3.3, 64: 5.4, 128: 9.3, 256: 20.3}
+INSTANT_MODEL = "instant-1024"
+REAL_MODEL = "all-MiniLM-L6-v2"
+
+
+def server_timing_ms(header: str, name: str) -> float:
+    for part in header.split(","):
+        key, _, value = part.strip().partition(";dur=")
+        if key == name:
+            return float(value)
+    raise KeyError(name)
+
+
+def prepare_database(env: dict[str, str], triton_target: str) -> str:
+    """Migrate a fresh SQLite file, register the models and make a key; returns the key."""
+    manage = [sys.executable, str(ROOT / "manage.py")]
+    subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], env=env, check=True)
+    subprocess.run([*manage, "register_local_model"], env=env, check=True, stdout=subprocess.DEVNULL)
+    script = (
+        "from embeddings.models import EmbeddingModel as M; "
+        f"M.objects.update_or_create(name={INSTANT_MODEL!r}, defaults=dict(triton_model='instant_1024', "
+        "dimensions=1024, max_tokens=256, max_inputs_per_request=4096))"
+    )
+    subprocess.run([*manage, "shell", "-c", script], env=env, check=True)
+    subprocess.run(
+        [*manage, "create_tenant", "--name", "Bench"], env=env, check=True, stdout=subprocess.DEVNULL
+    )
+    created = subprocess.run(
+        [*manage, "create_api_key", "--tenant", "bench"], env=env, check=True, capture_output=True, text=True
+    )
+    return created.stdout.strip()
+
+
+class Server:
+    """uvicorn serving embedsite with one worker process."""
+
+    def __init__(self, env: dict[str, str], port: int) -> None:
+        self.port = port
+        self.process = subprocess.Popen(
+            [
+                sys.executable, "-m", "uvicorn", "embedsite.asgi:application", "--host", "127.0.0.1",
+                "--port", str(port), "--workers", "1", "--loop", "uvloop", "--http", "httptools",
+                "--no-access-log", "--log-level", "warning",
+            ],
+            env=env,
+            cwd=ROOT,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx2.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx2.HTTPError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("the server did not start")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def processing_table(server: Server, key: str, batches: list[int], requests: int) -> list[dict]:
+    texts = make_texts(256, 8, seed=3)
+    rows = []
+    with httpx2.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+        for encoding in ("float", "base64"):
+            for batch in batches:
+                body = {"model": INSTANT_MODEL, "input": texts[:batch], "encoding_format": encoding}
+                for _ in range(5):  # warm up
+                    http.post("/v1/embeddings", json=body).raise_for_status()
+                totals, tritons = [], []
+                for _ in range(requests):
+                    started = time.perf_counter()
+                    response = http.post("/v1/embeddings", json=body)
+                    totals.append((time.perf_counter() - started) * 1000)
+                    response.raise_for_status()
+                    tritons.append(server_timing_ms(response.headers["server-timing"], "inference"))
+                processing = [t - i for t, i in zip(totals, tritons, strict=True)]
+                row = {
+                    "encoding": encoding,
+                    "batch": batch,
+                    "bytes": len(response.content),
+                    "total_p50_ms": percentile(totals, 0.5),
+                    "total_p90_ms": percentile(totals, 0.9),
+                    "triton_p50_ms": percentile(tritons, 0.5),
+                    "processing_p50_ms": percentile(processing, 0.5),
+                    "processing_p90_ms": percentile(processing, 0.9),
+                    "seed_rust_processing_p90_ms": SEED_RUST_PROCESSING_P90_MS.get(batch),
+                }
+                rows.append(row)
+                print(
+                    f"{encoding:6} {batch:>5} | total p50 {row['total_p50_ms']:7.2f} "
+                    f"p90 {row['total_p90_ms']:7.2f} | triton p50 {row['triton_p50_ms']:6.2f} | "
+                    f"processing p50 {row['processing_p50_ms']:6.2f} p90 {row['processing_p90_ms']:6.2f} "
+                    f"(seed Rust p90 {row['seed_rust_processing_p90_ms']})",
+                    flush=True,
+                )
+    return rows
+
+
+def wrk(server: Server, key: str, body: dict, seconds: float, connections: int, workdir: Path) -> dict:
+    script = workdir / "post.lua"
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = {json.dumps(json.dumps(body))}\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f'wrk.headers["Authorization"] = "Bearer {key}"\n'
+        "done = function(summary, latency, requests)\n"
+        '  io.write(string.format("RESULT %d %d %d %d %f %f\\n", summary.requests, summary.errors.status, '
+        "summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout, "
+        "summary.duration, latency:percentile(50) / 1000, latency:percentile(90) / 1000))\n"
+        "end\n"
+    )
+    cpu_before = server.cpu_seconds()
+    output = subprocess.run(
+        ["wrk", "-t", "1", "-c", str(connections), "-d", f"{int(seconds)}s", "--timeout", "60s",
+         "-s", str(script), f"{server.url}/v1/embeddings"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    cpu = server.cpu_seconds() - cpu_before
+    line = next(line for line in output.splitlines() if line.startswith("RESULT"))
+    requests, status_errors, socket_errors, duration_us, p50, p90 = line.split()[1:]
+    rows = len(body["input"])
+    result = {
+        "requests": int(requests),
+        "errors": int(status_errors) + int(socket_errors),
+        "seconds": int(duration_us) / 1e6,
+        "p50_ms": float(p50),
+        "p90_ms": float(p90),
+        "server_cpu_s": cpu,
+    }
+    result["emb_per_s"] = result["requests"] * rows / result["seconds"]
+    result["emb_per_server_core_s"] = result["requests"] * rows / cpu if cpu > 0 else None
+    return result
+
+
+def raw_throughput(raw: RawOnnxRuntime, texts: list[str], seconds: float, threads: int) -> dict:
+    raw.embed(texts)
+    done = 0
+    lock = threading.Lock()
+    started = time.perf_counter()
+
+    def worker(_: int) -> None:
+        nonlocal done
+        while time.perf_counter() - started < seconds:
+            raw.embed(texts)
+            with lock:
+                done += 1
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(worker, range(threads)))
+    elapsed = time.perf_counter() - started
+    return {"requests": done, "seconds": elapsed, "emb_per_s": done * len(texts) / elapsed}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for encoding, marker in (("float", "o"), ("base64", "s")):
+        picked = [row for row in rows if row["encoding"] == encoding]
+        axis.plot([r["batch"] for r in picked], [r["processing_p90_ms"] for r in picked], marker=marker,
+                  label=f"embedsite, {encoding}")  # fmt: skip
+    seed = sorted(SEED_RUST_PROCESSING_P90_MS.items())
+    axis.plot(
+        [b for b, _ in seed], [ms for _, ms in seed], linestyle="--", marker="^", label="seed Rust proxy"
+    )
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("inputs per request (1024-d outputs)")
+    axis.set_ylabel("processing p90 (ms) = total - Triton")
+    axis.set_title("Service overhead per request")
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "api.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "bench-api-processing.png")
+    args = parser.parse_args()
+    if shutil.which("wrk") is None:
+        sys.exit("bench/api.py needs wrk: apt-get install wrk")
+    requests, seconds = (30, 3.0) if args.quick else (300, 15.0)
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
+    from embeddings.tokenization import TextTokenizer
+    from embeddings.triton.server import TritonServer, free_port
+
+    workdir = Path(tempfile.mkdtemp(prefix="embedsite-bench-api-"))
+    triton = TritonServer(
+        model_repositories=[ROOT / "model_repository", ROOT / "tests" / "triton_models"],
+        run_dir=workdir,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        metrics_port=free_port(),
+        log_path=workdir / "triton.log",
+    )
+    triton.start()
+    server = None
+    try:
+        triton.wait_until_ready(300)
+        env = {
+            **os.environ,
+            "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
+            "TRITON_SERVER_URL": triton.grpc_target,
+            "MAX_INFLIGHT_TRITON_CALLS": "256",
+            "LOG_LEVEL": "WARNING",
+        }
+        key = prepare_database(env, triton.grpc_target)
+        server = Server(env, free_port())
+        print("1. Service overhead (instant 1024-d model), sequential requests:", flush=True)
+        table = processing_table(server, key, [8, 16, 32, 64, 128, 256], requests)
+
+        print("\n3. Ceiling (instant model, wrk 16 connections, batch 32):", flush=True)
+        body = {"model": INSTANT_MODEL, "input": make_texts(32, 8, seed=5), "encoding_format": "base64"}
+        ceiling = wrk(server, key, body, seconds, 16, workdir)
+        print(
+            f"   {ceiling['emb_per_s']:.0f} emb/s wall clock, "
+            f"{ceiling['emb_per_server_core_s']:.0f} emb/s per server core "
+            f"(server CPU {ceiling['server_cpu_s']:.1f} s), errors {ceiling['errors']}",
+            flush=True,
+        )
+
+        print("\n2. End to end with MiniLM vs raw ONNX Runtime (16 concurrent):", flush=True)
+        model_dir = ROOT / "model_repository" / "minilm" / "1"
+        raw = RawOnnxRuntime(model_dir / "model.onnx", TextTokenizer.from_file(model_dir / "tokenizer.json"))
+        end_to_end = []
+        for batch in (8, 32):
+            texts = make_texts(batch, 8, seed=7)
+            http = wrk(server, key, {"model": REAL_MODEL, "input": texts}, seconds, 16, workdir)
+            reference = raw_throughput(raw, texts, seconds, 16)
+            ratio = http["emb_per_s"] / reference["emb_per_s"]
+            end_to_end.append({"batch": batch, "http": http, "raw": reference, "ratio": ratio})
+            print(
+                f"   batch {batch:>3}: HTTP {http['emb_per_s']:.0f} emb/s (p50 {http['p50_ms']:.0f} ms, "
+                f"errors {http['errors']}), raw ORT {reference['emb_per_s']:.0f} emb/s, ratio {ratio:.2f}",
+                flush=True,
+            )
+    finally:
+        if server is not None:
+            server.stop()
+        triton.stop()
+    result = {"processing": table, "ceiling": ceiling, "end_to_end": end_to_end, "cpus": os.cpu_count()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    plot(table, args.plot)
+    print(f"\nwritten {args.out} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
