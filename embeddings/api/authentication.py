@@ -9,18 +9,22 @@ at most a second, so a key created a moment ago works at once.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import DatabaseError
 from django.utils import timezone
 from rest_framework.request import Request
 
 from embeddings.api.errors import ApiError, Forbidden, ModelForbidden, Unauthorized
 from embeddings.models import ApiKey, EmbeddingModel
 from embeddings.services.keys import api_key_for_secret, api_key_touch, parse_api_key
+
+logger = logging.getLogger(__name__)
 
 NEGATIVE_CACHE_SECONDS = 1.0
 CACHE_MAX_ENTRIES = 10_000
@@ -118,6 +122,14 @@ class PrincipalCache:
 principal_cache = PrincipalCache()
 
 
+async def _touch(key_id: int) -> None:
+    """Best-effort bookkeeping: a busy or locked database must not fail the request it records."""
+    try:
+        await sync_to_async(api_key_touch)(api_key_id=key_id)
+    except DatabaseError as error:
+        logger.warning("could not record the use of API key %s: %s", key_id, error)
+
+
 class ApiKeyAuthentication:
     """DRF authentication class (awaited by embeddings.api.base.ApiView)."""
 
@@ -151,7 +163,7 @@ class ApiKeyAuthentication:
         if result.expires_at is not None and result.expires_at <= timezone.now():
             raise Unauthorized("This API key has expired.", code="api_key_expired")
         if principal_cache.should_touch(result.key_id):
-            await sync_to_async(api_key_touch)(api_key_id=result.key_id)
+            await _touch(result.key_id)
         return result, None
 
     def authenticate_header(self, request: Request) -> str:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.db import OperationalError
 from django.utils import timezone
 from rest_framework.request import Request
 from rest_framework.test import APIRequestFactory
@@ -275,6 +276,17 @@ async def test_last_used_is_recorded_at_most_once_a_minute(setup, monkeypatch):
     alpha_key = await ApiKey.objects.aget(pk=setup.alpha_key.pk)
     assert alpha_key.last_used_at is not None
     assert timezone.now() - alpha_key.last_used_at < timedelta(seconds=10)
+
+
+async def test_a_failed_last_used_update_does_not_fail_the_request(setup, monkeypatch, caplog):
+    def locked(**kwargs):
+        raise OperationalError("database table is locked: embeddings_apikey")
+
+    monkeypatch.setattr(authentication, "api_key_touch", locked)
+    principal, _ = await authenticate(f"Bearer {setup.alpha_secret}")
+
+    assert principal.key_id == setup.alpha_key.pk
+    assert "could not record the use of API key" in caplog.text
 
 
 async def test_model_allowed_and_forbidden(setup):
