@@ -20,6 +20,8 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
+from embeddings import metrics  # noqa: E402
+
 
 class LeanASGIHandler(ASGIHandler):
     """Django's ASGI handler with settings.API_MIDDLEWARE instead of settings.MIDDLEWARE."""
@@ -43,4 +45,4 @@ async def http_router(scope, receive, send):
     await app(scope, receive, send)
 
 
-application = ProtocolTypeRouter({"http": http_router})
+application = ProtocolTypeRouter({"http": http_router, "lifespan": metrics.lifespan})

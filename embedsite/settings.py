@@ -114,6 +114,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    "django_prometheus",
     "embeddings",
 ]
 
@@ -127,6 +128,10 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+
+# django-prometheus's PrometheusBeforeMiddleware/PrometheusAfterMiddleware are deliberately absent:
+# they are sync MiddlewareMixins, two thread hops per request on our async path (see asgi.py).
+# Request metrics are recorded by ApiView and the embedding service instead (embeddings/metrics.py).
 
 # API routes (and health checks) run with this lean, async-only stack instead (embedsite/asgi.py).
 API_MIDDLEWARE = ["embeddings.api.middleware.ArrivalTimeMiddleware"]
@@ -193,6 +198,9 @@ SPECTACULAR_SETTINGS = {
     ),
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # The schema and docs pages are public. DRF's default authenticator (our API key class) is a
+    # coroutine that drf-spectacular's sync views cannot call.
+    "SERVE_AUTHENTICATION": [],
     "COMPONENT_SPLIT_REQUEST": True,
     # Swagger UI and ReDoc from the drf-spectacular-sidecar package: no CDN (deployments may be offline).
     "SWAGGER_UI_DIST": "SIDECAR",
@@ -246,6 +254,12 @@ TRITON_METRICS_PORT = env_int("TRITON_METRICS_PORT", 8002, minimum=1)
 TRITON_MODEL_CONFIG_NAME = env_str("TRITON_MODEL_CONFIG_NAME", "")
 TRITON_STARTUP_TIMEOUT_S = env_float("TRITON_STARTUP_TIMEOUT_S", 180.0, minimum=1)
 RUN_DIR = Path(env_str("EMBEDSITE_RUN_DIR", str(BASE_DIR / ".run")))
+
+# --- Readiness (/ready) ------------------------------------------------------------------------
+# Each check (Triton, the default model, the database, Redis) gets at most this long.
+READY_CHECK_TIMEOUT_S = env_float("READY_CHECK_TIMEOUT_S", 2.0, minimum=0.05)
+# Redis joins the stack with async jobs; until then /ready does not require it.
+READY_CHECK_REDIS = env_bool("READY_CHECK_REDIS", False)
 
 # --- Celery (jobs arrive in a later issue) -----------------------------------------------------
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6390/0")

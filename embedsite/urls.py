@@ -2,17 +2,26 @@
 
 from django.contrib import admin
 from django.urls import include, path
+from django_prometheus.exports import ExportToDjangoView
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
-from embeddings.api import views
+from embeddings.api import health
 from embeddings.api.errors import json_not_found, json_server_error
 
 urlpatterns = [
     path("", include("embeddings.api.urls")),
-    path("health", views.health, name="health"),
+    path("health", health.health, name="health"),
+    path("ready", health.ready, name="ready"),
+    # Sums the worker processes' values when PROMETHEUS_MULTIPROC_DIR is set (runstack sets it).
+    path("metrics", ExportToDjangoView, name="prometheus-django-metrics"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("explorer/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
-    path("redoc/", SpectacularRedocView.as_view(url_name="schema"), name="redoc"),
+    # Our template drops the stock one's Google Fonts links: the docs work offline.
+    path(
+        "redoc/",
+        SpectacularRedocView.as_view(url_name="schema", template_name="api_docs/redoc.html"),
+        name="redoc",
+    ),
     path("admin/", admin.site.urls),
 ]
 

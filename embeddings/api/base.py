@@ -8,6 +8,8 @@ renders every failure through `embeddings.api.errors`.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from adrf.views import APIView
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -15,6 +17,7 @@ from rest_framework.response import Response
 from embeddings.api.authentication import ApiKeyAuthentication
 from embeddings.api.errors import ApiError, as_api_error
 from embeddings.api.rendering import OrjsonParser, OrjsonRenderer
+from embeddings.metrics import request_observed
 
 
 def error_response(error: ApiError) -> Response:
@@ -27,6 +30,10 @@ class ApiView(APIView):
     throttle_classes: list = []
     renderer_classes = [OrjsonRenderer]
     parser_classes = [OrjsonParser]
+    # The `endpoint` label of this view's metrics.
+    endpoint: ClassVar[str] = "other"
+    # The catalog model the request resolved to (set by the view), for the `model` label.
+    model_name: str = ""
 
     async def async_dispatch(self, request, *args, **kwargs):
         self.args = args
@@ -45,6 +52,7 @@ class ApiView(APIView):
         except Exception as exc:  # every failure becomes an API error response, never a 500 page
             response = self.handle_exception(exc)
         self.response = self.finalize_response(request, response, *args, **kwargs)
+        request_observed(endpoint=self.endpoint, model=self.model_name, status=self.response.status_code)
         return self.response
 
     async def authenticate(self, request: Request) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import orjson
 from django.conf import settings
 from rest_framework.parsers import BaseParser
 from rest_framework.renderers import BaseRenderer
 
 from embeddings.api.errors import BadRequest, PayloadTooLarge
+from embeddings.metrics import SERIALIZATION_SECONDS
 
 ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 
@@ -22,7 +25,15 @@ class OrjsonRenderer(BaseRenderer):
     charset = None  # JSON is UTF-8 by definition; no charset parameter
 
     def render(self, data, accepted_media_type=None, renderer_context=None) -> bytes:
-        return b"" if data is None else dumps(data)
+        if data is None:
+            return b""
+        started = time.perf_counter()
+        body = dumps(data)
+        view = (renderer_context or {}).get("view")
+        SERIALIZATION_SECONDS.labels(getattr(view, "endpoint", "other")).observe(
+            time.perf_counter() - started
+        )
+        return body
 
 
 class OrjsonParser(BaseParser):

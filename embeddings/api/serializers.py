@@ -172,10 +172,24 @@ class UsageSerializer(serializers.Serializer):
     total_tokens = serializers.IntegerField()
 
 
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "array", "items": {"type": "number", "format": "float"}},
+            {"type": "string", "format": "byte"},
+        ],
+        "description": "A float array, or with encoding_format=base64 the base64 of the vector's "
+        "little-endian float32 bytes.",
+    }
+)
+class EmbeddingVectorField(serializers.JSONField):
+    """Documentation only: responses are rendered straight from numpy arrays."""
+
+
 class EmbeddingObjectSerializer(serializers.Serializer):
     object = serializers.CharField(default="embedding")
     index = serializers.IntegerField()
-    embedding = serializers.JSONField(help_text="float array, or a base64 string with encoding_format=base64")
+    embedding = EmbeddingVectorField()
 
 
 class OpenAIEmbeddingsResponse(serializers.Serializer):
@@ -183,6 +197,12 @@ class OpenAIEmbeddingsResponse(serializers.Serializer):
     data = EmbeddingObjectSerializer(many=True)
     model = serializers.CharField()
     usage = UsageSerializer()
+
+
+class SeedQuerySerializer(serializers.Serializer):
+    """One item of the seed endpoint's request body (documentation; SeedQueriesField validates)."""
+
+    query = serializers.CharField(allow_blank=True)
 
 
 class SeedEmbeddingSerializer(serializers.Serializer):

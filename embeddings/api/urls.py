@@ -8,7 +8,7 @@ urlpatterns = [
     path("v1/embeddings", views.OpenAIEmbeddingsView.as_view(), name="openai-embeddings"),
     path("v1/embedding", views.SeedEmbeddingView.as_view(), name="seed-embedding"),
     path("api/v1/embed", views.TeiEmbedView.as_view(), name="tei-embed"),
-    path("embed", views.TeiEmbedView.as_view(), name="tei-embed-short"),
+    path("embed", views.TeiEmbedShortView.as_view(), name="tei-embed-short"),
     path("v1/models", views.ModelListView.as_view(), name="models"),
     # Model ids may contain "/" (e.g. sentence-transformers/all-MiniLM-L6-v2).
     path("v1/models/<path:model_id>", views.ModelDetailView.as_view(), name="model-detail"),

@@ -8,16 +8,33 @@ import time
 
 import numpy as np
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse
-from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+)
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from embeddings.api import serializers as s
 from embeddings.api.authentication import ApiPrincipal, ensure_model_allowed
 from embeddings.api.base import ApiView
-from embeddings.api.errors import ModelNotFound, ValidationFailed
+from embeddings.api.errors import (
+    ApiError,
+    BadRequest,
+    Forbidden,
+    ModelNotFound,
+    PayloadTooLarge,
+    RateLimited,
+    Unauthorized,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    ValidationFailed,
+)
 from embeddings.api.middleware import ARRIVED
+from embeddings.metrics import embedded_observed
 from embeddings.models import EmbeddingModel
 from embeddings.services import catalog
 from embeddings.services.embedding import (
@@ -29,20 +46,40 @@ from embeddings.services.embedding import (
 
 logger = logging.getLogger("embeddings.requests")
 
+
+def _error_response(description: str, error: ApiError) -> OpenApiResponse:
+    """A documented error status, its example built by the class that renders it."""
+    example = OpenApiExample(type(error).__name__, value=error.body(), response_only=True)
+    return OpenApiResponse(s.ErrorSerializer, description=description, examples=[example])
+
+
 ERRORS = {
-    code: OpenApiResponse(s.ErrorSerializer, description=description)
-    for code, description in {
-        400: "Malformed JSON",
-        401: "Missing, unknown, revoked or expired API key",
-        403: "Inactive tenant, or a model this key may not use",
-        404: "Unknown model",
-        413: "Body, inputs or tokens over a limit (or an input too long with truncation off)",
-        422: "Invalid fields",
-        429: "Overloaded: retry after Retry-After seconds",
-        503: "The model server is unavailable",
-        504: "The model server missed its deadline",
-    }.items()
+    400: _error_response("Malformed JSON", BadRequest("The request body is not valid JSON: ...")),
+    401: _error_response("Missing, unknown, revoked or expired API key", Unauthorized()),
+    403: _error_response("Inactive tenant, or a model this key may not use", Forbidden()),
+    404: _error_response(
+        "Unknown model",
+        ModelNotFound("The model 'nope' does not exist or you do not have access to it.", param="model"),
+    ),
+    413: _error_response(
+        "Body, inputs or tokens over a limit (or an input too long with truncation off)",
+        PayloadTooLarge("3000 inputs in one request; this model takes at most 2048", param="input"),
+    ),
+    422: _error_response(
+        "Invalid fields",
+        ValidationFailed(
+            "input: must be a string, an array of strings, an array of token ids or an array of "
+            "arrays of token ids",
+            param="input",
+        ),
+    ),
+    429: _error_response("Overloaded: retry after the Retry-After header's seconds", RateLimited()),
+    503: _error_response("The model server is unavailable", UpstreamUnavailable()),
+    504: _error_response("The model server missed its deadline", UpstreamTimeout()),
 }
+AUTH_ERRORS = {code: ERRORS[code] for code in (401, 403)}
+# Shortened vectors for examples (real ones have the model's dimensions, e.g. 384).
+EXAMPLE_VECTOR = [0.0123, -0.0456, 0.0789]
 
 
 def validated(serializer_class: type, data: object) -> dict:
@@ -53,14 +90,18 @@ def validated(serializer_class: type, data: object) -> dict:
     return serializer.validated_data
 
 
-async def model_for_request(principal: ApiPrincipal, name: str | None) -> EmbeddingModel:
-    """The model a request names (or the default), which this key must be allowed to use."""
+async def model_for_request(view: ApiView, name: str | None) -> EmbeddingModel:
+    """The model a request names (or the default), which this key must be allowed to use.
+
+    The view's metrics are labelled with it from here on (errors included).
+    """
     model = await catalog.embedding_model_resolve(name=name or settings.DEFAULT_EMBEDDING_MODEL)
     if model is None:
         raise ModelNotFound(
             f"The model {name!r} does not exist or you do not have access to it.", param="model"
         )
-    ensure_model_allowed(principal, model)
+    view.model_name = model.name
+    ensure_model_allowed(view.request.user, model)
     return model
 
 
@@ -68,6 +109,9 @@ def log_request(
     request: Request, endpoint: str, model: EmbeddingModel, result: EmbeddingResult, user: str = ""
 ):
     principal: ApiPrincipal = request.user
+    embedded_observed(
+        endpoint=endpoint, model=model.name, inputs=len(result.token_counts), tokens=result.total_tokens
+    )
     logger.info(
         "embed endpoint=%s tenant=%s key=%s model=%s inputs=%d tokens=%d inference_ms=%.1f user=%s",
         endpoint,
@@ -100,6 +144,8 @@ def base64_rows(vectors: np.ndarray) -> list[str]:
 
 
 class OpenAIEmbeddingsView(ApiView):
+    endpoint = "openai"
+
     @extend_schema(
         operation_id="create_embeddings",
         summary="Create embeddings (OpenAI-compatible)",
@@ -111,13 +157,37 @@ class OpenAIEmbeddingsView(ApiView):
                 "Two texts",
                 value={"model": "all-MiniLM-L6-v2", "input": ["hello", "world"], "encoding_format": "float"},
                 request_only=True,
-            )
+            ),
+            OpenApiExample(
+                "Token ids, base64, 64 dimensions",
+                value={
+                    "model": "all-MiniLM-L6-v2",
+                    "input": [[7592, 2088]],
+                    "encoding_format": "base64",
+                    "dimensions": 64,
+                },
+                request_only=True,
+            ),
+            OpenApiExample(
+                "Floats",
+                value={
+                    "object": "list",
+                    "data": [
+                        {"object": "embedding", "index": 0, "embedding": EXAMPLE_VECTOR},
+                        {"object": "embedding", "index": 1, "embedding": EXAMPLE_VECTOR},
+                    ],
+                    "model": "all-MiniLM-L6-v2",
+                    "usage": {"prompt_tokens": 2, "total_tokens": 2},
+                },
+                response_only=True,
+                status_codes=["200"],
+            ),
         ],
         tags=["embeddings"],
     )
     async def post(self, request: Request) -> Response:
         params = validated(s.OpenAIEmbeddingsRequest, request.data)
-        model = await model_for_request(request.user, params["model"])
+        model = await model_for_request(self, params["model"])
         parsed: s.ParsedInput = params["input"]
         result = await embeddings_create(
             target=EmbeddingTarget.for_model(model),
@@ -125,7 +195,7 @@ class OpenAIEmbeddingsView(ApiView):
             token_ids=parsed.token_ids,
             options=EmbeddingOptions(dimensions=params.get("dimensions")),
         )
-        log_request(request, "openai", model, result, params.get("user", ""))
+        log_request(request, self.endpoint, model, result, params.get("user", ""))
         if params["encoding_format"] == "base64":
             embeddings = base64_rows(result.vectors)
         else:
@@ -137,41 +207,68 @@ class OpenAIEmbeddingsView(ApiView):
 
 
 class SeedEmbeddingView(ApiView):
+    endpoint = "seed"
+
     @extend_schema(
         operation_id="create_embedding_seed",
         summary="Embed queries (the seed proxy's shape)",
         description='`[{"query": "..."}, ...]` → `[{"embedding": [...]}, ...]`, with the default model.',
-        request={"application/json": s.SeedQueriesField},
+        request=s.SeedQuerySerializer(many=True),
         responses={200: s.SeedEmbeddingSerializer(many=True), **ERRORS},
-        tags=["embeddings"],
-    )
-    async def post(self, request: Request) -> Response:
-        texts = s.SeedQueriesField().run_validation(request.data)
-        model = await model_for_request(request.user, None)
-        result = await embeddings_create(target=EmbeddingTarget.for_model(model), texts=texts)
-        log_request(request, "seed", model, result)
-        return embedding_response([{"embedding": vector} for vector in result.vectors], result)
-
-
-class TeiEmbedView(ApiView):
-    @extend_schema(
-        operation_id="embed",
-        summary="Embed inputs (TEI-like shape, with timings)",
-        request=s.TeiEmbedRequest,
-        responses={200: s.TeiEmbedResponse, **ERRORS},
         examples=[
+            OpenApiExample("Two queries", value=[{"query": "hello"}, {"query": "world"}], request_only=True),
             OpenApiExample(
-                "A query with a prompt",
-                value={"inputs": ["What is Deep Learning?"], "truncate": True, "normalize": True},
-                request_only=True,
-            )
+                "Two embeddings",
+                value=[{"embedding": EXAMPLE_VECTOR}, {"embedding": EXAMPLE_VECTOR}],
+                response_only=True,
+                status_codes=["200"],
+            ),
         ],
         tags=["embeddings"],
     )
     async def post(self, request: Request) -> Response:
+        texts = s.SeedQueriesField().run_validation(request.data)
+        model = await model_for_request(self, None)
+        result = await embeddings_create(target=EmbeddingTarget.for_model(model), texts=texts)
+        log_request(request, self.endpoint, model, result)
+        return embedding_response([{"embedding": vector} for vector in result.vectors], result)
+
+
+TEI_EMBED_SCHEMA = dict(
+    request=s.TeiEmbedRequest,
+    responses={200: s.TeiEmbedResponse, **ERRORS},
+    examples=[
+        OpenApiExample(
+            "A query with a prompt",
+            value={"inputs": ["What is Deep Learning?"], "truncate": True, "normalize": True},
+            request_only=True,
+        ),
+        OpenApiExample(
+            "One embedding with timings",
+            value={
+                "data": [{"embedding": EXAMPLE_VECTOR, "index": 0}],
+                "model": "all-MiniLM-L6-v2",
+                "usage": {"prompt_tokens": 8, "total_tokens": 8},
+                "timings": {"tokenization": 0.05, "queue": 0.12, "inference": 2.4},
+            },
+            response_only=True,
+            status_codes=["200"],
+        ),
+    ],
+    tags=["embeddings"],
+)
+
+
+class TeiEmbedView(ApiView):
+    endpoint = "tei"
+
+    @extend_schema(
+        operation_id="embed", summary="Embed inputs (TEI-like shape, with timings)", **TEI_EMBED_SCHEMA
+    )
+    async def post(self, request: Request) -> Response:
         arrived = request._request.META.get(ARRIVED, time.perf_counter())
         params = validated(s.TeiEmbedRequest, request.data)
-        model = await model_for_request(request.user, params.get("model"))
+        model = await model_for_request(self, params.get("model"))
         queue_s = time.perf_counter() - arrived
         result = await embeddings_create(
             target=EmbeddingTarget.for_model(model),
@@ -184,7 +281,7 @@ class TeiEmbedView(ApiView):
                 prompt_name=params.get("prompt_name"),
             ),
         )
-        log_request(request, "tei", model, result)
+        log_request(request, self.endpoint, model, result)
         return embedding_response(
             {
                 "data": [{"embedding": vector, "index": i} for i, vector in enumerate(result.vectors)],
@@ -200,6 +297,31 @@ class TeiEmbedView(ApiView):
         )
 
 
+class TeiEmbedShortView(TeiEmbedView):
+    """The same endpoint at the seed's short path, documented as its own operation."""
+
+    # Its own async method: drf-spectacular's extend_schema_view would wrap the inherited one in a
+    # sync function, which adrf then refuses to await.
+    @extend_schema(
+        operation_id="embed_short",
+        summary="Embed inputs (TEI-like shape; `/embed` alias)",
+        **TEI_EMBED_SCHEMA,
+    )
+    async def post(self, request: Request) -> Response:
+        return await super().post(request)
+
+
+MODEL_EXAMPLE = {
+    "id": "all-MiniLM-L6-v2",
+    "object": "model",
+    "created": 1767225600,
+    "owned_by": "embedsite",
+    "dimensions": 384,
+    "max_tokens": 256,
+    "aliases": ["minilm", "sentence-transformers/all-MiniLM-L6-v2"],
+}
+
+
 def model_object(model: EmbeddingModel) -> dict:
     return {
         "id": model.name,
@@ -213,10 +335,20 @@ def model_object(model: EmbeddingModel) -> dict:
 
 
 class ModelListView(ApiView):
+    endpoint = "models"
+
     @extend_schema(
         operation_id="list_models",
         summary="Models this key may use",
-        responses={200: s.ModelListSerializer, 401: ERRORS[401], 403: ERRORS[403]},
+        responses={200: s.ModelListSerializer, **AUTH_ERRORS},
+        examples=[
+            OpenApiExample(
+                "The local model",
+                value={"object": "list", "data": [MODEL_EXAMPLE]},
+                response_only=True,
+                status_codes=["200"],
+            )
+        ],
         tags=["models"],
     )
     async def get(self, request: Request) -> Response:
@@ -225,17 +357,25 @@ class ModelListView(ApiView):
 
 
 class ModelDetailView(ApiView):
+    endpoint = "model"
+
     @extend_schema(
         operation_id="retrieve_model",
         summary="One model",
-        responses={200: s.ModelObjectSerializer, 401: ERRORS[401], 403: ERRORS[403], 404: ERRORS[404]},
+        parameters=[
+            OpenApiParameter(
+                "model_id",
+                OpenApiTypes.STR,
+                OpenApiParameter.PATH,
+                description="A model id or alias; it may contain `/`.",
+            )
+        ],
+        responses={200: s.ModelObjectSerializer, **AUTH_ERRORS, 404: ERRORS[404]},
+        examples=[
+            OpenApiExample("The local model", value=MODEL_EXAMPLE, response_only=True, status_codes=["200"])
+        ],
         tags=["models"],
     )
     async def get(self, request: Request, model_id: str) -> Response:
-        model = await model_for_request(request.user, model_id)
+        model = await model_for_request(self, model_id)
         return Response(model_object(model))
-
-
-async def health(request: HttpRequest) -> HttpResponse:
-    """Liveness: the process answers. Readiness (Triton, database) is /ready."""
-    return HttpResponse("ok", content_type="text/plain")

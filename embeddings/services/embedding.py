@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from django.conf import settings
 
+from embeddings.metrics import TOKENIZATION_SECONDS, TRITON_IN_FLIGHT, triton_call_observed
 from embeddings.services.errors import InvalidRequest, LimitExceeded, Overloaded
 from embeddings.services.inference import model_tokenizer, triton_async_client, triton_sync_client
 from embeddings.tokenization import TextTokenizer, TokenizedBatch, TruncationDirection
@@ -112,10 +113,12 @@ class InflightGate:
                 retry_after_s=1,
             )
         self.in_flight += 1
+        TRITON_IN_FLIGHT.inc()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.in_flight -= 1
+        TRITON_IN_FLIGHT.dec()
 
 
 # The event loop runs one coroutine at a time, so the async path needs no lock around the count.
@@ -152,7 +155,9 @@ def _tokenize(
             f"{target.max_total_tokens}",
             param="input",
         )
-    return batch, tokenizer, time.perf_counter() - started
+    elapsed = time.perf_counter() - started
+    TOKENIZATION_SECONDS.labels(target.triton_model).observe(elapsed)
+    return batch, tokenizer, elapsed
 
 
 def _takes_text(spec: ModelSpec, token_ids: object) -> bool:
@@ -218,7 +223,7 @@ async def embeddings_create(
     texts = _with_prompt(target, texts, options)
     batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
     client = triton_async_client()
-    with inflight_gate:
+    with inflight_gate, triton_call_observed(target.triton_model):
         started = time.perf_counter()
         version = target.triton_version
         if _takes_text(await client.model_metadata(target.triton_model, version), token_ids):
@@ -250,20 +255,21 @@ def embeddings_create_sync(
     texts = _with_prompt(target, texts, options)
     batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
     client = triton_sync_client()
-    started = time.perf_counter()
-    version = target.triton_version
-    if _takes_text(client.model_metadata(target.triton_model, version), token_ids):
-        vectors = client.embed_texts(
-            target.triton_model, list(texts or ()), version=version, output_name=settings.OUTPUT_NAME
-        )
-    else:
-        vectors = client.embed_tokens(
-            target.triton_model,
-            batch.input_ids,
-            batch.attention_mask,
-            version=version,
-            output_name=settings.OUTPUT_NAME,
-        )
-    inference_s = time.perf_counter() - started
+    with triton_call_observed(target.triton_model):
+        started = time.perf_counter()
+        version = target.triton_version
+        if _takes_text(client.model_metadata(target.triton_model, version), token_ids):
+            vectors = client.embed_texts(
+                target.triton_model, list(texts or ()), version=version, output_name=settings.OUTPUT_NAME
+            )
+        else:
+            vectors = client.embed_tokens(
+                target.triton_model,
+                batch.input_ids,
+                batch.attention_mask,
+                version=version,
+                output_name=settings.OUTPUT_NAME,
+            )
+        inference_s = time.perf_counter() - started
     vectors = _postprocess(target, vectors, options)
     return EmbeddingResult(target.triton_model, vectors, batch.token_counts, tokenization_s, inference_s)

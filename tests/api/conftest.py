@@ -1,8 +1,15 @@
-"""API fixtures: the real ASGI application (in process) backed by the real Triton, two tenants."""
+"""API fixtures: the real ASGI application (in process) backed by the real Triton, two tenants, and
+a real multi-worker uvicorn (`uvicorn_server`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +20,9 @@ from embeddings.models import ApiKey, EmbeddingModel, Tenant
 from embeddings.services.catalog import embedding_model_register_local
 from embeddings.services.keys import api_key_create
 from embeddings.services.tenants import tenant_create
+from embeddings.triton.server import die_with_parent, free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -64,3 +74,106 @@ async def client(api_setup) -> AsyncIterator[httpx2.AsyncClient]:
     transport = httpx2.ASGITransport(app=application)
     async with httpx2.AsyncClient(transport=transport, base_url="http://testserver") as http:
         yield http
+
+
+# --- A real server over a real socket ------------------------------------------------------------
+
+
+@dataclass
+class LiveServer:
+    """uvicorn with several worker processes, its own sqlite database and a tenant's key."""
+
+    base_url: str
+    api_key: str
+    prometheus_dir: Path
+    process: subprocess.Popen
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+
+def _manage(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"manage.py {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout.strip()
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (the workers too), SIGKILL whatever is left after 15 s."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=15)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def uvicorn_server(triton_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """`uvicorn --workers 2` as in production (runstack), backed by the test Triton.
+
+    PROMETHEUS_MULTIPROC_DIR is set as runstack sets it, so /metrics sums both workers.
+    """
+    workdir = tmp_path_factory.mktemp("uvicorn_server")
+    prometheus_dir = workdir / "prometheus"
+    prometheus_dir.mkdir()
+    port = free_port()
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "embedsite.settings",
+        "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
+        "TRITON_SERVER_URL": triton_server.grpc_target,
+        "SERVER_PORT": str(port),
+    }
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    _manage(env, "migrate", "--noinput")
+    _manage(env, "register_local_model")
+    _manage(env, "create_tenant", "--name", "Live", "--slug", "live")
+    api_key = _manage(env, "create_api_key", "--tenant", "live")
+    # Only the server's workers write there (as with runstack), so their files can be counted.
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(prometheus_dir)
+    log = (workdir / "uvicorn.log").open("wb")
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "uvicorn", "embedsite.asgi:application",
+            "--host", "127.0.0.1", "--port", str(port), "--workers", "2",
+            "--loop", "uvloop", "--http", "httptools", "--no-access-log",
+        ],
+        cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True, preexec_fn=die_with_parent,
+    )  # fmt: skip
+    try:
+        server = LiveServer(f"http://127.0.0.1:{port}", api_key, prometheus_dir, process)
+        _wait_until_serving(server, workdir / "uvicorn.log")
+        yield server
+    finally:
+        _stop(process)
+        log.close()
+
+
+def _wait_until_serving(server: LiveServer, log_path: Path, timeout_s: float = 120.0) -> None:
+    """Until both workers have started (each creates its live-gauge file when it imports our
+    metrics) and the server answers /health."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"uvicorn exited with {server.process.returncode}:\n{log_path.read_text()[-4000:]}")
+        workers = len(list(server.prometheus_dir.glob("gauge_livesum_*.db")))
+        if workers == 2:
+            try:
+                if httpx2.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx2.TransportError:
+                pass
+        time.sleep(0.2)
+    pytest.fail(f"uvicorn did not start within {timeout_s} s:\n{log_path.read_text()[-4000:]}")

@@ -1,15 +1,27 @@
 """Run the whole local service: Triton, then the ASGI server (uvicorn); Ctrl-C stops both."""
 
+import os
 import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from embeddings.services.local_triton import local_triton_server
 from embeddings.triton.server import TritonServerError, die_with_parent
+
+
+def fresh_prometheus_dir() -> Path:
+    """PROMETHEUS_MULTIPROC_DIR (default .run/prometheus), emptied: values of a previous run's
+    processes must not be summed into this one's."""
+    path = Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or settings.RUN_DIR / "prometheus")
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):
+        stale.unlink()
+    return path
 
 
 class Command(BaseCommand):
@@ -32,12 +44,16 @@ class Command(BaseCommand):
             triton.start()
             triton.wait_until_ready(settings.TRITON_STARTUP_TIMEOUT_S)
             self.stdout.write(f"Triton ready: gRPC {triton.grpc_target}")
+            # Set before the workers import prometheus_client: each writes its values to files
+            # there, and /metrics (whichever worker answers) sums them.
+            web_env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(fresh_prometheus_dir())}
             web = subprocess.Popen(
                 [
                     sys.executable, "-m", "uvicorn", "embedsite.asgi:application",
                     "--host", host, "--port", str(port), "--workers", str(workers),
                     "--loop", "uvloop", "--http", "httptools", "--no-access-log",
                 ],
+                env=web_env,
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )  # fmt: skip

@@ -1,0 +1,118 @@
+"""Liveness (/health) and readiness (/ready) for load balancers and orchestrators; no API key.
+
+/health says the process answers. /ready says this process can serve embeddings now: Triton is
+ready, the default model is ready in Triton, the database answers, and Redis answers when
+READY_CHECK_REDIS is on. Every check runs concurrently under READY_CHECK_TIMEOUT_S, so /ready
+answers within about that long whatever is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import connection
+from django.http import HttpRequest, HttpResponse, JsonResponse
+
+from embeddings.services import catalog
+from embeddings.services.inference import triton_async_client
+
+logger = logging.getLogger(__name__)
+
+
+class NotReady(Exception):
+    """A dependency answered, but is not ready (the message says how)."""
+
+
+async def health(request: HttpRequest) -> HttpResponse:
+    """Liveness: the process answers. Readiness (Triton, database) is /ready."""
+    return HttpResponse("ok", content_type="text/plain")
+
+
+async def _default_triton_model() -> tuple[str, str]:
+    """The Triton model (name, version) behind DEFAULT_EMBEDDING_MODEL."""
+    try:
+        model = await catalog.embedding_model_resolve(name=settings.DEFAULT_EMBEDDING_MODEL)
+    except Exception:
+        # The database check reports the database; still check the model the settings name.
+        return settings.MODEL_NAME, settings.MODEL_VERSION
+    if model is None:
+        raise NotReady(f"the default model {settings.DEFAULT_EMBEDDING_MODEL!r} is not registered")
+    return model.triton_model, model.triton_version
+
+
+async def check_triton() -> None:
+    if not await triton_async_client().server_ready():
+        raise NotReady("Triton is up but not ready")
+
+
+async def check_model() -> None:
+    name, version = await _default_triton_model()
+    if not await triton_async_client().model_ready(name, version):
+        raise NotReady(f"Triton model {name!r} is not ready")
+
+
+def _database_ping() -> None:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    finally:
+        # This runs on a pool thread, outside the request's connection handling: close what it opened.
+        connection.close()
+
+
+async def check_database() -> None:
+    # Not thread_sensitive: a ping stuck in the driver must not hold the request's own thread,
+    # which Django waits for before it finishes the response.
+    await sync_to_async(_database_ping, thread_sensitive=False)()
+
+
+async def check_redis() -> None:
+    from redis.asyncio import Redis
+
+    timeout = settings.READY_CHECK_TIMEOUT_S
+    client = Redis.from_url(settings.REDIS_URL, socket_connect_timeout=timeout, socket_timeout=timeout)
+    try:
+        await client.ping()
+    finally:
+        await client.aclose()
+
+
+def readiness_checks() -> dict[str, Callable[[], Awaitable[None]]]:
+    checks = {"triton": check_triton, "model": check_model, "database": check_database}
+    if settings.REDIS_URL and settings.READY_CHECK_REDIS:
+        checks["redis"] = check_redis
+    return checks
+
+
+async def _run_check(name: str, check: Callable[[], Awaitable[None]]) -> str:
+    """ "ok", or what went wrong: our own message, or the error's class (hosts stay in the log)."""
+    timeout = settings.READY_CHECK_TIMEOUT_S
+    try:
+        await asyncio.wait_for(check(), timeout)
+    except NotReady as error:
+        return str(error)
+    except TimeoutError:
+        logger.warning("readiness check %s timed out after %s s", name, timeout)
+        return f"timed out after {timeout:g} s"
+    except Exception as error:
+        logger.warning("readiness check %s failed: %s", name, error)
+        return f"failed: {type(error).__name__}"
+    return "ok"
+
+
+async def ready(request: HttpRequest) -> JsonResponse:
+    """200 {"status": "ready", "checks": {...}}, or 503 with the failed checks named."""
+    checks = readiness_checks()
+    outcomes = await asyncio.gather(*(_run_check(name, check) for name, check in checks.items()))
+    results = dict(zip(checks, outcomes, strict=True))
+    failed = [name for name, outcome in results.items() if outcome != "ok"]
+    body: dict[str, object] = {"status": "unavailable" if failed else "ready", "checks": results}
+    if failed:
+        body["failed"] = failed
+    response = JsonResponse(body, status=503 if failed else 200)
+    response["Cache-Control"] = "no-store"
+    return response

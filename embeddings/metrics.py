@@ -1,0 +1,95 @@
+"""Our Prometheus metrics: requests, inputs and tokens, where the time goes, in-flight calls, Triton errors.
+
+Exported at /metrics by django-prometheus's view. With PROMETHEUS_MULTIPROC_DIR set (runstack sets
+it for its uvicorn workers before they start), prometheus_client keeps every value in a per-process
+file there and /metrics sums them across the workers; without it (tests, `manage.py` commands) the
+values live in this process. Label values are bounded: endpoint names, catalog model names, HTTP
+statuses and exception class names, never anything a client types.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prometheus_client import Counter, Gauge, Histogram, multiprocess
+
+from embeddings.triton.errors import TritonError
+
+# Seconds, from a cache-warm tokenisation of one short text up to a large batch near its deadline.
+DURATION_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+REQUESTS = Counter(
+    "embedsite_requests",
+    "API requests answered, by endpoint, model (empty when none was resolved) and HTTP status.",
+    ["endpoint", "model", "status"],
+)
+INPUTS = Counter("embedsite_inputs", "Inputs embedded, by endpoint and model.", ["endpoint", "model"])
+TOKENS = Counter("embedsite_tokens", "Tokens embedded, by endpoint and model.", ["endpoint", "model"])
+TOKENIZATION_SECONDS = Histogram(
+    "embedsite_tokenization_seconds",
+    "Time to tokenise one request's inputs, by Triton model.",
+    ["model"],
+    buckets=DURATION_BUCKETS,
+)
+TRITON_CALL_SECONDS = Histogram(
+    "embedsite_triton_call_seconds",
+    "Time of one request's Triton inference (all its batches), by Triton model.",
+    ["model"],
+    buckets=DURATION_BUCKETS,
+)
+SERIALIZATION_SECONDS = Histogram(
+    "embedsite_serialization_seconds",
+    "Time to render one response body as JSON, by endpoint.",
+    ["endpoint"],
+    buckets=DURATION_BUCKETS,
+)
+# livesum: the sum over live worker processes; a worker that stops drops out (see `lifespan`).
+TRITON_IN_FLIGHT = Gauge(
+    "embedsite_triton_in_flight",
+    "Inference calls in flight to Triton, summed over the server's worker processes.",
+    multiprocess_mode="livesum",
+)
+TRITON_ERRORS = Counter(
+    "embedsite_triton_errors",
+    "Failed Triton calls, by Triton model and error kind (TritonUnavailable, TritonTimeout, ...).",
+    ["model", "kind"],
+)
+
+
+def request_observed(*, endpoint: str, model: str, status: int) -> None:
+    REQUESTS.labels(endpoint, model, str(status)).inc()
+
+
+def embedded_observed(*, endpoint: str, model: str, inputs: int, tokens: int) -> None:
+    INPUTS.labels(endpoint, model).inc(inputs)
+    TOKENS.labels(endpoint, model).inc(tokens)
+
+
+@contextmanager
+def triton_call_observed(model: str) -> Iterator[None]:
+    """Times a successful Triton call; counts a failed one by its exception class."""
+    started = time.perf_counter()
+    try:
+        yield
+    except TritonError as error:
+        TRITON_ERRORS.labels(model, type(error).__name__).inc()
+        raise
+    TRITON_CALL_SECONDS.labels(model).observe(time.perf_counter() - started)
+
+
+async def lifespan(scope, receive, send) -> None:
+    """ASGI lifespan: a stopping worker removes its live-gauge file so `livesum` no longer counts it."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+                multiprocess.mark_process_dead(os.getpid())
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,88 @@
+"""/health (liveness) and /ready (readiness): no key, each dependency named when it fails, never a hang."""
+
+from __future__ import annotations
+
+import time
+
+from embeddings.services.catalog import embedding_model_cache_clear
+from embeddings.services.inference import reset_clients
+from embeddings.triton.server import free_port
+
+
+async def test_health_needs_no_key(client):
+    response = await client.get("/health")
+    assert response.status_code == 200 and response.text == "ok"
+
+
+async def test_ready_when_everything_answers(client):
+    response = await client.get("/ready")
+    assert response.status_code == 200, response.text
+    assert response.json() == {
+        "status": "ready",
+        "checks": {"triton": "ok", "model": "ok", "database": "ok"},
+    }
+    assert response.headers["cache-control"] == "no-store"
+
+
+async def test_not_ready_when_triton_is_down(client, settings):
+    settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"
+    settings.READY_CHECK_TIMEOUT_S = 1.0
+    reset_clients()
+    started = time.monotonic()
+    response = await client.get("/ready")
+    assert time.monotonic() - started < 3
+    assert response.status_code == 503
+    body = response.json()
+    assert body["status"] == "unavailable" and body["failed"] == ["triton", "model"]
+    assert body["checks"]["database"] == "ok"
+    assert body["checks"]["triton"] != "ok" and "127.0.0.1" not in response.text  # hosts stay in the log
+
+
+async def test_not_ready_when_the_default_model_is_missing(client, model, settings):
+    settings.DEFAULT_EMBEDDING_MODEL = "not-registered"
+    embedding_model_cache_clear()
+    response = await client.get("/ready")
+    assert response.status_code == 503
+    body = response.json()
+    assert body["failed"] == ["model"]
+    assert "not-registered" in body["checks"]["model"]
+
+
+async def test_not_ready_when_the_database_fails(client, monkeypatch):
+    from embeddings.api import health
+
+    def broken() -> None:
+        raise ConnectionError("database down")
+
+    monkeypatch.setattr(health, "_database_ping", broken)
+    response = await client.get("/ready")
+    assert response.status_code == 503
+    assert response.json()["failed"] == ["database"]
+    assert response.json()["checks"]["database"] == "failed: ConnectionError"
+
+
+async def test_a_hanging_check_times_out(client, settings, monkeypatch):
+    from embeddings.api import health
+
+    def hangs() -> None:
+        time.sleep(3)
+
+    monkeypatch.setattr(health, "_database_ping", hangs)
+    settings.READY_CHECK_TIMEOUT_S = 0.3
+    started = time.monotonic()
+    response = await client.get("/ready")
+    assert time.monotonic() - started < 2
+    assert response.status_code == 503
+    assert response.json()["checks"]["database"] == "timed out after 0.3 s"
+
+
+async def test_redis_is_checked_only_when_enabled(client, settings):
+    settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"
+    assert "redis" not in (await client.get("/ready")).json()["checks"]
+    settings.READY_CHECK_REDIS = True
+    settings.READY_CHECK_TIMEOUT_S = 1.0
+    started = time.monotonic()
+    response = await client.get("/ready")
+    assert time.monotonic() - started < 3
+    assert response.status_code == 503
+    assert response.json()["failed"] == ["redis"]

@@ -1,0 +1,98 @@
+"""The OpenAPI schema (generated without warnings, complete) and its offline Swagger UI and ReDoc."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+import yaml
+from django.core.management import call_command
+
+API_OPERATIONS = {
+    "/v1/embeddings": {"post"},
+    "/v1/embedding": {"post"},
+    "/api/v1/embed": {"post"},
+    "/embed": {"post"},
+    "/v1/models": {"get"},
+    "/v1/models/{model_id}": {"get"},
+}
+EMBEDDING_ERRORS = {"400", "401", "403", "404", "413", "422", "429", "503", "504"}
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict:
+    out, err = io.StringIO(), io.StringIO()
+    # --fail-on-warn raises on any warning or error; stderr must not even mention one.
+    call_command("spectacular", "--fail-on-warn", "--validate", stdout=out, stderr=err)
+    assert "warning" not in err.getvalue().lower(), err.getvalue()
+    assert "error" not in err.getvalue().lower(), err.getvalue()
+    return yaml.safe_load(out.getvalue())
+
+
+def test_every_api_path_and_method_is_documented(schema):
+    paths = schema["paths"]
+    assert {path: set(operations) for path, operations in paths.items()} == API_OPERATIONS
+    operation_ids = [op["operationId"] for ops in paths.values() for op in ops.values()]
+    assert len(operation_ids) == len(set(operation_ids))
+    for path, operations in paths.items():
+        for method, operation in operations.items():
+            assert operation.get("summary"), (path, method)
+            assert operation["security"] == [{"ApiKeyBearer": []}], (path, method)
+            assert "200" in operation["responses"], (path, method)
+
+
+def test_errors_are_documented_in_openai_shape(schema):
+    for path in ("/v1/embeddings", "/v1/embedding", "/api/v1/embed", "/embed"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert set(responses) >= EMBEDDING_ERRORS, path
+        for status in EMBEDDING_ERRORS:
+            content = responses[status]["content"]["application/json"]
+            assert content["schema"] == {"$ref": "#/components/schemas/Error"}
+            (example,) = content["examples"].values()
+            assert set(example["value"]["error"]) == {"message", "type", "param", "code"}
+    for path in ("/v1/models", "/v1/models/{model_id}"):
+        assert {"401", "403"} <= set(schema["paths"][path]["get"]["responses"])
+    assert "404" in schema["paths"]["/v1/models/{model_id}"]["get"]["responses"]
+    error_detail = schema["components"]["schemas"]["ErrorDetail"]
+    assert set(error_detail["required"]) == {"message", "type", "param", "code"}
+
+
+def test_bodies_and_examples(schema):
+    operations = {path: next(iter(ops.values())) for path, ops in schema["paths"].items()}
+    for path in ("/v1/embeddings", "/v1/embedding", "/api/v1/embed"):
+        body = operations[path]["requestBody"]["content"]["application/json"]
+        assert body["schema"] and body["examples"], path
+        assert operations[path]["responses"]["200"]["content"]["application/json"]["examples"], path
+    seed = operations["/v1/embedding"]["requestBody"]["content"]["application/json"]["schema"]
+    assert seed["type"] == "array"
+    openai_request = schema["components"]["schemas"]["OpenAIEmbeddingsRequestRequest"]
+    assert set(openai_request["required"]) == {"model", "input"}
+    encoding_format = openai_request["properties"]["encoding_format"]["allOf"][0]["$ref"].split("/")[-1]
+    assert schema["components"]["schemas"][encoding_format]["enum"] == ["float", "base64"]
+
+
+def test_bearer_security_scheme(schema):
+    scheme = schema["components"]["securitySchemes"]["ApiKeyBearer"]
+    assert scheme["type"] == "http" and scheme["scheme"] == "bearer"
+
+
+async def test_schema_is_served(client):
+    response = await client.get("/api/schema/", headers={"Accept": "application/vnd.oai.openapi+json"})
+    assert response.status_code == 200
+    served = response.json()
+    assert set(served["paths"]) == set(API_OPERATIONS)
+    assert served["info"]["title"] == "embedsite"
+
+
+@pytest.mark.parametrize("path", ["/explorer/", "/redoc/"])
+async def test_docs_pages_use_only_local_assets(client, path):
+    response = await client.get(path)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/html")
+    html = response.text
+    assets = re.findall(r"""(?:src|href)=["']([^"']+)["']""", html)
+    assert any("drf_spectacular_sidecar" in asset for asset in assets), assets
+    assert not [asset for asset in assets if re.match(r"(https?:)?//", asset)], assets
+    assert "googleapis" not in html and "cdn" not in html.lower()
+    assert "/api/schema/" in html
