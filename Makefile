@@ -30,7 +30,14 @@ bench-api: setup
 	$(PIP) install -q -r requirements-bench.txt
 	$(PY) bench/api.py
 
-setup: $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated
+setup: .run/.system-packages $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated
+
+# Debian packages the stack runs: redis-server (quotas, usage, Celery's broker).
+SYSTEM_PACKAGES := redis-server
+.run/.system-packages: Makefile
+	mkdir -p .run
+	dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES))
+	touch $@
 
 $(VENV)/.installed: $(REQUIREMENTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -1,4 +1,4 @@
-"""Database models: the embedding models we serve, tenants and their API keys."""
+"""Database models: the embedding models we serve, tenants, their API keys, quotas and usage."""
 
 from __future__ import annotations
 
@@ -43,7 +43,43 @@ class EmbeddingModel(models.Model):
         return name == self.name or name in (self.aliases or [])
 
 
-class Tenant(models.Model):
+class QuotaLimits(models.Model):
+    """Limits a tenant (or one of its keys) is held to; blank means no limit at that level.
+
+    A tenant's limits count everything its keys do together; a key's own limits count that key
+    alone, on top of its tenant's (see embeddings/services/quotas.py).
+    """
+
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True)
+    tokens_per_day = models.PositiveBigIntegerField(null=True, blank=True, help_text="UTC day")
+    tokens_per_month = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="UTC calendar month: the budget"
+    )
+    max_inputs_per_request = models.PositiveIntegerField(null=True, blank=True)
+    max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True)
+    max_concurrent_jobs = models.PositiveIntegerField(null=True, blank=True)
+    max_inputs_per_job = models.PositiveIntegerField(null=True, blank=True)
+
+    QUOTA_FIELDS = (
+        "requests_per_minute",
+        "tokens_per_minute",
+        "tokens_per_day",
+        "tokens_per_month",
+        "max_inputs_per_request",
+        "max_concurrent_requests",
+        "max_concurrent_jobs",
+        "max_inputs_per_job",
+    )
+
+    class Meta:
+        abstract = True
+
+    def quota_limits(self) -> dict[str, int | None]:
+        return {field: getattr(self, field) for field in self.QUOTA_FIELDS}
+
+
+class Tenant(QuotaLimits):
     name = models.CharField(max_length=200)
     slug = models.SlugField(max_length=100, unique=True)
     is_active = models.BooleanField(default=True)
@@ -58,7 +94,7 @@ class Tenant(models.Model):
         return self.name
 
 
-class ApiKey(models.Model):
+class ApiKey(QuotaLimits):
     """A tenant's key. Only the public id and an HMAC of the secret are stored."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
@@ -86,3 +122,48 @@ class ApiKey(models.Model):
 
     def is_expired(self, now: datetime | None = None) -> bool:
         return self.expires_at is not None and self.expires_at <= (now or timezone.now())
+
+
+class UsageBucket(models.Model):
+    """What one key did with one model through one endpoint in one UTC hour.
+
+    Written only by the usage fold (embeddings/services/usage.py), which adds Redis's counters here.
+    """
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_buckets")
+    # Null for work without a key (none yet) or whose key was deleted since.
+    api_key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_buckets"
+    )
+    model = models.CharField(max_length=200, help_text="The catalog model's name")
+    endpoint = models.CharField(max_length=50)
+    hour = models.DateTimeField(help_text="Start of the UTC hour")
+    requests = models.PositiveBigIntegerField(default=0)
+    succeeded = models.PositiveBigIntegerField(default=0)
+    rejected = models.PositiveBigIntegerField(default=0, help_text="Refused by a quota or rate limit")
+    failed = models.PositiveBigIntegerField(default=0, help_text="Accepted, then failed (e.g. Triton down)")
+    inputs = models.PositiveBigIntegerField(default=0)
+    tokens = models.PositiveBigIntegerField(default=0)
+    latency_ms_total = models.PositiveBigIntegerField(default=0, help_text="Sum, for the mean")
+
+    class Meta:
+        ordering = ["-hour"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "api_key", "model", "endpoint", "hour"],
+                name="usage_bucket_unique",
+                nulls_distinct=False,
+            )
+        ]
+        indexes = [models.Index(fields=["tenant", "hour"])]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}/{self.api_key_id}/{self.model}/{self.endpoint} @ {self.hour:%Y-%m-%d %H}:00"
+
+
+class UsageFold(models.Model):
+    """A batch of Redis counters already added to UsageBucket: the fold's record against counting twice."""
+
+    batch_id = models.CharField(max_length=64, unique=True)
+    folded_at = models.DateTimeField(default=timezone.now)
+    rows = models.PositiveIntegerField(default=0)

@@ -258,11 +258,33 @@ RUN_DIR = Path(env_str("EMBEDSITE_RUN_DIR", str(BASE_DIR / ".run")))
 # --- Readiness (/ready) ------------------------------------------------------------------------
 # Each check (Triton, the default model, the database, Redis) gets at most this long.
 READY_CHECK_TIMEOUT_S = env_float("READY_CHECK_TIMEOUT_S", 2.0, minimum=0.05)
-# Redis joins the stack with async jobs; until then /ready does not require it.
-READY_CHECK_REDIS = env_bool("READY_CHECK_REDIS", False)
+# Quotas, usage and jobs live in Redis: /ready requires it unless this is off.
+READY_CHECK_REDIS = env_bool("READY_CHECK_REDIS", True)
 
-# --- Celery (jobs arrive in a later issue) -----------------------------------------------------
+# --- Redis: quotas, usage counters, Celery's broker ----------------------------------------------
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6390/0")
+# `runstack` starts this binary (Debian's redis-server) on REDIS_URL's port, unless told not to
+# (REDIS_URL names a Redis someone else runs).
+REDIS_SERVER_BINARY = env_str("REDIS_SERVER_BINARY", "redis-server")
+RUNSTACK_STARTS_REDIS = env_bool("RUNSTACK_STARTS_REDIS", True)
+# Every Redis command's connect and read timeout: a stuck Redis fails a request, never hangs it.
+REDIS_TIMEOUT_S = env_float("REDIS_TIMEOUT_S", 1.0, minimum=0.01)
+
+# --- Quotas and usage ----------------------------------------------------------------------------
+QUOTAS_ENABLED = env_bool("QUOTAS_ENABLED", True)
+# When Redis cannot be reached: "closed" refuses requests with 503 (nothing goes unmetered),
+# "open" serves them unmetered and logs it.
+QUOTA_REDIS_FAILURE = env_str("QUOTA_REDIS_FAILURE", "closed")
+if QUOTA_REDIS_FAILURE not in {"closed", "open"}:
+    raise ImproperlyConfigured(f"QUOTA_REDIS_FAILURE must be 'closed' or 'open', not {QUOTA_REDIS_FAILURE!r}")
+# How often Celery beat folds Redis's usage counters into UsageBucket rows.
+USAGE_FOLD_INTERVAL_S = env_float("USAGE_FOLD_INTERVAL_S", 60.0, minimum=1)
+
+# --- Celery --------------------------------------------------------------------------------------
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL)
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE = {
+    "fold-usage": {"task": "embeddings.tasks.usage_fold_task", "schedule": USAGE_FOLD_INTERVAL_S},
+}

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
+from embeddings.services.local_redis import RedisServer
 from embeddings.triton.server import TritonServer, free_port
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -61,3 +62,29 @@ def service_triton(triton_server: TritonServer, settings) -> Iterator[TritonServ
     reset_clients()
     yield triton_server
     reset_clients()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server of our own on a free port, without persistence."""
+    data_dir = tmp_path_factory.mktemp("redis")
+    server = RedisServer(
+        port=free_port(), data_dir=data_dir, persistent=False, log_path=data_dir / "redis.log"
+    )
+    server.start()
+    server.wait_until_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def service_redis(redis_server: RedisServer, settings) -> Iterator[RedisServer]:
+    """Point the service's Redis clients (and Celery's broker) at the test Redis, emptied first."""
+    from embeddings.services.redis_clients import redis_sync, reset_redis_clients
+
+    settings.REDIS_URL = redis_server.url
+    settings.CELERY_BROKER_URL = redis_server.url
+    reset_redis_clients()
+    redis_sync().flushdb()
+    yield redis_server
+    reset_redis_clients()

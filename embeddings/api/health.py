@@ -1,8 +1,8 @@
 """Liveness (/health) and readiness (/ready) for load balancers and orchestrators; no API key.
 
 /health says the process answers. /ready says this process can serve embeddings now: Triton is
-ready, the default model is ready in Triton, the database answers, and Redis answers when
-READY_CHECK_REDIS is on. Every check runs concurrently under READY_CHECK_TIMEOUT_S, so /ready
+ready, the default model is ready in Triton, the database answers, and Redis answers (unless
+READY_CHECK_REDIS is off). Every check runs concurrently under READY_CHECK_TIMEOUT_S, so /ready
 answers within about that long whatever is down.
 """
 
@@ -19,6 +19,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from embeddings.services import catalog
 from embeddings.services.inference import triton_async_client
+from embeddings.services.redis_clients import redis_async
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +72,7 @@ async def check_database() -> None:
 
 
 async def check_redis() -> None:
-    from redis.asyncio import Redis
-
-    timeout = settings.READY_CHECK_TIMEOUT_S
-    client = Redis.from_url(settings.REDIS_URL, socket_connect_timeout=timeout, socket_timeout=timeout)
-    try:
-        await client.ping()
-    finally:
-        await client.aclose()
+    await redis_async().ping()
 
 
 def readiness_checks() -> dict[str, Callable[[], Awaitable[None]]]:

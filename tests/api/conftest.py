@@ -43,9 +43,9 @@ def _make_tenant(name: str) -> TenantWithKey:
 
 
 @pytest.fixture
-def api_setup(transactional_db, service_triton, settings):
+def api_setup(transactional_db, service_triton, service_redis, settings):
     """The local model registered, and two tenants with one key each (data committed: the ASGI
-    app reads it from other threads)."""
+    app reads it from other threads); the test Triton and an emptied test Redis."""
     settings.API_KEY_CACHE_SECONDS = 0.2
     model = embedding_model_register_local(repository=Path(settings.TRITON_MODEL_REPOSITORY))
     return {"model": model, "alpha": _make_tenant("Alpha"), "beta": _make_tenant("Beta")}
@@ -119,7 +119,9 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="session")
-def uvicorn_server(triton_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+def uvicorn_server(
+    triton_server, redis_server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
     """`uvicorn --workers 2` as in production (runstack), backed by the test Triton.
 
     PROMETHEUS_MULTIPROC_DIR is set as runstack sets it, so /metrics sums both workers.
@@ -134,6 +136,7 @@ def uvicorn_server(triton_server, tmp_path_factory: pytest.TempPathFactory) -> I
         "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
         "TRITON_SERVER_URL": triton_server.grpc_target,
         "SERVER_PORT": str(port),
+        "REDIS_URL": redis_server.url,
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     _manage(env, "migrate", "--noinput")

@@ -6,6 +6,7 @@ import time
 
 from embeddings.services.catalog import embedding_model_cache_clear
 from embeddings.services.inference import reset_clients
+from embeddings.services.redis_clients import reset_redis_clients
 from embeddings.triton.server import free_port
 
 
@@ -19,7 +20,7 @@ async def test_ready_when_everything_answers(client):
     assert response.status_code == 200, response.text
     assert response.json() == {
         "status": "ready",
-        "checks": {"triton": "ok", "model": "ok", "database": "ok"},
+        "checks": {"triton": "ok", "model": "ok", "database": "ok", "redis": "ok"},
     }
     assert response.headers["cache-control"] == "no-store"
 
@@ -76,8 +77,10 @@ async def test_a_hanging_check_times_out(client, settings, monkeypatch):
     assert response.json()["checks"]["database"] == "timed out after 0.3 s"
 
 
-async def test_redis_is_checked_only_when_enabled(client, settings):
+async def test_redis_is_checked_unless_disabled(client, settings):
     settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"
+    reset_redis_clients()
+    settings.READY_CHECK_REDIS = False
     assert "redis" not in (await client.get("/ready")).json()["checks"]
     settings.READY_CHECK_REDIS = True
     settings.READY_CHECK_TIMEOUT_S = 1.0

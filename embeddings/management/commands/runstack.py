@@ -1,4 +1,4 @@
-"""Run the whole local service: Triton, then the ASGI server (uvicorn); Ctrl-C stops both."""
+"""Run the whole local service: Redis, Triton, then the ASGI server (uvicorn); Ctrl-C stops all."""
 
 import os
 import signal
@@ -10,6 +10,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from embeddings.services.local_redis import RedisServerError, local_redis_server
 from embeddings.services.local_triton import local_triton_server
 from embeddings.triton.server import TritonServerError, die_with_parent
 
@@ -25,7 +26,7 @@ def fresh_prometheus_dir() -> Path:
 
 
 class Command(BaseCommand):
-    help = "Start Triton and the embedsite ASGI server on the configured ports; Ctrl-C stops everything."
+    help = "Start Redis, Triton and the embedsite ASGI server on the configured ports; Ctrl-C stops all."
 
     def add_arguments(self, parser):
         parser.add_argument("--workers", type=int, default=settings.SERVER_WORKERS)
@@ -38,8 +39,13 @@ class Command(BaseCommand):
             signal.signal(signum, lambda *_: stop.set())
         triton_log = settings.RUN_DIR / "triton.log"
         triton = local_triton_server(log_path=triton_log)
+        redis_server = local_redis_server() if settings.RUNSTACK_STARTS_REDIS else None
         web = None
         try:
+            if redis_server is not None:
+                redis_server.start()
+                redis_server.wait_until_ready()
+                self.stdout.write(f"Redis ready: {redis_server.url} (data: {redis_server.data_dir})")
             self.stdout.write(f"Starting Triton (log: {triton_log}) ...")
             triton.start()
             triton.wait_until_ready(settings.TRITON_STARTUP_TIMEOUT_S)
@@ -76,9 +82,11 @@ class Command(BaseCommand):
             while not stop.wait(0.5):
                 if triton.process is None or triton.process.poll() is not None:
                     raise CommandError(f"Triton exited unexpectedly; see {triton_log}")
+                if redis_server is not None and redis_server.process.poll() is not None:
+                    raise CommandError(f"Redis exited unexpectedly; see {redis_server.log_path}")
                 if web.poll() is not None:
                     raise CommandError(f"The web server exited with status {web.returncode}")
-        except TritonServerError as error:
+        except (TritonServerError, RedisServerError) as error:
             raise CommandError(str(error)) from error
         finally:
             if web is not None and web.poll() is None:
@@ -88,4 +96,6 @@ class Command(BaseCommand):
                 except subprocess.TimeoutExpired:
                     web.kill()
             triton.stop()
+            if redis_server is not None:
+                redis_server.stop()  # last: the others may still write to it while stopping
             self.stdout.write("Stopped.")

@@ -1,0 +1,134 @@
+"""A local redis-server process (Debian's `redis-server`), shared by `runstack`, the tests and benchmarks."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from django.conf import settings
+
+from embeddings.triton.server import die_with_parent
+
+
+class RedisServerError(RuntimeError):
+    """redis-server is missing, would not start, or stopped."""
+
+
+class RedisServer:
+    """One redis-server on a loopback port with its own data directory.
+
+    persistent: append-only file in the data directory (the local stack keeps quotas and usage
+    across restarts); off for tests, which want a clean, fast server.
+    """
+
+    def __init__(self, *, port: int, data_dir: Path, persistent: bool = True, log_path: Path | None = None):
+        self.port = port
+        self.data_dir = Path(data_dir)
+        self.persistent = persistent
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def command(self, binary: str) -> list[str]:
+        args = [
+            binary,
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", str(self.data_dir),
+            "--daemonize", "no",
+            "--protected-mode", "yes",
+            "--save", "",
+            "--appendonly", "yes" if self.persistent else "no",
+            "--logfile", str(self.log_path or ""),
+        ]  # fmt: skip
+        return args
+
+    def start(self) -> None:
+        binary = shutil.which(settings.REDIS_SERVER_BINARY) or (
+            settings.REDIS_SERVER_BINARY if Path(settings.REDIS_SERVER_BINARY).is_file() else None
+        )
+        if binary is None:
+            raise RedisServerError(
+                f"{settings.REDIS_SERVER_BINARY!r} not found: the setup installs Debian's redis-server "
+                "(`apt-get install redis-server`), or point REDIS_URL at a running Redis"
+            )
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            self.command(binary),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches our launcher, which stops Redis after its users
+            preexec_fn=die_with_parent,
+        )
+
+    def is_ready(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def wait_until_ready(self, timeout_s: float = 20.0) -> None:
+        if self.process is None:
+            raise RedisServerError("redis-server was not started")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RedisServerError(
+                    f"redis-server exited with status {self.process.returncode} while starting "
+                    f"(port {self.port} taken?); log: {self.log_path}"
+                )
+            if self.is_ready():
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise RedisServerError(f"redis-server did not answer within {timeout_s:.0f} s; log: {self.log_path}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)  # redis flushes its append-only file and exits
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: for fault tests."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=5)
+        self.process = None
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        self.wait_until_ready()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def local_redis_server() -> RedisServer:
+    """The Redis that REDIS_URL names on this machine, with its data in RUN_DIR/redis."""
+    parts = urlsplit(settings.REDIS_URL)
+    if parts.hostname not in {"127.0.0.1", "localhost"}:
+        raise RedisServerError(f"REDIS_URL points at {parts.hostname}: that Redis is not ours to start")
+    return RedisServer(
+        port=parts.port or 6379,
+        data_dir=Path(settings.RUN_DIR) / "redis",
+        log_path=Path(settings.RUN_DIR) / "redis.log",
+    )
