@@ -1,0 +1,134 @@
+"""A job's inputs and results in Redis: chunked, kept for the job's TTL, written once, read as a stream.
+
+Keys (the `{job id}` hash tag keeps one job's keys on one Redis Cluster slot):
+
+    job:{<id>}:in:<chunk>    orjson list of the chunk's texts (written at submission)
+    job:{<id>}:ids:<chunk>   orjson list of the client's ids for those texts (JSONL uploads)
+    job:{<id>}:out:<chunk>   the chunk's vectors: rows x dims little-endian float32 bytes
+    job:{<id>}:done          set of finished chunk numbers: what makes a redelivered chunk a no-op
+    job:{<id>}:progress      hash: completed, failed (inputs), tokens, chunks_done
+    job:{<id>}:cancel        present once the job is cancelled
+
+A chunk's result, its entry in `done` and the progress counters are written by one Lua script, so
+a chunk that runs twice (a worker killed after writing, Celery redelivering) neither writes twice
+nor counts twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+import redis
+
+# KEYS: done set, result key (empty string for a failed chunk), progress hash.
+# ARGV: chunk number, payload, ttl seconds, rows, tokens, counter ("completed" or "failed").
+_FINISH_CHUNK = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
+    return 0
+end
+if ARGV[6] == 'completed' then
+    redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+end
+redis.call('HINCRBY', KEYS[3], ARGV[6], ARGV[4])
+redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[5])
+redis.call('HINCRBY', KEYS[3], 'chunks_done', 1)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    completed: int = 0
+    failed: int = 0
+    tokens: int = 0
+    chunks_done: int = 0
+
+
+class JobStore:
+    """One job's data in Redis (blocking client: Celery workers and the download views' threads)."""
+
+    def __init__(self, client: redis.Redis, job_id: str, *, ttl_s: int) -> None:
+        self.client = client
+        self.job_id = job_id
+        self.ttl_s = int(ttl_s)
+        self._finish_chunk = client.register_script(_FINISH_CHUNK)
+
+    def key(self, kind: str, chunk: int | None = None) -> str:
+        base = f"job:{{{self.job_id}}}:{kind}"
+        return base if chunk is None else f"{base}:{chunk}"
+
+    # --- inputs (submission) ----------------------------------------------------------------
+
+    def put_inputs(self, chunks: Sequence[Sequence[str]], ids: Sequence[Sequence[str]] | None = None) -> int:
+        """Store every chunk's texts (and ids); returns the number of chunks."""
+        pipeline = self.client.pipeline(transaction=False)
+        for number, texts in enumerate(chunks):
+            pipeline.set(self.key("in", number), orjson.dumps(list(texts)), ex=self.ttl_s)
+            if ids is not None:
+                pipeline.set(self.key("ids", number), orjson.dumps(list(ids[number])), ex=self.ttl_s)
+        pipeline.execute()
+        return len(chunks)
+
+    def chunk_inputs(self, chunk: int) -> list[str] | None:
+        """The chunk's texts; None once they are gone (expired or deleted)."""
+        raw = self.client.get(self.key("in", chunk))
+        return None if raw is None else orjson.loads(raw)
+
+    def chunk_ids(self, chunk: int) -> list[str] | None:
+        raw = self.client.get(self.key("ids", chunk))
+        return None if raw is None else orjson.loads(raw)
+
+    # --- results (workers) --------------------------------------------------------------------
+
+    def is_chunk_done(self, chunk: int) -> bool:
+        return bool(self.client.sismember(self.key("done"), chunk))
+
+    def finish_chunk(self, chunk: int, vectors: np.ndarray, *, tokens: int) -> bool:
+        """Write a chunk's vectors and count them, once; False if the chunk was already finished."""
+        payload = np.ascontiguousarray(vectors, dtype="<f4").tobytes()
+        return self._finish(chunk, payload, rows=len(vectors), tokens=tokens, counter="completed")
+
+    def fail_chunk(self, chunk: int, *, rows: int) -> bool:
+        """Count a chunk's inputs as failed, once; False if the chunk was already finished."""
+        return self._finish(chunk, b"", rows=rows, tokens=0, counter="failed")
+
+    def _finish(self, chunk: int, payload: bytes, *, rows: int, tokens: int, counter: str) -> bool:
+        keys = [self.key("done"), self.key("out", chunk), self.key("progress")]
+        return self._finish_chunk(keys=keys, args=[chunk, payload, self.ttl_s, rows, tokens, counter]) == 1
+
+    def progress(self) -> JobProgress:
+        values = self.client.hgetall(self.key("progress"))
+        return JobProgress(**{name.decode(): int(count) for name, count in values.items()})
+
+    # --- cancel, read back, delete ------------------------------------------------------------
+
+    def cancel(self) -> None:
+        self.client.set(self.key("cancel"), 1, ex=self.ttl_s)
+
+    def is_cancelled(self) -> bool:
+        return bool(self.client.exists(self.key("cancel")))
+
+    def chunk_result(self, chunk: int, dims: int) -> np.ndarray | None:
+        """A finished chunk's vectors (rows x dims float32); None if it has none (failed, expired)."""
+        raw = self.client.get(self.key("out", chunk))
+        return None if raw is None else np.frombuffer(raw, dtype="<f4").reshape(-1, dims)
+
+    def iter_results(
+        self, chunks: int, dims: int, *, first: int = 0
+    ) -> Iterator[tuple[int, np.ndarray | None]]:
+        """(chunk number, vectors or None) in order, one chunk in memory at a time."""
+        for chunk in range(first, chunks):
+            yield chunk, self.chunk_result(chunk, dims)
+
+    def delete(self, chunks: int) -> None:
+        """Remove everything the job stored (inputs, ids, results, counters)."""
+        names = [self.key(kind) for kind in ("done", "progress", "cancel")]
+        for chunk in range(chunks):
+            names += [self.key(kind, chunk) for kind in ("in", "ids", "out")]
+        for start in range(0, len(names), 1000):
+            self.client.delete(*names[start : start + 1000])

@@ -1,0 +1,94 @@
+"""A job's data in the real Redis: chunks in and out, exactly-once finishing, streaming, cancel, delete."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from embeddings.services.job_store import JobProgress, JobStore
+from embeddings.services.redis_clients import redis_sync
+
+DIMS = 4
+
+
+@pytest.fixture
+def store(service_redis) -> JobStore:
+    return JobStore(redis_sync(), "job_abc123", ttl_s=600)
+
+
+def vectors(rows: int, start: float = 0.0) -> np.ndarray:
+    return (np.arange(rows * DIMS, dtype=np.float32) + start).reshape(rows, DIMS)
+
+
+def test_inputs_round_trip_with_ids(store):
+    chunks = [["a", "b"], ["c"]]
+    assert store.put_inputs(chunks, ids=[["id-1", "id-2"], ["id-3"]]) == 2
+    assert store.chunk_inputs(0) == ["a", "b"]
+    assert store.chunk_inputs(1) == ["c"]
+    assert store.chunk_ids(1) == ["id-3"]
+    assert store.chunk_inputs(2) is None
+    assert 590 < redis_sync().ttl(store.key("in", 0)) <= 600
+
+
+def test_a_chunk_is_finished_and_counted_once(store):
+    assert store.finish_chunk(0, vectors(2), tokens=7) is True
+    # A redelivered chunk (other numbers, as if recomputed) changes nothing.
+    assert store.finish_chunk(0, vectors(2, start=100), tokens=7) is False
+    assert store.fail_chunk(0, rows=2) is False
+    np.testing.assert_array_equal(store.chunk_result(0, DIMS), vectors(2))
+    assert store.progress() == JobProgress(completed=2, failed=0, tokens=7, chunks_done=1)
+    assert store.is_chunk_done(0) and not store.is_chunk_done(1)
+
+
+def test_failed_chunks_are_counted_without_results(store):
+    assert store.fail_chunk(3, rows=5) is True
+    assert store.chunk_result(3, DIMS) is None
+    assert store.progress() == JobProgress(failed=5, chunks_done=1)
+
+
+def test_concurrent_finishers_count_once(store):
+    results: list[bool] = []
+
+    def finish() -> None:
+        results.append(store.finish_chunk(1, vectors(3), tokens=9))
+
+    threads = [threading.Thread(target=finish) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results.count(True) == 1
+    assert store.progress() == JobProgress(completed=3, tokens=9, chunks_done=1)
+
+
+def test_results_stream_in_order_and_little_endian(store):
+    store.finish_chunk(1, vectors(1, start=50), tokens=1)
+    store.finish_chunk(0, vectors(2), tokens=2)
+    streamed = list(store.iter_results(3, DIMS))
+    assert [chunk for chunk, _ in streamed] == [0, 1, 2]
+    np.testing.assert_array_equal(streamed[0][1], vectors(2))
+    np.testing.assert_array_equal(streamed[1][1], vectors(1, start=50))
+    assert streamed[2][1] is None
+    raw = redis_sync().get(store.key("out", 0))
+    assert raw == vectors(2).astype("<f4").tobytes()
+
+
+def test_cancel_and_delete(store):
+    store.put_inputs([["a"], ["b"]])
+    store.finish_chunk(0, vectors(1), tokens=1)
+    assert not store.is_cancelled()
+    store.cancel()
+    assert store.is_cancelled()
+    store.delete(2)
+    assert redis_sync().keys("job:{job_abc123}:*") == []
+    assert store.progress() == JobProgress()
+
+
+def test_jobs_do_not_share_keys(service_redis):
+    first = JobStore(redis_sync(), "job_one", ttl_s=60)
+    second = JobStore(redis_sync(), "job_two", ttl_s=60)
+    first.finish_chunk(0, vectors(1), tokens=1)
+    assert second.progress() == JobProgress()
+    assert not second.is_chunk_done(0)
