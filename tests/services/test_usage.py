@@ -1,0 +1,214 @@
+"""Usage accounting against the real Redis and database: counters, the fold, its crash safety."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime
+
+import pytest
+from django.db.models import Sum
+
+from embeddings.models import UsageBucket, UsageFold
+from embeddings.services import usage
+from embeddings.services.keys import api_key_create
+from embeddings.services.redis_clients import redis_sync
+from embeddings.services.tenants import tenant_create
+from embeddings.services.usage import (
+    FOLDING_BATCHES_KEY,
+    LIVE_USAGE_KEY,
+    UsageEvent,
+    usage_fold,
+    usage_record_sync,
+)
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+HOUR = 1_767_225_600  # 2026-01-01 00:00 UTC
+METRICS = ("requests", "succeeded", "rejected", "failed", "inputs", "tokens", "latency_ms_total")
+
+
+class Interrupted(Exception):
+    """Stands for a crash of the fold's process at one point."""
+
+
+@pytest.fixture
+def tenants(service_redis):
+    alpha, beta = tenant_create(name="Alpha"), tenant_create(name="Beta")
+    alpha_key, _ = api_key_create(tenant=alpha, name="a")
+    beta_key, _ = api_key_create(tenant=beta, name="b")
+    return {"alpha": alpha, "alpha_key": alpha_key, "beta": beta, "beta_key": beta_key}
+
+
+def record_mix(tenants) -> dict[str, int]:
+    """A mix of outcomes, keys, models, endpoints and hours; the totals it adds up to."""
+    events = [
+        UsageEvent(
+            tenants["alpha"].pk, tenants["alpha_key"].pk, "minilm", "openai", "succeeded", 2, 10, 5, HOUR
+        ),
+        UsageEvent(
+            tenants["alpha"].pk, tenants["alpha_key"].pk, "minilm", "openai", "succeeded", 1, 7, 3, HOUR + 60
+        ),
+        UsageEvent(
+            tenants["alpha"].pk, tenants["alpha_key"].pk, "minilm", "openai", "rejected", 4, 0, 1, HOUR + 3600
+        ),
+        UsageEvent(tenants["alpha"].pk, None, "other|model", "tei", "failed", 3, 12, 40, HOUR),
+        UsageEvent(tenants["beta"].pk, tenants["beta_key"].pk, "minilm", "seed", "succeeded", 5, 50, 9, HOUR),
+    ]
+    for event in events:
+        usage_record_sync(event)
+    return {
+        "requests": 5, "succeeded": 3, "rejected": 1, "failed": 1,
+        "inputs": 15, "tokens": 79, "latency_ms_total": 58,
+    }  # fmt: skip
+
+
+def database_totals(**filters) -> dict[str, int]:
+    sums = UsageBucket.objects.filter(**filters).aggregate(**{metric: Sum(metric) for metric in METRICS})
+    return {metric: value or 0 for metric, value in sums.items()}
+
+
+def redis_is_empty() -> bool:
+    client = redis_sync()
+    return (
+        not client.exists(LIVE_USAGE_KEY)
+        and not client.smembers(FOLDING_BATCHES_KEY)
+        and not list(client.scan_iter(match="usage:folding:*"))
+    )
+
+
+def test_fold_moves_every_counter_into_buckets(tenants):
+    expected = record_mix(tenants)
+    result = usage_fold()
+    assert result.batches == 1
+    assert result.buckets == 4  # alpha key hour 0, alpha key hour 1, alpha keyless, beta
+    assert database_totals() == expected
+    assert redis_is_empty()
+    first = UsageBucket.objects.get(api_key=tenants["alpha_key"], hour=datetime.fromtimestamp(HOUR, UTC))
+    assert (first.requests, first.succeeded, first.inputs, first.tokens, first.latency_ms_total) == (
+        2, 2, 3, 17, 8,
+    )  # fmt: skip
+    keyless = UsageBucket.objects.get(tenant=tenants["alpha"], api_key=None)
+    assert (keyless.model, keyless.endpoint, keyless.failed, keyless.tokens) == ("other|model", "tei", 1, 12)
+    assert database_totals(tenant=tenants["beta"])["tokens"] == 50
+    assert UsageFold.objects.get().rows == 4
+
+
+def test_fold_adds_to_existing_rows_and_twice_counts_nothing_twice(tenants):
+    expected = record_mix(tenants)
+    usage_fold()
+    assert usage_fold().batches == 0  # nothing new: no batch, no UsageFold row
+    assert UsageFold.objects.count() == 1
+    record_mix(tenants)
+    usage_fold()
+    usage_fold()
+    assert database_totals() == {metric: 2 * amount for metric, amount in expected.items()}
+    assert UsageBucket.objects.count() == 4
+
+
+def _crash(monkeypatch, name: str, *, before: bool) -> None:
+    """Make the fold's step `name` raise, before or after doing its work."""
+    original = getattr(usage, name)
+
+    def crash(*args, **kwargs):
+        if not before:
+            original(*args, **kwargs)
+        raise Interrupted(name)
+
+    monkeypatch.setattr(usage, name, crash)
+
+
+@pytest.mark.parametrize(
+    ("step", "before", "in_database"),
+    [
+        ("_claim_live_counters", False, False),  # after the rename, nothing in the database yet
+        ("_add_counters_to_buckets", False, False),  # inside the transaction, before the commit
+        ("_forget_batch", True, True),  # after the commit, before the batch is deleted in Redis
+    ],
+)
+def test_an_interrupted_fold_loses_nothing_and_counts_nothing_twice(
+    tenants, monkeypatch, step, before, in_database
+):
+    expected = record_mix(tenants)
+    with monkeypatch.context() as patched:
+        _crash(patched, step, before=before)
+        with pytest.raises(Interrupted):
+            usage_fold()
+    assert redis_sync().smembers(FOLDING_BATCHES_KEY)  # the batch is left over
+    assert database_totals() == (expected if in_database else dict.fromkeys(METRICS, 0))
+    assert UsageFold.objects.exists() == in_database  # the transaction committed whole, or not at all
+    # Counted meanwhile: lands in a new live hash, beside the left-over batch.
+    more = record_mix(tenants)
+    result = usage_fold()
+    assert result.batches == 2
+    assert database_totals() == {metric: expected[metric] + more[metric] for metric in METRICS}
+    assert redis_is_empty()
+    assert usage_fold().batches == 0
+    assert database_totals()["requests"] == 10
+
+
+def test_a_left_over_batch_already_in_the_database_is_only_forgotten(tenants, monkeypatch):
+    expected = record_mix(tenants)
+    with monkeypatch.context() as patched:
+        _crash(patched, "_forget_batch", before=True)
+        with pytest.raises(Interrupted):
+            usage_fold()
+    result = usage_fold()
+    assert (result.batches, result.buckets) == (1, 0)
+    assert database_totals() == expected
+    assert redis_is_empty()
+
+
+def test_recording_while_folding_loses_nothing(tenants):
+    events = 3000
+    alpha, key = tenants["alpha"].pk, tenants["alpha_key"].pk
+    done = threading.Event()
+
+    def record() -> None:
+        try:
+            for index in range(events):
+                usage_record_sync(UsageEvent(alpha, key, "minilm", "openai", "succeeded", 1, index % 7, 0))
+        finally:
+            done.set()
+
+    recorder = threading.Thread(target=record)
+    recorder.start()
+    folds = 0
+    while not done.is_set():
+        usage_fold()
+        folds += 1
+    recorder.join()
+    usage_fold()
+    assert folds > 1
+    totals = database_totals()
+    assert totals["requests"] == totals["succeeded"] == totals["inputs"] == events
+    assert totals["tokens"] == sum(index % 7 for index in range(events))
+
+
+def test_deleted_key_folds_keyless_and_deleted_tenant_is_dropped(tenants, caplog):
+    alpha, beta = tenants["alpha"], tenants["beta"]
+    key = tenants["alpha_key"]
+    usage_record_sync(UsageEvent(alpha.pk, key.pk, "minilm", "openai", "succeeded", 1, 10, 0, HOUR))
+    usage_record_sync(UsageEvent(alpha.pk, None, "minilm", "openai", "succeeded", 1, 5, 0, HOUR))
+    usage_record_sync(UsageEvent(beta.pk, None, "minilm", "openai", "succeeded", 1, 99, 0, HOUR))
+    # Another tenant's key id is not this tenant's key: keyless too, never credited to beta's key.
+    usage_record_sync(
+        UsageEvent(alpha.pk, tenants["beta_key"].pk, "minilm", "openai", "succeeded", 1, 1, 0, HOUR)
+    )
+    beta_id = beta.pk
+    key.delete()
+    beta.delete()
+    result = usage_fold()
+    bucket = UsageBucket.objects.get()
+    assert (bucket.tenant_id, bucket.api_key_id, bucket.requests, bucket.tokens) == (alpha.pk, None, 3, 16)
+    assert result.dropped == 4  # beta's requests, succeeded, inputs and tokens counters
+    assert f"tenant {beta_id} no longer exists" in caplog.text
+    assert redis_is_empty()
+
+
+def test_unreadable_fields_are_dropped_not_fatal(tenants):
+    record_mix(tenants)
+    redis_sync().hincrby(LIVE_USAGE_KEY, "garbage", 3)
+    redis_sync().hincrby(LIVE_USAGE_KEY, f"{tenants['alpha'].pk}||{HOUR}|openai|bogus_metric|minilm", 1)
+    result = usage_fold()
+    assert result.dropped == 2
+    assert database_totals()["requests"] == 5
