@@ -286,5 +286,12 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE = {
-    "fold-usage": {"task": "embeddings.tasks.usage_fold_task", "schedule": USAGE_FOLD_INTERVAL_S},
+    "fold-usage": {
+        "task": "embeddings.tasks.usage_fold_task",
+        "schedule": USAGE_FOLD_INTERVAL_S,
+        # A fold not started within one interval is superseded by the next: a worker that was down
+        # for a day does not find a day of folds queued.
+        "options": {"expires": USAGE_FOLD_INTERVAL_S},
+    },
 }
+CELERY_BEAT_SCHEDULE_FILENAME = str(RUN_DIR / "celerybeat-schedule")

@@ -1,0 +1,168 @@
+"""Celery tasks run by a real `celery -A embedsite worker` (and beat) against the test Redis and a
+sqlite database file shared with the test."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from embeddings.services.usage import UsageEvent, usage_record_sync
+from embeddings.triton.server import die_with_parent
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FOLD_TASK = "embeddings.tasks.usage_fold_task"
+
+
+@dataclass
+class StackDatabase:
+    path: Path
+    env: dict[str, str]
+    tenant_id: int
+
+    def totals(self, model: str) -> tuple[int, int]:
+        """(requests, tokens) folded for this model so far."""
+        with contextlib.closing(sqlite3.connect(self.path, timeout=10)) as connection:
+            row = connection.execute(
+                "SELECT COALESCE(SUM(requests), 0), COALESCE(SUM(tokens), 0) "
+                "FROM embeddings_usagebucket WHERE model = ?",
+                (model,),
+            ).fetchone()
+        return row[0], row[1]
+
+
+def _manage(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"manage.py {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def stack_database(redis_server, tmp_path_factory) -> StackDatabase:
+    """A migrated sqlite file with one tenant; the environment that points a process at it."""
+    workdir = tmp_path_factory.mktemp("celery")
+    path = workdir / "db.sqlite3"
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "embedsite.settings",
+        "DATABASE_URL": f"sqlite:///{path}",
+        "REDIS_URL": redis_server.url,
+        "CELERY_BROKER_URL": redis_server.url,
+        "EMBEDSITE_RUN_DIR": str(workdir),
+    }
+    _manage(env, "migrate", "--noinput")
+    _manage(env, "create_tenant", "--name", "Worker", "--slug", "worker")
+    with contextlib.closing(sqlite3.connect(path)) as connection:
+        (tenant_id,) = connection.execute("SELECT id FROM embeddings_tenant WHERE slug = 'worker'").fetchone()
+    return StackDatabase(path, env, tenant_id)
+
+
+def _start(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    log = log_path.open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "embedsite", *args],
+        cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True, preexec_fn=die_with_parent,
+    )  # fmt: skip
+    log.close()
+    return process
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=20)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=10)
+
+
+@pytest.fixture
+def celery_worker(stack_database, service_redis, tmp_path) -> Iterator[Path]:
+    """`celery -A embedsite worker` (solo pool) on the test Redis and the shared database; its log."""
+    log_path = tmp_path / "worker.log"
+    worker = _start(
+        ["worker", "--pool", "solo", "--loglevel", "INFO", "--without-gossip", "--without-mingle"],
+        stack_database.env,
+        log_path,
+    )
+    yield log_path
+    _stop(worker)
+
+
+def wait_for_totals(
+    database: StackDatabase, model: str, expected: tuple[int, int], logs: list[Path], timeout_s: float = 90
+) -> None:
+    """Until the folded totals are the expected ones (a deadline against hanging, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if database.totals(model) == expected:
+            return
+        time.sleep(0.2)
+    text = "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in logs)
+    pytest.fail(f"totals for {model} are {database.totals(model)}, not {expected}:\n{text}")
+
+
+def record(database: StackDatabase, model: str, count: int) -> tuple[int, int]:
+    for index in range(count):
+        usage_record_sync(UsageEvent(database.tenant_id, None, model, "openai", "succeeded", 1, index + 1))
+    return count, sum(range(1, count + 1))
+
+
+def test_worker_folds_when_the_task_is_sent(stack_database, celery_worker, service_redis):
+    expected = record(stack_database, "sent-model", 25)
+    assert stack_database.totals("sent-model") == (0, 0)
+    # Sent by name from an app of its own: what beat does, without the test's Django settings.
+    with Celery("sender", broker=service_redis.url) as sender:
+        sender.send_task(FOLD_TASK)
+    wait_for_totals(stack_database, "sent-model", expected, [celery_worker])
+    # A second send folds what came since, and counts nothing twice.
+    record(stack_database, "sent-model", 5)
+    with Celery("sender", broker=service_redis.url) as sender:
+        sender.send_task(FOLD_TASK)
+    wait_for_totals(stack_database, "sent-model", (30, expected[1] + 15), [celery_worker])
+
+
+def test_beat_schedules_the_fold(stack_database, celery_worker, tmp_path):
+    """`celery -A embedsite beat` sends the fold every USAGE_FOLD_INTERVAL_S (1 s here)."""
+    expected = record(stack_database, "beat-model", 10)
+    env = {**stack_database.env, "USAGE_FOLD_INTERVAL_S": "1"}
+    log_path = tmp_path / "beat.log"
+    beat = _start(
+        ["beat", "--loglevel", "INFO", "--schedule", str(tmp_path / "beat-schedule")], env, log_path
+    )
+    try:
+        wait_for_totals(stack_database, "beat-model", expected, [celery_worker, log_path])
+    finally:
+        _stop(beat)
+    assert f"Sending due task fold-usage ({FOLD_TASK})" in log_path.read_text()
+
+
+def test_the_fold_is_in_the_beat_schedule_and_registered(settings):
+    from embedsite.celery import app
+
+    app.loader.import_default_modules()
+    entry = app.conf.beat_schedule["fold-usage"]
+    assert entry["task"] == FOLD_TASK
+    assert entry["schedule"] == settings.USAGE_FOLD_INTERVAL_S
+    assert FOLD_TASK in app.tasks
+    assert app.tasks[FOLD_TASK].acks_late
