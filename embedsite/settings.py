@@ -269,6 +269,8 @@ REDIS_SERVER_BINARY = env_str("REDIS_SERVER_BINARY", "redis-server")
 RUNSTACK_STARTS_REDIS = env_bool("RUNSTACK_STARTS_REDIS", True)
 # Every Redis command's connect and read timeout: a stuck Redis fails a request, never hangs it.
 REDIS_TIMEOUT_S = env_float("REDIS_TIMEOUT_S", 1.0, minimum=0.01)
+# Connections per process's event loop; more concurrent commands wait for one (REDIS_TIMEOUT_S).
+REDIS_MAX_CONNECTIONS = env_int("REDIS_MAX_CONNECTIONS", 64, minimum=1)
 
 # --- Quotas and usage ----------------------------------------------------------------------------
 QUOTAS_ENABLED = env_bool("QUOTAS_ENABLED", True)
@@ -277,6 +279,9 @@ QUOTAS_ENABLED = env_bool("QUOTAS_ENABLED", True)
 QUOTA_REDIS_FAILURE = env_str("QUOTA_REDIS_FAILURE", "closed")
 if QUOTA_REDIS_FAILURE not in {"closed", "open"}:
     raise ImproperlyConfigured(f"QUOTA_REDIS_FAILURE must be 'closed' or 'open', not {QUOTA_REDIS_FAILURE!r}")
+# A concurrency lease (max_concurrent_requests) left by a process that died mid-request frees
+# itself after this long; above the longest request (Triton deadline and retries).
+QUOTA_LEASE_SECONDS = env_float("QUOTA_LEASE_SECONDS", 120.0, minimum=1)
 # How often Celery beat folds Redis's usage counters into UsageBucket rows.
 USAGE_FOLD_INTERVAL_S = env_float("USAGE_FOLD_INTERVAL_S", 60.0, minimum=1)
 

@@ -3,7 +3,9 @@
 ServiceError
 ├── InvalidRequest      (422) a well-formed request the model cannot serve as asked
 ├── LimitExceeded       (413) more inputs, tokens or bytes than allowed
-└── Overloaded          (429) too many inference calls in flight in this process
+├── Overloaded          (429) too many inference calls in flight in this process
+├── QuotaExceeded       (429) a tenant's or key's rate limit or budget (embeddings.services.quotas)
+└── QuotaUnavailable    (503) the quota store (Redis) failed and QUOTA_REDIS_FAILURE is "closed"
 Tokenisation errors (embeddings.tokenization) and Triton errors (embeddings.triton.errors) are
 separate trees, mapped by the same API handler.
 """
@@ -30,3 +32,27 @@ class Overloaded(ServiceError):
     def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class QuotaExceeded(ServiceError):
+    """Refused by a quota: `reason` is "rate_limit_exceeded" (RPM, TPM, concurrency) or
+    "insufficient_quota" (the daily or monthly budget); `kind` is "requests" or "tokens"."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str,
+        kind: str,
+        retry_after_s: int,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.kind = kind
+        self.retry_after_s = retry_after_s
+        self.headers = headers or {}
+
+
+class QuotaUnavailable(ServiceError):
+    pass

@@ -46,7 +46,15 @@ def redis_async() -> redis.asyncio.Redis:
         with _lock:
             for stale in [other for other in _async_clients if other.is_closed()]:
                 del _async_clients[stale]
-            client = _async_clients[loop] = redis.asyncio.Redis.from_url(settings.REDIS_URL, **_options())
+            # A blocking pool: beyond REDIS_MAX_CONNECTIONS commands wait (up to the timeout) for
+            # a connection, where the default pool refuses at once with MaxConnectionsError.
+            pool = redis.asyncio.BlockingConnectionPool.from_url(
+                settings.REDIS_URL,
+                max_connections=settings.REDIS_MAX_CONNECTIONS,
+                timeout=settings.REDIS_TIMEOUT_S,
+                **_options(),
+            )
+            client = _async_clients[loop] = redis.asyncio.Redis(connection_pool=pool)
     return client
 
 

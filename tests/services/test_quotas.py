@@ -1,0 +1,289 @@
+"""Quotas against the real test Redis: exact under concurrency, windows, refunds, budgets, leases."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+
+import pytest
+import redis
+
+from embeddings.services.errors import LimitExceeded, QuotaExceeded, QuotaUnavailable
+from embeddings.services.local_redis import RedisServer
+from embeddings.services.quotas import (
+    QuotaHolder,
+    QuotaLimitValues,
+    RequestQuota,
+    duration_text,
+    quota_release,
+    quota_release_sync,
+    quota_reserve,
+    quota_reserve_sync,
+    quota_status,
+    quota_status_sync,
+    window_bounds,
+)
+from embeddings.services.redis_clients import redis_sync, reset_redis_clients
+from embeddings.services.usage import LIVE_USAGE_KEY
+from embeddings.triton.server import free_port
+
+# 2026-03-10 12:00:30 UTC: 30 s into a minute.
+NOW = datetime(2026, 3, 10, 12, 0, 30, tzinfo=UTC).timestamp()
+
+
+def holder(tenant: dict | None = None, key: dict | None = None, *, tenant_id=1, key_id=10) -> QuotaHolder:
+    return QuotaHolder(tenant_id, key_id, QuotaLimitValues(**(tenant or {})), QuotaLimitValues(**(key or {})))
+
+
+async def outcome(subject, tokens: int, now: float = NOW):
+    try:
+        return await quota_reserve(subject=subject, inputs=1, tokens=tokens, now=now)
+    except QuotaExceeded as refusal:
+        return refusal
+
+
+async def test_requests_per_minute_is_exact_under_concurrency(service_redis):
+    subject = holder({"requests_per_minute": 50})
+    results = await asyncio.gather(*(outcome(subject, 1) for _ in range(200)))
+    refused = [r for r in results if isinstance(r, QuotaExceeded)]
+    assert len(results) - len(refused) == 50
+    assert {(r.reason, r.kind, r.retry_after_s) for r in refused} == {("rate_limit_exceeded", "requests", 30)}
+    assert refused[0].headers["x-ratelimit-remaining-requests"] == "0"
+    assert refused[0].headers["x-ratelimit-reset-requests"] == "30s"
+
+
+async def test_tokens_per_minute_never_overshoots_and_refuses_only_what_would(service_redis):
+    subject = holder({"tokens_per_minute": 1000})
+    sizes = [(i * 37) % 120 + 1 for i in range(100)]
+    results = await asyncio.gather(*(outcome(subject, size) for size in sizes))
+    accepted = sum(size for size, r in zip(sizes, results, strict=True) if not isinstance(r, QuotaExceeded))
+    assert accepted <= 1000
+    refused = [size for size, r in zip(sizes, results, strict=True) if isinstance(r, QuotaExceeded)]
+    assert refused, "the sizes add up to far more than the limit"
+    # Counters only grow, so a refused request would still overshoot at the end.
+    assert all(accepted + size > 1000 for size in refused)
+    assert int(redis_sync().get(f"quota:{{t1}}:t:tpm:{int(NOW // 60 * 60)}")) == accepted
+
+
+async def test_windows_reset_at_the_boundary(service_redis):
+    subject = holder({"requests_per_minute": 2, "tokens_per_minute": 100})
+    await outcome(subject, 60)
+    assert isinstance(await outcome(subject, 60, NOW + 29), QuotaExceeded)
+    admitted = await outcome(subject, 40, NOW + 29)
+    assert admitted.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert admitted.headers["x-ratelimit-remaining-requests"] == "0"
+    assert admitted.headers["x-ratelimit-reset-requests"] == "1s"
+    next_minute = await outcome(subject, 100, NOW + 30)
+    assert next_minute.headers == {
+        "x-ratelimit-limit-requests": "2",
+        "x-ratelimit-remaining-requests": "1",
+        "x-ratelimit-reset-requests": "1m0s",
+        "x-ratelimit-limit-tokens": "100",
+        "x-ratelimit-remaining-tokens": "0",
+        "x-ratelimit-reset-tokens": "1m0s",
+    }
+
+
+def test_window_bounds_are_utc_minute_day_and_calendar_month():
+    december = datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()
+    start, reset = window_bounds("tokens_per_month", december)
+    assert datetime.fromtimestamp(start, UTC) == datetime(2026, 12, 1, tzinfo=UTC)
+    assert datetime.fromtimestamp(reset, UTC) == datetime(2027, 1, 1, tzinfo=UTC)
+    assert window_bounds("tokens_per_day", december)[1] - december == 1
+    assert window_bounds("requests_per_minute", NOW) == (NOW - 30, NOW + 30)
+
+
+async def test_budget_exhaustion_is_insufficient_quota_and_never_partial(service_redis):
+    subject = holder({"tokens_per_month": 500, "tokens_per_day": 10_000})
+    await outcome(subject, 450)
+    refusal = await outcome(subject, 51)
+    assert isinstance(refusal, QuotaExceeded)
+    assert (refusal.reason, refusal.kind) == ("insufficient_quota", "tokens")
+    month_end = datetime(2026, 4, 1, tzinfo=UTC).timestamp()
+    assert refusal.retry_after_s == month_end - NOW
+    assert "tokens per month" in refusal.message
+    # Nothing of the refused request was counted: exactly what is left still fits.
+    await outcome(subject, 50)
+    assert isinstance(await outcome(subject, 1), QuotaExceeded)
+    assert not isinstance(await outcome(subject, 1, month_end), QuotaExceeded)
+
+
+async def test_a_request_larger_than_the_token_limit_says_so(service_redis):
+    refusal = await outcome(holder({"tokens_per_minute": 100}), 101)
+    assert refusal.reason == "rate_limit_exceeded" and refusal.kind == "tokens"
+    assert "Request too large" in refusal.message
+
+
+async def test_refund_gives_tokens_back_but_the_request_still_counts(service_redis):
+    subject = holder({"requests_per_minute": 10, "tokens_per_minute": 100, "tokens_per_month": 1000})
+    reservation = await outcome(subject, 80)
+    await quota_release(reservation=reservation, refund=True)
+    status = await quota_status(subject, now=NOW)
+    assert status["tenant"]["tokens_per_minute"]["used"] == 0
+    assert status["tenant"]["tokens_per_month"]["used"] == 0
+    assert status["tenant"]["requests_per_minute"]["used"] == 1
+    kept = await outcome(subject, 100)
+    await quota_release(reservation=kept, refund=False)
+    assert (await quota_status(subject, now=NOW))["tenant"]["tokens_per_minute"]["remaining"] == 0
+
+
+async def test_concurrency_leases_are_held_released_and_expire(service_redis, settings):
+    settings.QUOTA_LEASE_SECONDS = 30
+    subject = holder({"max_concurrent_requests": 2})
+    first, second = await outcome(subject, 1), await outcome(subject, 1)
+    refusal = await outcome(subject, 1)
+    assert (refusal.reason, refusal.kind, refusal.retry_after_s) == ("rate_limit_exceeded", "requests", 1)
+    assert "concurrent" in refusal.message
+    assert (await quota_status(subject, now=NOW))["tenant"]["concurrent_requests"] == {
+        "limit": 2,
+        "in_use": 2,
+    }
+    await quota_release(reservation=first, refund=False)
+    assert not isinstance(await outcome(subject, 1), QuotaExceeded)
+    # Leases of a process that died (never released) free themselves after QUOTA_LEASE_SECONDS.
+    assert isinstance(await outcome(subject, 1, NOW + 29), QuotaExceeded)
+    assert not isinstance(await outcome(subject, 1, NOW + 31), QuotaExceeded)
+    del second
+
+
+async def test_concurrency_limit_is_exact_under_concurrency(service_redis):
+    subject = holder({"max_concurrent_requests": 7})
+    results = await asyncio.gather(*(outcome(subject, 1) for _ in range(100)))
+    assert sum(not isinstance(r, QuotaExceeded) for r in results) == 7
+
+
+async def test_a_key_limit_is_on_top_of_its_tenants_and_the_tenant_counts_all_keys(service_redis):
+    strict = holder({"requests_per_minute": 5}, {"requests_per_minute": 2}, key_id=10)
+    other = holder({"requests_per_minute": 5}, key_id=11)
+    results = [await outcome(strict, 1) for _ in range(3)]
+    assert [isinstance(r, QuotaExceeded) for r in results] == [False, False, True]
+    assert "this API key" in results[2].message
+    # The key's own refusal reserved nothing at the tenant level: 3 of the tenant's 5 are left.
+    results = [await outcome(other, 1) for _ in range(4)]
+    assert [isinstance(r, QuotaExceeded) for r in results] == [False, False, False, True]
+    assert "this tenant" in results[3].message
+    # Headers name the binding window: the key's, with less left.
+    fresh = holder({"requests_per_minute": 5}, {"requests_per_minute": 2}, key_id=12)
+    admitted = await outcome(fresh, 1, NOW + 60)
+    assert admitted.headers["x-ratelimit-limit-requests"] == "2"
+    assert admitted.headers["x-ratelimit-remaining-requests"] == "1"
+
+
+async def test_tenants_are_counted_apart(service_redis):
+    await outcome(holder({"requests_per_minute": 1}, tenant_id=1), 1)
+    assert not isinstance(
+        await outcome(holder({"requests_per_minute": 1}, tenant_id=2, key_id=20), 1), QuotaExceeded
+    )
+
+
+async def test_max_inputs_per_request_of_tenant_or_key(service_redis):
+    with pytest.raises(LimitExceeded, match="this tenant may send at most 3"):
+        await quota_reserve(subject=holder({"max_inputs_per_request": 3}), inputs=4, tokens=4)
+    with pytest.raises(LimitExceeded, match="this API key may send at most 2"):
+        await quota_reserve(subject=holder({}, {"max_inputs_per_request": 2}), inputs=3, tokens=3)
+
+
+async def test_no_limits_touch_no_redis(service_redis):
+    reservation = await quota_reserve(subject=holder(), inputs=5, tokens=5, now=NOW)
+    assert reservation.headers == {} and not reservation.holds_anything
+    assert redis_sync().dbsize() == 0
+
+
+def test_sync_twins_share_the_counters(service_redis):
+    subject = holder({"tokens_per_day": 10})
+    reservation = quota_reserve_sync(subject=subject, inputs=1, tokens=10, now=NOW)
+    with pytest.raises(QuotaExceeded):
+        quota_reserve_sync(subject=subject, inputs=1, tokens=1, now=NOW)
+    quota_release_sync(reservation=reservation, refund=True)
+    quota_reserve_sync(subject=subject, inputs=1, tokens=10, now=NOW)
+
+
+@pytest.mark.django_db
+def test_quota_status_sync_reads_limits_from_the_database(service_redis):
+    from embeddings.services.keys import api_key_create
+    from embeddings.services.tenants import tenant_create
+
+    tenant = tenant_create(name="Acme")
+    tenant.tokens_per_month = 1000
+    tenant.save(update_fields=["tokens_per_month"])
+    api_key, _ = api_key_create(tenant=tenant, name="k")
+    api_key.requests_per_minute = 3
+    api_key.max_concurrent_requests = 1
+    api_key.save(update_fields=["requests_per_minute", "max_concurrent_requests"])
+    subject = QuotaHolder(tenant.pk, api_key.pk, QuotaLimitValues.of(tenant), QuotaLimitValues.of(api_key))
+    quota_reserve_sync(subject=subject, inputs=1, tokens=120, now=NOW)
+    status = quota_status_sync(tenant.pk, api_key.pk, now=NOW)
+    assert status["enabled"] is True
+    assert status["tenant"]["tokens_per_month"] == {
+        "limit": 1000,
+        "used": 120,
+        "remaining": 880,
+        "resets_at": "2026-04-01T00:00:00Z",
+        "reset_in_s": datetime(2026, 4, 1, tzinfo=UTC).timestamp() - NOW,
+    }
+    assert status["tenant"]["requests_per_minute"]["limit"] is None
+    assert status["key"]["requests_per_minute"]["used"] == 1
+    assert status["key"]["concurrent_requests"] == {"limit": 1, "in_use": 1}
+    assert quota_status_sync(tenant.pk, now=NOW)["key"] is None
+
+
+def test_duration_text_is_openais_format():
+    assert [duration_text(s) for s in (0.02, 1, 1.5, 59.9991, 360, 3723, 86400)] == [
+        "20ms", "1s", "1.5s", "1m0s", "6m0s", "1h2m3s", "24h0m0s",
+    ]  # fmt: skip
+
+
+# --- One request's bookkeeping (RequestQuota) ------------------------------------------------------
+
+
+def usage_counters() -> dict[str, int]:
+    return {
+        field.decode().split("|")[4]: int(value)
+        for field, value in redis_sync().hgetall(LIVE_USAGE_KEY).items()
+    }
+
+
+async def test_request_quota_records_usage_with_its_outcome(service_redis):
+    subject = holder({"requests_per_minute": 1})
+    admitted = RequestQuota(subject=subject, model="m", endpoint="openai", started=time.perf_counter())
+    await admitted.reserve(inputs=2, tokens=9)
+    assert admitted.headers["x-ratelimit-remaining-requests"] == "0"
+    await admitted.settle(succeeded=True)
+    refused = RequestQuota(subject=subject, model="m", endpoint="openai", started=time.perf_counter())
+    with pytest.raises(QuotaExceeded):
+        await refused.reserve(inputs=1, tokens=1)
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    counters = usage_counters()
+    assert counters["requests"] == 2 and counters["succeeded"] == 1 and counters["rejected"] == 1
+    assert counters["inputs"] == 2 and counters["tokens"] == 9
+
+
+@pytest.fixture
+def stopped_redis(tmp_path, settings):
+    with RedisServer(port=free_port(), data_dir=tmp_path, persistent=False) as server:
+        url = server.url
+    settings.REDIS_URL = url
+    settings.REDIS_TIMEOUT_S = 0.5
+    reset_redis_clients()
+    yield
+    reset_redis_clients()
+
+
+@pytest.mark.parametrize("policy", ["closed", "open"])
+async def test_redis_down_fails_closed_or_open_quickly(stopped_redis, settings, policy):
+    settings.QUOTA_REDIS_FAILURE = policy
+    request = RequestQuota(
+        subject=holder({"requests_per_minute": 5}), model="m", endpoint="openai", started=time.perf_counter()
+    )
+    started = time.monotonic()
+    if policy == "closed":
+        with pytest.raises(QuotaUnavailable):
+            await request.reserve(inputs=1, tokens=1)
+    else:
+        await request.reserve(inputs=1, tokens=1)
+        assert request.reservation is None
+        await request.settle(succeeded=True)  # usage cannot be recorded: logged, not raised
+    assert time.monotonic() - started < 5  # a bound on hanging, not a benchmark
+    with pytest.raises(redis.exceptions.ConnectionError):
+        await quota_status(holder({"requests_per_minute": 5}))
