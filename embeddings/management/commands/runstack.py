@@ -1,4 +1,5 @@
-"""Run the whole local service: Redis, Triton, then the ASGI server (uvicorn); Ctrl-C stops all."""
+"""Run the whole local service: Redis, Celery (worker, beat), Triton, then the ASGI server (uvicorn);
+Ctrl-C stops all."""
 
 import os
 import signal
@@ -25,8 +26,38 @@ def fresh_prometheus_dir() -> Path:
     return path
 
 
+def start_celery(role: str, log_path: Path) -> subprocess.Popen:
+    """`celery -A embedsite worker|beat` in its own session, its output in log_path."""
+    arguments = {
+        # One process is plenty for the fold; solo keeps it to one.
+        "worker": ["worker", "--pool", "solo", "--without-gossip", "--without-mingle"],
+        "beat": ["beat", "--schedule", settings.CELERY_BEAT_SCHEDULE_FILENAME],
+    }[role]
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "embedsite", *arguments, "--loglevel", "INFO"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+
+
+def stop_process(process: subprocess.Popen | None, timeout_s: float = 15) -> None:
+    if process is not None and process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 class Command(BaseCommand):
-    help = "Start Redis, Triton and the embedsite ASGI server on the configured ports; Ctrl-C stops all."
+    help = (
+        "Start Redis, the Celery worker and beat, Triton and the embedsite ASGI server on the configured "
+        "ports; Ctrl-C stops all."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("--workers", type=int, default=settings.SERVER_WORKERS)
@@ -41,11 +72,16 @@ class Command(BaseCommand):
         triton = local_triton_server(log_path=triton_log)
         redis_server = local_redis_server() if settings.RUNSTACK_STARTS_REDIS else None
         web = None
+        celery: dict[str, subprocess.Popen] = {}
+        celery_logs = {role: settings.RUN_DIR / f"celery-{role}.log" for role in ("worker", "beat")}
         try:
             if redis_server is not None:
                 redis_server.start()
                 redis_server.wait_until_ready()
                 self.stdout.write(f"Redis ready: {redis_server.url} (data: {redis_server.data_dir})")
+            settings.RUN_DIR.mkdir(parents=True, exist_ok=True)
+            for role, log_path in celery_logs.items():
+                celery[role] = start_celery(role, log_path)
             self.stdout.write(f"Starting Triton (log: {triton_log}) ...")
             triton.start()
             triton.wait_until_ready(settings.TRITON_STARTUP_TIMEOUT_S)
@@ -74,6 +110,9 @@ class Command(BaseCommand):
                 f"  API docs   {base}/explorer/   {base}/redoc/   schema {base}/api/schema/\n"
                 f"  admin      {base}/admin/   (first: {manage} createsuperuser)\n"
                 f"  health     {base}/health   {base}/ready   {base}/metrics\n"
+                f"  usage      {base}/v1/usage   folded into the database every "
+                f"{settings.USAGE_FOLD_INTERVAL_S:g} s by Celery beat + worker "
+                f"(logs: {celery_logs['beat']}, {celery_logs['worker']})\n"
                 f"  first key  {manage} create_tenant --name Acme && {manage} create_api_key --tenant acme\n"
                 f'  embed      curl {base}/v1/embeddings -H "Authorization: Bearer $KEY" '
                 """-d '{"model": "all-MiniLM-L6-v2", "input": "hello"}'\n"""
@@ -86,15 +125,19 @@ class Command(BaseCommand):
                     raise CommandError(f"Redis exited unexpectedly; see {redis_server.log_path}")
                 if web.poll() is not None:
                     raise CommandError(f"The web server exited with status {web.returncode}")
+                for role, process in celery.items():
+                    if process.poll() is not None:
+                        raise CommandError(
+                            f"The Celery {role} exited with status {process.returncode}; "
+                            f"see {celery_logs[role]}"
+                        )
         except (TritonServerError, RedisServerError) as error:
             raise CommandError(str(error)) from error
         finally:
-            if web is not None and web.poll() is None:
-                web.send_signal(signal.SIGTERM)
-                try:
-                    web.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    web.kill()
+            stop_process(web)
+            # Beat first (it only sends); the worker finishes the fold it is running (warm shutdown).
+            stop_process(celery.get("beat"))
+            stop_process(celery.get("worker"), timeout_s=30)
             triton.stop()
             if redis_server is not None:
                 redis_server.stop()  # last: the others may still write to it while stopping
