@@ -1,24 +1,83 @@
-"""Django admin: tenants with their keys, API keys (the secret shown once, at creation), models.
+"""Django admin: tenants with their keys, quotas and usage; API keys (the secret shown once); usage rows.
 
-Thin: creating, revoking and deactivating go through the services the API and commands use.
+Thin: creating, revoking and deactivating go through the services the API and commands use; usage
+numbers come from embeddings/services/usage_reports.py, charts from embeddings/admin_charts.py.
 """
 
 from __future__ import annotations
 
+import csv
+import logging
+
 from django.contrib import admin, messages
+from django.contrib.admin.options import IncorrectLookupParameters
+from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q, QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, StreamingHttpResponse
 from django.template.response import TemplateResponse
-from django.urls import reverse
+from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 from django.utils.html import format_html
 
-from embeddings.models import ApiKey, EmbeddingModel, Tenant
+from embeddings.admin_charts import daily_bar_chart
+from embeddings.models import ApiKey, EmbeddingModel, QuotaLimits, Tenant, UsageBucket
 from embeddings.services.keys import api_key_create, api_key_revoke
 from embeddings.services.tenants import tenant_deactivate
+from embeddings.services.usage_reports import (
+    CHART_DAYS,
+    api_keys_with_month_usage,
+    daily_usage,
+    tenant_usage_summary,
+    top_keys,
+    usage_csv_rows,
+)
+
+logger = logging.getLogger(__name__)
 
 API_KEY_READONLY_FIELDS = ("public_id", "secret_hash", "created_at", "revoked_at", "last_used_at")
+TENANT_QUOTAS_HELP = (
+    "Blank: unlimited. A tenant's limits count the requests and tokens of all its keys together; "
+    "months and days are UTC."
+)
+KEY_QUOTAS_HELP = (
+    "Optional overrides for this key alone, on top of its tenant's limits. Blank: the tenant's limits only."
+)
+
+
+def with_quota_help(formfield, db_field, blank_means: str):
+    if formfield is not None and db_field.name in QuotaLimits.QUOTA_FIELDS:
+        model_help = str(db_field.help_text).rstrip(".")
+        formfield.help_text = (
+            f"{model_help}. Blank: {blank_means}." if model_help else f"Blank: {blank_means}."
+        )
+    return formfield
+
+
+def live_quota_state(tenant: Tenant) -> tuple[list[dict], str | None]:
+    """The tenant's current windows as Redis counts them: rows for the page, or why there are none.
+
+    The page's numbers come from the database; this is extra, and the page renders without it.
+    """
+    try:
+        from embeddings.services.quotas import quota_status_sync
+
+        status = quota_status_sync(tenant.pk)
+    except Exception as error:  # Redis down or slow, or the quota module absent: say so, render the rest
+        logger.warning("admin: live quota state of tenant %s unavailable: %r", tenant.pk, error)
+        return [], f"Live quota state unavailable ({type(error).__name__})."
+    rows = []
+    for name, window in (status.get("tenant") or {}).items():
+        if isinstance(window, dict) and window.get("limit") is not None and "used" in window:
+            rows.append(
+                {
+                    "name": name.replace("_", " "),
+                    "used": f"{window['used']:,}",
+                    "limit": f"{window['limit']:,}",
+                    "resets_at": window.get("resets_at") or "-",
+                }
+            )
+    return rows, None
 
 
 def api_key_status(api_key: ApiKey) -> str:
@@ -80,9 +139,91 @@ class TenantAdmin(admin.ModelAdmin):
     prepopulated_fields = {"slug": ("name",)}
     filter_horizontal = ("allowed_models",)
     readonly_fields = ("created_at", "add_key_link")
-    fields = ("name", "slug", "is_active", "allow_all_models", "allowed_models", "created_at", "add_key_link")
+    fieldsets = (
+        (
+            None,
+            {
+                "fields": (
+                    "name",
+                    "slug",
+                    "is_active",
+                    "allow_all_models",
+                    "allowed_models",
+                    "created_at",
+                    "add_key_link",
+                )
+            },
+        ),
+        ("Quotas", {"fields": QuotaLimits.QUOTA_FIELDS, "description": TENANT_QUOTAS_HELP}),
+    )
     inlines = (ApiKeyInline,)
     actions = ("deactivate_tenants",)
+    change_form_template = "admin/embeddings/tenant/change_form.html"
+
+    def formfield_for_dbfield(self, db_field, request: HttpRequest, **kwargs):
+        return with_quota_help(
+            super().formfield_for_dbfield(db_field, request, **kwargs), db_field, "unlimited"
+        )
+
+    def change_view(self, request: HttpRequest, object_id: str, form_url: str = "", extra_context=None):
+        tenant = self.get_object(request, object_id)
+        if tenant is not None:
+            extra_context = {**(extra_context or {}), "usage": self.usage_context(tenant)}
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    def usage_context(self, tenant: Tenant) -> dict:
+        now = timezone.now()
+        days = daily_usage(tenant=tenant, now=now)
+        first, last = days[0].day, days[-1].day
+        span = f"{first:%Y-%m-%d} to {last:%Y-%m-%d} (UTC)"
+        live_rows, live_error = live_quota_state(tenant)
+        summary = tenant_usage_summary(tenant=tenant, now=now)
+        windows = [
+            ("This month", summary.month_tokens, summary.month_requests, "tokens_per_month"),
+            ("Today", summary.day_tokens, summary.day_requests, "tokens_per_day"),
+        ]
+        return {
+            "summary": summary,
+            "month_counts": {
+                name: f"{getattr(summary, f'month_{name}'):,}"
+                for name in ("succeeded", "rejected", "failed", "inputs")
+            },
+            "windows": [
+                {
+                    "label": label,
+                    "limit_name": limit_name,
+                    "used": f"{budget.used:,}",
+                    "limit": "unlimited" if budget.limit is None else f"{budget.limit:,}",
+                    "percent": None if budget.percent is None else f"{budget.percent:.1f}",
+                    "meter_value": None if budget.percent is None else f"{min(budget.percent, 100):.1f}",
+                    "requests": f"{requests:,}",
+                }
+                for label, budget, requests, limit_name in windows
+            ],
+            "top_keys": [
+                {"key": key, "tokens": f"{key.tokens:,}", "requests": f"{key.requests:,}"}
+                for key in top_keys(tenant=tenant, now=now)
+            ],
+            "days": CHART_DAYS,
+            "tokens_chart": daily_bar_chart(
+                title=f"Tokens per day, last {CHART_DAYS} days",
+                description=f"{tenant.name}: tokens used each UTC day, {span}; "
+                f"{sum(day.tokens for day in days):,} in all.",
+                days=[(day.day, day.tokens) for day in days],
+                unit="tokens",
+                chart_id="usage-tokens-chart",
+            ),
+            "requests_chart": daily_bar_chart(
+                title=f"Requests per day, last {CHART_DAYS} days",
+                description=f"{tenant.name}: requests each UTC day, {span}; "
+                f"{sum(day.requests for day in days):,} in all.",
+                days=[(day.day, day.requests) for day in days],
+                unit="requests",
+                chart_id="usage-requests-chart",
+            ),
+            "live_rows": live_rows,
+            "live_error": live_error,
+        }
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Tenant]:
         return super().get_queryset(request).annotate(key_count=Count("api_keys"))
@@ -119,6 +260,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "expires_at",
         "revoked_at",
         "last_used_at",
+        "tokens_this_month",
+        "requests_this_month",
     )
     list_filter = (ApiKeyStatusFilter, "tenant")
     list_select_related = ("tenant",)
@@ -133,10 +276,33 @@ class ApiKeyAdmin(admin.ModelAdmin):
             return ("tenant", "name", "expires_at")
         return ("tenant", "name", "expires_at", *API_KEY_READONLY_FIELDS)
 
+    def get_fieldsets(self, request: HttpRequest, obj: ApiKey | None = None):
+        if obj is None:
+            return super().get_fieldsets(request, obj)
+        return (
+            (None, {"fields": ("tenant", "name", "expires_at", *API_KEY_READONLY_FIELDS)}),
+            ("Quota overrides", {"fields": QuotaLimits.QUOTA_FIELDS, "description": KEY_QUOTAS_HELP}),
+        )
+
     def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> tuple[str, ...]:
         if obj is None:
             return ()
         return ("tenant", *API_KEY_READONLY_FIELDS)
+
+    def formfield_for_dbfield(self, db_field, request: HttpRequest, **kwargs):
+        formfield = super().formfield_for_dbfield(db_field, request, **kwargs)
+        return with_quota_help(formfield, db_field, "the tenant's limits only")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ApiKey]:
+        return api_keys_with_month_usage(super().get_queryset(request), now=timezone.now())
+
+    @admin.display(description="tokens this month", ordering="tokens_this_month")
+    def tokens_this_month(self, api_key: ApiKey) -> str:
+        return f"{api_key.tokens_this_month:,}"
+
+    @admin.display(description="requests this month", ordering="requests_this_month")
+    def requests_this_month(self, api_key: ApiKey) -> str:
+        return f"{api_key.requests_this_month:,}"
 
     @admin.display(description="key starts with")
     def key_prefix(self, api_key: ApiKey) -> str:
@@ -204,3 +370,79 @@ class EmbeddingModelAdmin(admin.ModelAdmin):
     list_filter = ("enabled", "triton_model")
     search_fields = ("name", "triton_model")
     readonly_fields = ("created_at",)
+
+
+class EchoBuffer:
+    """csv.writer writes each row here and gets the line back, for a streamed response."""
+
+    def write(self, line: str) -> str:
+        return line
+
+
+def usage_csv_response(queryset: QuerySet[UsageBucket], filename: str) -> StreamingHttpResponse:
+    writer = csv.writer(EchoBuffer())
+    response = StreamingHttpResponse(
+        (writer.writerow(row) for row in usage_csv_rows(queryset)), content_type="text/csv; charset=utf-8"
+    )
+    response["Content-Disposition"] = f'attachment; filename="{filename}"'
+    return response
+
+
+@admin.register(UsageBucket)
+class UsageBucketAdmin(admin.ModelAdmin):
+    """Usage per tenant, key, model, endpoint and UTC hour; read-only (only the usage fold writes rows)."""
+
+    list_display = (
+        "hour",
+        "tenant",
+        "api_key",
+        "model",
+        "endpoint",
+        "requests",
+        "succeeded",
+        "rejected",
+        "failed",
+        "inputs",
+        "tokens",
+        "mean_latency_ms",
+    )
+    list_filter = ("tenant", ("api_key", admin.RelatedOnlyFieldListFilter), "model", "endpoint")
+    list_select_related = ("tenant", "api_key")
+    date_hierarchy = "hour"
+    search_fields = ("tenant__name", "tenant__slug", "api_key__name", "api_key__public_id", "model")
+    list_per_page = 100
+    actions = ("export_csv",)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: UsageBucket | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: UsageBucket | None = None) -> bool:
+        return False
+
+    @admin.display(description="mean latency (ms)")
+    def mean_latency_ms(self, bucket: UsageBucket) -> str:
+        return f"{bucket.latency_ms_total / bucket.requests:.1f}" if bucket.requests else "-"
+
+    def get_urls(self):
+        csv_url = path("csv/", self.admin_site.admin_view(self.csv_view), name="embeddings_usagebucket_csv")
+        return [csv_url, *super().get_urls()]
+
+    def csv_view(self, request: HttpRequest) -> HttpResponse | StreamingHttpResponse:
+        """The changelist's rows as CSV: the same filters, search and date drill-down, all pages."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        try:
+            changelist = self.get_changelist_instance(request)
+        except IncorrectLookupParameters:
+            return HttpResponseBadRequest("Unknown filter in the query string.")
+        return usage_csv_response(changelist.queryset, self.csv_filename())
+
+    @admin.action(description="Download selected rows as CSV")
+    def export_csv(self, request: HttpRequest, queryset: QuerySet[UsageBucket]) -> StreamingHttpResponse:
+        return usage_csv_response(queryset.order_by("-hour", "pk"), self.csv_filename())
+
+    def csv_filename(self) -> str:
+        return f"usage-{timezone.now():%Y%m%dT%H%M%SZ}.csv"
