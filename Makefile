@@ -32,8 +32,9 @@ bench-api: setup
 
 setup: .run/.system-packages $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated
 
-# Debian packages the stack runs: redis-server (quotas, usage, Celery's broker).
-SYSTEM_PACKAGES := redis-server
+# Debian packages the stack runs: redis-server (quotas, usage, Celery's broker); chromium for the
+# admin's browser test (tests/admin/test_browser.py drives it headless with Playwright).
+SYSTEM_PACKAGES := redis-server chromium
 .run/.system-packages: Makefile
 	mkdir -p .run
 	dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES))

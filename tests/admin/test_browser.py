@@ -1,0 +1,122 @@
+"""The admin in a real browser: Debian's headless Chromium driven by Playwright against a live server.
+
+Setup installs `chromium` (Makefile SYSTEM_PACKAGES) and Playwright (requirements-test.txt); we use
+the system browser, never Playwright's own downloads. If the browser cannot start, the test fails
+and says why: it is never skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterator
+
+import pytest
+from django.contrib.auth.models import User
+from django.urls import reverse
+from django.utils import timezone
+
+from embeddings.models import UsageBucket
+from embeddings.services.keys import api_key_create
+from embeddings.services.tenants import tenant_create
+from embeddings.services.usage_reports import utc_day_start
+
+BROWSER_TIMEOUT_MS = 20_000
+FULL_KEY = re.compile(r"emb_[a-z0-9]{12}_[A-Za-z0-9_-]{20,100}")
+
+
+@pytest.fixture
+def browser_page() -> Iterator:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as error:
+        pytest.fail(f"Playwright is not installed ({error}): `make setup` installs requirements-test.txt")
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.fail(
+            "No `chromium` on PATH: `make setup` installs Debian's chromium (SYSTEM_PACKAGES)", pytrace=False
+        )
+    with sync_playwright() as playwright:
+        try:
+            # Root (CI, containers) cannot use Chromium's sandbox; --disable-dev-shm-usage: small /dev/shm.
+            browser = playwright.chromium.launch(
+                executable_path=executable,
+                headless=True,
+                args=["--no-sandbox", "--disable-dev-shm-usage"] if os.geteuid() == 0 else [],
+                timeout=BROWSER_TIMEOUT_MS,
+            )
+        except Exception as error:
+            pytest.fail(f"Chromium ({executable}) did not start under Playwright: {error}", pytrace=False)
+        page = browser.new_page()
+        page.set_default_timeout(BROWSER_TIMEOUT_MS)
+        try:
+            yield page
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def tenant_with_usage(transactional_db):
+    tenant = tenant_create(name="Acme")
+    tenant.tokens_per_month = 100_000
+    tenant.save(update_fields=["tokens_per_month"])
+    api_key, _ = api_key_create(tenant=tenant, name="acme-batch")
+    today = utc_day_start(timezone.now())
+    for hour in (today, today.replace(hour=1)):
+        UsageBucket.objects.create(
+            tenant=tenant, api_key=api_key, model="all-MiniLM-L6-v2", endpoint="embeddings", hour=hour,
+            requests=3, succeeded=3, inputs=6, tokens=2_500,
+        )  # fmt: skip
+    User.objects.create_superuser("root", "root@example.com", "a-long-password")
+    return tenant
+
+
+def test_log_in_see_the_usage_chart_and_create_a_key(live_server, tenant_with_usage, browser_page):
+    # Everything is checked through the browser: Django refuses ORM calls from this thread once
+    # Playwright's event loop runs in it (the database is set up before the browser starts).
+    page = browser_page
+    tenant_url = live_server.url + reverse("admin:embeddings_tenant_change", args=[tenant_with_usage.pk])
+
+    page.goto(tenant_url)  # not logged in: the admin sends us to its login page
+    assert "/admin/login/" in page.url
+    page.fill("#id_username", "root")
+    page.fill("#id_password", "a-long-password")
+    page.click("input[type=submit]")
+    page.wait_for_url(tenant_url)
+
+    month = page.locator('tr[data-window="tokens_per_month"]')
+    assert month.locator("td.tokens-used").inner_text() == "5,000"
+    assert month.locator("td.tokens-limit").inner_text() == "100,000"
+    assert month.locator(".tokens-percent").inner_text() == "5.0%"
+    assert month.locator("td.requests").inner_text() == "6"
+    assert "acme-batch" in page.locator("#usage-top-keys").inner_text()
+
+    for chart_id in ("usage-tokens-chart", "usage-requests-chart"):
+        chart = page.locator(f"svg#{chart_id}")
+        assert chart.is_visible()
+        assert chart.bounding_box()["width"] > 300  # laid out by the browser, not just in the HTML
+        bars = chart.locator("rect.bar")
+        assert bars.count() == 30
+        # The browser drew today's bar (the last) with height, and the idle days flat.
+        heights = bars.evaluate_all("rects => rects.map(rect => rect.getBBox().height)")
+        assert heights[-1] > 0 and all(height == 0 for height in heights[:-1])
+    assert "Tokens per day" in page.locator("svg#usage-tokens-chart > title").text_content()
+
+    page.click("text=Create an API key for this tenant")
+    page.fill("#id_name", "made-in-a-browser")
+    page.click("input[name=_save]")
+    shown = page.locator("#new-api-key").inner_text()
+    assert FULL_KEY.fullmatch(shown)
+    assert "shown only this once" in page.content()
+
+    # The key list now has it, for this tenant, by the prefix of the key just shown; the full key is
+    # on no other page.
+    page.goto(live_server.url + reverse("admin:embeddings_apikey_changelist") + "?q=made-in-a-browser")
+    rows = page.locator("#result_list tbody tr")
+    assert rows.count() == 1
+    row_text = rows.first.inner_text()
+    assert "Acme" in row_text and shown[: len("emb_") + 13] in row_text
+    page.goto(tenant_url)
+    assert "made-in-a-browser" in page.locator(".inline-group").inner_text()
+    assert shown not in page.content()
