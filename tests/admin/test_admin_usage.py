@@ -248,3 +248,8 @@ def test_csv_needs_permission_to_view_usage(client, usage_rows):
     staff = User.objects.create_user("staff", password="pw", is_staff=True)
     client.force_login(staff)
     assert client.get(reverse("admin:embeddings_usagebucket_csv")).status_code == 403
+
+
+def test_tenant_add_page_has_quotas_and_no_usage(admin_client):
+    page = admin_client.get(reverse("admin:embeddings_tenant_add")).content.decode()
+    assert 'name="tokens_per_month"' in page and 'id="tenant-usage"' not in page
