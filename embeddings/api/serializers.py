@@ -251,3 +251,63 @@ class ErrorDetailSerializer(serializers.Serializer):
 
 class ErrorSerializer(serializers.Serializer):
     error = ErrorDetailSerializer()
+
+
+# --- GET /v1/usage ------------------------------------------------------------------------------
+
+
+class UsageQuery(serializers.Serializer):
+    """The query string of GET /v1/usage (the view turns the bounds into datetimes)."""
+
+    start = serializers.CharField(
+        required=False,
+        help_text="UTC date `YYYY-MM-DD` (from its midnight) or ISO 8601 datetime (from the start of "
+        "its hour). Default: the first day of end's UTC month.",
+    )
+    end = serializers.CharField(
+        required=False,
+        help_text="UTC date `YYYY-MM-DD` (that day included) or ISO 8601 datetime (exclusive). Default: now.",
+    )
+    group_by = serializers.ChoiceField(choices=["day", "model", "key"], default="day")
+    key = serializers.CharField(
+        required=False, help_text="Only this key of yours: its public id (`emb_<public id>_…`'s middle)."
+    )
+
+
+class UsageCountersSerializer(serializers.Serializer):
+    requests = serializers.IntegerField()
+    succeeded = serializers.IntegerField()
+    rejected = serializers.IntegerField(help_text="Refused by a quota or rate limit")
+    failed = serializers.IntegerField(help_text="Accepted, then failed")
+    inputs = serializers.IntegerField()
+    tokens = serializers.IntegerField()
+    mean_latency_ms = serializers.FloatField(allow_null=True, help_text="Null without requests")
+
+
+class UsageKeySerializer(serializers.Serializer):
+    id = serializers.CharField(help_text="The key's public id")
+    name = serializers.CharField()
+
+
+class UsageRowSerializer(UsageCountersSerializer):
+    day = serializers.DateField(required=False, help_text="group_by=day")
+    model = serializers.CharField(required=False, help_text="group_by=model")
+    key = UsageKeySerializer(
+        required=False, allow_null=True, help_text="group_by=key; null: no key, or a deleted one"
+    )
+
+
+class UsageResponse(serializers.Serializer):
+    object = serializers.CharField(default="usage")
+    start = serializers.DateTimeField()
+    end = serializers.DateTimeField()
+    group_by = serializers.CharField()
+    includes_unfolded = serializers.BooleanField(
+        help_text="True: counters not yet folded into the database are included (up to the second)"
+    )
+    totals = UsageCountersSerializer()
+    data = UsageRowSerializer(many=True)
+    quota = serializers.JSONField(
+        allow_null=True,
+        help_text="Limits and current windows of your tenant and this key; null if unreadable",
+    )

@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from embeddings.api import views
+from embeddings.api import usage, views
 
 urlpatterns = [
     path("v1/embeddings", views.OpenAIEmbeddingsView.as_view(), name="openai-embeddings"),
@@ -12,4 +12,5 @@ urlpatterns = [
     path("v1/models", views.ModelListView.as_view(), name="models"),
     # Model ids may contain "/" (e.g. sentence-transformers/all-MiniLM-L6-v2).
     path("v1/models/<path:model_id>", views.ModelDetailView.as_view(), name="model-detail"),
+    path("v1/usage", usage.UsageView.as_view(), name="usage"),
 ]

@@ -12,12 +12,13 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Literal
 
 import redis
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import F, Sum
+from django.db.models.functions import TruncDate
 
 from embeddings.models import ApiKey, Tenant, UsageBucket, UsageFold
 from embeddings.services.redis_clients import redis_async, redis_sync
@@ -282,3 +283,138 @@ def usage_fold() -> UsageFoldResult:
         rows += batch_rows
         dropped += batch_dropped
     return UsageFoldResult(batches=len(batch_ids), buckets=rows, dropped=dropped)
+
+
+# --- Reading a tenant's usage ---------------------------------------------------------------------
+
+USAGE_GROUPINGS = ("day", "model", "key")
+# A fold committing while usage_for_tenant reads could make it count a batch twice or not at all;
+# it then reads again (folds are a minute apart, so once is almost always enough).
+_READ_ATTEMPTS = 3
+
+_SUM_FIELDS = {metric: Sum(metric) for metric in COUNTER_METRICS}
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """One group's counters: `group` is a date (day), a model name (model) or a key id or None (key)."""
+
+    group: date | str | int | None
+    counters: dict[str, int]
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    totals: dict[str, int]
+    rows: list[UsageRow]
+    includes_unfolded: bool  # Redis's not yet folded counters are included
+    key_names: dict[int, tuple[str, str]]  # key id -> (public id, name) of the tenant's keys in rows
+
+
+def hour_floor(moment: datetime) -> datetime:
+    return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+def _unfolded_snapshot(client: redis.Redis) -> tuple[list, dict[str, list]]:
+    """The live hash and every unfinished batch, read at one instant."""
+    out = client.eval(_SNAPSHOT_SCRIPT, 2, LIVE_USAGE_KEY, FOLDING_BATCHES_KEY, FOLDING_PREFIX)
+    live, rest = out[0], out[1:]
+    return live, {_decode(batch_id): fields for batch_id, fields in zip(rest[::2], rest[1::2], strict=True)}
+
+
+def _group_of(bucket: BucketKey, group_by: str, tenant_key_ids: set[int]) -> date | str | int | None:
+    if group_by == "day":
+        return datetime.fromtimestamp(bucket.hour_epoch, UTC).date()
+    if group_by == "model":
+        return bucket.model
+    # As the fold will file it: a key that is gone (or not this tenant's) counts as keyless.
+    return bucket.api_key_id if bucket.api_key_id in tenant_key_ids else None
+
+
+def _database_rows(buckets, group_by: str) -> dict:
+    if group_by == "day":
+        grouped = buckets.annotate(group=TruncDate("hour", tzinfo=UTC))
+    elif group_by == "model":
+        grouped = buckets.annotate(group=F("model"))
+    else:
+        grouped = buckets.annotate(group=F("api_key_id"))
+    rows = grouped.values("group").annotate(**_SUM_FIELDS).order_by()
+    return {row["group"]: {metric: row[metric] or 0 for metric in COUNTER_METRICS} for row in rows}
+
+
+def usage_for_tenant(
+    *,
+    tenant_id: int,
+    start: datetime,
+    end: datetime,
+    group_by: str,
+    api_key_id: int | None = None,
+    include_unfolded: bool = True,
+) -> TenantUsage:
+    """One tenant's usage in the hours that start in [start, end) (start rounded down to its hour),
+    grouped by UTC day, model or key; only this tenant's rows, whatever api_key_id says.
+
+    With include_unfolded, counters still in Redis (not yet folded) are added, so the numbers are
+    up to date; when Redis cannot be read they are left out and includes_unfolded is False.
+    """
+    if group_by not in USAGE_GROUPINGS:
+        raise ValueError(f"group_by must be one of {USAGE_GROUPINGS}")
+    first_hour = hour_floor(start)
+    buckets = UsageBucket.objects.filter(tenant_id=tenant_id, hour__gte=first_hour, hour__lt=end)
+    if api_key_id is not None:
+        buckets = buckets.filter(api_key_id=api_key_id)
+    tenant_key_ids = set(ApiKey.objects.filter(tenant_id=tenant_id).values_list("pk", flat=True))
+
+    includes_unfolded = include_unfolded
+    live: list = []
+    batches: dict[str, list] = {}
+    for _attempt in range(_READ_ATTEMPTS):
+        folds_before = UsageFold.objects.count()
+        if includes_unfolded:
+            try:
+                live, batches = _unfolded_snapshot(redis_sync())
+            except redis.exceptions.RedisError as error:
+                logger.warning("usage: Redis unreadable, reporting folded usage only: %s", error)
+                includes_unfolded = False
+                live, batches = [], {}
+        by_group = _database_rows(buckets, group_by)
+        folded_ids = set(
+            UsageFold.objects.filter(batch_id__in=list(batches)).values_list("batch_id", flat=True)
+        )
+        if UsageFold.objects.count() == folds_before:
+            break
+    else:
+        logger.warning("usage: folds kept committing while reading; numbers may be off by one fold")
+
+    if includes_unfolded:
+        pending = [live, *(fields for batch_id, fields in batches.items() if batch_id not in folded_ids)]
+        first_epoch, end_epoch = first_hour.timestamp(), end.timestamp()
+        for flat in pending:
+            counters, _ = counters_from_hash(flat, tenant_id=tenant_id)
+            for bucket, metrics in counters.items():
+                if not first_epoch <= bucket.hour_epoch < end_epoch:
+                    continue
+                if api_key_id is not None and bucket.api_key_id != api_key_id:
+                    continue
+                target = by_group.setdefault(
+                    _group_of(bucket, group_by, tenant_key_ids), dict.fromkeys(COUNTER_METRICS, 0)
+                )
+                for metric, amount in metrics.items():
+                    target[metric] += amount
+
+    def order(item):
+        group, counters = item
+        if group_by == "key":
+            return (group is None, -counters["tokens"], group or 0)
+        return (group,)
+
+    rows = [UsageRow(group, counters) for group, counters in sorted(by_group.items(), key=order)]
+    totals = {metric: sum(row.counters[metric] for row in rows) for metric in COUNTER_METRICS}
+    row_keys = {row.group for row in rows if group_by == "key" and row.group is not None}
+    key_names = {
+        pk: (public_id, name)
+        for pk, public_id, name in ApiKey.objects.filter(tenant_id=tenant_id, pk__in=row_keys).values_list(
+            "pk", "public_id", "name"
+        )
+    }
+    return TenantUsage(totals=totals, rows=rows, includes_unfolded=includes_unfolded, key_names=key_names)

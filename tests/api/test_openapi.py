@@ -16,6 +16,7 @@ API_OPERATIONS = {
     "/embed": {"post"},
     "/v1/models": {"get"},
     "/v1/models/{model_id}": {"get"},
+    "/v1/usage": {"get"},
 }
 EMBEDDING_ERRORS = {"400", "401", "403", "404", "413", "422", "429", "503", "504"}
 

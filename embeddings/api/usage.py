@@ -1,0 +1,215 @@
+"""GET /v1/usage: the calling tenant's own usage, grouped, with its current quota state."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, date, datetime, timedelta
+
+from asgiref.sync import sync_to_async
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema
+from redis.exceptions import RedisError
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from embeddings.api import serializers as s
+from embeddings.api.authentication import ApiPrincipal
+from embeddings.api.base import ApiView
+from embeddings.api.errors import NotFound, ValidationFailed
+from embeddings.api.views import AUTH_ERRORS, _error_response
+from embeddings.models import ApiKey
+from embeddings.services.quotas import quota_status_sync
+from embeddings.services.usage import TenantUsage, usage_for_tenant
+
+logger = logging.getLogger(__name__)
+
+# Wider ranges are refused (422): a year of hourly rows is as much as one request should add up.
+MAX_USAGE_RANGE = timedelta(days=366)
+
+
+def parse_bound(text: str, *, param: str) -> datetime:
+    """A query bound as an aware UTC datetime. A date means its midnight, and as `end` the
+    midnight after it (the day is included); a naive datetime is UTC."""
+    try:
+        if len(text) == len("YYYY-MM-DD"):
+            day = date.fromisoformat(text)
+            moment = datetime(day.year, day.month, day.day, tzinfo=UTC)
+            return moment + timedelta(days=1) if param == "end" else moment
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValidationFailed(
+            f"{param}: {text!r} is not a date (YYYY-MM-DD) or an ISO 8601 datetime", param=param
+        ) from None
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
+def usage_range(params: dict, now: datetime) -> tuple[datetime, datetime]:
+    end = parse_bound(params["end"], param="end") if "end" in params else now
+    if "start" in params:
+        start = parse_bound(params["start"], param="start")
+    else:
+        last_moment = end - timedelta(microseconds=1)
+        start = last_moment.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    if end <= start:
+        raise ValidationFailed("end: must be after start", param="end")
+    if end - start > MAX_USAGE_RANGE:
+        raise ValidationFailed(
+            f"start: the range may span at most {MAX_USAGE_RANGE.days} days; ask for less at a time",
+            param="start",
+        )
+    return start, end
+
+
+def counters_json(counters: dict[str, int]) -> dict:
+    requests = counters["requests"]
+    return {
+        "requests": requests,
+        "succeeded": counters["succeeded"],
+        "rejected": counters["rejected"],
+        "failed": counters["failed"],
+        "inputs": counters["inputs"],
+        "tokens": counters["tokens"],
+        "mean_latency_ms": round(counters["latency_ms_total"] / requests, 3) if requests else None,
+    }
+
+
+def rows_json(usage: TenantUsage, group_by: str) -> list[dict]:
+    rows = []
+    for row in usage.rows:
+        if group_by == "day":
+            group = {"day": row.group.isoformat()}
+        elif group_by == "model":
+            group = {"model": row.group}
+        else:
+            names = usage.key_names.get(row.group)
+            group = {"key": {"id": names[0], "name": names[1]} if names else None}
+        rows.append({**group, **counters_json(row.counters)})
+    return rows
+
+
+def _key_of_tenant(*, tenant_id: int, public_id: str) -> int:
+    """The id of the tenant's key with this public id; another tenant's key is not found either."""
+    public_id = public_id.removeprefix("emb_").split("_", 1)[0]
+    key_id = (
+        ApiKey.objects.filter(tenant_id=tenant_id, public_id=public_id).values_list("pk", flat=True).first()
+    )
+    if key_id is None:
+        raise NotFound(f"You have no API key {public_id!r}.", param="key", code="api_key_not_found")
+    return key_id
+
+
+@sync_to_async
+def _tenant_usage(
+    *, principal: ApiPrincipal, start: datetime, end: datetime, group_by: str, key: str | None
+) -> tuple[TenantUsage, dict | None]:
+    """The usage report and the quota state (None when Redis cannot be read), in one thread hop.
+
+    The quota state is read with the limits as they are in the database now (not as cached with
+    the key), so a limit just changed in the admin shows at once.
+    """
+    tenant_id = principal.tenant_id
+    api_key_id = _key_of_tenant(tenant_id=tenant_id, public_id=key) if key else None
+    report = usage_for_tenant(
+        tenant_id=tenant_id, start=start, end=end, group_by=group_by, api_key_id=api_key_id
+    )
+    try:
+        quota = quota_status_sync(tenant_id, principal.key_id)
+    except RedisError as error:
+        logger.warning("usage: quota state unreadable: %s", error)
+        quota = None
+    return report, quota
+
+
+def _iso(moment: datetime) -> str:
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+USAGE_EXAMPLE = {
+    "object": "usage",
+    "start": "2026-11-01T00:00:00Z",
+    "end": "2026-11-23T11:30:00Z",
+    "group_by": "day",
+    "includes_unfolded": True,
+    "totals": {
+        "requests": 1250, "succeeded": 1200, "rejected": 40, "failed": 10,
+        "inputs": 5100, "tokens": 182000, "mean_latency_ms": 14.2,
+    },
+    "data": [
+        {
+            "day": "2026-11-01", "requests": 600, "succeeded": 590, "rejected": 10, "failed": 0,
+            "inputs": 2400, "tokens": 90000, "mean_latency_ms": 13.9,
+        },
+        {
+            "day": "2026-11-02", "requests": 650, "succeeded": 610, "rejected": 30, "failed": 10,
+            "inputs": 2700, "tokens": 92000, "mean_latency_ms": 14.5,
+        },
+    ],
+    "quota": {
+        "enabled": True,
+        "tenant": {
+            "tokens_per_month": {
+                "limit": 1000000, "used": 182000, "remaining": 818000,
+                "resets_at": "2026-12-01T00:00:00Z", "reset_in_s": 649800.0,
+            },
+        },
+        "key": None,
+    },
+}  # fmt: skip
+
+
+class UsageView(ApiView):
+    endpoint = "usage"
+
+    @extend_schema(
+        operation_id="retrieve_usage",
+        summary="Your usage and quota state",
+        description=(
+            "Your tenant's usage (every key's, or one key's with `key`) in the UTC hours that start "
+            "in [start, end), grouped by UTC `day`, `model` or `key`, with totals and the current "
+            "state of your quotas. Counted per request as it happens: counters not yet folded into "
+            "the database are included (`includes_unfolded`), so numbers are up to date. "
+            "Ranges of at most 366 days."
+        ),
+        parameters=[
+            OpenApiParameter("start", OpenApiTypes.STR, description=s.UsageQuery().fields["start"].help_text),
+            OpenApiParameter("end", OpenApiTypes.STR, description=s.UsageQuery().fields["end"].help_text),
+            OpenApiParameter("group_by", OpenApiTypes.STR, enum=["day", "model", "key"], default="day"),
+            OpenApiParameter("key", OpenApiTypes.STR, description=s.UsageQuery().fields["key"].help_text),
+        ],
+        responses={
+            200: s.UsageResponse,
+            **AUTH_ERRORS,
+            404: _error_response(
+                "`key` names no key of yours",
+                NotFound("You have no API key 'AbCdEf12'.", param="key", code="api_key_not_found"),
+            ),
+            422: _error_response(
+                "Bad dates, end before start, a range over 366 days, unknown group_by",
+                ValidationFailed("end: must be after start", param="end"),
+            ),
+        },
+        examples=[
+            OpenApiExample("This month by day", value=USAGE_EXAMPLE, response_only=True, status_codes=["200"])
+        ],
+        tags=["usage"],
+    )
+    async def get(self, request: Request) -> Response:
+        serializer = s.UsageQuery(data=request.query_params)
+        serializer.is_valid(raise_exception=True)
+        params = serializer.validated_data
+        start, end = usage_range(params, datetime.now(UTC))
+        usage, quota = await _tenant_usage(
+            principal=request.user, start=start, end=end, group_by=params["group_by"], key=params.get("key")
+        )
+        return Response(
+            {
+                "object": "usage",
+                "start": _iso(start),
+                "end": _iso(end),
+                "group_by": params["group_by"],
+                "includes_unfolded": usage.includes_unfolded,
+                "totals": counters_json(usage.totals),
+                "data": rows_json(usage, params["group_by"]),
+                "quota": quota,
+            }
+        )

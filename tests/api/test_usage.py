@@ -1,0 +1,239 @@
+"""GET /v1/usage over the real ASGI app: own tenant only, grouping, totals, unfolded counters,
+validation, quota state."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from embeddings.models import UsageBucket
+from embeddings.services import usage
+from embeddings.services.keys import api_key_create
+from embeddings.services.usage import UsageEvent, usage_fold, usage_record_sync
+
+JUNE_1 = datetime(2026, 6, 1, tzinfo=UTC)
+JUNE = {"start": "2026-06-01", "end": "2026-06-30"}
+
+
+def bucket(tenant_with_key, *, hour: datetime, model="all-MiniLM-L6-v2", key=True, **counters):
+    return UsageBucket.objects.create(
+        tenant=tenant_with_key.tenant,
+        api_key=tenant_with_key.api_key if key else None,
+        model=model,
+        endpoint="openai",
+        hour=hour,
+        **counters,
+    )
+
+
+@pytest.fixture
+def june(alpha, beta):
+    """Folded rows for both tenants in June 2026 (and one in May, outside the range)."""
+    bucket(
+        alpha,
+        hour=JUNE_1 + timedelta(hours=9),
+        requests=3,
+        succeeded=3,
+        inputs=6,
+        tokens=60,
+        latency_ms_total=30,
+    )
+    bucket(
+        alpha,
+        hour=JUNE_1 + timedelta(hours=10),
+        requests=2,
+        succeeded=1,
+        rejected=1,
+        inputs=2,
+        tokens=20,
+        latency_ms_total=10,
+    )
+    bucket(
+        alpha,
+        hour=JUNE_1 + timedelta(days=1, hours=3),
+        model="bge",
+        key=False,
+        requests=1,
+        failed=1,
+        inputs=1,
+        tokens=5,
+        latency_ms_total=100,
+    )
+    bucket(alpha, hour=JUNE_1 - timedelta(hours=1), requests=50, succeeded=50, tokens=5000)
+    bucket(
+        beta,
+        hour=JUNE_1 + timedelta(hours=9),
+        requests=7,
+        succeeded=7,
+        inputs=7,
+        tokens=700,
+        latency_ms_total=70,
+    )
+    return JUNE  # fmt: skip
+
+
+async def get_usage(client, who, **params):
+    return await client.get("/v1/usage", params=params, headers=who.headers)
+
+
+def assert_error(response, status: int, param: str | None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    return error
+
+
+async def test_requires_an_api_key(client):
+    response = await client.get("/v1/usage")
+    assert_error(response, 401, None)
+    response = await client.get("/v1/usage", headers={"Authorization": "Bearer emb_nope_nope"})
+    assert response.status_code == 401
+
+
+async def test_by_day_with_totals(client, alpha, june):
+    response = await get_usage(client, alpha, **june)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert (body["object"], body["group_by"]) == ("usage", "day")
+    assert (body["start"], body["end"]) == ("2026-06-01T00:00:00Z", "2026-07-01T00:00:00Z")
+    assert body["totals"] == {
+        "requests": 6, "succeeded": 4, "rejected": 1, "failed": 1,
+        "inputs": 9, "tokens": 85, "mean_latency_ms": round(140 / 6, 3),
+    }  # fmt: skip
+    assert [(row["day"], row["requests"], row["tokens"], row["mean_latency_ms"]) for row in body["data"]] == [
+        ("2026-06-01", 5, 80, 8.0),
+        ("2026-06-02", 1, 5, 100.0),
+    ]
+    assert body["includes_unfolded"] is True
+
+
+async def test_by_model_and_by_key(client, alpha, june):
+    body = (await get_usage(client, alpha, group_by="model", **june)).json()
+    assert [(row["model"], row["requests"], row["tokens"]) for row in body["data"]] == [
+        ("all-MiniLM-L6-v2", 5, 80),
+        ("bge", 1, 5),
+    ]
+    body = (await get_usage(client, alpha, group_by="key", **june)).json()
+    assert [(row["key"], row["tokens"]) for row in body["data"]] == [
+        ({"id": alpha.api_key.public_id, "name": "Alpha key"}, 80),
+        (None, 5),  # keyless (or deleted key) usage
+    ]
+    assert body["totals"]["tokens"] == 85
+
+
+async def test_a_datetime_range_counts_the_hours_that_start_in_it(client, alpha, june):
+    body = (await get_usage(client, alpha, start="2026-06-01T09:30:00Z", end="2026-06-01T10:00:00")).json()
+    assert body["start"] == "2026-06-01T09:30:00Z"
+    assert (body["totals"]["requests"], body["totals"]["tokens"]) == (3, 60)  # the 09:00 hour only
+
+
+async def test_tenants_see_only_their_own_usage(client, alpha, beta, june):
+    body = (await get_usage(client, beta, group_by="key", **june)).json()
+    assert body["totals"]["requests"] == 7 and body["totals"]["tokens"] == 700
+    assert [row["key"]["id"] for row in body["data"]] == [beta.api_key.public_id]
+    # Alpha's key named in beta's query: not found, as any key that is not beta's.
+    for key in (alpha.api_key.public_id, alpha.api_key.prefix, alpha.secret):
+        error = assert_error(await get_usage(client, beta, key=key, **june), 404, "key")
+        assert error["code"] == "api_key_not_found"
+    body = (await get_usage(client, alpha, key=alpha.api_key.public_id, **june)).json()
+    assert body["totals"]["tokens"] == 80  # the keyless row left out
+
+
+async def test_one_key_of_several(client, alpha, june):
+    other, _ = await api_key_create_async(alpha)
+    await usage_record_async_at(alpha.tenant.pk, other.pk, JUNE_1 + timedelta(hours=5), tokens=9)
+    body = (await get_usage(client, alpha, key=other.public_id, group_by="key", **june)).json()
+    assert [(row["key"]["id"], row["tokens"]) for row in body["data"]] == [(other.public_id, 9)]
+
+
+async def api_key_create_async(tenant_with_key):
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(api_key_create)(tenant=tenant_with_key.tenant, name="second")
+
+
+async def usage_record_async_at(tenant_id, key_id, at: datetime, *, tokens: int, outcome="succeeded"):
+    from asgiref.sync import sync_to_async
+
+    event = UsageEvent(tenant_id, key_id, "all-MiniLM-L6-v2", "openai", outcome, 1, tokens, 4, at.timestamp())
+    await sync_to_async(usage_record_sync)(event)
+
+
+async def test_unfolded_counters_are_included_once(client, alpha, beta, june, monkeypatch):
+    from asgiref.sync import sync_to_async
+
+    hour = JUNE_1 + timedelta(hours=9)
+    await usage_record_async_at(alpha.tenant.pk, alpha.api_key.pk, hour, tokens=40)
+    await usage_record_async_at(beta.tenant.pk, beta.api_key.pk, hour, tokens=1000)  # never alpha's
+    live = (await get_usage(client, alpha, **june)).json()
+    assert (live["totals"]["requests"], live["totals"]["tokens"]) == (7, 125)
+    assert live["data"][0]["tokens"] == 120
+
+    # A fold that committed but crashed before deleting its Redis batch: not counted twice.
+    await usage_record_async_at(alpha.tenant.pk, alpha.api_key.pk, hour, tokens=2)
+
+    def crash(*args):
+        raise RuntimeError("crash after the commit")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(usage, "_forget_batch", crash)
+        with pytest.raises(RuntimeError):
+            await sync_to_async(usage_fold)()
+    after_crash = (await get_usage(client, alpha, **june)).json()
+    assert after_crash["totals"]["tokens"] == 127
+    # A batch claimed but not yet in the database counts too.
+    await usage_record_async_at(alpha.tenant.pk, None, hour, tokens=3)
+    with monkeypatch.context() as patched:
+        patched.setattr(usage, "_add_counters_to_buckets", crash)
+        with pytest.raises(RuntimeError):
+            await sync_to_async(usage_fold)()
+    before_fold = (await get_usage(client, alpha, **june)).json()["totals"]
+    assert (before_fold["requests"], before_fold["tokens"]) == (9, 130)
+
+    await sync_to_async(usage_fold)()
+    assert (await get_usage(client, alpha, **june)).json()["totals"] == before_fold
+    beta_body = (await get_usage(client, beta, **june)).json()
+    assert beta_body["totals"]["tokens"] == 1700
+
+
+async def test_default_range_is_this_utc_month(client, alpha):
+    now = datetime.now(UTC)
+    await usage_record_async_at(alpha.tenant.pk, alpha.api_key.pk, now, tokens=11)
+    body = (await get_usage(client, alpha)).json()
+    month_start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    assert body["start"] == month_start.isoformat().replace("+00:00", "Z")
+    assert body["totals"]["tokens"] == 11
+    assert [row["day"] for row in body["data"]] == [now.date().isoformat()]
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"start": "yesterday"}, "start"),
+        ({"start": "2026-13-01"}, "start"),
+        ({"end": "2026-06-31"}, "end"),
+        ({"start": "2026-06-10", "end": "2026-06-09"}, "end"),
+        ({"start": "2026-06-10T10:00:00Z", "end": "2026-06-10T10:00:00Z"}, "end"),
+        ({"start": "2025-01-01", "end": "2026-06-01"}, "start"),
+        ({"group_by": "week"}, "group_by"),
+    ],
+)
+async def test_invalid_queries_are_422(client, alpha, params, param):
+    assert_error(await get_usage(client, alpha, **params), 422, param)
+
+
+async def test_quota_state_is_included(client, alpha):
+    from asgiref.sync import sync_to_async
+
+    tenant = alpha.tenant
+    tenant.tokens_per_month = 1000
+    await sync_to_async(tenant.save)(update_fields=["tokens_per_month"])
+    body = (await get_usage(client, alpha)).json()
+    quota = body["quota"]
+    assert quota["tenant"]["tokens_per_month"]["limit"] == 1000
+    assert (
+        quota["tenant"]["tokens_per_month"]["remaining"] == 1000 - quota["tenant"]["tokens_per_month"]["used"]
+    )
+    assert quota["tenant"]["requests_per_minute"]["limit"] is None
