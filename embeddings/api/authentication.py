@@ -23,6 +23,7 @@ from rest_framework.request import Request
 from embeddings.api.errors import ApiError, Forbidden, ModelForbidden, Unauthorized
 from embeddings.models import ApiKey, EmbeddingModel
 from embeddings.services.keys import api_key_for_secret, api_key_touch, parse_api_key
+from embeddings.services.quotas import NO_LIMITS, QuotaLimitValues
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,8 @@ CACHE_MAX_ENTRIES = 10_000
 
 @dataclass(frozen=True)
 class ApiPrincipal:
-    """Who is calling: a tenant, through one of its keys."""
+    """Who is calling: a tenant, through one of its keys, and the limits both hold it to (cached
+    with the rest, so the request path reads no quota from the database)."""
 
     tenant_id: int
     tenant_slug: str
@@ -41,6 +43,8 @@ class ApiPrincipal:
     allow_all_models: bool
     allowed_model_ids: frozenset[int]
     expires_at: datetime | None = None
+    tenant_limits: QuotaLimitValues = NO_LIMITS
+    key_limits: QuotaLimitValues = NO_LIMITS
     is_authenticated: bool = True  # for DRF permission classes
 
     def may_use(self, model: EmbeddingModel) -> bool:
@@ -77,6 +81,8 @@ def _principal_for_key(key: str) -> ApiPrincipal | ApiError:
         allow_all_models=tenant.allow_all_models,
         allowed_model_ids=allowed,
         expires_at=api_key.expires_at,
+        tenant_limits=QuotaLimitValues.of(tenant),
+        key_limits=QuotaLimitValues.of(api_key),
     )
 
 

@@ -8,16 +8,19 @@ renders every failure through `embeddings.api.errors`.
 
 from __future__ import annotations
 
+import time
 from typing import ClassVar
 
 from adrf.views import APIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from embeddings.api.authentication import ApiKeyAuthentication
+from embeddings.api.authentication import ApiKeyAuthentication, ApiPrincipal
 from embeddings.api.errors import ApiError, as_api_error
+from embeddings.api.middleware import ARRIVED
 from embeddings.api.rendering import OrjsonParser, OrjsonRenderer
 from embeddings.metrics import request_observed
+from embeddings.services.quotas import RequestQuota, quota_headers
 
 
 def error_response(error: ApiError) -> Response:
@@ -34,6 +37,10 @@ class ApiView(APIView):
     endpoint: ClassVar[str] = "other"
     # The catalog model the request resolved to (set by the view), for the `model` label.
     model_name: str = ""
+    # Set once the request is authenticated: its x-ratelimit-* headers are then always sent.
+    principal: ApiPrincipal | None = None
+    # The quota bookkeeping of a request that embeds (see request_quota).
+    quota: RequestQuota | None = None
 
     async def async_dispatch(self, request, *args, **kwargs):
         self.args = args
@@ -51,6 +58,8 @@ class ApiView(APIView):
                 response = await handler(request, *args, **kwargs)
         except Exception as exc:  # every failure becomes an API error response, never a 500 page
             response = self.handle_exception(exc)
+        if self.principal is not None:
+            await self.add_ratelimit_headers(response)
         self.response = self.finalize_response(request, response, *args, **kwargs)
         request_observed(endpoint=self.endpoint, model=self.model_name, status=self.response.status_code)
         return self.response
@@ -61,8 +70,26 @@ class ApiView(APIView):
             if result is not None:
                 request._authenticator = authenticator
                 request.user, request.auth = result
+                self.principal = result[0]
                 return
         request._not_authenticated()
+
+    def request_quota(self, model_name: str) -> RequestQuota:
+        """The quota and usage bookkeeping for this request's embedding call (embeddings_create)."""
+        arrived = self.request._request.META.get(ARRIVED, time.perf_counter())
+        self.quota = RequestQuota(
+            subject=self.principal, model=model_name, endpoint=self.endpoint, started=arrived
+        )
+        return self.quota
+
+    async def add_ratelimit_headers(self, response: Response) -> None:
+        """The state the quota script returned, or (nothing reserved: /v1/models, a 422) a read of it."""
+        if self.quota is not None and self.quota.headers is not None:
+            headers = self.quota.headers
+        else:
+            headers = await quota_headers(self.principal)
+        for name, value in headers.items():
+            response[name] = value
 
     def handle_exception(self, exc: Exception) -> Response:
         return error_response(as_api_error(exc))

@@ -13,8 +13,11 @@ ApiError (500 server_error)
 ├── PayloadTooLarge (413 payload_too_large)           body, inputs or tokens over a limit
 ├── UnsupportedMediaType (415 unsupported_media_type) a body that is not JSON
 ├── ValidationFailed (422 invalid_request_error)      well-formed JSON with wrong fields
-├── RateLimited (429 rate_limit_exceeded)             overloaded; carries Retry-After
+├── RateLimited (429 rate_limit_exceeded)             overloaded, or a rate limit (type "requests" or
+│   │                                                 "tokens"); carries Retry-After
+│   └── InsufficientQuota (429 insufficient_quota)    the daily or monthly token budget is spent
 ├── UpstreamUnavailable (503 model_unavailable)       Triton down or the model not ready
+├── QuotaUnavailable (503 quota_unavailable)          quotas cannot be checked (Redis down, fail closed)
 └── UpstreamTimeout (504 model_timeout)               Triton missed its deadline
 """
 
@@ -28,7 +31,14 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from rest_framework import exceptions as drf
 
-from embeddings.services.errors import InvalidRequest, LimitExceeded, Overloaded, ServiceError
+from embeddings.services.errors import (
+    InvalidRequest,
+    LimitExceeded,
+    Overloaded,
+    QuotaExceeded,
+    ServiceError,
+)
+from embeddings.services.errors import QuotaUnavailable as QuotaStoreFailed
 from embeddings.tokenization import InputTooLong, TokenizationError
 from embeddings.triton.errors import (
     TritonError,
@@ -127,9 +137,40 @@ class RateLimited(ApiError):
     code = "rate_limit_exceeded"
     default_message = "The server is busy; retry after the time in Retry-After."
 
-    def __init__(self, message: str | None = None, *, retry_after_s: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        retry_after_s: int = 1,
+        limit_type: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         headers = {"Retry-After": str(max(1, int(retry_after_s))), **kwargs.pop("headers", {})}
         super().__init__(message, headers=headers, **kwargs)
+        # OpenAI's rate-limit errors say which limit in `type`: "requests" or "tokens".
+        self.limit_type = limit_type
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        if self.limit_type:
+            body["error"]["type"] = self.limit_type
+        return body
+
+
+class InsufficientQuota(RateLimited):
+    type = "insufficient_quota"
+    code = "insufficient_quota"
+    default_message = "You exceeded your current quota of tokens; it resets at the start of the next period."
+
+
+class QuotaUnavailable(ApiError):
+    status = 503
+    type = "server_error"
+    code = "quota_unavailable"
+    default_message = "Rate limiting is unavailable, so the request was not served; retry shortly."
+
+    def __init__(self, message: str | None = None, **kwargs: Any) -> None:
+        super().__init__(message, headers={"Retry-After": "1", **kwargs.pop("headers", {})}, **kwargs)
 
 
 class UpstreamUnavailable(ApiError):
@@ -197,6 +238,14 @@ def as_api_error(exc: Exception) -> ApiError:
         return PayloadTooLarge(exc.message, param=exc.param)
     if isinstance(exc, Overloaded):
         return RateLimited(exc.message, retry_after_s=exc.retry_after_s)
+    if isinstance(exc, QuotaExceeded):
+        if exc.reason == "insufficient_quota":
+            return InsufficientQuota(exc.message, retry_after_s=exc.retry_after_s, headers=exc.headers)
+        return RateLimited(
+            exc.message, retry_after_s=exc.retry_after_s, limit_type=exc.kind, headers=exc.headers
+        )
+    if isinstance(exc, QuotaStoreFailed):
+        return QuotaUnavailable(exc.message)
     if isinstance(exc, InvalidRequest | ServiceError):
         return ValidationFailed(exc.message, param=exc.param)
     if isinstance(exc, TritonUnavailable):

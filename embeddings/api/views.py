@@ -194,6 +194,7 @@ class OpenAIEmbeddingsView(ApiView):
             texts=parsed.texts,
             token_ids=parsed.token_ids,
             options=EmbeddingOptions(dimensions=params.get("dimensions")),
+            quota=self.request_quota(model.name),
         )
         log_request(request, self.endpoint, model, result, params.get("user", ""))
         if params["encoding_format"] == "base64":
@@ -229,7 +230,9 @@ class SeedEmbeddingView(ApiView):
     async def post(self, request: Request) -> Response:
         texts = s.SeedQueriesField().run_validation(request.data)
         model = await model_for_request(self, None)
-        result = await embeddings_create(target=EmbeddingTarget.for_model(model), texts=texts)
+        result = await embeddings_create(
+            target=EmbeddingTarget.for_model(model), texts=texts, quota=self.request_quota(model.name)
+        )
         log_request(request, self.endpoint, model, result)
         return embedding_response([{"embedding": vector} for vector in result.vectors], result)
 
@@ -280,6 +283,7 @@ class TeiEmbedView(ApiView):
                 normalize=params["normalize"],
                 prompt_name=params.get("prompt_name"),
             ),
+            quota=self.request_quota(model.name),
         )
         log_request(request, self.endpoint, model, result)
         return embedding_response(

@@ -21,6 +21,7 @@ from embeddings.triton import ModelSpec, TritonModelError
 
 if TYPE_CHECKING:
     from embeddings.models import EmbeddingModel
+    from embeddings.services.quotas import RequestQuota
 
 
 @dataclass(frozen=True)
@@ -217,29 +218,48 @@ async def embeddings_create(
     texts: Sequence[str] | None = None,
     token_ids: Sequence[Sequence[int]] | None = None,
     options: EmbeddingOptions = EmbeddingOptions(),
+    quota: RequestQuota | None = None,
 ) -> EmbeddingResult:
-    """Embed `texts` (or pre-tokenised `token_ids`) with the target model, in input order."""
+    """Embed `texts` (or pre-tokenised `token_ids`) with the target model, in input order.
+
+    With `quota`, the request's tokens are reserved against its tenant's and key's limits after
+    tokenisation and before inference (QuotaExceeded refuses it with nothing spent), and settled
+    afterwards: kept when it succeeded, refunded when inference failed.
+    """
     _check_options(target, options)
     texts = _with_prompt(target, texts, options)
     batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
     client = triton_async_client()
-    with inflight_gate, triton_call_observed(target.triton_model):
-        started = time.perf_counter()
-        version = target.triton_version
-        if _takes_text(await client.model_metadata(target.triton_model, version), token_ids):
-            vectors = await client.embed_texts(
-                target.triton_model, list(texts or ()), version=version, output_name=settings.OUTPUT_NAME
-            )
-        else:
-            vectors = await client.embed_tokens(
-                target.triton_model,
-                batch.input_ids,
-                batch.attention_mask,
-                version=version,
-                output_name=settings.OUTPUT_NAME,
-            )
-        inference_s = time.perf_counter() - started
-    vectors = _postprocess(target, vectors, options)
+    with inflight_gate:
+        if quota is not None:
+            await quota.reserve(inputs=len(batch), tokens=batch.total_tokens)
+        try:
+            with triton_call_observed(target.triton_model):
+                started = time.perf_counter()
+                version = target.triton_version
+                if _takes_text(await client.model_metadata(target.triton_model, version), token_ids):
+                    vectors = await client.embed_texts(
+                        target.triton_model,
+                        list(texts or ()),
+                        version=version,
+                        output_name=settings.OUTPUT_NAME,
+                    )
+                else:
+                    vectors = await client.embed_tokens(
+                        target.triton_model,
+                        batch.input_ids,
+                        batch.attention_mask,
+                        version=version,
+                        output_name=settings.OUTPUT_NAME,
+                    )
+                inference_s = time.perf_counter() - started
+            vectors = _postprocess(target, vectors, options)
+        except BaseException:  # a Triton error, a bad output, or the client went away (cancelled)
+            if quota is not None:
+                await quota.settle(succeeded=False)
+            raise
+    if quota is not None:
+        await quota.settle(succeeded=True)
     return EmbeddingResult(target.triton_model, vectors, batch.token_counts, tokenization_s, inference_s)
 
 

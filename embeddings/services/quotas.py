@@ -488,6 +488,7 @@ class RequestQuota:
         except RedisError as error:
             if settings.QUOTA_REDIS_FAILURE == "open":
                 _log_redis_failure("serving without quotas", error)
+                self.headers = {}  # no second wait on Redis for the headers
                 return
             raise QuotaUnavailable(
                 "Rate limiting is unavailable (its Redis does not answer), so the request was not served; "
@@ -500,6 +501,8 @@ class RequestQuota:
         if self.reservation is not None and self.reservation.holds_anything:
             try:
                 await quota_release(reservation=self.reservation, refund=not succeeded)
+                if not succeeded:
+                    self.headers = None  # the refund changed them: the view reads them afresh
             except RedisError as error:
                 # The leases expire after QUOTA_LEASE_SECONDS; a lost refund stays counted.
                 _log_redis_failure("could not release a quota reservation", error)

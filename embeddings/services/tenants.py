@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.utils.text import slugify
 
-from embeddings.models import EmbeddingModel, Tenant
+from embeddings.models import ApiKey, EmbeddingModel, Tenant
 
 
 def tenant_create(*, name: str, slug: str | None = None, allow_all_models: bool = True) -> Tenant:
@@ -23,3 +23,14 @@ def tenant_deactivate(*, tenant: Tenant) -> Tenant:
 
 def tenant_may_use_model(*, tenant: Tenant, model: EmbeddingModel) -> bool:
     return tenant.allow_all_models or tenant.allowed_models.filter(pk=model.pk).exists()
+
+
+def quota_limits_update(*, owner: Tenant | ApiKey, limits: dict[str, int | None]) -> None:
+    """Set some of a tenant's (or key's) quota limits; None removes a limit. Takes effect in
+    serving processes within API_KEY_CACHE_SECONDS."""
+    unknown = set(limits) - set(owner.QUOTA_FIELDS)
+    if unknown:
+        raise ValueError(f"not quota limits: {', '.join(sorted(unknown))}")
+    for name, value in limits.items():
+        setattr(owner, name, value)
+    owner.save(update_fields=list(limits))

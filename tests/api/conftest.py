@@ -87,6 +87,8 @@ class LiveServer:
     api_key: str
     prometheus_dir: Path
     process: subprocess.Popen
+    # The server's environment (its database): for `_manage(server.env, ...)` in tests.
+    env: dict[str, str] | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -156,7 +158,7 @@ def uvicorn_server(
         start_new_session=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     try:
-        server = LiveServer(f"http://127.0.0.1:{port}", api_key, prometheus_dir, process)
+        server = LiveServer(f"http://127.0.0.1:{port}", api_key, prometheus_dir, process, env)
         _wait_until_serving(server, workdir / "uvicorn.log")
         yield server
     finally:

@@ -1,21 +1,28 @@
 """Create a tenant from the shell."""
 
 from django.core.management.base import BaseCommand, CommandError
-from django.db import IntegrityError
+from django.db import IntegrityError, transaction
 
-from embeddings.services.tenants import tenant_create
+from embeddings.models import Tenant
+from embeddings.services.tenants import quota_limits_update, tenant_create
 
 
 class Command(BaseCommand):
-    help = "Create a tenant: create_tenant --name 'Acme' [--slug acme]"
+    help = "Create a tenant: create_tenant --name 'Acme' [--slug acme] [--requests-per-minute 60 ...]"
 
     def add_arguments(self, parser):
         parser.add_argument("--name", required=True)
         parser.add_argument("--slug", default=None)
+        for field in Tenant.QUOTA_FIELDS:
+            parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=None, dest=field)
 
     def handle(self, *args, name, slug, **options):
+        limits = {field: options[field] for field in Tenant.QUOTA_FIELDS if options[field] is not None}
         try:
-            tenant = tenant_create(name=name, slug=slug)
+            with transaction.atomic():
+                tenant = tenant_create(name=name, slug=slug)
+                if limits:
+                    quota_limits_update(owner=tenant, limits=limits)
         except (IntegrityError, ValueError) as error:
             raise CommandError(f"Cannot create tenant {name!r}: {error}") from error
         self.stdout.write(tenant.slug)

@@ -1,0 +1,292 @@
+"""Quotas through HTTP: the real ASGI app, Triton and Redis; exactness over a real two-worker server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+
+import httpx2
+import pytest
+import redis
+from asgiref.sync import sync_to_async
+
+from embeddings.api.authentication import principal_cache
+from embeddings.services.inference import model_tokenizer, reset_clients
+from embeddings.services.quotas import quota_status_sync
+from embeddings.services.redis_clients import redis_sync, reset_redis_clients
+from embeddings.services.tenants import quota_limits_update
+from embeddings.services.usage import LIVE_USAGE_KEY
+from embeddings.triton.server import free_port
+from tests.api.conftest import LiveServer, TenantWithKey, _manage
+
+RATELIMIT_HEADERS = {
+    f"x-ratelimit-{what}-{kind}"
+    for what in ("limit", "remaining", "reset")
+    for kind in ("requests", "tokens")
+}
+
+
+async def limit(who: TenantWithKey, *, key: dict | None = None, **tenant_limits) -> None:
+    await sync_to_async(set_limits)(who, key, tenant_limits)
+
+
+def set_limits(who: TenantWithKey, key: dict | None, tenant_limits: dict) -> None:
+    if tenant_limits:
+        quota_limits_update(owner=who.tenant, limits=tenant_limits)
+    if key:
+        quota_limits_update(owner=who.api_key, limits=key)
+    principal_cache.clear()
+
+
+def embed(client, who: TenantWithKey, text="hello", model="minilm"):
+    return client.post("/v1/embeddings", json={"model": model, "input": text}, headers=who.headers)
+
+
+async def status(who: TenantWithKey) -> dict:
+    return await sync_to_async(quota_status_sync)(who.tenant.pk)
+
+
+def tokens_of(texts) -> int:
+    return int(model_tokenizer("minilm").encode(list(texts)).token_counts.sum())
+
+
+def usage_by_outcome(tenant_id: int) -> dict[str, int]:
+    """The live usage counters of one tenant, summed by metric."""
+    totals: dict[str, int] = {}
+    for field, value in redis_sync().hgetall(LIVE_USAGE_KEY).items():
+        tenant, _, _, _, metric, _ = field.decode().split("|", 5)
+        if int(tenant) == tenant_id:
+            totals[metric] = totals.get(metric, 0) + int(value)
+    return totals
+
+
+async def test_requests_per_minute_over_http_with_headers(client, alpha, beta):
+    await limit(alpha, requests_per_minute=3, tokens_per_minute=10_000)
+    responses = [await embed(client, alpha) for _ in range(5)]
+    assert [r.status_code for r in responses] == [200, 200, 200, 429, 429]
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in responses] == ["2", "1", "0", "0", "0"]
+    for response in responses:
+        assert set(response.headers) >= RATELIMIT_HEADERS
+        assert response.headers["x-ratelimit-limit-requests"] == "3"
+        assert response.headers["x-ratelimit-reset-requests"].endswith("s")
+    refused = responses[3]
+    error = refused.json()["error"]
+    assert (error["code"], error["type"]) == ("rate_limit_exceeded", "requests")
+    assert "requests per minute" in error["message"]
+    assert 1 <= int(refused.headers["retry-after"]) <= 60
+    # The refused requests spent no tokens; the other tenant is not limited at all.
+    assert (
+        responses[2].headers["x-ratelimit-remaining-tokens"]
+        == refused.headers["x-ratelimit-remaining-tokens"]
+    )
+    other = await embed(client, beta)
+    assert other.status_code == 200 and not RATELIMIT_HEADERS & set(other.headers)
+    counters = usage_by_outcome(alpha.tenant.pk)
+    assert (counters["requests"], counters["succeeded"], counters["rejected"]) == (5, 3, 2)
+    assert counters["tokens"] == 3 * tokens_of(["hello"])
+
+
+async def test_tokens_per_minute_with_mixed_sizes_concurrently(client, alpha):
+    await limit(alpha, tokens_per_minute=400)
+    texts = [" ".join(["word"] * ((i * 7) % 40 + 1)) for i in range(40)]
+    responses = await asyncio.gather(*(embed(client, alpha, text) for text in texts))
+    accepted = sum(r.json()["usage"]["total_tokens"] for r in responses if r.status_code == 200)
+    refused = [text for text, r in zip(texts, responses, strict=True) if r.status_code == 429]
+    assert {r.status_code for r in responses} == {200, 429}
+    assert accepted <= 400
+    assert all(accepted + tokens_of([text]) > 400 for text in refused)
+    for response in responses:
+        if response.status_code == 429:
+            assert response.json()["error"]["type"] == "tokens"
+    assert (await status(alpha))["tenant"]["tokens_per_minute"]["used"] == accepted
+
+
+async def test_budget_exhaustion_is_insufficient_quota(client, alpha):
+    per_request = tokens_of(["hello world"])
+    await limit(alpha, tokens_per_month=per_request * 2 + 1)
+    assert (await embed(client, alpha, "hello world")).status_code == 200
+    assert (await embed(client, alpha, "hello world")).status_code == 200
+    refused = await embed(client, alpha, "hello world")
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert error["code"] == "insufficient_quota" and error["type"] == "insufficient_quota"
+    assert refused.headers["x-ratelimit-remaining-tokens"] == "1"
+    now = datetime.now(UTC)
+    next_month = datetime(now.year + now.month // 12, now.month % 12 + 1, 1, tzinfo=UTC)
+    assert abs(int(refused.headers["retry-after"]) - (next_month - now).total_seconds()) < 5
+
+
+async def test_a_key_limit_stricter_than_its_tenants(client, alpha):
+    await limit(alpha, requests_per_minute=10, key={"requests_per_minute": 1})
+    assert (await embed(client, alpha)).status_code == 200
+    refused = await embed(client, alpha)
+    assert refused.status_code == 429 and "this API key" in refused.json()["error"]["message"]
+    assert refused.headers["x-ratelimit-limit-requests"] == "1"
+
+
+async def test_max_inputs_per_request_of_the_tenant_is_413(client, alpha):
+    await limit(alpha, max_inputs_per_request=2)
+    response = await embed(client, alpha, ["a", "b", "c"])
+    assert response.status_code == 413
+    assert response.json()["error"]["param"] == "input"
+    assert (await embed(client, alpha, ["a", "b"])).status_code == 200
+
+
+async def test_concurrent_requests_limit(client, alpha):
+    await limit(alpha, max_concurrent_requests=1)
+    body = {"model": "minilm", "input": ["a sentence that takes a while to embed " * 20] * 48}
+    responses = await asyncio.gather(
+        *(client.post("/v1/embeddings", json=body, headers=alpha.headers) for _ in range(4))
+    )
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses[0] == 200 and statuses[-1] == 429, statuses
+    refused = next(r for r in responses if r.status_code == 429)
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "concurrent" in refused.json()["error"]["message"]
+    assert refused.headers["retry-after"] == "1"
+    # Every lease was released: the next request is admitted.
+    assert (await status(alpha))["tenant"]["concurrent_requests"] == {"limit": 1, "in_use": 0}
+    assert (await embed(client, alpha)).status_code == 200
+
+
+async def test_tokens_are_refunded_when_triton_fails(client, alpha, settings):
+    await limit(alpha, requests_per_minute=10, tokens_per_minute=1000, max_concurrent_requests=1)
+    settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"
+    settings.TRITON_TIMEOUT_S = 2.0
+    reset_clients()
+    response = await embed(client, alpha, "hello world")
+    assert response.status_code == 503 and response.json()["error"]["code"] == "model_unavailable"
+    assert response.headers["x-ratelimit-remaining-tokens"] == "1000"
+    state = (await status(alpha))["tenant"]
+    assert state["tokens_per_minute"]["used"] == 0
+    assert state["requests_per_minute"]["used"] == 1
+    assert state["concurrent_requests"]["in_use"] == 0
+    counters = usage_by_outcome(alpha.tenant.pk)
+    assert counters["failed"] == 1 and "tokens" not in counters
+
+
+async def test_ratelimit_headers_on_every_authenticated_v1_response(client, alpha):
+    await limit(alpha, requests_per_minute=5, tokens_per_day=1000)
+    await embed(client, alpha)
+    for response in (
+        await client.get("/v1/models", headers=alpha.headers),
+        await client.post("/v1/embeddings", json={"model": "minilm"}, headers=alpha.headers),
+        await embed(client, alpha, model="nope"),
+    ):
+        assert response.status_code in (200, 404, 422)
+        assert response.headers["x-ratelimit-remaining-requests"] == "4", response.status_code
+        assert response.headers["x-ratelimit-limit-tokens"] == "1000"
+    unauthenticated = await client.get("/v1/models")
+    assert unauthenticated.status_code == 401 and not RATELIMIT_HEADERS & set(unauthenticated.headers)
+
+
+async def test_every_endpoint_is_metered(client, alpha):
+    await limit(alpha, requests_per_minute=3)
+    assert (
+        await client.post("/v1/embedding", json=[{"query": "a"}], headers=alpha.headers)
+    ).status_code == 200
+    assert (
+        await client.post("/api/v1/embed", json={"inputs": "a"}, headers=alpha.headers)
+    ).status_code == 200
+    assert (await client.post("/embed", json={"inputs": "a"}, headers=alpha.headers)).status_code == 200
+    refused = await client.post("/embed", json={"inputs": "a"}, headers=alpha.headers)
+    assert refused.status_code == 429
+    endpoints = {field.decode().split("|")[3] for field in redis_sync().hkeys(LIVE_USAGE_KEY)}
+    assert endpoints == {"seed", "tei"}
+
+
+@pytest.fixture
+def dead_redis(settings):
+    settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"
+    settings.REDIS_TIMEOUT_S = 0.5
+    reset_redis_clients()
+    yield
+    reset_redis_clients()
+
+
+@pytest.mark.parametrize("policy", ["closed", "open"])
+async def test_redis_down(client, alpha, dead_redis, settings, policy):
+    await limit(alpha, requests_per_minute=5)
+    settings.QUOTA_REDIS_FAILURE = policy
+    started = time.monotonic()
+    response = await embed(client, alpha)
+    assert time.monotonic() - started < 5  # a bound on hanging, not a benchmark
+    if policy == "closed":
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "quota_unavailable"
+        assert response.headers["retry-after"] == "1"
+    else:
+        assert response.status_code == 200
+        assert not RATELIMIT_HEADERS & set(response.headers)
+
+
+async def test_quotas_disabled_serves_unmetered(client, alpha, settings):
+    settings.QUOTAS_ENABLED = False
+    await limit(alpha, requests_per_minute=1)
+    assert [(await embed(client, alpha)).status_code for _ in range(3)] == [200, 200, 200]
+    assert usage_by_outcome(alpha.tenant.pk)["succeeded"] == 3
+
+
+# --- Exactness across two server processes --------------------------------------------------------
+
+
+def live_tenant(server: LiveServer, slug: str, **limits: int) -> dict[str, str]:
+    """A tenant with these limits in the live server's database, and its key's headers."""
+    env = {name: value for name, value in (server.env or {}).items() if name != "PROMETHEUS_MULTIPROC_DIR"}
+    options = [arg for name, value in limits.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
+    _manage(env, "create_tenant", "--name", slug, "--slug", slug, *options)
+    key = _manage(env, "create_api_key", "--tenant", slug)
+    return {"Authorization": f"Bearer {key}"}
+
+
+def within_one_minute_window() -> None:
+    """Start at least 20 s before the next UTC minute, so a burst of a few seconds stays in one
+    window (exactness is per window; the reset itself is tested with an injected clock)."""
+    into_minute = time.time() % 60
+    if into_minute > 40:
+        time.sleep(60 - into_minute + 0.05)
+
+
+@pytest.fixture
+def live(uvicorn_server, redis_server) -> LiveServer:
+    redis.Redis.from_url(redis_server.url).flushdb()
+    return uvicorn_server
+
+
+async def burst(server: LiveServer, headers: dict, bodies: list[dict]) -> list[httpx2.Response]:
+    limits = httpx2.Limits(max_connections=200)
+    async with httpx2.AsyncClient(base_url=server.base_url, timeout=60, limits=limits) as http:
+        return await asyncio.gather(
+            *(http.post("/v1/embeddings", json=body, headers=headers) for body in bodies)
+        )
+
+
+async def test_requests_per_minute_is_exact_across_two_workers(live):
+    headers = live_tenant(live, "rpm50", requests_per_minute=50)
+    within_one_minute_window()
+    responses = await burst(live, headers, [{"model": "minilm", "input": "x"}] * 200)
+    ok = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 429]
+    assert (len(ok), len(refused)) == (50, 150)
+    # Each admitted request saw a distinct count: nothing was admitted twice or skipped.
+    assert sorted(int(r.headers["x-ratelimit-remaining-requests"]) for r in ok) == list(range(50))
+    for response in refused:
+        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+        assert response.headers["x-ratelimit-limit-requests"] == "50"
+        assert response.headers["x-ratelimit-remaining-requests"] == "0"
+        assert 1 <= int(response.headers["retry-after"]) <= 60
+    # Both workers served (the pids come from the metrics files each one writes).
+    assert len(list(live.prometheus_dir.glob("gauge_livesum_*.db"))) == 2
+
+
+async def test_tokens_per_minute_is_exact_across_two_workers(live):
+    headers = live_tenant(live, "tpm", tokens_per_minute=2000)
+    texts = [" ".join(["token"] * ((i * 13) % 60 + 1)) for i in range(200)]
+    within_one_minute_window()
+    responses = await burst(live, headers, [{"model": "minilm", "input": text} for text in texts])
+    accepted = sum(r.json()["usage"]["total_tokens"] for r in responses if r.status_code == 200)
+    refused = [text for text, r in zip(texts, responses, strict=True) if r.status_code == 429]
+    assert {r.status_code for r in responses} == {200, 429}
+    assert accepted <= 2000
+    assert all(accepted + tokens_of([text]) > 2000 for text in refused)
