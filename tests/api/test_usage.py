@@ -237,3 +237,54 @@ async def test_quota_state_is_included(client, alpha):
         quota["tenant"]["tokens_per_month"]["remaining"] == 1000 - quota["tenant"]["tokens_per_month"]["used"]
     )
     assert quota["tenant"]["requests_per_minute"]["limit"] is None
+
+
+async def test_real_requests_are_counted_exactly_after_the_fold(client, alpha, beta, model):
+    """Embedding requests through the API (some refused by the daily budget), folded halfway and at
+    the end: the database and /v1/usage hold exactly what the responses said."""
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+    from django.db.models import Sum
+
+    tenant = alpha.tenant
+    tenant.tokens_per_day = 150
+    await sync_to_async(tenant.save)(update_fields=["tokens_per_day"])
+    texts = [["hello"], ["a somewhat longer sentence to embed"], ["one", "two", "three"]]
+
+    async def embed(index: int):
+        return await client.post(
+            "/v1/embeddings", json={"model": model.name, "input": texts[index % 3]}, headers=alpha.headers
+        )
+
+    responses = list(await asyncio.gather(*(embed(i) for i in range(12))))
+    await sync_to_async(usage_fold)()
+    responses += await asyncio.gather(*(embed(i) for i in range(12, 30)))
+    accepted = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 429]
+    assert accepted and refused and len(accepted) + len(refused) == 30
+    assert {r.json()["error"]["code"] for r in refused} == {"insufficient_quota"}
+    tokens = sum(r.json()["usage"]["total_tokens"] for r in accepted)
+    inputs = sum(len(r.json()["data"]) for r in accepted)
+    assert tokens <= 150
+    expected = {
+        "requests": 30, "succeeded": len(accepted), "rejected": len(refused), "failed": 0,
+        "inputs": inputs, "tokens": tokens,
+    }  # fmt: skip
+
+    def usage_totals(body):
+        return {metric: body["totals"][metric] for metric in expected}
+
+    before_fold = (await get_usage(client, alpha, group_by="model")).json()
+    assert usage_totals(before_fold) == expected
+    await sync_to_async(usage_fold)()
+    after_fold = (await get_usage(client, alpha, group_by="model")).json()
+    assert usage_totals(after_fold) == expected
+    assert [row["model"] for row in after_fold["data"]] == [model.name]
+
+    def database_totals():
+        rows = UsageBucket.objects.filter(tenant=tenant, api_key=alpha.api_key, endpoint="openai")
+        return rows.aggregate(**{metric: Sum(metric) for metric in expected})
+
+    assert await sync_to_async(database_totals)() == expected
+    assert (await get_usage(client, beta)).json()["totals"]["requests"] == 0
