@@ -206,6 +206,10 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "embeddings.api.schema.ratelimit_headers_hook",
+    ],
 }
 
 # A revoked/expired key or a deactivated tenant stops working within this many seconds.

@@ -25,8 +25,10 @@ from embeddings.api.errors import (
     ApiError,
     BadRequest,
     Forbidden,
+    InsufficientQuota,
     ModelNotFound,
     PayloadTooLarge,
+    QuotaUnavailable,
     RateLimited,
     Unauthorized,
     UpstreamTimeout,
@@ -47,10 +49,13 @@ from embeddings.services.embedding import (
 logger = logging.getLogger("embeddings.requests")
 
 
-def _error_response(description: str, error: ApiError) -> OpenApiResponse:
-    """A documented error status, its example built by the class that renders it."""
-    example = OpenApiExample(type(error).__name__, value=error.body(), response_only=True)
-    return OpenApiResponse(s.ErrorSerializer, description=description, examples=[example])
+def _error_response(description: str, *errors: ApiError) -> OpenApiResponse:
+    """A documented error status, its examples built by the classes that render them."""
+    examples = [
+        OpenApiExample(f"{type(error).__name__}: {error.error_code}", value=error.body(), response_only=True)
+        for error in errors
+    ]
+    return OpenApiResponse(s.ErrorSerializer, description=description, examples=examples)
 
 
 ERRORS = {
@@ -73,8 +78,27 @@ ERRORS = {
             param="input",
         ),
     ),
-    429: _error_response("Overloaded: retry after the Retry-After header's seconds", RateLimited()),
-    503: _error_response("The model server is unavailable", UpstreamUnavailable()),
+    429: _error_response(
+        "A rate limit (requests or tokens per minute, concurrent requests: `rate_limit_exceeded`), the "
+        "daily or monthly token budget (`insufficient_quota`), or the server is overloaded. Retry after "
+        "the Retry-After header's seconds; the x-ratelimit-* headers describe the binding window.",
+        RateLimited(
+            "Rate limit reached for this tenant's requests per minute (RPM): limit 60, used 60, "
+            "requested 1. Please try again in 12s.",
+            limit_type="requests",
+        ),
+        InsufficientQuota(
+            "You exceeded this tenant's quota of tokens per month: limit 1000000, used 999990, "
+            "requested 24. It resets in 190h0m0s."
+        ),
+        RateLimited(),
+    ),
+    503: _error_response(
+        "The model server is unavailable, or quotas cannot be checked (Redis down, "
+        "QUOTA_REDIS_FAILURE=closed)",
+        UpstreamUnavailable(),
+        QuotaUnavailable(),
+    ),
     504: _error_response("The model server missed its deadline", UpstreamTimeout()),
 }
 AUTH_ERRORS = {code: ERRORS[code] for code in (401, 403)}

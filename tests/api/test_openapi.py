@@ -50,8 +50,15 @@ def test_errors_are_documented_in_openai_shape(schema):
         for status in EMBEDDING_ERRORS:
             content = responses[status]["content"]["application/json"]
             assert content["schema"] == {"$ref": "#/components/schemas/Error"}
-            (example,) = content["examples"].values()
-            assert set(example["value"]["error"]) == {"message", "type", "param", "code"}
+            assert content["examples"], (path, status)
+            for example in content["examples"].values():
+                assert set(example["value"]["error"]) == {"message", "type", "param", "code"}
+        too_many = responses["429"]["content"]["application/json"]["examples"].values()
+        codes = {example["value"]["error"]["code"] for example in too_many}
+        assert codes == {"rate_limit_exceeded", "insufficient_quota"}, path
+        assert "Retry-After" in responses["429"]["headers"]
+        for status in ("200", "429", "503"):
+            assert "x-ratelimit-remaining-tokens" in responses[status]["headers"], (path, status)
     for path in ("/v1/models", "/v1/models/{model_id}"):
         assert {"401", "403"} <= set(schema["paths"][path]["get"]["responses"])
     assert "404" in schema["paths"]["/v1/models/{model_id}"]["get"]["responses"]
