@@ -3,14 +3,20 @@ validation, quota state."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from asgiref.sync import sync_to_async
+from django.db.models import Sum
 
 from embeddings.models import UsageBucket
 from embeddings.services import usage
 from embeddings.services.keys import api_key_create
+from embeddings.services.local_redis import RedisServer
+from embeddings.services.redis_clients import reset_redis_clients
 from embeddings.services.usage import UsageEvent, usage_fold, usage_record_sync
+from embeddings.triton.server import free_port
 
 JUNE_1 = datetime(2026, 6, 1, tzinfo=UTC)
 JUNE = {"start": "2026-06-01", "end": "2026-06-30"}
@@ -149,21 +155,15 @@ async def test_one_key_of_several(client, alpha, june):
 
 
 async def api_key_create_async(tenant_with_key):
-    from asgiref.sync import sync_to_async
-
     return await sync_to_async(api_key_create)(tenant=tenant_with_key.tenant, name="second")
 
 
 async def usage_record_async_at(tenant_id, key_id, at: datetime, *, tokens: int, outcome="succeeded"):
-    from asgiref.sync import sync_to_async
-
     event = UsageEvent(tenant_id, key_id, "all-MiniLM-L6-v2", "openai", outcome, 1, tokens, 4, at.timestamp())
     await sync_to_async(usage_record_sync)(event)
 
 
 async def test_unfolded_counters_are_included_once(client, alpha, beta, june, monkeypatch):
-    from asgiref.sync import sync_to_async
-
     hour = JUNE_1 + timedelta(hours=9)
     await usage_record_async_at(alpha.tenant.pk, alpha.api_key.pk, hour, tokens=40)
     await usage_record_async_at(beta.tenant.pk, beta.api_key.pk, hour, tokens=1000)  # never alpha's
@@ -225,8 +225,6 @@ async def test_invalid_queries_are_422(client, alpha, params, param):
 
 
 async def test_quota_state_is_included(client, alpha):
-    from asgiref.sync import sync_to_async
-
     tenant = alpha.tenant
     tenant.tokens_per_month = 1000
     await sync_to_async(tenant.save)(update_fields=["tokens_per_month"])
@@ -242,10 +240,6 @@ async def test_quota_state_is_included(client, alpha):
 async def test_real_requests_are_counted_exactly_after_the_fold(client, alpha, beta, model):
     """Embedding requests through the API (some refused by the daily budget), folded halfway and at
     the end: the database and /v1/usage hold exactly what the responses said."""
-    import asyncio
-
-    from asgiref.sync import sync_to_async
-    from django.db.models import Sum
 
     tenant = alpha.tenant
     tenant.tokens_per_day = 150
@@ -288,3 +282,20 @@ async def test_real_requests_are_counted_exactly_after_the_fold(client, alpha, b
 
     assert await sync_to_async(database_totals)() == expected
     assert (await get_usage(client, beta)).json()["totals"]["requests"] == 0
+
+
+async def test_redis_down_still_answers_with_folded_usage(client, alpha, june, settings, tmp_path):
+    alpha.tenant.tokens_per_month = 1000  # a limit: its window lives in Redis
+    await sync_to_async(alpha.tenant.save)(update_fields=["tokens_per_month"])
+    await usage_record_async_at(alpha.tenant.pk, alpha.api_key.pk, JUNE_1 + timedelta(hours=9), tokens=40)
+    with RedisServer(port=free_port(), data_dir=tmp_path, persistent=False) as stopped:
+        url = stopped.url
+    settings.REDIS_URL = url  # nothing listens there any more
+    settings.REDIS_TIMEOUT_S = 0.5
+    reset_redis_clients()
+    response = await get_usage(client, alpha, **june)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["includes_unfolded"] is False
+    assert body["totals"]["tokens"] == 85  # the folded rows only; the 40 are still in Redis
+    assert body["quota"] is None  # unknown, rather than a wrong "used": 0

@@ -212,3 +212,26 @@ def test_unreadable_fields_are_dropped_not_fatal(tenants):
     result = usage_fold()
     assert result.dropped == 2
     assert database_totals()["requests"] == 5
+
+
+def test_two_folds_racing_on_one_batch_count_it_once(tenants, monkeypatch, caplog):
+    """Fold A has read a batch when fold B folds the same batch and commits: A's transaction fails on
+    UsageFold's unique batch id and adds nothing."""
+    expected = record_mix(tenants)
+    original = usage.counters_from_hash
+    raced = []
+
+    def read_then_let_another_fold_finish(*args, **kwargs):
+        counters = original(*args, **kwargs)
+        if not raced:
+            raced.append(True)
+            usage_fold()  # fold B, start to end
+        return counters
+
+    monkeypatch.setattr(usage, "counters_from_hash", read_then_let_another_fold_finish)
+    usage_fold()  # fold A
+    assert raced
+    assert "was folded by another fold meanwhile" in caplog.text
+    assert database_totals() == expected
+    assert UsageFold.objects.count() == 1
+    assert redis_is_empty()
