@@ -12,13 +12,14 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from typing import Literal
 
 import redis
 from django.db import IntegrityError, transaction
 from django.db.models import F, Sum
 from django.db.models.functions import TruncDate
+from django.utils import timezone
 
 from embeddings.models import ApiKey, Tenant, UsageBucket, UsageFold
 from embeddings.services.redis_clients import redis_async, redis_sync
@@ -114,6 +115,9 @@ def usage_record_sync(event: UsageEvent) -> None:
 FOLDING_PREFIX = "usage:folding:"
 FOLDING_BATCHES_KEY = "usage:folding-batches"
 COUNTER_METRICS = ("requests", "succeeded", "rejected", "failed", "inputs", "tokens", "latency_ms_total")
+# A UsageFold row guards its batch only while the batch is still in Redis (gone milliseconds after
+# the commit); older rows whose batch is gone are deleted, so the table stays small.
+USAGE_FOLD_RECORDS_KEPT = timedelta(days=7)
 
 _CLAIM_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
@@ -282,7 +286,14 @@ def usage_fold() -> UsageFoldResult:
         batch_rows, batch_dropped = _fold_batch(client, batch_id)
         rows += batch_rows
         dropped += batch_dropped
+    _prune_fold_records(client)
     return UsageFoldResult(batches=len(batch_ids), buckets=rows, dropped=dropped)
+
+
+def _prune_fold_records(client: redis.Redis) -> None:
+    still_in_redis = [_decode(member) for member in client.smembers(FOLDING_BATCHES_KEY)]
+    cutoff = timezone.now() - USAGE_FOLD_RECORDS_KEPT
+    UsageFold.objects.filter(folded_at__lt=cutoff).exclude(batch_id__in=still_in_redis).delete()
 
 
 # --- Reading a tenant's usage ---------------------------------------------------------------------

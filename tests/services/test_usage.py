@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import threading
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from django.db.models import Sum
+from django.utils import timezone
 
 from embeddings.models import UsageBucket, UsageFold
 from embeddings.services import usage
@@ -235,3 +236,20 @@ def test_two_folds_racing_on_one_batch_count_it_once(tenants, monkeypatch, caplo
     assert database_totals() == expected
     assert UsageFold.objects.count() == 1
     assert redis_is_empty()
+
+
+def test_old_fold_records_are_pruned_unless_their_batch_is_still_in_redis(tenants):
+    long_ago = timezone.now() - usage.USAGE_FOLD_RECORDS_KEPT - timedelta(hours=1)
+    UsageFold.objects.create(batch_id="done-long-ago", folded_at=long_ago)
+    UsageFold.objects.create(batch_id="done-recently")
+    # Another fold's batch, committed and not yet deleted from Redis: its record still guards it.
+    UsageFold.objects.create(batch_id="still-in-redis", folded_at=long_ago)
+    redis_sync().sadd(FOLDING_BATCHES_KEY, "still-in-redis")
+    usage._prune_fold_records(redis_sync())
+    assert set(UsageFold.objects.values_list("batch_id", flat=True)) == {"done-recently", "still-in-redis"}
+    record_mix(tenants)
+    usage_fold()  # forgets the other batch (its record exists), folds the new one, prunes
+    batch_ids = set(UsageFold.objects.values_list("batch_id", flat=True))
+    assert "done-recently" in batch_ids and "still-in-redis" not in batch_ids
+    assert len(batch_ids) == 2  # and the record of the fold just made
+    assert database_totals()["requests"] == 5
