@@ -17,7 +17,7 @@ from typing import Literal
 
 import redis
 from django.db import IntegrityError, transaction
-from django.db.models import F, Sum
+from django.db.models import Count, F, Max, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
@@ -353,6 +353,13 @@ def _database_rows(buckets, group_by: str) -> dict:
     return {row["group"]: {metric: row[metric] or 0 for metric in COUNTER_METRICS} for row in rows}
 
 
+def _folds_fingerprint() -> tuple[int, int | None]:
+    """Changes whenever a fold commits: a new row raises the count and the highest id (a prune,
+    which deletes only old rows, lowers the count alone, so the pair still differs)."""
+    folds = UsageFold.objects.aggregate(count=Count("pk"), last=Max("pk"))
+    return folds["count"], folds["last"]
+
+
 def usage_for_tenant(
     *,
     tenant_id: int,
@@ -380,7 +387,7 @@ def usage_for_tenant(
     live: list = []
     batches: dict[str, list] = {}
     for _attempt in range(_READ_ATTEMPTS):
-        folds_before = UsageFold.objects.count()
+        folds_before = _folds_fingerprint()
         if includes_unfolded:
             try:
                 live, batches = _unfolded_snapshot(redis_sync())
@@ -392,7 +399,7 @@ def usage_for_tenant(
         folded_ids = set(
             UsageFold.objects.filter(batch_id__in=list(batches)).values_list("batch_id", flat=True)
         )
-        if UsageFold.objects.count() == folds_before:
+        if _folds_fingerprint() == folds_before:
             break
     else:
         logger.warning("usage: folds kept committing while reading; numbers may be off by one fold")

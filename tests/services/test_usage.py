@@ -253,3 +253,31 @@ def test_old_fold_records_are_pruned_unless_their_batch_is_still_in_redis(tenant
     assert "done-recently" in batch_ids and "still-in-redis" not in batch_ids
     assert len(batch_ids) == 2  # and the record of the fold just made
     assert database_totals()["requests"] == 5
+
+
+def test_reading_usage_while_a_fold_commits_counts_it_once(tenants, monkeypatch):
+    """The fold runs between usage_for_tenant's Redis snapshot and its database read: the snapshot
+    holds the counters and the rows now hold them too; the read notices and reads again."""
+    record_mix(tenants)
+    original = usage._database_rows
+    folds = []
+
+    def fold_in_between(*args, **kwargs):
+        if not folds:
+            folds.append(usage_fold())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(usage, "_database_rows", fold_in_between)
+    report = usage.usage_for_tenant(
+        tenant_id=tenants["alpha"].pk,
+        start=datetime.fromtimestamp(HOUR, UTC),
+        end=datetime.fromtimestamp(HOUR + 7200, UTC),
+        group_by="model",
+    )
+    assert folds and folds[0].batches == 1
+    assert report.includes_unfolded
+    assert (report.totals["requests"], report.totals["tokens"]) == (4, 29)  # alpha's, once
+    assert [(row.group, row.counters["requests"]) for row in report.rows] == [
+        ("minilm", 3),
+        ("other|model", 1),
+    ]
