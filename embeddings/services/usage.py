@@ -4,6 +4,11 @@ Hot path: one pipelined HINCRBY batch on the hash LIVE_USAGE_KEY per request. Ea
 one counter of one bucket: "<tenant>|<key or empty>|<hour epoch>|<endpoint>|<metric>|<model>"
 (the model last, so a "|" in a model's name cannot shift the other parts). Metrics are the
 UsageBucket counter fields: requests, succeeded, rejected, failed, inputs, tokens, latency_ms_total.
+
+Fold (`usage_fold`, run by Celery beat through embeddings.tasks): the counters move into UsageBucket
+rows exactly once, whatever crashes when (see "The fold" below).
+
+Read (`usage_for_tenant`, behind GET /v1/usage): one tenant's rows plus its counters still in Redis.
 """
 
 from __future__ import annotations
