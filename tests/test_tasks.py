@@ -1,5 +1,5 @@
-"""Celery tasks run by a real `celery -A embedsite worker` (and beat) against the test Redis and a
-sqlite database file shared with the test."""
+"""Celery tasks run by a real `celery -A embedsite worker` (and beat), started as runstack starts
+them, against the test Redis and a sqlite database file shared with the test."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
+from embeddings.management.commands.runstack import start_celery
 from embeddings.services.usage import UsageEvent, usage_record_sync
-from embeddings.triton.server import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FOLD_TASK = "embeddings.tasks.usage_fold_task"
@@ -29,6 +29,7 @@ class StackDatabase:
     path: Path
     env: dict[str, str]
     tenant_id: int
+    run_dir: Path
 
     def totals(self, model: str) -> tuple[int, int]:
         """(requests, tokens) folded for this model so far."""
@@ -71,18 +72,7 @@ def stack_database(redis_server, tmp_path_factory) -> StackDatabase:
     _manage(env, "create_tenant", "--name", "Worker", "--slug", "worker")
     with contextlib.closing(sqlite3.connect(path)) as connection:
         (tenant_id,) = connection.execute("SELECT id FROM embeddings_tenant WHERE slug = 'worker'").fetchone()
-    return StackDatabase(path, env, tenant_id)
-
-
-def _start(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    log = log_path.open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "embedsite", *args],
-        cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True, preexec_fn=die_with_parent,
-    )  # fmt: skip
-    log.close()
-    return process
+    return StackDatabase(path, env, tenant_id, workdir)
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -100,11 +90,7 @@ def _stop(process: subprocess.Popen) -> None:
 def celery_worker(stack_database, service_redis, tmp_path) -> Iterator[Path]:
     """`celery -A embedsite worker` (solo pool) on the test Redis and the shared database; its log."""
     log_path = tmp_path / "worker.log"
-    worker = _start(
-        ["worker", "--pool", "solo", "--loglevel", "INFO", "--without-gossip", "--without-mingle"],
-        stack_database.env,
-        log_path,
-    )
+    worker = start_celery("worker", log_path, env=stack_database.env)
     yield log_path
     _stop(worker)
 
@@ -147,14 +133,14 @@ def test_beat_schedules_the_fold(stack_database, celery_worker, tmp_path):
     expected = record(stack_database, "beat-model", 10)
     env = {**stack_database.env, "USAGE_FOLD_INTERVAL_S": "1"}
     log_path = tmp_path / "beat.log"
-    beat = _start(
-        ["beat", "--loglevel", "INFO", "--schedule", str(tmp_path / "beat-schedule")], env, log_path
-    )
+    beat = start_celery("beat", log_path, env=env)
     try:
         wait_for_totals(stack_database, "beat-model", expected, [celery_worker, log_path])
     finally:
         _stop(beat)
     assert f"Sending due task fold-usage ({FOLD_TASK})" in log_path.read_text()
+    # Its schedule file where the settings put it: RUN_DIR.
+    assert list(stack_database.run_dir.glob("celerybeat-schedule*"))
 
 
 def test_the_fold_is_in_the_beat_schedule_and_registered(settings):

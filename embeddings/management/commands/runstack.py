@@ -26,16 +26,21 @@ def fresh_prometheus_dir() -> Path:
     return path
 
 
-def start_celery(role: str, log_path: Path) -> subprocess.Popen:
-    """`celery -A embedsite worker|beat` in its own session, its output in log_path."""
+def start_celery(role: str, log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`celery -A embedsite worker|beat` in its own session, its output appended to log_path.
+
+    Beat keeps its schedule in CELERY_BEAT_SCHEDULE_FILENAME (RUN_DIR) as the child's settings say.
+    """
     arguments = {
         # One process is plenty for the fold; solo keeps it to one.
         "worker": ["worker", "--pool", "solo", "--without-gossip", "--without-mingle"],
-        "beat": ["beat", "--schedule", settings.CELERY_BEAT_SCHEDULE_FILENAME],
+        "beat": ["beat"],
     }[role]
     with log_path.open("ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "embedsite", *arguments, "--loglevel", "INFO"],
+            cwd=settings.BASE_DIR,
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
