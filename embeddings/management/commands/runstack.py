@@ -120,6 +120,7 @@ class Command(BaseCommand):
                 f"(logs: {celery_logs['beat']}, {celery_logs['worker']})\n"
                 f"  first key  {manage} create_tenant --name Acme && {manage} create_api_key --tenant acme\n"
                 f'  embed      curl {base}/v1/embeddings -H "Authorization: Bearer $KEY" '
+                '-H "Content-Type: application/json" '
                 """-d '{"model": "all-MiniLM-L6-v2", "input": "hello"}'\n"""
                 "  Stop: Ctrl-C"
             )
