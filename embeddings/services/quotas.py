@@ -12,9 +12,10 @@ on top of its tenant's. Blank means no limit at that level. Windows are fixed an
 reads every applicable counter and lease set, and only if *all* of them have room does it add the
 request (1 to the request counters, the tokens to the token counters, a lease to each lease set).
 So the limits hold exactly under any concurrency, across processes and machines: there is no
-read-then-write gap. `quota_release` (RELEASE_SCRIPT) frees the leases and, when inference failed,
-gives the tokens back. A process that dies mid-request leaks nothing for long: its leases expire
-after QUOTA_LEASE_SECONDS and counters expire after their window.
+read-then-write gap. `quota_release` (SETTLE_SCRIPT) frees the leases and, when inference failed,
+gives the tokens back, adding the request's usage counters in the same round trip. A process
+that dies mid-request leaks nothing for long: its leases expire after QUOTA_LEASE_SECONDS and
+counters expire after their window.
 
 Counters exist only for windows that have a limit (an unlimited tenant costs no Redis work for
 quotas), so a limit set in the middle of a window starts counting from zero. The window is chosen
@@ -24,6 +25,7 @@ from the caller's clock (`now`, injectable for tests); all keys of one tenant sh
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -34,73 +36,82 @@ from datetime import UTC, datetime
 from typing import Literal, Protocol
 
 from django.conf import settings
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from embeddings.services.errors import LimitExceeded, QuotaExceeded, QuotaUnavailable
 from embeddings.services.redis_clients import redis_async, redis_sync
-from embeddings.services.usage import Outcome, UsageEvent, usage_record_async
+from embeddings.services.usage import LIVE_USAGE_KEY, Outcome, UsageEvent, usage_increments
 
 logger = logging.getLogger(__name__)
 
 Level = Literal["tenant", "key"]
 Kind = Literal["requests", "tokens"]
 
-# KEYS[1..n] window counters, KEYS[n+1..] lease sets.
-# ARGV: now_ms, n, lease member, lease expiry (ms), lease set TTL (ms);
-#       then per counter: limit, amount, time to live (ms); then per lease set: limit.
-# Returns {admitted (0/1), count of each counter before this request..., live leases of each set...}.
+# KEYS[1..n] window counters (the first r count requests, the others tokens), KEYS[n+1..] lease sets.
+# ARGV: now (ms), tokens, lease member, lease expiry (ms), lease set TTL (ms), n, r; then per
+# counter: limit, window end (ms); then per lease set: limit. Times are on the caller's clock.
+# Returns "admitted,count,...,live,...": 0/1, each counter before this request, each set's live
+# leases (one string: far cheaper for the client to read than an array).
 RESERVE_SCRIPT = """
 local now = tonumber(ARGV[1])
-local n = tonumber(ARGV[2])
+local tokens = tonumber(ARGV[2])
 local member = ARGV[3]
 local lease_until = tonumber(ARGV[4])
 local lease_ttl = tonumber(ARGV[5])
-local lease_base = 5 + 3 * n
+local n = tonumber(ARGV[6])
+local r = tonumber(ARGV[7])
 local admitted = 1
 local result = {0}
 for i = 1, n do
-  local limit = tonumber(ARGV[3 + 3 * i])
-  local amount = tonumber(ARGV[4 + 3 * i])
+  local amount = tokens
+  if i <= r then amount = 1 end
   local count = tonumber(redis.call('GET', KEYS[i]) or '0')
   result[#result + 1] = count
-  if count + amount > limit then admitted = 0 end
+  if count + amount > tonumber(ARGV[6 + 2 * i]) then admitted = 0 end
 end
 for j = 1, #KEYS - n do
   local key = KEYS[n + j]
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   local live = redis.call('ZCARD', key)
   result[#result + 1] = live
-  if live >= tonumber(ARGV[lease_base + j]) then admitted = 0 end
+  if live >= tonumber(ARGV[7 + 2 * n + j]) then admitted = 0 end
 end
 result[1] = admitted
-if admitted == 0 then return result end
-for i = 1, n do
-  redis.call('INCRBY', KEYS[i], ARGV[4 + 3 * i])
-  redis.call('PEXPIRE', KEYS[i], ARGV[5 + 3 * i])
+if admitted == 1 then
+  for i = 1, n do
+    local amount = tokens
+    if i <= r then amount = 1 end
+    if redis.call('INCRBY', KEYS[i], amount) == amount then
+      -- A new counter lives for the rest of its window, and a minute more (a late refund finds it).
+      redis.call('PEXPIRE', KEYS[i], tonumber(ARGV[7 + 2 * i]) - now + 60000)
+    end
+  end
+  for j = 1, #KEYS - n do
+    redis.call('ZADD', KEYS[n + j], lease_until, member)
+    redis.call('PEXPIRE', KEYS[n + j], lease_ttl)
+  end
 end
-for j = 1, #KEYS - n do
-  redis.call('ZADD', KEYS[n + j], lease_until, member)
-  redis.call('PEXPIRE', KEYS[n + j], lease_ttl)
-end
-return result
+return table.concat(result, ',')
 """
 
-# KEYS[1..n] token counters to refund, KEYS[n+1..] lease sets. ARGV: n, lease member, amounts...
-# A counter whose key has expired meanwhile is not recreated (it would only hold a negative count).
-RELEASE_SCRIPT = """
-local n = tonumber(ARGV[1])
-for i = 1, n do
+# Settles one request in one round trip. KEYS[1..r] token counters to refund, KEYS[r+1..#KEYS-1]
+# lease sets, KEYS[#KEYS] the live usage hash (embeddings.services.usage). ARGV: r, lease member,
+# r refund amounts, then usage field/amount pairs. A counter whose key has expired meanwhile is not
+# recreated (it would only hold a negative count).
+SETTLE_SCRIPT = """
+local r = tonumber(ARGV[1])
+for i = 1, r do
   if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('DECRBY', KEYS[i], ARGV[2 + i]) end
 end
-for j = n + 1, #KEYS do
+for j = r + 1, #KEYS - 1 do
   redis.call('ZREM', KEYS[j], ARGV[2])
+end
+local usage = KEYS[#KEYS]
+for k = 3 + r, #ARGV, 2 do
+  redis.call('HINCRBY', usage, ARGV[k], ARGV[k + 1])
 end
 return 1
 """
-
-# Counters outlive their window a little, so a refund that arrives just after the boundary still
-# finds its key, and a clock a little behind Redis's never sees a counter vanish early.
-COUNTER_GRACE_MS = 60_000
 
 
 @dataclass(frozen=True)
@@ -182,10 +193,15 @@ def window_bounds(limit_name: str, now: float) -> tuple[int, int]:
     if limit_name == "tokens_per_day":
         start = int(now // 86400 * 86400)
         return start, start + 86400
-    moment = datetime.fromtimestamp(now, UTC)
-    start_of_month = datetime(moment.year, moment.month, 1, tzinfo=UTC)
-    next_month = datetime(moment.year + moment.month // 12, moment.month % 12 + 1, 1, tzinfo=UTC)
-    return int(start_of_month.timestamp()), int(next_month.timestamp())
+    moment = time.gmtime(now)
+    return _month_bounds(moment.tm_year, moment.tm_mon)
+
+
+@functools.lru_cache(maxsize=16)
+def _month_bounds(year: int, month: int) -> tuple[int, int]:
+    start = datetime(year, month, 1, tzinfo=UTC)
+    following = datetime(year + month // 12, month % 12 + 1, 1, tzinfo=UTC)
+    return int(start.timestamp()), int(following.timestamp())
 
 
 def _scope(subject: QuotaSubject, level: Level) -> str:
@@ -219,8 +235,44 @@ class LeaseSet:
     limit: int
 
 
-def quota_plan(subject: QuotaSubject, *, tokens: int, now: float) -> tuple[list[Counter], list[LeaseSet]]:
-    """The counters and lease sets that apply to one request of `tokens` tokens at `now`."""
+@dataclass(frozen=True)
+class QuotaPlan:
+    """The counters (request counters first) and lease sets that hold one subject in one minute,
+    and the constant part of the reserve script's arguments, packed once."""
+
+    counters: tuple[Counter, ...]
+    leases: tuple[LeaseSet, ...]
+    requests_counters: int
+    keys: tuple[str, ...]
+    tail: tuple[int, ...]  # per counter: limit, window end (ms); per lease set: limit
+    packed_keys: bytes
+    packed_tail: bytes
+
+    def counters_for(self, tokens: int) -> list[Counter]:
+        return [
+            c
+            if c.window.kind == "requests"
+            else Counter(c.key, c.level, c.window, c.limit, tokens, c.reset_at)
+            for c in self.counters
+        ]
+
+
+_plans: dict[tuple, QuotaPlan] = {}
+PLAN_CACHE_MAX_ENTRIES = 10_000
+
+
+def quota_plan(subject: QuotaSubject, *, now: float) -> QuotaPlan:
+    """What applies to `subject`'s requests at `now` (cached for the minute)."""
+    cache_key = (subject.tenant_id, subject.key_id, subject.tenant_limits, subject.key_limits, int(now // 60))
+    plan = _plans.get(cache_key)
+    if plan is None:
+        if len(_plans) >= PLAN_CACHE_MAX_ENTRIES:
+            _plans.clear()
+        plan = _plans[cache_key] = _make_plan(subject, now)
+    return plan
+
+
+def _make_plan(subject: QuotaSubject, now: float) -> QuotaPlan:
     counters: list[Counter] = []
     leases: list[LeaseSet] = []
     for level, limits in _levels(subject):
@@ -230,13 +282,36 @@ def quota_plan(subject: QuotaSubject, *, tokens: int, now: float) -> tuple[list[
             if limit is None:
                 continue
             start, reset_at = window_bounds(window.limit_name, now)
-            amount = 1 if window.kind == "requests" else tokens
+            amount = 1 if window.kind == "requests" else 0
             counters.append(
                 Counter(f"{scope}:{window.short}:{start}", level, window, limit, amount, reset_at)
             )
         if limits.max_concurrent_requests is not None:
             leases.append(LeaseSet(f"{scope}:concurrent", level, limits.max_concurrent_requests))
-    return counters, leases
+    counters.sort(key=lambda counter: counter.window.kind != "requests")  # stable: requests first
+    keys = tuple([c.key for c in counters] + [lease.key for lease in leases])
+    tail: list[int] = []
+    for counter in counters:
+        tail += [counter.limit, counter.reset_at * 1000]
+    tail += [lease.limit for lease in leases]
+    return QuotaPlan(
+        counters=tuple(counters),
+        leases=tuple(leases),
+        requests_counters=sum(c.window.kind == "requests" for c in counters),
+        keys=keys,
+        tail=tuple(tail),
+        packed_keys=_pack(keys),
+        packed_tail=_pack(tail),
+    )
+
+
+def _pack(arguments) -> bytes:
+    """Arguments as RESP bulk strings (what redis-py's pack_command does, without its per-call cost)."""
+    parts = []
+    for argument in arguments:
+        data = argument if isinstance(argument, bytes) else str(argument).encode()
+        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(parts)
 
 
 # --- Headers and refusals --------------------------------------------------------------------------
@@ -351,7 +426,7 @@ class Reservation:
     lease_member: str
     headers: dict[str, str]
 
-    def release_arguments(self, *, refund: bool) -> tuple[list[str], list]:
+    def settle_arguments(self, *, refund: bool) -> tuple[list[str], list]:
         refunds = [c for c in self.counters if refund and c.window.kind == "tokens" and c.amount]
         keys = [c.key for c in refunds] + [lease.key for lease in self.leases]
         return keys, [len(refunds), self.lease_member, *(c.amount for c in refunds)]
@@ -361,24 +436,25 @@ class Reservation:
         return bool(self.counters or self.leases)
 
 
-def _reserve_arguments(
-    counters: Sequence[Counter], leases: Sequence[LeaseSet], member: str, now: float
-) -> tuple[list[str], list]:
+def _reserve_head(plan: QuotaPlan, tokens: int, member: str, now: float) -> list:
     lease_ms = int(settings.QUOTA_LEASE_SECONDS * 1000)
     now_ms = int(now * 1000)
-    args: list = [now_ms, len(counters), member, now_ms + lease_ms, lease_ms + 1000]
-    for counter in counters:
-        # Relative to `now` (the caller's clock, injectable), not an absolute time on Redis's.
-        args += [counter.limit, counter.amount, int((counter.reset_at - now) * 1000) + COUNTER_GRACE_MS]
-    args += [lease.limit for lease in leases]
-    return [c.key for c in counters] + [lease.key for lease in leases], args
+    return [
+        now_ms,
+        tokens,
+        member,
+        now_ms + lease_ms,
+        lease_ms + 1000,
+        len(plan.counters),
+        plan.requests_counters,
+    ]
 
 
 def _scripts(client) -> tuple:
     """The client's registered scripts (EVALSHA, reloaded by redis-py after a Redis restart)."""
     scripts = getattr(client, "_embedsite_quota_scripts", None)
     if scripts is None:
-        scripts = (client.register_script(RESERVE_SCRIPT), client.register_script(RELEASE_SCRIPT))
+        scripts = (client.register_script(RESERVE_SCRIPT), client.register_script(SETTLE_SCRIPT))
         client._embedsite_quota_scripts = scripts
     return scripts
 
@@ -393,13 +469,40 @@ def _check_inputs(subject: QuotaSubject, inputs: int) -> None:
             )
 
 
-def _admitted(subject, counters, leases, member, result: Sequence[int], now: float) -> Reservation:
-    counts = [int(value) for value in result[1 : 1 + len(counters)]]
-    live = [int(value) for value in result[1 + len(counters) :]]
-    if not int(result[0]):
-        raise _refusal(subject, counters, leases, counts, live, now)
+def _admitted(
+    subject: QuotaSubject, plan: QuotaPlan, tokens: int, member: str, result: bytes | str, now: float
+) -> Reservation:
+    values = [int(value) for value in (result.decode() if isinstance(result, bytes) else result).split(",")]
+    counters = plan.counters_for(tokens)
+    counts = values[1 : 1 + len(counters)]
+    live = values[1 + len(counters) :]
+    if not values[0]:
+        raise _refusal(subject, counters, plan.leases, counts, live, now)
     after = [count + counter.amount for count, counter in zip(counts, counters, strict=True)]
-    return Reservation(tuple(counters), tuple(leases), member, ratelimit_headers(counters, after, now))
+    return Reservation(tuple(counters), plan.leases, member, ratelimit_headers(counters, after, now))
+
+
+async def _evalsha_packed(client, script, packed_arguments: bytes, count: int):  # count: arguments packed
+    """EVALSHA with arguments packed beforehand, on a connection of the client's pool; loads the
+    script when Redis does not know it (first use, or after a restart)."""
+    sha = script.sha.encode()
+    command = b"*%d\r\n" % (count + 2) + _pack([b"EVALSHA", sha]) + packed_arguments
+    for attempt in range(2):
+        pool = client.connection_pool
+        connection = await pool.get_connection()
+        try:
+            await connection.send_packed_command(command)
+            return await connection.read_response()
+        except NoScriptError:
+            if attempt:
+                raise
+        except BaseException:
+            await connection.disconnect()
+            raise
+        finally:
+            await pool.release(connection)
+        await client.script_load(script.script)
+    raise AssertionError("unreachable")
 
 
 async def quota_reserve(
@@ -412,14 +515,17 @@ async def quota_reserve(
     """
     _check_inputs(subject, inputs)
     now = time.time() if now is None else now
-    counters, leases = quota_plan(subject, tokens=tokens, now=now)
+    plan = quota_plan(subject, now=now)
     member = os.urandom(8).hex()
-    if not counters and not leases:
+    if not plan.keys:
         return Reservation((), (), member, {})
-    keys, args = _reserve_arguments(counters, leases, member, now)
+    head = _reserve_head(plan, tokens, member, now)
+    packed = _pack([len(plan.keys)]) + plan.packed_keys + _pack(head) + plan.packed_tail
     reserve, _ = _scripts(redis_async())
-    result = await reserve(keys=keys, args=args)
-    return _admitted(subject, counters, leases, member, result, now)
+    result = await _evalsha_packed(
+        redis_async(), reserve, packed, 1 + len(plan.keys) + len(head) + len(plan.tail)
+    )
+    return _admitted(subject, plan, tokens, member, result, now)
 
 
 def quota_reserve_sync(
@@ -428,29 +534,46 @@ def quota_reserve_sync(
     """The blocking twin of `quota_reserve` (Celery workers)."""
     _check_inputs(subject, inputs)
     now = time.time() if now is None else now
-    counters, leases = quota_plan(subject, tokens=tokens, now=now)
+    plan = quota_plan(subject, now=now)
     member = os.urandom(8).hex()
-    if not counters and not leases:
+    if not plan.keys:
         return Reservation((), (), member, {})
-    keys, args = _reserve_arguments(counters, leases, member, now)
     reserve, _ = _scripts(redis_sync())
-    result = reserve(keys=keys, args=args)
-    return _admitted(subject, counters, leases, member, result, now)
+    result = reserve(keys=list(plan.keys), args=[*_reserve_head(plan, tokens, member, now), *plan.tail])
+    return _admitted(subject, plan, tokens, member, result, now)
 
 
-async def quota_release(*, reservation: Reservation, refund: bool) -> None:
-    """Free the reservation's leases; with `refund`, give its tokens back (inference failed)."""
-    keys, args = reservation.release_arguments(refund=refund)
-    if keys:
-        _, release = _scripts(redis_async())
-        await release(keys=keys, args=args)
+def _settle_arguments(
+    reservation: Reservation | None, refund: bool, usage: UsageEvent | None
+) -> tuple[list[str], list]:
+    if reservation is not None:
+        keys, args = reservation.settle_arguments(refund=refund)
+    else:
+        keys, args = [], [0, ""]
+    if usage is not None:
+        for field, amount in usage_increments(usage).items():
+            args += [field, amount]
+    return [*keys, LIVE_USAGE_KEY], args
 
 
-def quota_release_sync(*, reservation: Reservation, refund: bool) -> None:
-    keys, args = reservation.release_arguments(refund=refund)
-    if keys:
-        _, release = _scripts(redis_sync())
-        release(keys=keys, args=args)
+async def quota_release(
+    *, reservation: Reservation | None, refund: bool, usage: UsageEvent | None = None
+) -> None:
+    """Free the reservation's leases; with `refund`, give its tokens back (inference failed); count
+    `usage` (as usage_record_async would) in the same round trip."""
+    keys, args = _settle_arguments(reservation, refund, usage)
+    if len(keys) > 1 or usage is not None:
+        _, settle = _scripts(redis_async())
+        await settle(keys=keys, args=args)
+
+
+def quota_release_sync(
+    *, reservation: Reservation | None, refund: bool, usage: UsageEvent | None = None
+) -> None:
+    keys, args = _settle_arguments(reservation, refund, usage)
+    if len(keys) > 1 or usage is not None:
+        _, settle = _scripts(redis_sync())
+        settle(keys=keys, args=args)
 
 
 # --- One API request's bookkeeping ----------------------------------------------------------------
@@ -497,20 +620,30 @@ class RequestQuota:
         self.headers = self.reservation.headers
 
     async def settle(self, *, succeeded: bool) -> None:
-        """Release (and on failure refund) the reservation and record usage; never raises."""
-        if self.reservation is not None and self.reservation.holds_anything:
-            try:
-                await quota_release(reservation=self.reservation, refund=not succeeded)
-                if not succeeded:
-                    self.headers = None  # the refund changed them: the view reads them afresh
-            except RedisError as error:
-                # The leases expire after QUOTA_LEASE_SECONDS; a lost refund stays counted.
-                _log_redis_failure("could not release a quota reservation", error)
-        await self._record("succeeded" if succeeded else "failed")
+        """Release (and on failure refund) the reservation and record usage, in one round trip;
+        never raises."""
+        try:
+            await quota_release(
+                reservation=self.reservation,
+                refund=not succeeded,
+                usage=self._usage("succeeded" if succeeded else "failed"),
+            )
+        except RedisError as error:
+            # Leases expire after QUOTA_LEASE_SECONDS; a lost refund stays counted.
+            _log_redis_failure("could not settle a request's quota and usage", error)
+            return
+        if not succeeded and self.reservation is not None and self.reservation.counters:
+            self.headers = None  # the refund changed them: the view reads them afresh
 
     async def _record(self, outcome: Outcome) -> None:
+        try:
+            await quota_release(reservation=None, refund=False, usage=self._usage(outcome))
+        except RedisError as error:
+            _log_redis_failure("could not record usage", error)
+
+    def _usage(self, outcome: Outcome) -> UsageEvent:
         succeeded = outcome == "succeeded"
-        event = UsageEvent(
+        return UsageEvent(
             tenant_id=self.subject.tenant_id,
             api_key_id=self.subject.key_id,
             model=self.model,
@@ -520,10 +653,6 @@ class RequestQuota:
             tokens=self.tokens if succeeded else 0,
             latency_ms=round((time.perf_counter() - self.started) * 1000),
         )
-        try:
-            await usage_record_async(event)
-        except RedisError as error:
-            _log_redis_failure("could not record usage", error)
 
 
 _last_failure_log = 0.0
@@ -543,8 +672,10 @@ def _log_redis_failure(what: str, error: Exception) -> None:
 
 def _status_reads(subject: QuotaSubject, now: float) -> list[tuple[Level, str, str, int, int]]:
     """(level, limit name, key, limit, reset_at) of each window counter that has a limit."""
-    counters, _ = quota_plan(subject, tokens=0, now=now)
-    return [(c.level, c.window.limit_name, c.key, c.limit, c.reset_at) for c in counters]
+    return [
+        (c.level, c.window.limit_name, c.key, c.limit, c.reset_at)
+        for c in quota_plan(subject, now=now).counters
+    ]
 
 
 def _status_queue(pipeline, subject: QuotaSubject, now: float) -> None:
@@ -627,7 +758,7 @@ async def quota_headers(subject: QuotaSubject, *, now: float | None = None) -> d
     if not settings.QUOTAS_ENABLED:
         return {}
     now = time.time() if now is None else now
-    counters, _ = quota_plan(subject, tokens=0, now=now)
+    counters = quota_plan(subject, now=now).counters
     if not counters:
         return {}
     try:
