@@ -10,7 +10,7 @@ REQUIREMENTS := requirements.txt requirements-test.txt requirements-export.txt r
 MODEL_ONNX := model_repository/minilm/1/model.onnx
 PROTOCOL := embeddings/triton/protocol/grpc_service_pb2.py
 
-.PHONY: run test setup bench bench-api lint clean-venv
+.PHONY: run test setup bench bench-api bench-quota lint clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
 run: setup
@@ -29,6 +29,10 @@ bench-api: setup
 	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
 	$(PIP) install -q -r requirements-bench.txt
 	$(PY) bench/api.py
+
+## bench-quota: what quotas cost a request (p50/p90, quotas on vs off, one run; table and JSON)
+bench-quota: setup
+	$(PY) bench/quota.py
 
 setup: .run/.system-packages $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated
 

@@ -44,6 +44,9 @@ from embeddings.services.usage import LIVE_USAGE_KEY, Outcome, UsageEvent, usage
 
 logger = logging.getLogger(__name__)
 
+# The wall clock that picks windows, when a caller passes no `now`; tests pin it to stay in one window.
+clock = time.time
+
 Level = Literal["tenant", "key"]
 Kind = Literal["requests", "tokens"]
 
@@ -514,7 +517,7 @@ async def quota_reserve(
     redis.exceptions.RedisError (the caller applies QUOTA_REDIS_FAILURE).
     """
     _check_inputs(subject, inputs)
-    now = time.time() if now is None else now
+    now = clock() if now is None else now
     plan = quota_plan(subject, now=now)
     member = os.urandom(8).hex()
     if not plan.keys:
@@ -533,7 +536,7 @@ def quota_reserve_sync(
 ) -> Reservation:
     """The blocking twin of `quota_reserve` (Celery workers)."""
     _check_inputs(subject, inputs)
-    now = time.time() if now is None else now
+    now = clock() if now is None else now
     plan = quota_plan(subject, now=now)
     member = os.urandom(8).hex()
     if not plan.keys:
@@ -729,7 +732,7 @@ async def quota_status(principal: QuotaSubject, *, now: float | None = None) -> 
 
     Raises redis.exceptions.RedisError when Redis does not answer.
     """
-    now = time.time() if now is None else now
+    now = clock() if now is None else now
     pipeline = redis_async().pipeline(transaction=False)
     _status_queue(pipeline, principal, now)
     values = await pipeline.execute() if len(pipeline) else []
@@ -745,7 +748,7 @@ def quota_status_sync(tenant_id: int, key_id: int | None = None, *, now: float |
     if key_id is not None:
         key_limits = QuotaLimitValues.of(ApiKey.objects.get(pk=key_id, tenant_id=tenant_id))
     subject = QuotaHolder(tenant.pk, key_id, QuotaLimitValues.of(tenant), key_limits)
-    now = time.time() if now is None else now
+    now = clock() if now is None else now
     pipeline = redis_sync().pipeline(transaction=False)
     _status_queue(pipeline, subject, now)
     values = pipeline.execute() if len(pipeline) else []
@@ -757,7 +760,7 @@ async def quota_headers(subject: QuotaSubject, *, now: float | None = None) -> d
     the current state, read without reserving. Empty when no limit applies or Redis fails."""
     if not settings.QUOTAS_ENABLED:
         return {}
-    now = time.time() if now is None else now
+    now = clock() if now is None else now
     counters = quota_plan(subject, now=now).counters
     if not counters:
         return {}

@@ -1,0 +1,189 @@
+"""Benchmark what quotas cost a request: latency with quotas on against the same endpoint with them off.
+
+Run: `make bench-quota` (or `.venv/bin/python bench/quota.py [--quick]`). Starts its own Triton,
+redis-server, SQLite database and two uvicorn servers (one worker each) on free ports, sharing the
+database and Redis: one with QUOTAS_ENABLED=true, one with QUOTAS_ENABLED=false. Then sends
+sequential requests (one at a time, batch 1, base64, the instant test model so inference costs
+next to nothing), interleaved across four configurations so drift hits all of them alike:
+
+    off               quotas disabled; the key's tenant and key have every limit set
+    on, no limits     quotas enabled; a tenant without limits (no quota work, usage still counted)
+    on, tenant        quotas enabled; the tenant has RPM, TPM, day, month and concurrency limits
+    on, tenant + key  the same, and the key has its own five: the script checks 8 counters and
+                      2 lease sets, then a second script releases the leases
+
+Every configuration authenticates (the key is cached in process) and counts usage in Redis; the
+difference from `off` is the quota work: the reserve script, the release script and the headers.
+Prints a table and writes bench/results/quota.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx2
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from api import INSTANT_MODEL, Server  # noqa: E402
+from triton_client import percentile  # noqa: E402
+
+BIG = 10**12  # limits that are never reached, so every request does the full quota work
+LIMITS = ["--requests-per-minute", str(10**9), "--tokens-per-minute", str(BIG), "--tokens-per-day", str(BIG),
+          "--tokens-per-month", str(BIG), "--max-concurrent-requests", str(10**6)]  # fmt: skip
+KEY_LIMITS = (
+    "dict(requests_per_minute=10**9, tokens_per_minute=10**12, tokens_per_day=10**12, "
+    "tokens_per_month=10**12, max_concurrent_requests=10**6)"
+)
+
+
+def manage(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "manage.py"), *args], env=env, check=True, capture_output=True, text=True
+    )
+    return done.stdout.strip()
+
+
+def prepare_database(env: dict[str, str]) -> dict[str, str]:
+    """Migrate, register the models, and make the tenants and keys; returns slug -> key."""
+    manage(env, "migrate", "--noinput", "-v", "0")
+    manage(env, "register_local_model")
+    manage(
+        env,
+        "shell",
+        "-c",
+        "from embeddings.models import EmbeddingModel as M; "
+        f"M.objects.update_or_create(name={INSTANT_MODEL!r}, defaults=dict(triton_model='instant_1024', "
+        "dimensions=1024, max_tokens=256))",
+    )
+    manage(env, "create_tenant", "--name", "Free", "--slug", "free")
+    manage(env, "create_tenant", "--name", "Tenant limits", "--slug", "tenant", *LIMITS)
+    manage(env, "create_tenant", "--name", "Both limits", "--slug", "both", *LIMITS)
+    keys = {slug: manage(env, "create_api_key", "--tenant", slug) for slug in ("free", "tenant", "both")}
+    manage(
+        env,
+        "shell",
+        "-c",
+        "from embeddings.models import ApiKey; from embeddings.services.tenants import quota_limits_update; "
+        f"quota_limits_update(owner=ApiKey.objects.get(tenant__slug='both'), limits={KEY_LIMITS})",
+    )
+    return keys
+
+
+def measure(configurations: list[tuple[str, Server, str]], requests: int, warmup: int) -> list[dict]:
+    body = {"model": INSTANT_MODEL, "input": "hello", "encoding_format": "base64"}
+    clients = [
+        httpx2.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        for _, server, key in configurations
+    ]
+    latencies: list[list[float]] = [[] for _ in configurations]
+    try:
+        for round_number in range(warmup + requests):
+            for index, http in enumerate(clients):
+                started = time.perf_counter()
+                response = http.post("/v1/embeddings", json=body)
+                elapsed = (time.perf_counter() - started) * 1000
+                response.raise_for_status()
+                if round_number >= warmup:
+                    latencies[index].append(elapsed)
+            if round_number == warmup:
+                limited = clients[-1].post("/v1/embeddings", json=body).headers
+                assert "x-ratelimit-remaining-tokens" in limited, "the limited configuration sent no headers"
+    finally:
+        for http in clients:
+            http.close()
+    rows = []
+    for (name, _, _), values in zip(configurations, latencies, strict=True):
+        rows.append(
+            {
+                "configuration": name,
+                "requests": len(values),
+                "p50_ms": percentile(values, 0.5),
+                "p90_ms": percentile(values, 0.9),
+            }
+        )
+    baseline = rows[0]
+    for row in rows:
+        row["overhead_p50_ms"] = row["p50_ms"] - baseline["p50_ms"]
+        row["overhead_p90_ms"] = row["p90_ms"] - baseline["p90_ms"]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--requests", type=int, default=2000, help="timed requests per configuration")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quota.json")
+    args = parser.parse_args()
+    requests, warmup = (100, 20) if args.quick else (args.requests, 200)
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
+    from embeddings.services.local_redis import RedisServer
+    from embeddings.triton.server import TritonServer, free_port
+
+    workdir = Path(tempfile.mkdtemp(prefix="embedsite-bench-quota-"))
+    triton = TritonServer(
+        model_repositories=[ROOT / "model_repository", ROOT / "tests" / "triton_models"],
+        run_dir=workdir,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        metrics_port=free_port(),
+        log_path=workdir / "triton.log",
+    )
+    redis_server = RedisServer(port=free_port(), data_dir=workdir, persistent=False)
+    servers: list[Server] = []
+    triton.start()
+    redis_server.start()
+    try:
+        triton.wait_until_ready(300)
+        redis_server.wait_until_ready()
+        env = {
+            **os.environ,
+            "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
+            "TRITON_SERVER_URL": triton.grpc_target,
+            "REDIS_URL": redis_server.url,
+            "LOG_LEVEL": "WARNING",
+        }
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        keys = prepare_database(env)
+        on = Server({**env, "QUOTAS_ENABLED": "true"}, free_port())
+        servers.append(on)
+        off = Server({**env, "QUOTAS_ENABLED": "false"}, free_port())
+        servers.append(off)
+        configurations = [
+            ("off", off, keys["both"]),
+            ("on, no limits", on, keys["free"]),
+            ("on, tenant", on, keys["tenant"]),
+            ("on, tenant + key", on, keys["both"]),
+        ]
+        print(f"Sequential POST /v1/embeddings (batch 1, {INSTANT_MODEL}), {requests} per configuration:")
+        rows = measure(configurations, requests, warmup)
+    finally:
+        for server in servers:
+            server.stop()
+        redis_server.stop()
+        triton.stop()
+    print(f"\n{'configuration':<18} {'p50 ms':>8} {'p90 ms':>8} {'+p50 ms':>8} {'+p90 ms':>8}")
+    print("-" * 54)
+    for row in rows:
+        print(
+            f"{row['configuration']:<18} {row['p50_ms']:>8.3f} {row['p90_ms']:>8.3f} "
+            f"{row['overhead_p50_ms']:>8.3f} {row['overhead_p90_ms']:>8.3f}"
+        )
+    result = {"rows": rows, "cpus": os.cpu_count(), "requests": requests, "model": INSTANT_MODEL}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"\nwritten {args.out}")
+
+
+if __name__ == "__main__":
+    main()
