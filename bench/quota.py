@@ -12,9 +12,10 @@ next to nothing), interleaved across four configurations so drift hits all of th
     on, tenant + key  the same, and the key has its own five: the script checks 8 counters and
                       2 lease sets, then a second script releases the leases
 
-Every configuration authenticates (the key is cached in process) and counts usage in Redis; the
-difference from `off` is the quota work: the reserve script, the release script and the headers.
-Prints a table and writes bench/results/quota.json.
+Every configuration authenticates (the key is cached in process) and counts usage in Redis in one
+round trip; the difference from `off` is the quota work: one more round trip (the reserve script,
+before inference), its arguments and the headers. For scale it also times one bare Redis PING
+after the same idle gap as between requests. Prints a table and writes bench/results/quota.json.
 """
 
 from __future__ import annotations
@@ -118,6 +119,22 @@ def measure(configurations: list[tuple[str, Server, str]], requests: int, warmup
     return rows
 
 
+def redis_round_trip_ms(url: str, gap_s: float, count: int) -> float:
+    """p50 of one PING sent after `gap_s` idle, as each request's quota script is: on a VM an idle
+    process and Redis must be woken, which costs far more than a round trip in a busy loop."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    latencies = []
+    for _ in range(count):
+        time.sleep(gap_s)
+        started = time.perf_counter()
+        client.ping()
+        latencies.append((time.perf_counter() - started) * 1000)
+    client.close()
+    return percentile(latencies, 0.5)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -167,6 +184,9 @@ def main() -> None:
         ]
         print(f"Sequential POST /v1/embeddings (batch 1, {INSTANT_MODEL}), {requests} per configuration:")
         rows = measure(configurations, requests, warmup)
+        gap_s = rows[0]["p50_ms"] / 1000
+        idle_ping_ms = redis_round_trip_ms(redis_server.url, gap_s, min(requests, 1000))
+        busy_ping_ms = redis_round_trip_ms(redis_server.url, 0, min(requests, 1000))
     finally:
         for server in servers:
             server.stop()
@@ -179,7 +199,18 @@ def main() -> None:
             f"{row['configuration']:<18} {row['p50_ms']:>8.3f} {row['p90_ms']:>8.3f} "
             f"{row['overhead_p50_ms']:>8.3f} {row['overhead_p90_ms']:>8.3f}"
         )
-    result = {"rows": rows, "cpus": os.cpu_count(), "requests": requests, "model": INSTANT_MODEL}
+    print(
+        f"\nOne Redis round trip (PING, p50): {idle_ping_ms:.3f} ms after {gap_s * 1000:.1f} ms idle "
+        f"(as between requests), {busy_ping_ms:.3f} ms back to back"
+    )
+    result = {
+        "rows": rows,
+        "redis_ping_after_idle_p50_ms": idle_ping_ms,
+        "redis_ping_back_to_back_p50_ms": busy_ping_ms,
+        "cpus": os.cpu_count(),
+        "requests": requests,
+        "model": INSTANT_MODEL,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\nwritten {args.out}")

@@ -39,7 +39,7 @@ from django.conf import settings
 from redis.exceptions import NoScriptError, RedisError
 
 from embeddings.services.errors import LimitExceeded, QuotaExceeded, QuotaUnavailable
-from embeddings.services.redis_clients import redis_async, redis_sync
+from embeddings.services.redis_clients import pack_arguments, redis_async, redis_lean_async, redis_sync
 from embeddings.services.usage import LIVE_USAGE_KEY, Outcome, UsageEvent, usage_increments
 
 logger = logging.getLogger(__name__)
@@ -303,18 +303,9 @@ def _make_plan(subject: QuotaSubject, now: float) -> QuotaPlan:
         requests_counters=sum(c.window.kind == "requests" for c in counters),
         keys=keys,
         tail=tuple(tail),
-        packed_keys=_pack(keys),
-        packed_tail=_pack(tail),
+        packed_keys=pack_arguments(keys),
+        packed_tail=pack_arguments(tail),
     )
-
-
-def _pack(arguments) -> bytes:
-    """Arguments as RESP bulk strings (what redis-py's pack_command does, without its per-call cost)."""
-    parts = []
-    for argument in arguments:
-        data = argument if isinstance(argument, bytes) else str(argument).encode()
-        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
-    return b"".join(parts)
 
 
 # --- Headers and refusals --------------------------------------------------------------------------
@@ -485,27 +476,37 @@ def _admitted(
     return Reservation(tuple(counters), plan.leases, member, ratelimit_headers(counters, after, now))
 
 
-async def _evalsha_packed(client, script, packed_arguments: bytes, count: int):  # count: arguments packed
-    """EVALSHA with arguments packed beforehand, on a connection of the client's pool; loads the
-    script when Redis does not know it (first use, or after a restart)."""
-    sha = script.sha.encode()
-    command = b"*%d\r\n" % (count + 2) + _pack([b"EVALSHA", sha]) + packed_arguments
+async def _evalsha_packed(script, packed_arguments: bytes, count: int):
+    """EVALSHA `script` with `count` arguments (numkeys included) packed beforehand, on the lean
+    client (or a redis-py connection where REDIS_URL is not plain TCP); loads the script when Redis
+    does not know it (first use, or after a restart)."""
+    command = b"*%d\r\n" % (count + 2) + pack_arguments([b"EVALSHA", script.sha]) + packed_arguments
+    lean = redis_lean_async()
     for attempt in range(2):
-        pool = client.connection_pool
-        connection = await pool.get_connection()
         try:
-            await connection.send_packed_command(command)
-            return await connection.read_response()
+            if lean is not None:
+                return await lean.call(command)
+            return await _call_with_redis_py(command)
         except NoScriptError:
             if attempt:
                 raise
-        except BaseException:
-            await connection.disconnect()
-            raise
-        finally:
-            await pool.release(connection)
-        await client.script_load(script.script)
+        await redis_async().script_load(script.script)
     raise AssertionError("unreachable")
+
+
+async def _call_with_redis_py(command: bytes):
+    pool = redis_async().connection_pool
+    connection = await pool.get_connection()
+    try:
+        await connection.send_packed_command(command)
+        return await connection.read_response()
+    except NoScriptError:
+        raise
+    except BaseException:
+        await connection.disconnect()
+        raise
+    finally:
+        await pool.release(connection)
 
 
 async def quota_reserve(
@@ -523,11 +524,9 @@ async def quota_reserve(
     if not plan.keys:
         return Reservation((), (), member, {})
     head = _reserve_head(plan, tokens, member, now)
-    packed = _pack([len(plan.keys)]) + plan.packed_keys + _pack(head) + plan.packed_tail
+    packed = pack_arguments([len(plan.keys)]) + plan.packed_keys + pack_arguments(head) + plan.packed_tail
     reserve, _ = _scripts(redis_async())
-    result = await _evalsha_packed(
-        redis_async(), reserve, packed, 1 + len(plan.keys) + len(head) + len(plan.tail)
-    )
+    result = await _evalsha_packed(reserve, packed, 1 + len(plan.keys) + len(head) + len(plan.tail))
     return _admitted(subject, plan, tokens, member, result, now)
 
 
@@ -567,7 +566,7 @@ async def quota_release(
     keys, args = _settle_arguments(reservation, refund, usage)
     if len(keys) > 1 or usage is not None:
         _, settle = _scripts(redis_async())
-        await settle(keys=keys, args=args)
+        await _evalsha_packed(settle, pack_arguments([len(keys), *keys, *args]), 1 + len(keys) + len(args))
 
 
 def quota_release_sync(

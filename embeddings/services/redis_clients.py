@@ -11,6 +11,7 @@ import threading
 
 import redis
 import redis.asyncio
+import redis.connection
 from django.conf import settings
 
 _lock = threading.Lock()
@@ -66,3 +67,146 @@ def reset_redis_clients() -> None:
             _sync_client.close()
         _sync_client = None
         _async_clients.clear()
+        _lean_clients.clear()
+
+
+# --- A lean path for the request path's scripts ----------------------------------------------------
+
+
+def pack_arguments(arguments) -> bytes:
+    """Arguments as RESP bulk strings (what redis-py's pack_command does, without its per-call cost)."""
+    parts = []
+    for argument in arguments:
+        data = argument if isinstance(argument, bytes) else str(argument).encode()
+        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+def pack_command(*arguments) -> bytes:
+    return b"*%d\r\n" % len(arguments) + pack_arguments(arguments)
+
+
+class LeanConnection:
+    """One plain-TCP RESP2 connection: send a packed command, read one reply."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def call(self, command: bytes):
+        self.writer.write(command)
+        return await self.read_reply()
+
+    async def read_reply(self):
+        line = await self.reader.readuntil(b"\r\n")
+        kind, rest = line[:1], line[1:-2]
+        if kind == b"$":
+            length = int(rest)
+            return None if length < 0 else (await self.reader.readexactly(length + 2))[:-2]
+        if kind == b":":
+            return int(rest)
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            message = rest.decode(errors="replace")
+            if message.startswith("NOSCRIPT"):
+                raise redis.exceptions.NoScriptError(message)
+            raise redis.exceptions.ResponseError(message)
+        if kind == b"*":
+            count = int(rest)
+            return None if count < 0 else [await self.read_reply() for _ in range(count)]
+        raise redis.exceptions.InvalidResponse(f"unexpected reply {line[:40]!r}")
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class LeanScriptClient:
+    """EVALSHA of pre-packed commands on a few plain TCP connections of one event loop.
+
+    redis-py's asyncio client costs ~100-150 us of Python per command; the request path's quota
+    scripts run once or twice per request, so they take this path (~50 us a round trip). Same
+    timeouts and the same exceptions (redis.exceptions.*) as the redis-py clients; a connection
+    that fails in any way is closed, never reused. Only for redis:// URLs (TCP, no TLS).
+    """
+
+    def __init__(self, url: str) -> None:
+        options = redis.connection.parse_url(url)
+        if "connection_class" in options:
+            raise ValueError("the lean client speaks plain TCP only")
+        self.host = options["host"]
+        self.port = options.get("port", 6379)
+        self.handshake = b""
+        self.handshake_replies = 0
+        if options.get("password") is not None:
+            credentials = [options.get("username") or "default", options["password"]]
+            self.handshake += pack_command(b"AUTH", *credentials)
+            self.handshake_replies += 1
+        if options.get("db"):
+            self.handshake += pack_command(b"SELECT", options["db"])
+            self.handshake_replies += 1
+        self.timeout = settings.REDIS_TIMEOUT_S
+        self.idle: list[LeanConnection] = []
+        self.slots = asyncio.Semaphore(settings.REDIS_MAX_CONNECTIONS)
+
+    async def _connect(self) -> LeanConnection:
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        connection = LeanConnection(reader, writer)
+        if self.handshake:
+            writer.write(self.handshake)
+            for _ in range(self.handshake_replies):
+                await connection.read_reply()
+        return connection
+
+    async def call(self, command: bytes):
+        """Send one packed command, return its reply; raises redis.exceptions.RedisError."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self.slots.acquire()
+        except TimeoutError as error:
+            raise redis.exceptions.ConnectionError("No Redis connection available.") from error
+        connection = None
+        try:
+            async with asyncio.timeout(self.timeout):
+                connection = self.idle.pop() if self.idle else await self._connect()
+                reply = await connection.call(command)
+        except redis.exceptions.ResponseError:
+            self.idle.append(connection)  # an error reply leaves the connection in step
+            raise
+        except TimeoutError as error:
+            if connection is not None:
+                connection.close()
+            raise redis.exceptions.TimeoutError(f"Redis did not answer within {self.timeout} s") from error
+        except (OSError, asyncio.IncompleteReadError, redis.exceptions.RedisError) as error:
+            if connection is not None:
+                connection.close()
+            raise redis.exceptions.ConnectionError(f"Redis connection failed: {error}") from error
+        except BaseException:  # cancelled mid-command: the reply would arrive on a reused connection
+            if connection is not None:
+                connection.close()
+            raise
+        finally:
+            self.slots.release()
+        self.idle.append(connection)
+        return reply
+
+
+_lean_clients: dict[asyncio.AbstractEventLoop, LeanScriptClient | None] = {}
+
+
+def redis_lean_async() -> LeanScriptClient | None:
+    """The running loop's lean script client, or None where REDIS_URL is not plain TCP."""
+    loop = asyncio.get_running_loop()
+    try:
+        return _lean_clients[loop]
+    except KeyError:
+        pass
+    with _lock:
+        for stale in [other for other in _lean_clients if other.is_closed()]:
+            del _lean_clients[stale]
+        try:
+            client = LeanScriptClient(settings.REDIS_URL)
+        except ValueError:
+            client = None
+        _lean_clients[loop] = client
+    return client

@@ -287,3 +287,46 @@ async def test_redis_down_fails_closed_or_open_quickly(stopped_redis, settings, 
     assert time.monotonic() - started < 5  # a bound on hanging, not a benchmark
     with pytest.raises(redis.exceptions.ConnectionError):
         await quota_status(holder({"requests_per_minute": 5}))
+
+
+# --- The lean script path ---------------------------------------------------------------------------
+
+
+async def test_scripts_are_reloaded_after_redis_forgets_them(service_redis):
+    subject = holder({"requests_per_minute": 5, "max_concurrent_requests": 2})
+    first = await outcome(subject, 1)
+    redis_sync().script_flush()  # as after a Redis restart
+    second = await outcome(subject, 1)
+    assert second.headers["x-ratelimit-remaining-requests"] == "3"
+    redis_sync().script_flush()
+    await quota_release(reservation=first, refund=False)
+    await quota_release(reservation=second, refund=False)
+    assert (await quota_status(subject, now=NOW))["tenant"]["concurrent_requests"]["in_use"] == 0
+
+
+async def test_a_redis_that_never_answers_times_out(settings):
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()  # the kernel accepts connections; nothing ever replies
+    try:
+        settings.REDIS_URL = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+        settings.REDIS_TIMEOUT_S = 0.3
+        reset_redis_clients()
+        started = time.monotonic()
+        with pytest.raises(redis.exceptions.TimeoutError):
+            await quota_reserve(subject=holder({"requests_per_minute": 5}), inputs=1, tokens=1)
+        assert time.monotonic() - started < 5  # a bound on hanging, not a benchmark
+    finally:
+        listener.close()
+        reset_redis_clients()
+
+
+async def test_the_lean_client_selects_the_database_of_the_url(service_redis, settings):
+    settings.REDIS_URL = service_redis.url.rsplit("/", 1)[0] + "/3"
+    reset_redis_clients()
+    await outcome(holder({"requests_per_minute": 5}), 1)
+    assert redis.Redis.from_url(settings.REDIS_URL).dbsize() == 1
+    assert redis.Redis.from_url(service_redis.url).dbsize() == 0
+    redis.Redis.from_url(settings.REDIS_URL).flushdb()
