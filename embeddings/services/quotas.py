@@ -9,8 +9,9 @@ on top of its tenant's. Blank means no limit at that level. Windows are fixed an
     max_concurrent_requests                  a lease set per level (sorted set scored by expiry)
 
 `quota_reserve` runs RESERVE_SCRIPT once per request, after tokenisation and before inference: it
-reads every applicable counter and lease set, and only if *all* of them have room does it add the
-request (1 to the request counters, the tokens to the token counters, a lease to each lease set).
+looks at every applicable counter and lease set, and only if *all* of them have room does the
+request stay added (1 to the request counters, the tokens to the token counters, a lease to each
+lease set); otherwise the script leaves everything as it was.
 So the limits hold exactly under any concurrency, across processes and machines: there is no
 read-then-write gap. `quota_release` (SETTLE_SCRIPT) frees the leases and, when inference failed,
 gives the tokens back, adding the request's usage counters in the same round trip. A process
@@ -58,42 +59,48 @@ Kind = Literal["requests", "tokens"]
 RESERVE_SCRIPT = """
 local now = tonumber(ARGV[1])
 local tokens = tonumber(ARGV[2])
-local member = ARGV[3]
-local lease_until = tonumber(ARGV[4])
-local lease_ttl = tonumber(ARGV[5])
 local n = tonumber(ARGV[6])
 local r = tonumber(ARGV[7])
 local admitted = 1
 local result = {0}
+-- Add first and take back if anything is over: atomic all the same (nothing runs in between),
+-- and half the calls of reading every counter before writing it.
 for i = 1, n do
   local amount = tokens
   if i <= r then amount = 1 end
-  local count = tonumber(redis.call('GET', KEYS[i]) or '0')
-  result[#result + 1] = count
-  if count + amount > tonumber(ARGV[6 + 2 * i]) then admitted = 0 end
+  local count = redis.call('INCRBY', KEYS[i], amount)
+  if count == amount then
+    -- A new counter lives for the rest of its window, and a minute more (a late refund finds it).
+    redis.call('PEXPIRE', KEYS[i], tonumber(ARGV[7 + 2 * i]) - now + 60000)
+  end
+  result[i + 1] = count - amount
+  if count > tonumber(ARGV[6 + 2 * i]) then admitted = 0 end
 end
 for j = 1, #KEYS - n do
   local key = KEYS[n + j]
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  local limit = tonumber(ARGV[7 + 2 * n + j])
   local live = redis.call('ZCARD', key)
-  result[#result + 1] = live
-  if live >= tonumber(ARGV[7 + 2 * n + j]) then admitted = 0 end
+  if live >= limit then
+    -- Full: drop the leases of requests whose process died (expired) and count again.
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+    live = redis.call('ZCARD', key)
+  end
+  result[n + j + 1] = live
+  if live >= limit then admitted = 0 end
 end
-result[1] = admitted
 if admitted == 1 then
+  for j = 1, #KEYS - n do
+    redis.call('ZADD', KEYS[n + j], tonumber(ARGV[4]), ARGV[3])
+    redis.call('PEXPIRE', KEYS[n + j], ARGV[5])
+  end
+else
   for i = 1, n do
     local amount = tokens
     if i <= r then amount = 1 end
-    if redis.call('INCRBY', KEYS[i], amount) == amount then
-      -- A new counter lives for the rest of its window, and a minute more (a late refund finds it).
-      redis.call('PEXPIRE', KEYS[i], tonumber(ARGV[7 + 2 * i]) - now + 60000)
-    end
-  end
-  for j = 1, #KEYS - n do
-    redis.call('ZADD', KEYS[n + j], lease_until, member)
-    redis.call('PEXPIRE', KEYS[n + j], lease_ttl)
+    redis.call('DECRBY', KEYS[i], amount)
   end
 end
+result[1] = admitted
 return table.concat(result, ',')
 """
 
