@@ -148,12 +148,18 @@ class UsageBucket(models.Model):
 
     class Meta:
         ordering = ["-hour"]
+        # Two partial constraints rather than nulls_distinct=False, which SQLite lacks.
         constraints = [
             models.UniqueConstraint(
                 fields=["tenant", "api_key", "model", "endpoint", "hour"],
-                name="usage_bucket_unique",
-                nulls_distinct=False,
-            )
+                condition=models.Q(api_key__isnull=False),
+                name="usage_bucket_unique_per_key",
+            ),
+            models.UniqueConstraint(
+                fields=["tenant", "model", "endpoint", "hour"],
+                condition=models.Q(api_key__isnull=True),
+                name="usage_bucket_unique_without_key",
+            ),
         ]
         indexes = [models.Index(fields=["tenant", "hour"])]
 
