@@ -40,7 +40,13 @@ from django.conf import settings
 from redis.exceptions import NoScriptError, RedisError
 
 from embeddings.services.errors import LimitExceeded, QuotaExceeded, QuotaUnavailable
-from embeddings.services.redis_clients import pack_arguments, redis_async, redis_lean_async, redis_sync
+from embeddings.services.redis_clients import (
+    pack_arguments,
+    pack_command,
+    redis_async,
+    redis_lean_async,
+    redis_sync,
+)
 from embeddings.services.usage import LIVE_USAGE_KEY, Outcome, UsageEvent, usage_increments
 
 logger = logging.getLogger(__name__)
@@ -497,7 +503,10 @@ async def _evalsha_packed(script, packed_arguments: bytes, count: int):
         except NoScriptError:
             if attempt:
                 raise
-        await redis_async().script_load(script.script)
+        if lean is not None:
+            await lean.call(pack_command(b"SCRIPT", b"LOAD", script.script))
+        else:
+            await redis_async().script_load(script.script)
     raise AssertionError("unreachable")
 
 

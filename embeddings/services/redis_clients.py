@@ -127,7 +127,8 @@ class LeanScriptClient:
     redis-py's asyncio client costs ~100-150 us of Python per command; the request path's quota
     scripts run once or twice per request, so they take this path (~50 us a round trip). Same
     timeouts and the same exceptions (redis.exceptions.*) as the redis-py clients; a connection
-    that fails in any way is closed, never reused. Only for redis:// URLs (TCP, no TLS).
+    that fails in any way is closed, never reused, and a pooled one found closed by Redis (after a
+    restart) is replaced once. Only for redis:// URLs (TCP, no TLS).
     """
 
     def __init__(self, url: str) -> None:
@@ -152,10 +153,14 @@ class LeanScriptClient:
     async def _connect(self) -> LeanConnection:
         reader, writer = await asyncio.open_connection(self.host, self.port)
         connection = LeanConnection(reader, writer)
-        if self.handshake:
-            writer.write(self.handshake)
-            for _ in range(self.handshake_replies):
-                await connection.read_reply()
+        try:
+            if self.handshake:
+                writer.write(self.handshake)
+                for _ in range(self.handshake_replies):
+                    await connection.read_reply()
+        except BaseException:
+            connection.close()
+            raise
         return connection
 
     async def call(self, command: bytes):
@@ -165,30 +170,43 @@ class LeanScriptClient:
                 await self.slots.acquire()
         except TimeoutError as error:
             raise redis.exceptions.ConnectionError("No Redis connection available.") from error
-        connection = None
         try:
             async with asyncio.timeout(self.timeout):
-                connection = self.idle.pop() if self.idle else await self._connect()
-                reply = await connection.call(command)
+                if self.idle:
+                    try:
+                        return await self._exchange(self.idle.pop(), command, fresh=False)
+                    except _ClosedWhileIdle:
+                        pass  # Redis closed it meanwhile (e.g. restarted): once more on a new one
+                return await self._exchange(await self._connect(), command, fresh=True)
+        except TimeoutError as error:
+            raise redis.exceptions.TimeoutError(f"Redis did not answer within {self.timeout} s") from error
+        except OSError as error:
+            raise redis.exceptions.ConnectionError(f"Redis connection failed: {error}") from error
+        finally:
+            self.slots.release()
+
+    async def _exchange(self, connection: LeanConnection, command: bytes, *, fresh: bool):
+        try:
+            reply = await connection.call(command)
         except redis.exceptions.ResponseError:
             self.idle.append(connection)  # an error reply leaves the connection in step
             raise
-        except TimeoutError as error:
-            if connection is not None:
-                connection.close()
-            raise redis.exceptions.TimeoutError(f"Redis did not answer within {self.timeout} s") from error
         except (OSError, asyncio.IncompleteReadError, redis.exceptions.RedisError) as error:
-            if connection is not None:
-                connection.close()
-            raise redis.exceptions.ConnectionError(f"Redis connection failed: {error}") from error
-        except BaseException:  # cancelled mid-command: the reply would arrive on a reused connection
-            if connection is not None:
-                connection.close()
+            connection.close()
+            unanswered = not isinstance(error, asyncio.IncompleteReadError) or not error.partial
+            if not fresh and unanswered and isinstance(error, ConnectionError | asyncio.IncompleteReadError):
+                # A pooled connection Redis had closed: the command never reached a live server.
+                raise _ClosedWhileIdle from error
+            raise redis.exceptions.ConnectionError(f"Redis connection failed: {error!r}") from error
+        except BaseException:  # cancelled or timed out mid-command: its reply must not be read later
+            connection.close()
             raise
-        finally:
-            self.slots.release()
         self.idle.append(connection)
         return reply
+
+
+class _ClosedWhileIdle(Exception):
+    pass
 
 
 _lean_clients: dict[asyncio.AbstractEventLoop, LeanScriptClient | None] = {}

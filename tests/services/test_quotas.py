@@ -330,3 +330,17 @@ async def test_the_lean_client_selects_the_database_of_the_url(service_redis, se
     assert redis.Redis.from_url(settings.REDIS_URL).dbsize() == 1
     assert redis.Redis.from_url(service_redis.url).dbsize() == 0
     redis.Redis.from_url(settings.REDIS_URL).flushdb()
+
+
+async def test_pooled_connections_survive_a_redis_restart(tmp_path, settings):
+    port = free_port()
+    subject = holder({"requests_per_minute": 5})
+    with RedisServer(port=port, data_dir=tmp_path, persistent=False) as server:
+        settings.REDIS_URL = server.url
+        reset_redis_clients()
+        await outcome(subject, 1)
+    with RedisServer(port=port, data_dir=tmp_path, persistent=False):
+        # The pooled connection was closed by the old server; the script is unknown to the new one.
+        admitted = await outcome(subject, 1)
+        assert admitted.headers["x-ratelimit-remaining-requests"] == "4"
+    reset_redis_clients()
