@@ -173,3 +173,71 @@ class UsageFold(models.Model):
     batch_id = models.CharField(max_length=64, unique=True)
     folded_at = models.DateTimeField(default=timezone.now)
     rows = models.PositiveIntegerField(default=0)
+
+
+class EmbeddingJob(models.Model):
+    """An asynchronous embedding job: its inputs and results live in Redis (services/job_store.py),
+    its state here. Status moves queued -> running -> completed | failed | cancelled, with
+    cancelling between running and cancelled, and expired once its results are gone."""
+
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        COMPLETED = "completed"
+        FAILED = "failed"
+        CANCELLING = "cancelling"
+        CANCELLED = "cancelled"
+        EXPIRED = "expired"
+
+    FINISHED = (Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.EXPIRED)
+
+    public_id = models.CharField(max_length=40, unique=True, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="jobs")
+    api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    model = models.ForeignKey(EmbeddingModel, on_delete=models.PROTECT, related_name="jobs")
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.QUEUED)
+    # How the job was asked for.
+    encoding_format = models.CharField(max_length=10, default="float")
+    dimensions = models.PositiveIntegerField(null=True, blank=True)
+    normalize = models.BooleanField(default=True)
+    metadata = models.JSONField(default=dict, blank=True)
+    callback_url = models.URLField(max_length=2000, blank=True)
+    idempotency_key = models.CharField(max_length=255, blank=True)
+    request_fingerprint = models.CharField(max_length=64, blank=True, help_text="SHA-256 of the request")
+    # Its shape: inputs in `chunks` chunks of `chunk_size` (the last may be shorter).
+    total = models.PositiveIntegerField(default=0)
+    chunk_size = models.PositiveIntegerField(default=0)
+    chunks = models.PositiveIntegerField(default=0)
+    dims = models.PositiveIntegerField(default=0, help_text="Width of the stored vectors")
+    has_ids = models.BooleanField(default=False, help_text="The upload gave ids, kept in results")
+    # Progress, mirrored from Redis.
+    completed = models.PositiveIntegerField(default=0)
+    failed = models.PositiveIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    reserved_tokens = models.PositiveBigIntegerField(default=0, help_text="Held against quotas until settled")
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    error_code = models.CharField(max_length=100, blank=True)
+    error_message = models.TextField(blank=True)
+    callback_attempts = models.PositiveIntegerField(default=0)
+    callback_delivered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "idempotency_key"],
+                condition=~models.Q(idempotency_key=""),
+                name="job_idempotency_key_unique_per_tenant",
+            )
+        ]
+        indexes = [models.Index(fields=["tenant", "-created_at"]), models.Index(fields=["status"])]
+
+    def __str__(self) -> str:
+        return f"{self.public_id} ({self.status})"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in self.FINISHED

@@ -289,6 +289,23 @@ QUOTA_LEASE_SECONDS = env_float("QUOTA_LEASE_SECONDS", 120.0, minimum=1)
 # How often Celery beat folds Redis's usage counters into UsageBucket rows.
 USAGE_FOLD_INTERVAL_S = env_float("USAGE_FOLD_INTERVAL_S", 60.0, minimum=1)
 
+# --- Asynchronous jobs (/v1/jobs) ---------------------------------------------------------------
+# Results (and inputs) stay in Redis this long after submission; the job says when (expires_at).
+JOB_RESULT_TTL_S = env_int("JOB_RESULT_TTL_S", 7 * 24 * 3600, minimum=60)
+# Inputs per chunk: the unit a worker embeds, stores and counts at once.
+JOB_CHUNK_SIZE = env_int("JOB_CHUNK_SIZE", 256, minimum=1)
+# Inputs per job when the tenant sets no max_inputs_per_job.
+JOB_MAX_INPUTS = env_int("JOB_MAX_INPUTS", 1_000_000, minimum=1)
+JOB_MAX_UPLOAD_BYTES = env_int("JOB_MAX_UPLOAD_BYTES", 512 * 1024 * 1024, minimum=1024)
+JOB_MAX_LINE_BYTES = env_int("JOB_MAX_LINE_BYTES", 64 * 1024, minimum=16)
+# Chunks of one job queued in the broker at a time: a big job cannot bury another tenant's small one.
+JOB_CHUNKS_IN_FLIGHT = env_int("JOB_CHUNKS_IN_FLIGHT", 2, minimum=1)
+# A chunk retries Triton this many times (with backoff) before its inputs count as failed.
+JOB_CHUNK_RETRIES = env_int("JOB_CHUNK_RETRIES", 5, minimum=0)
+# Keys the HMAC of callback signatures (header Embedsite-Signature).
+JOB_CALLBACK_SECRET = env_str("JOB_CALLBACK_SECRET", SECRET_KEY)
+JOB_CALLBACK_RETRIES = env_int("JOB_CALLBACK_RETRIES", 6, minimum=0)
+
 # --- Celery --------------------------------------------------------------------------------------
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL)
 CELERY_TASK_ACKS_LATE = True
