@@ -10,6 +10,10 @@ ApiError (500 server_error)
 ├── NotFound (404 not_found)
 │   └── ModelNotFound (404 model_not_found)
 ├── MethodNotAllowed (405 method_not_allowed)
+├── Conflict (409 conflict)
+│   ├── IdempotencyKeyReused (409 idempotency_key_reused)  an Idempotency-Key sent with another request
+│   └── JobNotFinished (409 job_not_finished)          results asked for before the job finished
+├── JobExpired (410 job_expired)                      a job's results, expired or deleted
 ├── PayloadTooLarge (413 payload_too_large)           body, inputs or tokens over a limit
 ├── UnsupportedMediaType (415 unsupported_media_type) a body that is not JSON
 ├── ValidationFailed (422 invalid_request_error)      well-formed JSON with wrong fields
@@ -115,6 +119,30 @@ class NotFound(ApiError):
 class ModelNotFound(NotFound):
     code = "model_not_found"
     default_message = "The model does not exist or you do not have access to it."
+
+
+class Conflict(ApiError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+    default_message = "The request conflicts with the state of the resource."
+
+
+class IdempotencyKeyReused(Conflict):
+    code = "idempotency_key_reused"
+    default_message = "This Idempotency-Key was already used with a different request."
+
+
+class JobNotFinished(Conflict):
+    code = "job_not_finished"
+    default_message = "The job has not finished; its results can be downloaded once it has."
+
+
+class JobExpired(ApiError):
+    status = 410
+    type = "invalid_request_error"
+    code = "job_expired"
+    default_message = "The job's results have expired or were deleted."
 
 
 class PayloadTooLarge(ApiError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from django.core.validators import URLValidator
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -311,3 +312,194 @@ class UsageResponse(serializers.Serializer):
         allow_null=True,
         help_text="Limits and current windows of your tenant and this key; null if unreadable",
     )
+
+
+# --- /v1/jobs -----------------------------------------------------------------------------------
+
+# As OpenAI's metadata: at most 16 pairs, keys up to 64 characters, values up to 512.
+METADATA_MAX_PAIRS = 16
+METADATA_MAX_KEY_CHARS = 64
+METADATA_MAX_VALUE_CHARS = 512
+
+
+@extend_schema_field(
+    {
+        "type": "object",
+        "additionalProperties": {"type": "string", "maxLength": METADATA_MAX_VALUE_CHARS},
+        "maxProperties": METADATA_MAX_PAIRS,
+        "description": f"Up to {METADATA_MAX_PAIRS} string pairs of your own, returned with the job "
+        f"(keys up to {METADATA_MAX_KEY_CHARS} characters, values up to {METADATA_MAX_VALUE_CHARS}).",
+        "example": {"corpus": "wiki-2026-11"},
+    }
+)
+class MetadataField(serializers.Field):
+    default_error_messages = {
+        "invalid": "must be an object of string keys and string values",
+        "too_many": f"may have at most {METADATA_MAX_PAIRS} pairs",
+        "key_too_long": f"keys may have at most {METADATA_MAX_KEY_CHARS} characters",
+        "value_too_long": f"values may have at most {METADATA_MAX_VALUE_CHARS} characters",
+    }
+
+    def to_internal_value(self, data: object) -> dict[str, str]:
+        if not isinstance(data, dict) or not all(
+            isinstance(key, str) and isinstance(value, str) for key, value in data.items()
+        ):
+            self.fail("invalid")
+        if len(data) > METADATA_MAX_PAIRS:
+            self.fail("too_many")
+        if any(len(key) > METADATA_MAX_KEY_CHARS for key in data):
+            self.fail("key_too_long")
+        if any(len(value) > METADATA_MAX_VALUE_CHARS for value in data.values()):
+            self.fail("value_too_long")
+        return data
+
+    def to_representation(self, value):
+        return value
+
+
+@extend_schema_field(
+    {
+        "type": "array",
+        "items": {"type": "string"},
+        "minItems": 1,
+        "description": "The texts to embed, one vector each, in this order.",
+        "example": ["The first document.", "The second document."],
+    }
+)
+class JobTextsField(serializers.Field):
+    default_error_messages = {"invalid": "must be an array of strings", "empty": "must not be empty"}
+
+    def to_internal_value(self, data: object) -> list[str]:
+        if not isinstance(data, list) or not all(type(item) is str for item in data):
+            self.fail("invalid")
+        if not data:
+            self.fail("empty")
+        return data
+
+    def to_representation(self, value):
+        return value
+
+
+class JobOptions(serializers.Serializer):
+    """What a job asks for besides its inputs (JSON body fields, or multipart form fields)."""
+
+    model = serializers.CharField(help_text="A model id from GET /v1/models (or one of its aliases).")
+    encoding_format = serializers.ChoiceField(
+        choices=["float", "base64"],
+        default="float",
+        help_text="How `json` and `jsonl` results encode vectors (a download may ask for the other).",
+    )
+    dimensions = serializers.IntegerField(
+        min_value=1, required=False, allow_null=True, help_text="Keep the first N dimensions, re-normalised."
+    )
+    normalize = serializers.BooleanField(default=True, help_text="Unit-length vectors.")
+    metadata = MetadataField(required=False)
+    callback_url = serializers.URLField(
+        required=False,
+        allow_blank=True,
+        max_length=2000,
+        validators=[URLValidator(schemes=["http", "https"])],
+        help_text="POSTed the job when it finishes, signed (HMAC-SHA256) in the Embedsite-Signature header.",
+    )
+
+
+class JobCreateRequest(JobOptions):
+    input = JobTextsField()
+
+
+class JobUploadRequest(JobOptions):
+    """The multipart form: the file and the same options as form fields (metadata as a JSON object)."""
+
+    file = serializers.FileField(
+        help_text="UTF-8 text, one input per line (blank lines skipped), or JSONL: one "
+        '`{"id": ..., "text": ...}` object a line, ids kept in the results. Content type text/plain, '
+        "application/jsonl (or x-ndjson) or application/octet-stream."
+    )
+
+
+class JobListQuery(serializers.Serializer):
+    limit = serializers.IntegerField(min_value=1, max_value=100, default=20, help_text="1 to 100.")
+    after = serializers.CharField(
+        required=False, help_text="A job id from the previous page (its last_id): the jobs created before it."
+    )
+
+
+class JobResultsQuery(serializers.Serializer):
+    format = serializers.ChoiceField(
+        choices=["jsonl", "json", "npy"],
+        default="jsonl",
+        help_text="`jsonl`: one object a line, streamed; `npy`: one float32 array (rows of failed "
+        "inputs are NaN), streamed; `json`: one page (`offset`, `limit`).",
+    )
+    encoding_format = serializers.ChoiceField(
+        choices=["float", "base64"], required=False, help_text="Default: the job's encoding_format."
+    )
+    offset = serializers.IntegerField(min_value=0, default=0, help_text="`json` only: the first input.")
+    limit = serializers.IntegerField(
+        min_value=1, max_value=1000, default=100, help_text="`json` only: inputs per page, 1 to 1000."
+    )
+
+
+class JobCountsSerializer(serializers.Serializer):
+    total = serializers.IntegerField()
+    completed = serializers.IntegerField()
+    failed = serializers.IntegerField()
+
+
+class JobUsageSerializer(serializers.Serializer):
+    prompt_tokens = serializers.IntegerField()
+
+
+class JobErrorSerializer(serializers.Serializer):
+    code = serializers.CharField()
+    message = serializers.CharField()
+
+
+class JobObjectSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(default="embedding.job")
+    status = serializers.ChoiceField(
+        choices=["queued", "running", "completed", "failed", "cancelling", "cancelled", "expired"]
+    )
+    model = serializers.CharField()
+    counts = JobCountsSerializer()
+    usage = JobUsageSerializer()
+    created_at = serializers.IntegerField(help_text="Unix seconds")
+    started_at = serializers.IntegerField(allow_null=True)
+    finished_at = serializers.IntegerField(allow_null=True)
+    expires_at = serializers.IntegerField(allow_null=True, help_text="When the results are removed")
+    error = JobErrorSerializer(allow_null=True)
+    metadata = serializers.DictField(child=serializers.CharField())
+    encoding_format = serializers.CharField()
+    dimensions = serializers.IntegerField(allow_null=True)
+
+
+class JobListSerializer(serializers.Serializer):
+    object = serializers.CharField(default="list")
+    data = JobObjectSerializer(many=True)
+    first_id = serializers.CharField(allow_null=True)
+    last_id = serializers.CharField(allow_null=True)
+    has_more = serializers.BooleanField()
+
+
+class JobDeletedSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(default="embedding.job.deleted")
+    deleted = serializers.BooleanField()
+
+
+class JobResultObjectSerializer(serializers.Serializer):
+    object = serializers.CharField(default="embedding")
+    index = serializers.IntegerField()
+    id = serializers.CharField(required=False, help_text="The upload's id for this input (JSONL uploads)")
+    embedding = EmbeddingVectorField(allow_null=True, help_text="Null when the input's chunk failed")
+    error = JobErrorSerializer(required=False)
+
+
+class JobResultsPageSerializer(serializers.Serializer):
+    object = serializers.CharField(default="list")
+    data = JobResultObjectSerializer(many=True)
+    model = serializers.CharField()
+    offset = serializers.IntegerField()
+    total = serializers.IntegerField()
+    has_more = serializers.BooleanField()
