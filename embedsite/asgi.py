@@ -1,4 +1,4 @@
-"""ASGI entry point: channels routes HTTP to Django (WebSocket routes arrive with async jobs).
+"""ASGI entry point: channels routes HTTP to Django and WebSockets to embeddings/consumers.py.
 
 API paths go to a Django handler with a lean middleware stack. Django runs each sync
 `MiddlewareMixin` (sessions, auth, CSRF, messages, ...) through `sync_to_async`, two thread hops
@@ -18,9 +18,11 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
 # Django must be set up before anything imports models.
 django_asgi_app = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.urls import path  # noqa: E402
 
 from embeddings import metrics  # noqa: E402
+from embeddings.consumers import JobProgressConsumer  # noqa: E402
 
 
 class LeanASGIHandler(ASGIHandler):
@@ -45,4 +47,10 @@ async def http_router(scope, receive, send):
     await app(scope, receive, send)
 
 
-application = ProtocolTypeRouter({"http": http_router, "lifespan": metrics.lifespan})
+# No origin check: WebSockets authenticate with an API key the client sends, never a cookie, so a
+# foreign page gains nothing by opening one.
+websocket_router = URLRouter([path("ws/v1/jobs/<str:job_id>", JobProgressConsumer.as_asgi())])
+
+application = ProtocolTypeRouter(
+    {"http": http_router, "websocket": websocket_router, "lifespan": metrics.lifespan}
+)

@@ -306,6 +306,15 @@ JOB_CHUNK_RETRIES = env_int("JOB_CHUNK_RETRIES", 5, minimum=0)
 JOB_CALLBACK_SECRET = env_str("JOB_CALLBACK_SECRET", SECRET_KEY)
 JOB_CALLBACK_RETRIES = env_int("JOB_CALLBACK_RETRIES", 6, minimum=0)
 
+# --- Channel layer: job progress to WebSocket watchers (WS /ws/v1/jobs/<id>) ---------------------
+# On the same Redis under its own key prefix; web processes and Celery workers must share it.
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": "embedsite:channels:"},
+    }
+}
+
 # --- Celery --------------------------------------------------------------------------------------
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL)
 CELERY_TASK_ACKS_LATE = True

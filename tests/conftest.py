@@ -79,11 +79,19 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 @pytest.fixture
 def service_redis(redis_server: RedisServer, settings) -> Iterator[RedisServer]:
-    """Point the service's Redis clients (and Celery's broker) at the test Redis, emptied first."""
+    """Point the service's Redis clients (Celery's broker, the channel layer) at the test Redis, emptied
+    first."""
     from embeddings.services.redis_clients import redis_sync, reset_redis_clients
 
     settings.REDIS_URL = redis_server.url
     settings.CELERY_BROKER_URL = redis_server.url
+    # Job progress events (job_events.py) go to the test Redis too, never a developer's own.
+    settings.CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [redis_server.url], "prefix": "test:channels:"},
+        }
+    }
     reset_redis_clients()
     redis_sync().flushdb()
     yield redis_server

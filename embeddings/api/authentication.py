@@ -136,6 +136,30 @@ async def _touch(key_id: int) -> None:
         logger.warning("could not record the use of API key %s: %s", key_id, error)
 
 
+async def principal_for_api_key(key: str) -> ApiPrincipal:
+    """The principal for a raw key (HTTP header or WebSocket subprotocol), through the cache;
+    raises the ApiError to answer with (Unauthorized, Forbidden) when the key may not be used."""
+    if parse_api_key(key) is None:
+        # Refused without the database or the cache: garbage cannot fill either.
+        raise Unauthorized(
+            "Malformed API key: embedsite keys look like 'emb_<id>_<secret>'.",
+            code="malformed_api_key",
+        )
+    digest = hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
+    result = principal_cache.get(digest)
+    if result is None:
+        result = await sync_to_async(_principal_for_key)(key)
+        principal_cache.put(digest, result)
+    if isinstance(result, ApiError):
+        # A fresh instance each time: re-raising one cached object would chain its tracebacks.
+        raise type(result)(result.message, code=result.error_code, param=result.param)
+    if result.expires_at is not None and result.expires_at <= timezone.now():
+        raise Unauthorized("This API key has expired.", code="api_key_expired")
+    if principal_cache.should_touch(result.key_id):
+        await _touch(result.key_id)
+    return result
+
+
 class ApiKeyAuthentication:
     """DRF authentication class (awaited by embeddings.api.base.ApiView)."""
 
@@ -152,25 +176,7 @@ class ApiKeyAuthentication:
             )
         if scheme.lower() != "bearer" or not key:
             raise Unauthorized("Send the API key as 'Authorization: Bearer emb_...'.")
-        if parse_api_key(key) is None:
-            # Refused without the database or the cache: garbage cannot fill either.
-            raise Unauthorized(
-                "Malformed API key: embedsite keys look like 'emb_<id>_<secret>'.",
-                code="malformed_api_key",
-            )
-        digest = hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
-        result = principal_cache.get(digest)
-        if result is None:
-            result = await sync_to_async(_principal_for_key)(key)
-            principal_cache.put(digest, result)
-        if isinstance(result, ApiError):
-            # A fresh instance each time: re-raising one cached object would chain its tracebacks.
-            raise type(result)(result.message, code=result.error_code, param=result.param)
-        if result.expires_at is not None and result.expires_at <= timezone.now():
-            raise Unauthorized("This API key has expired.", code="api_key_expired")
-        if principal_cache.should_touch(result.key_id):
-            await _touch(result.key_id)
-        return result, None
+        return await principal_for_api_key(key), None
 
     def authenticate_header(self, request: Request) -> str:
         return self.keyword
