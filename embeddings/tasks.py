@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from celery import shared_task
+import logging
 
+from celery import shared_task
+from django.conf import settings
+
+from embeddings.services.job_callbacks import CallbackRetry, job_callback_deliver
+from embeddings.services.jobs import job_chunk_give_up, job_chunk_run, job_expire_due, job_watchdog
 from embeddings.services.usage import usage_fold
+from embeddings.triton import TritonTimeout, TritonUnavailable
+
+logger = logging.getLogger(__name__)
 
 
 @shared_task(acks_late=True, reject_on_worker_lost=True)
@@ -15,3 +23,60 @@ def usage_fold_task() -> dict[str, int]:
     """
     result = usage_fold()
     return {"batches": result.batches, "buckets": result.buckets, "dropped": result.dropped}
+
+
+# --- Embedding jobs (embeddings/services/jobs.py) --------------------------------------------------
+
+# Transient Triton failures a chunk retries; anything else (a bad model output, a tokenizer error)
+# would fail the same way again.
+CHUNK_RETRYABLE = (TritonUnavailable, TritonTimeout)
+
+
+def chunk_retry_countdown(retries: int) -> float:
+    """Exponential backoff: JOB_CHUNK_RETRY_BACKOFF_S * 2^retries, capped."""
+    return min(settings.JOB_CHUNK_RETRY_BACKOFF_MAX_S, settings.JOB_CHUNK_RETRY_BACKOFF_S * 2**retries)
+
+
+@shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)
+def job_chunk_task(self, job_id: int, chunk: int) -> None:
+    """Embed one chunk of a job. Idempotent (a chunk is written and counted once, and hands out one
+    successor), so a redelivery after a lost worker is harmless."""
+    try:
+        job_chunk_run(job_id=job_id, chunk=chunk)
+    except CHUNK_RETRYABLE as error:
+        if self.request.retries >= settings.JOB_CHUNK_RETRIES:
+            code = "model_unavailable"
+            message = (
+                f"The model could not be reached after {self.request.retries + 1} attempts ({error}); "
+                "the job stopped."
+            )
+            job_chunk_give_up(job_id=job_id, chunk=chunk, code=code, message=message)
+            return
+        raise self.retry(exc=error, countdown=chunk_retry_countdown(self.request.retries)) from error
+
+
+@shared_task(acks_late=True, reject_on_worker_lost=True)
+def job_expire_task() -> int:
+    """Expire jobs past expires_at (beat, every JOB_EXPIRE_INTERVAL_S)."""
+    return job_expire_due()
+
+
+@shared_task(acks_late=True, reject_on_worker_lost=True)
+def job_watchdog_task() -> int:
+    """Revive jobs whose chunk window stalled (beat, every JOB_WATCHDOG_INTERVAL_S)."""
+    return job_watchdog()
+
+
+@shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)
+def job_callback_task(self, job_id: int) -> None:
+    """POST a finished job to its callback_url; retried with backoff up to JOB_CALLBACK_RETRIES."""
+    try:
+        job_callback_deliver(job_id=job_id)
+    except CallbackRetry as error:
+        if self.request.retries >= settings.JOB_CALLBACK_RETRIES:
+            logger.warning(
+                "job %s: callback given up after %s attempts: %s", job_id, self.request.retries + 1, error
+            )
+            return
+        countdown = min(3600, 5 * 2**self.request.retries)  # 5 s, 10 s, ... up to an hour
+        raise self.retry(exc=error, countdown=countdown) from error

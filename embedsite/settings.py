@@ -305,6 +305,15 @@ JOB_CHUNK_RETRIES = env_int("JOB_CHUNK_RETRIES", 5, minimum=0)
 # Keys the HMAC of callback signatures (header Embedsite-Signature).
 JOB_CALLBACK_SECRET = env_str("JOB_CALLBACK_SECRET", SECRET_KEY)
 JOB_CALLBACK_RETRIES = env_int("JOB_CALLBACK_RETRIES", 6, minimum=0)
+# A chunk whose Triton call failed (unavailable, timeout) is retried after BACKOFF_S * 2^attempt
+# seconds, at most BACKOFF_MAX_S (keep it under CELERY_VISIBILITY_TIMEOUT_S: a countdown longer
+# than the visibility timeout gets the message delivered twice).
+JOB_CHUNK_RETRY_BACKOFF_S = env_float("JOB_CHUNK_RETRY_BACKOFF_S", 2.0, minimum=0.0)
+JOB_CHUNK_RETRY_BACKOFF_MAX_S = env_float("JOB_CHUNK_RETRY_BACKOFF_MAX_S", 60.0, minimum=0.0)
+# An active job with no chunk started for this long is revived by the watchdog (chunks re-sent).
+JOB_STALL_S = env_float("JOB_STALL_S", 600.0, minimum=1.0)
+JOB_WATCHDOG_INTERVAL_S = env_float("JOB_WATCHDOG_INTERVAL_S", 60.0, minimum=0.1)
+JOB_EXPIRE_INTERVAL_S = env_float("JOB_EXPIRE_INTERVAL_S", 300.0, minimum=0.1)
 
 # --- Channel layer: job progress to WebSocket watchers (WS /ws/v1/jobs/<id>) ---------------------
 # On the same Redis under its own key prefix; web processes and Celery workers must share it.
@@ -320,6 +329,12 @@ CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL)
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Fair share between jobs: each worker process holds one message at a time, so chunks of the jobs
+# in the queue take turns (embeddings.services.jobs). Unacked messages (acks_late) come back after
+# the visibility timeout, which must be above the longest chunk and the longest retry countdown.
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_VISIBILITY_TIMEOUT_S = env_int("CELERY_VISIBILITY_TIMEOUT_S", 3600, minimum=60)
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_VISIBILITY_TIMEOUT_S}
 CELERY_BEAT_SCHEDULE = {
     "fold-usage": {
         "task": "embeddings.tasks.usage_fold_task",
@@ -327,6 +342,16 @@ CELERY_BEAT_SCHEDULE = {
         # A fold not started within one interval is superseded by the next: a worker that was down
         # for a day does not find a day of folds queued.
         "options": {"expires": USAGE_FOLD_INTERVAL_S},
+    },
+    "expire-jobs": {
+        "task": "embeddings.tasks.job_expire_task",
+        "schedule": JOB_EXPIRE_INTERVAL_S,
+        "options": {"expires": JOB_EXPIRE_INTERVAL_S},
+    },
+    "job-watchdog": {
+        "task": "embeddings.tasks.job_watchdog_task",
+        "schedule": JOB_WATCHDOG_INTERVAL_S,
+        "options": {"expires": JOB_WATCHDOG_INTERVAL_S},
     },
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(RUN_DIR / "celerybeat-schedule")

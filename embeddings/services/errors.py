@@ -5,7 +5,9 @@ ServiceError
 ├── LimitExceeded       (413) more inputs, tokens or bytes than allowed
 ├── Overloaded          (429) too many inference calls in flight in this process
 ├── QuotaExceeded       (429) a tenant's or key's rate limit or budget (embeddings.services.quotas)
-└── QuotaUnavailable    (503) the quota store (Redis) failed and QUOTA_REDIS_FAILURE is "closed"
+├── QuotaUnavailable    (503) the quota store (Redis) failed and QUOTA_REDIS_FAILURE is "closed"
+├── JobConflict         (409) an Idempotency-Key reused for a different job request
+└── JobQueueUnavailable (503) the job queue (broker) refused a submission, which was undone
 Tokenisation errors (embeddings.tokenization) and Triton errors (embeddings.triton.errors) are
 separate trees, mapped by the same API handler.
 """
@@ -56,3 +58,11 @@ class QuotaExceeded(ServiceError):
 
 class QuotaUnavailable(ServiceError):
     pass
+
+
+class JobConflict(ServiceError):
+    """An Idempotency-Key reused for a different job request (409 idempotency_key_reused)."""
+
+
+class JobQueueUnavailable(ServiceError):
+    """The broker refused a job's first chunks; the submission was undone (503)."""

@@ -1,0 +1,713 @@
+"""Asynchronous embedding jobs: submission, the chunk engine the Celery tasks run, and the job's life.
+
+A job's inputs and results live in Redis (embeddings.services.job_store), its state in the
+EmbeddingJob row. Life of a job:
+
+    job_create     validate, idempotency, max concurrent jobs, reserve the whole job's tokens
+                   (an upper bound), store the inputs, save the row, and after the commit hand out
+                   the first JOB_CHUNKS_IN_FLIGHT chunks to the broker.
+    job_chunk_run  (a Celery task per chunk) embed one chunk, write it once (JobStore.finish_chunk),
+                   count its usage, mirror progress, and hand out exactly one successor chunk.
+    job_finalize   exactly once: completed | failed | cancelled, counts, tokens settled against
+                   the reservation (the unused rest refunded), event published, callback enqueued.
+    job_watchdog   (beat) re-sends the chunks of a job whose window stalled (a worker killed
+                   between finishing a chunk and sending the next), finalises what is done.
+    job_expire_due (beat) jobs past expires_at become expired and their Redis data goes.
+
+Fair share: a job never has more than JOB_CHUNKS_IN_FLIGHT chunks in the broker. Each finished
+chunk hands out one successor, taken from the job's Redis counter `next`, and only once per chunk
+(the `handoff` hash), so a redelivered chunk neither sends extra chunks nor loses the job's slot.
+With workers prefetching one message, a tenant's million-text job and another tenant's small job
+take turns in the queue instead of the small one waiting behind the whole big one.
+
+Quotas: at submission the job counts as one request against requests per minute, and its tokens
+(an upper bound: min(max tokens, UTF-8 bytes + prompt + 2) per input, no tokenisation) are reserved
+against tokens per day and per month. Tokens per minute and concurrent requests do not apply (a
+job's tokens are spent over its whole run; concurrent jobs are bounded by max_concurrent_jobs,
+counted in the database under a per-tenant Redis lock so the limit holds across processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import secrets
+import string
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import orjson
+import redis
+from celery import current_app
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from embeddings.models import ApiKey, EmbeddingJob, EmbeddingModel, Tenant
+from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
+from embeddings.services.errors import (
+    InvalidRequest,
+    JobConflict,
+    JobQueueUnavailable,
+    LimitExceeded,
+    QuotaExceeded,
+)
+from embeddings.services.job_events import job_event_publish
+from embeddings.services.job_store import JobStore
+from embeddings.services.quotas import (
+    QuotaHolder,
+    QuotaLimitValues,
+    Reservation,
+    quota_release_sync,
+    quota_reserve_sync,
+)
+from embeddings.services.redis_clients import redis_sync
+from embeddings.services.usage import UsageEvent, usage_record_sync
+
+logger = logging.getLogger(__name__)
+
+Status = EmbeddingJob.Status
+ACTIVE = (Status.QUEUED, Status.RUNNING, Status.CANCELLING)
+ENCODING_FORMATS = ("float", "base64")
+CHUNK_TASK = "embeddings.tasks.job_chunk_task"
+CALLBACK_TASK = "embeddings.tasks.job_callback_task"
+PUBLIC_ID_ALPHABET = string.ascii_lowercase + string.digits
+# Progress events at most this often per job (each finished chunk when chunks are slower).
+EVENT_INTERVAL_S = 0.5
+
+# Hands out one successor per finished chunk. KEYS: handoff hash, next counter. ARGV: chunk, ttl.
+# Returns the chunk number to send, or -1 (this chunk handed out its successor already).
+_HANDOFF = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 0 then
+    return -1
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+local taken = redis.call('INCR', KEYS[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return taken - 1
+"""
+
+# Refunds a finished job's unused tokens once. KEYS: the settled marker, then the token counters.
+# ARGV: ttl, amount. A counter whose window has expired is not recreated.
+_SETTLE_ONCE = """
+if not redis.call('SET', KEYS[1], 1, 'NX', 'EX', ARGV[1]) then
+    return 0
+end
+for i = 2, #KEYS do
+    if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('DECRBY', KEYS[i], ARGV[2]) end
+end
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a client asked to embed, and how."""
+
+    model: EmbeddingModel
+    texts: list[str]
+    ids: list[str] | None = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    normalize: bool = True
+    metadata: dict = field(default_factory=dict)
+    callback_url: str = ""
+
+
+# --- Redis -----------------------------------------------------------------------------------------
+
+
+def job_store(job: EmbeddingJob) -> JobStore:
+    """The job's data in Redis; kept a day past expires_at at most (expiry deletes it first)."""
+    return JobStore(redis_sync(), job.public_id, ttl_s=settings.JOB_RESULT_TTL_S + 86400)
+
+
+def _engine_keys(store: JobStore) -> list[str]:
+    """The engine's own keys beside JobStore's (same hash tag)."""
+    kinds = ("next", "handoff", "reservation", "settled", "event", "beat")
+    return [store.key(kind) for kind in kinds]
+
+
+def _delete_data(job: EmbeddingJob) -> None:
+    store = job_store(job)
+    store.delete(job.chunks)
+    store.client.delete(*_engine_keys(store))
+
+
+def _script(client: redis.Redis, source: str):
+    cache = client.__dict__.setdefault("_embedsite_job_scripts", {})
+    if source not in cache:
+        cache[source] = client.register_script(source)
+    return cache[source]
+
+
+# --- Submission ------------------------------------------------------------------------------------
+
+
+def _new_public_id() -> str:
+    return "job_" + "".join(secrets.choice(PUBLIC_ID_ALPHABET) for _ in range(24))
+
+
+def _limits(tenant_id: int, api_key_id: int | None) -> tuple[Tenant, ApiKey | None]:
+    tenant = Tenant.objects.get(pk=tenant_id)
+    api_key = None if api_key_id is None else ApiKey.objects.get(pk=api_key_id, tenant_id=tenant_id)
+    return tenant, api_key
+
+
+def _validate(spec: JobSpec, tenant: Tenant, api_key: ApiKey | None) -> None:
+    if not spec.texts:
+        raise InvalidRequest("input must contain at least one item", param="input")
+    if spec.ids is not None and len(spec.ids) != len(spec.texts):
+        raise InvalidRequest("ids and input must have the same length", param="input")
+    if spec.encoding_format not in ENCODING_FORMATS:
+        raise InvalidRequest("encoding_format must be 'float' or 'base64'", param="encoding_format")
+    if spec.dimensions is not None:
+        if spec.dimensions < 1:
+            raise InvalidRequest("dimensions must be at least 1", param="dimensions")
+        if spec.dimensions > spec.model.dimensions:
+            raise InvalidRequest(
+                f"dimensions {spec.dimensions} is larger than the model's {spec.model.dimensions}",
+                param="dimensions",
+            )
+    limits = [(owner, owner.max_inputs_per_job) for owner in (tenant, api_key) if owner is not None]
+    limits = [(owner, limit) for owner, limit in limits if limit is not None]
+    if not limits:
+        limits = [(None, settings.JOB_MAX_INPUTS)]
+    for owner, limit in limits:
+        if len(spec.texts) > limit:
+            who = {Tenant: "this tenant", ApiKey: "this API key"}.get(type(owner), "a job")
+            raise LimitExceeded(
+                f"{len(spec.texts)} inputs in one job; {who} may submit at most {limit}", param="input"
+            )
+
+
+def job_token_estimate(model: EmbeddingModel, texts: list[str]) -> int:
+    """An upper bound of the job's tokens without tokenising: a wordpiece/BPE token covers at least
+    one UTF-8 byte, plus the prompt and two special tokens, capped by the model's maximum."""
+    prompt = len((model.prompts or {}).get(model.default_prompt_name, "").encode())
+    cap = model.max_tokens
+    return sum(min(cap, len(text.encode()) + prompt + 2) for text in texts)
+
+
+def _job_quota_subject(tenant: Tenant, api_key: ApiKey | None) -> QuotaHolder:
+    def job_limits(owner) -> QuotaLimitValues:
+        values = QuotaLimitValues.of(owner)
+        return dataclasses.replace(values, tokens_per_minute=None, max_concurrent_requests=None)
+
+    key_limits = job_limits(api_key) if api_key is not None else QuotaLimitValues()
+    return QuotaHolder(tenant.pk, None if api_key is None else api_key.pk, job_limits(tenant), key_limits)
+
+
+def _reserve(subject: QuotaHolder, tokens: int) -> Reservation | None:
+    if not settings.QUOTAS_ENABLED:
+        return None
+    # inputs=0: a job's size is checked against max_inputs_per_job, not the per-request limit.
+    return quota_reserve_sync(subject=subject, inputs=0, tokens=tokens)
+
+
+def _refund(reservation: Reservation | None) -> None:
+    if reservation is not None and reservation.holds_anything:
+        quota_release_sync(reservation=reservation, refund=True)
+
+
+def _find_existing(tenant_id: int, idempotency_key: str, fingerprint: str) -> EmbeddingJob | None:
+    existing = EmbeddingJob.objects.filter(tenant_id=tenant_id, idempotency_key=idempotency_key).first()
+    if existing is not None and existing.request_fingerprint != fingerprint:
+        raise JobConflict(
+            "This Idempotency-Key was used for a different request; use a new key", param="Idempotency-Key"
+        )
+    return existing
+
+
+class _SubmitLock:
+    """Serialises submissions of one tenant while max_concurrent_jobs is counted (only when a limit
+    applies); a lock lost to a dead process expires."""
+
+    def __init__(self, tenant_id: int, needed: bool) -> None:
+        self.lock = redis_sync().lock(f"jobs:{{t{tenant_id}}}:submit", timeout=30, blocking_timeout=10)
+        self.needed = needed
+
+    def __enter__(self):
+        if self.needed and not self.lock.acquire():
+            raise QuotaExceeded(
+                "Too many job submissions at once for this tenant; retry shortly.",
+                reason="rate_limit_exceeded",
+                kind="requests",
+                retry_after_s=1,
+            )
+        return self
+
+    def __exit__(self, *exc_info):
+        if self.needed:
+            with contextlib.suppress(redis.exceptions.LockError):  # expired meanwhile
+                self.lock.release()
+
+
+def _check_concurrent(tenant: Tenant, api_key: ApiKey | None) -> None:
+    for owner, field_name, who in (
+        (tenant, "tenant_id", "this tenant"),
+        (api_key, "api_key_id", "this API key"),
+    ):
+        if owner is None or owner.max_concurrent_jobs is None:
+            continue
+        active = EmbeddingJob.objects.filter(**{field_name: owner.pk}, status__in=ACTIVE).count()
+        if active >= owner.max_concurrent_jobs:
+            raise QuotaExceeded(
+                f"Too many concurrent jobs for {who}: limit {owner.max_concurrent_jobs}. "
+                "Submit again when one has finished.",
+                reason="rate_limit_exceeded",
+                kind="requests",
+                retry_after_s=5,
+            )
+
+
+def job_create(
+    *,
+    tenant_id: int,
+    api_key_id: int | None,
+    spec: JobSpec,
+    idempotency_key: str = "",
+    fingerprint: str = "",
+) -> tuple[EmbeddingJob, bool]:
+    """Submit a job; (job, created). The same idempotency key and fingerprint return the existing
+    job (created False); the key with another fingerprint raises JobConflict.
+
+    Raises InvalidRequest, LimitExceeded, QuotaExceeded (429), JobConflict (409), JobQueueUnavailable
+    (503: the broker refused the first chunks; nothing is left behind) and RedisError. Not to be
+    called inside a transaction: the concurrent-jobs count is exact only when the row commits under
+    the submission lock.
+    """
+    if idempotency_key:
+        existing = _find_existing(tenant_id, idempotency_key, fingerprint)
+        if existing is not None:
+            return existing, False
+    tenant, api_key = _limits(tenant_id, api_key_id)
+    _validate(spec, tenant, api_key)
+    model = spec.model
+    subject = _job_quota_subject(tenant, api_key)
+    estimate = job_token_estimate(model, spec.texts)
+    size = settings.JOB_CHUNK_SIZE
+    chunks = math.ceil(len(spec.texts) / size)
+    now = timezone.now()
+    job = EmbeddingJob(
+        public_id=_new_public_id(),
+        tenant_id=tenant_id,
+        api_key_id=api_key_id,
+        model=model,
+        status=Status.QUEUED,
+        encoding_format=spec.encoding_format,
+        dimensions=spec.dimensions,
+        normalize=spec.normalize,
+        metadata=spec.metadata or {},
+        callback_url=spec.callback_url,
+        idempotency_key=idempotency_key,
+        request_fingerprint=fingerprint,
+        total=len(spec.texts),
+        chunk_size=size,
+        chunks=chunks,
+        dims=spec.dimensions or model.dimensions,
+        has_ids=spec.ids is not None,
+        reserved_tokens=estimate,
+        created_at=now,
+        expires_at=now + timedelta(seconds=settings.JOB_RESULT_TTL_S),
+    )
+    limited = tenant.max_concurrent_jobs is not None or (api_key is not None and api_key.max_concurrent_jobs)
+    store = job_store(job)
+    reservation: Reservation | None = None
+    with _SubmitLock(tenant_id, needed=bool(limited)):
+        _check_concurrent(tenant, api_key)
+        reservation = _reserve(subject, estimate)
+        try:
+            text_chunks = [spec.texts[start : start + size] for start in range(0, job.total, size)]
+            id_chunks = None
+            if spec.ids is not None:
+                id_chunks = [
+                    [str(i) for i in spec.ids[start : start + size]] for start in range(0, job.total, size)
+                ]
+            store.put_inputs(text_chunks, id_chunks)
+            if reservation is not None and reservation.counters:
+                keys = [c.key for c in reservation.counters if c.window.kind == "tokens"]
+                store.client.set(store.key("reservation"), orjson.dumps(keys), ex=store.ttl_s)
+            with transaction.atomic():
+                job.save(force_insert=True)
+                transaction.on_commit(lambda: _dispatch(job))
+        except IntegrityError:
+            # Another submission with the same idempotency key committed first.
+            _undo(job, reservation)
+            existing = _find_existing(tenant_id, idempotency_key, fingerprint)
+            if existing is None:
+                raise
+            return existing, False
+        except BaseException:
+            _undo(job, reservation)
+            raise
+    return job, True
+
+
+def _undo(job: EmbeddingJob, reservation: Reservation | None) -> None:
+    """Take back a submission that failed part way: its row, Redis data and reserved tokens."""
+    try:
+        if job.pk is not None:
+            EmbeddingJob.objects.filter(pk=job.pk).delete()
+        _delete_data(job)
+    finally:
+        _refund(reservation)
+
+
+def _dispatch(job: EmbeddingJob) -> None:
+    """Send the job's first window of chunks (after the commit: workers must find the row)."""
+    try:
+        for _ in range(min(settings.JOB_CHUNKS_IN_FLIGHT, job.chunks)):
+            _send_next(job)
+    except Exception as error:
+        raise JobQueueUnavailable(
+            "The job queue does not answer, so the job was not submitted; retry shortly."
+        ) from error
+
+
+def _send_next(job: EmbeddingJob) -> None:
+    store = job_store(job)
+    chunk = int(store.client.incr(store.key("next")))
+    store.client.expire(store.key("next"), store.ttl_s)
+    if chunk - 1 < job.chunks:
+        _send_chunk(job.pk, chunk - 1)
+
+
+def _send_chunk(job_id: int, chunk: int) -> None:
+    current_app.send_task(CHUNK_TASK, args=[job_id, chunk])
+
+
+# --- Reads -----------------------------------------------------------------------------------------
+
+
+def job_for_tenant(*, tenant_id: int, public_id: str) -> EmbeddingJob | None:
+    """The tenant's job with this public id; None for an unknown id or another tenant's job."""
+    return (
+        EmbeddingJob.objects.select_related("model").filter(tenant_id=tenant_id, public_id=public_id).first()
+    )
+
+
+def jobs_for_tenant(
+    *, tenant_id: int, limit: int, after: str | None = None
+) -> tuple[list[EmbeddingJob], bool]:
+    """The tenant's jobs, newest first, `limit` of them after the job `after` (a cursor); has_more."""
+    jobs = (
+        EmbeddingJob.objects.select_related("model")
+        .filter(tenant_id=tenant_id)
+        .order_by("-created_at", "-id")
+    )
+    if after:
+        cursor = EmbeddingJob.objects.filter(tenant_id=tenant_id, public_id=after).first()
+        if cursor is None:
+            raise InvalidRequest(f"No job {after!r} to list after", param="after")
+        jobs = jobs.filter(
+            Q(created_at__lt=cursor.created_at) | Q(created_at=cursor.created_at, id__lt=cursor.pk)
+        )
+    page = list(jobs[: limit + 1])
+    return page[:limit], len(page) > limit
+
+
+def _timestamp(moment: datetime | None) -> int | None:
+    return None if moment is None else int(moment.timestamp())
+
+
+def job_object(job: EmbeddingJob) -> dict:
+    """The API representation of a job (views, WebSocket events, callbacks)."""
+    error = {"code": job.error_code, "message": job.error_message} if job.error_code else None
+    return {
+        "id": job.public_id,
+        "object": "embedding.job",
+        "status": job.status,
+        "model": job.model.name,
+        "counts": {"total": job.total, "completed": job.completed, "failed": job.failed},
+        "usage": {"prompt_tokens": job.prompt_tokens},
+        "created_at": _timestamp(job.created_at),
+        "started_at": _timestamp(job.started_at),
+        "finished_at": _timestamp(job.finished_at),
+        "expires_at": _timestamp(job.expires_at),
+        "error": error,
+        "metadata": job.metadata,
+        "encoding_format": job.encoding_format,
+        "dimensions": job.dims,
+    }
+
+
+def job_refreshed(job: EmbeddingJob) -> EmbeddingJob:
+    """The job with its progress counters from Redis (one HGETALL) for a job still running; the row
+    is updated when they moved. Finished jobs are returned as they are."""
+    if job.status not in ACTIVE:
+        return job
+    progress = job_store(job).progress()
+    if (progress.completed, progress.failed, progress.tokens) != (
+        job.completed,
+        job.failed,
+        job.prompt_tokens,
+    ):
+        job.completed, job.failed, job.prompt_tokens = progress.completed, progress.failed, progress.tokens
+        EmbeddingJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
+            completed=job.completed, failed=job.failed, prompt_tokens=job.prompt_tokens
+        )
+    return job
+
+
+def job_results_source(job: EmbeddingJob) -> tuple[JobStore, list[int], int]:
+    """(store, rows of each chunk, dims) to stream a finished job's results from."""
+    rows = [min(job.chunk_size, job.total - chunk * job.chunk_size) for chunk in range(job.chunks)]
+    return job_store(job), rows, job.dims
+
+
+# --- Cancel, delete, expire ------------------------------------------------------------------------
+
+
+def job_cancel(*, job: EmbeddingJob) -> EmbeddingJob:
+    """Ask a queued or running job to stop: cancelling now, cancelled once its chunks stop (each
+    checks the flag before and after embedding). A finished job is returned unchanged."""
+    if job.status not in (Status.QUEUED, Status.RUNNING):
+        return job
+    job_store(job).cancel()
+    EmbeddingJob.objects.filter(pk=job.pk, status__in=(Status.QUEUED, Status.RUNNING)).update(
+        status=Status.CANCELLING
+    )
+    job.refresh_from_db()
+    _publish(job, force=True)
+    return job
+
+
+def job_delete(*, job: EmbeddingJob) -> None:
+    """Delete a job: a running one is cancelled first (its reservation settled), then its Redis data
+    and its row go (a later GET is 404; usage already recorded stays)."""
+    if job.status in ACTIVE:
+        job_store(job).cancel()
+        EmbeddingJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(status=Status.CANCELLING)
+        job_finalize(job_id=job.pk, status=Status.CANCELLED, publish=False)
+    _delete_data(job)
+    EmbeddingJob.objects.filter(pk=job.pk).delete()
+
+
+def job_expire_due(*, now: datetime | None = None) -> int:
+    """Expire every job past expires_at: its Redis data deleted, status expired (a job still running
+    then is stopped, its reservation settled). Returns how many."""
+    now = now or timezone.now()
+    expired = 0
+    for job in EmbeddingJob.objects.filter(expires_at__lte=now).exclude(status=Status.EXPIRED).iterator():
+        if job.status in ACTIVE:
+            job_store(job).cancel()
+            job_finalize(job_id=job.pk, status=Status.CANCELLED, publish=False)
+        _delete_data(job)
+        if (
+            EmbeddingJob.objects.filter(pk=job.pk)
+            .exclude(status=Status.EXPIRED)
+            .update(status=Status.EXPIRED)
+        ):
+            expired += 1
+    return expired
+
+
+# --- The engine: one chunk -------------------------------------------------------------------------
+
+
+def _target(model: EmbeddingModel) -> EmbeddingTarget:
+    # A chunk is sized by JOB_CHUNK_SIZE, not held to the synchronous per-request limits.
+    return dataclasses.replace(EmbeddingTarget.for_model(model), max_inputs=None, max_total_tokens=None)
+
+
+def _publish(job: EmbeddingJob, *, force: bool = False) -> None:
+    """Publish the job's state, at most every EVENT_INTERVAL_S per job unless forced (start, end)."""
+    store = job_store(job)
+    if not force:
+        allowed = store.client.set(store.key("event"), 1, nx=True, px=int(EVENT_INTERVAL_S * 1000))
+        if not allowed:
+            return
+    job_event_publish(public_id=job.public_id, job=job_object(job))
+
+
+def _mark_started(job: EmbeddingJob) -> None:
+    now = timezone.now()
+    if EmbeddingJob.objects.filter(pk=job.pk, status=Status.QUEUED).update(
+        status=Status.RUNNING, started_at=now
+    ):
+        job.status, job.started_at = Status.RUNNING, now
+        _publish(job, force=True)
+
+
+def _beat(store: JobStore) -> None:
+    store.client.set(store.key("beat"), int(time.time()), ex=store.ttl_s)
+
+
+def job_chunk_run(*, job_id: int, chunk: int) -> None:
+    """Embed one chunk of a job and write it once; hand out the job's next chunk.
+
+    Triton errors (TritonUnavailable, TritonTimeout, ...) propagate: the Celery task retries them
+    and calls job_chunk_give_up after the last. A chunk that ran before (redelivered) writes and
+    counts nothing again, and hands out no second successor.
+    """
+    job = EmbeddingJob.objects.select_related("model").filter(pk=job_id).first()
+    if job is None or job.status not in ACTIVE:
+        return
+    store = job_store(job)
+    if job.status == Status.CANCELLING or store.is_cancelled():
+        _finish_cancelled(job)
+        return
+    _mark_started(job)
+    _beat(store)
+    if not store.is_chunk_done(chunk):
+        texts = store.chunk_inputs(chunk)
+        if texts is None:  # deleted or expired under us
+            return
+        started = time.perf_counter()
+        result = embeddings_create_sync(
+            target=_target(job.model),
+            texts=texts,
+            options=EmbeddingOptions(dimensions=job.dimensions, normalize=job.normalize),
+        )
+        if store.is_cancelled():
+            _finish_cancelled(job)
+            return
+        if store.finish_chunk(chunk, result.vectors, tokens=result.total_tokens):
+            _record_usage(job, "succeeded", len(texts), result.total_tokens, started)
+    _after_chunk(job, store, chunk)
+
+
+def _record_usage(job: EmbeddingJob, outcome: str, inputs: int, tokens: int, started: float) -> None:
+    try:
+        usage_record_sync(
+            UsageEvent(
+                tenant_id=job.tenant_id,
+                api_key_id=job.api_key_id,
+                model=job.model.name,
+                endpoint="jobs",
+                outcome=outcome,
+                inputs=inputs if outcome == "succeeded" else 0,
+                tokens=tokens if outcome == "succeeded" else 0,
+                latency_ms=round((time.perf_counter() - started) * 1000),
+            )
+        )
+    except redis.exceptions.RedisError as error:
+        logger.warning("could not record usage of job %s: %s", job.public_id, error)
+
+
+def _after_chunk(job: EmbeddingJob, store: JobStore, chunk: int) -> None:
+    progress = store.progress()
+    if progress.chunks_done >= job.chunks:
+        job_finalize(job_id=job.pk, status=Status.FAILED if progress.failed else Status.COMPLETED)
+        return
+    next_chunk = int(
+        _script(store.client, _HANDOFF)(
+            keys=[store.key("handoff"), store.key("next")], args=[chunk, store.ttl_s]
+        )
+    )
+    if 0 <= next_chunk < job.chunks:
+        _send_chunk(job.pk, next_chunk)
+    job.completed, job.failed, job.prompt_tokens = progress.completed, progress.failed, progress.tokens
+    EmbeddingJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
+        completed=job.completed, failed=job.failed, prompt_tokens=job.prompt_tokens
+    )
+    _publish(job)
+
+
+def _finish_cancelled(job: EmbeddingJob) -> None:
+    job_finalize(job_id=job.pk, status=Status.CANCELLED)
+
+
+def job_chunk_give_up(*, job_id: int, chunk: int, code: str, message: str) -> None:
+    """A chunk failed for good (Triton down past the retries): the job fails. Its remaining chunks
+    are counted failed at once (so it does not take every chunk's retries to stop) and no more run."""
+    job = EmbeddingJob.objects.select_related("model").filter(pk=job_id).first()
+    if job is None or job.status not in ACTIVE:
+        return
+    EmbeddingJob.objects.filter(pk=job.pk, error_code="").update(error_code=code, error_message=message)
+    store = job_store(job)
+    store.cancel()  # chunks still queued or running stop at their next check
+    rows_in = _chunk_rows(job)
+    for number in range(job.chunks):
+        if store.fail_chunk(number, rows=rows_in[number]):
+            _record_usage(job, "failed", 0, 0, time.perf_counter())
+    job_finalize(job_id=job.pk, status=Status.FAILED)
+
+
+def _chunk_rows(job: EmbeddingJob) -> list[int]:
+    return [min(job.chunk_size, job.total - chunk * job.chunk_size) for chunk in range(job.chunks)]
+
+
+# --- Finalisation ----------------------------------------------------------------------------------
+
+
+def job_finalize(*, job_id: int, status: str, publish: bool = True) -> bool:
+    """End an active job once: its final status, counts and tokens; its reservation settled (the
+    tokens it did not use refunded, exactly once); an event; its callback. False if it had ended."""
+    job = EmbeddingJob.objects.select_related("model").filter(pk=job_id).first()
+    if job is None or job.status not in ACTIVE:
+        return False
+    store = job_store(job)
+    progress = store.progress()
+    if status == Status.COMPLETED and progress.failed:
+        status = Status.FAILED
+    _settle(job, store, progress.tokens)
+    now = timezone.now()
+    won = EmbeddingJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
+        status=status,
+        finished_at=now,
+        completed=progress.completed,
+        failed=progress.failed,
+        prompt_tokens=progress.tokens,
+    )
+    if not won:
+        return False
+    job.refresh_from_db()
+    if status == Status.FAILED and not job.error_code:
+        job.error_code, job.error_message = "embedding_failed", "Some inputs could not be embedded"
+        job.save(update_fields=["error_code", "error_message"])
+    if publish:
+        _publish(job, force=True)
+    if job.callback_url:
+        try:
+            current_app.send_task(CALLBACK_TASK, args=[job.pk])
+        except Exception as error:  # the job is done either way; the callback is best effort
+            logger.warning("could not enqueue the callback of job %s: %s", job.public_id, error)
+    return True
+
+
+def _settle(job: EmbeddingJob, store: JobStore, used_tokens: int) -> None:
+    """Give back what the reservation held beyond the tokens used, once (a marker in the script)."""
+    raw = store.client.get(store.key("reservation"))
+    keys = orjson.loads(raw) if raw else []
+    refund = max(0, job.reserved_tokens - used_tokens)
+    if keys and refund:
+        _script(store.client, _SETTLE_ONCE)(keys=[store.key("settled"), *keys], args=[store.ttl_s, refund])
+
+
+# --- Watchdog --------------------------------------------------------------------------------------
+
+
+def job_watchdog(*, stalled_after_s: float | None = None) -> int:
+    """Revive active jobs that made no progress for JOB_STALL_S: finalise what is done or
+    cancelled, re-send the handed-out chunks that are not done (chunk tasks are idempotent) and
+    hand out a fresh window if none is. Returns how many jobs it touched."""
+    stalled_after_s = settings.JOB_STALL_S if stalled_after_s is None else stalled_after_s
+    touched = 0
+    for job in EmbeddingJob.objects.select_related("model").filter(status__in=ACTIVE).iterator():
+        store = job_store(job)
+        last = store.client.get(store.key("beat"))
+        last_at = int(last) if last else int(job.created_at.timestamp())
+        if time.time() - last_at < stalled_after_s:
+            continue
+        touched += 1
+        _beat(store)
+        progress = store.progress()
+        if job.status == Status.CANCELLING or store.is_cancelled():
+            job_finalize(job_id=job.pk, status=Status.CANCELLED)
+        elif progress.chunks_done >= job.chunks:
+            job_finalize(job_id=job.pk, status=Status.COMPLETED)
+        else:
+            handed = min(int(store.client.get(store.key("next")) or 0), job.chunks)
+            pending = [c for c in range(handed) if not store.is_chunk_done(c)]
+            for chunk in pending:
+                _send_chunk(job.pk, chunk)
+            for _ in range(max(0, settings.JOB_CHUNKS_IN_FLIGHT - len(pending))):
+                _send_next(job)
+            logger.warning("job %s stalled; re-sent chunks %s", job.public_id, pending)
+    return touched

@@ -1,0 +1,245 @@
+"""The job service against the real Triton, Redis and database; chunks run in this process (the
+Celery worker runs them in tests/test_job_tasks.py)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import numpy as np
+import pytest
+from django.utils import timezone
+
+from embeddings.models import EmbeddingJob
+from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
+from embeddings.services.errors import InvalidRequest, JobConflict, LimitExceeded, QuotaExceeded
+from embeddings.services.jobs import (
+    JobSpec,
+    job_cancel,
+    job_chunk_run,
+    job_create,
+    job_delete,
+    job_expire_due,
+    job_for_tenant,
+    job_object,
+    job_refreshed,
+    job_results_source,
+    job_store,
+    jobs_for_tenant,
+)
+from embeddings.services.quotas import quota_status_sync
+from embeddings.services.redis_clients import redis_sync
+from tests.api import conftest as api_fixtures
+
+# Triton, an emptied Redis, the local model and two tenants with a key each.
+api_setup = api_fixtures.api_setup
+
+TEXTS = [f"sentence number {index} about embeddings" for index in range(23)]
+
+
+@pytest.fixture
+def small_chunks(settings):
+    settings.JOB_CHUNK_SIZE = 5
+    settings.JOB_CHUNKS_IN_FLIGHT = 2
+
+
+def run_all_chunks(job: EmbeddingJob) -> None:
+    for chunk in range(job.chunks):
+        job_chunk_run(job_id=job.pk, chunk=chunk)
+
+
+def stored_vectors(job: EmbeddingJob) -> np.ndarray:
+    store, rows, dims = job_results_source(job)
+    blocks = [store.chunk_result(chunk, dims) for chunk in range(len(rows))]
+    assert [len(block) for block in blocks] == rows
+    return np.concatenate(blocks)
+
+
+def test_job_runs_to_completion_with_the_synchronous_vectors(api_setup, small_chunks):
+    model, alpha = api_setup["model"], api_setup["alpha"]
+    spec = JobSpec(model=model, texts=TEXTS, dimensions=128, metadata={"batch": "one"})
+    job, created = job_create(tenant_id=alpha.tenant.pk, api_key_id=alpha.api_key.pk, spec=spec)
+    assert created and job.public_id.startswith("job_") and len(job.public_id) == 28
+    assert (job.status, job.total, job.chunks, job.dims) == ("queued", 23, 5, 128)
+    run_all_chunks(job)
+    job.refresh_from_db()
+    assert job.status == "completed"
+    expected = embeddings_create_sync(
+        target=EmbeddingTarget.for_model(model), texts=TEXTS, options=EmbeddingOptions(dimensions=128)
+    )
+    np.testing.assert_allclose(stored_vectors(job), expected.vectors, rtol=1e-5, atol=1e-6)
+    body = job_object(job)
+    assert body["counts"] == {"total": 23, "completed": 23, "failed": 0}
+    assert body["usage"] == {"prompt_tokens": expected.total_tokens}
+    assert body["metadata"] == {"batch": "one"} and body["dimensions"] == 128 and body["error"] is None
+    assert body["finished_at"] >= body["started_at"] >= body["created_at"]
+    # A chunk delivered again writes and counts nothing twice.
+    job_chunk_run(job_id=job.pk, chunk=2)
+    assert job_store(job).progress().completed == 23
+
+
+def test_another_tenant_cannot_see_the_job(api_setup):
+    alpha, beta = api_setup["alpha"], api_setup["beta"]
+    spec = JobSpec(model=api_setup["model"], texts=["a", "b"])
+    job, _ = job_create(tenant_id=alpha.tenant.pk, api_key_id=alpha.api_key.pk, spec=spec)
+    assert job_for_tenant(tenant_id=alpha.tenant.pk, public_id=job.public_id).pk == job.pk
+    assert job_for_tenant(tenant_id=beta.tenant.pk, public_id=job.public_id) is None
+    assert jobs_for_tenant(tenant_id=beta.tenant.pk, limit=10) == ([], False)
+
+
+def test_listing_is_newest_first_with_a_cursor(api_setup):
+    alpha = api_setup["alpha"]
+    spec = JobSpec(model=api_setup["model"], texts=["a"])
+    made = [job_create(tenant_id=alpha.tenant.pk, api_key_id=None, spec=spec)[0] for _ in range(5)]
+    first, more = jobs_for_tenant(tenant_id=alpha.tenant.pk, limit=3)
+    assert [job.pk for job in first] == [job.pk for job in made[::-1][:3]] and more
+    rest, more = jobs_for_tenant(tenant_id=alpha.tenant.pk, limit=3, after=first[-1].public_id)
+    assert [job.pk for job in rest] == [made[1].pk, made[0].pk] and not more
+
+
+def test_idempotency_key(api_setup):
+    alpha = api_setup["alpha"]
+    spec = JobSpec(model=api_setup["model"], texts=["a", "b"])
+    arguments = {"tenant_id": alpha.tenant.pk, "api_key_id": alpha.api_key.pk, "idempotency_key": "k1"}
+    job, created = job_create(spec=spec, fingerprint="f1", **arguments)
+    again, created_again = job_create(spec=spec, fingerprint="f1", **arguments)
+    assert created and not created_again and again.pk == job.pk
+    with pytest.raises(JobConflict):
+        job_create(spec=spec, fingerprint="f2", **arguments)
+    assert EmbeddingJob.objects.count() == 1
+    # The key belongs to the tenant: another tenant may use it.
+    beta = api_setup["beta"]
+    _, created_beta = job_create(
+        tenant_id=beta.tenant.pk, api_key_id=None, spec=spec, idempotency_key="k1", fingerprint="f1"
+    )
+    assert created_beta
+
+
+def test_refusals_leave_nothing_behind(api_setup, settings):
+    alpha, model = api_setup["alpha"], api_setup["model"]
+    settings.JOB_MAX_INPUTS = 3
+    with pytest.raises(InvalidRequest):
+        job_create(tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=[]))
+    with pytest.raises(InvalidRequest):
+        job_create(
+            tenant_id=alpha.tenant.pk,
+            api_key_id=None,
+            spec=JobSpec(model=model, texts=["a"], dimensions=10_000),
+        )
+    with pytest.raises(LimitExceeded):
+        job_create(tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=["a"] * 4))
+    # The tenant's own limit replaces the default.
+    alpha.tenant.max_inputs_per_job = 5
+    alpha.tenant.save()
+    job, _ = job_create(
+        tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=["a"] * 5)
+    )
+    assert EmbeddingJob.objects.count() == 1
+    assert {key.decode().split(":")[1] for key in redis_sync().keys("job:*")} == {f"{{{job.public_id}}}"}
+
+
+def test_budget_too_small_is_insufficient_quota_and_creates_nothing(api_setup):
+    alpha, model = api_setup["alpha"], api_setup["model"]
+    alpha.tenant.tokens_per_day = 100
+    alpha.tenant.save()
+    texts = ["a fairly long sentence, to need more tokens than the budget allows"] * 10
+    with pytest.raises(QuotaExceeded) as refused:
+        job_create(tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=texts))
+    assert refused.value.reason == "insufficient_quota"
+    assert EmbeddingJob.objects.count() == 0 and redis_sync().keys("job:*") == []
+    assert quota_status_sync(alpha.tenant.pk)["tenant"]["tokens_per_day"]["used"] == 0
+
+
+def test_reservation_is_settled_to_the_tokens_used(api_setup, small_chunks):
+    alpha, model = api_setup["alpha"], api_setup["model"]
+    alpha.tenant.tokens_per_month = 1_000_000
+    alpha.tenant.save()
+    job, _ = job_create(tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=TEXTS))
+    month = lambda: quota_status_sync(alpha.tenant.pk)["tenant"]["tokens_per_month"]["used"]  # noqa: E731
+    assert month() == job.reserved_tokens > 0
+    run_all_chunks(job)
+    job.refresh_from_db()
+    assert job.status == "completed" and 0 < job.prompt_tokens < job.reserved_tokens
+    assert month() == job.prompt_tokens
+
+
+def test_max_concurrent_jobs_is_exact_under_concurrent_submissions(api_setup):
+    alpha, model = api_setup["alpha"], api_setup["model"]
+    alpha.tenant.max_concurrent_jobs = 3
+    alpha.tenant.save()
+    outcomes: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def submit():
+        from django.db import connection
+
+        barrier.wait()
+        try:
+            job_create(tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=["x"]))
+            outcomes.append("created")
+        except QuotaExceeded as refusal:
+            outcomes.append(refusal.reason)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=submit) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == ["created"] * 3 + ["rate_limit_exceeded"] * 5
+    assert EmbeddingJob.objects.filter(tenant=alpha.tenant).count() == 3
+    # A finished job frees its slot.
+    job = EmbeddingJob.objects.filter(tenant=alpha.tenant).first()
+    run_all_chunks(job)
+    job_create(tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=["x"]))
+
+
+def test_cancel_stops_the_remaining_chunks(api_setup, small_chunks):
+    alpha = api_setup["alpha"]
+    job, _ = job_create(
+        tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=api_setup["model"], texts=TEXTS)
+    )
+    job_chunk_run(job_id=job.pk, chunk=0)
+    job = job_cancel(job=job)
+    assert job.status == "cancelling"
+    job_chunk_run(job_id=job.pk, chunk=1)  # the next chunk to run stops, and ends the job
+    job.refresh_from_db()
+    assert job.status == "cancelled" and job.completed == 5 and job.finished_at is not None
+    assert job_store(job).progress().chunks_done == 1
+    assert job_cancel(job=job).status == "cancelled"  # finished: unchanged
+
+
+def test_expiry_deletes_the_data_and_shows_in_the_job(api_setup, small_chunks):
+    alpha = api_setup["alpha"]
+    job, _ = job_create(
+        tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=api_setup["model"], texts=TEXTS)
+    )
+    run_all_chunks(job)
+    assert job_expire_due() == 0
+    assert job_expire_due(now=timezone.now() + timedelta(days=8)) == 1
+    job.refresh_from_db()
+    assert job.status == "expired" and job_object(job)["status"] == "expired"
+    assert redis_sync().keys("job:*") == []
+
+
+def test_delete_removes_results_and_row(api_setup, small_chunks):
+    alpha = api_setup["alpha"]
+    job, _ = job_create(
+        tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=api_setup["model"], texts=TEXTS)
+    )
+    run_all_chunks(job)
+    job_delete(job=job)
+    assert job_for_tenant(tenant_id=alpha.tenant.pk, public_id=job.public_id) is None
+    assert redis_sync().keys("job:*") == []
+
+
+def test_refreshed_mirrors_progress(api_setup, small_chunks):
+    alpha = api_setup["alpha"]
+    job, _ = job_create(
+        tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=api_setup["model"], texts=TEXTS)
+    )
+    job_chunk_run(job_id=job.pk, chunk=3)
+    stale = EmbeddingJob.objects.get(pk=job.pk)
+    stale.completed = 0
+    assert job_refreshed(stale).completed == 5
