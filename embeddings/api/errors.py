@@ -22,6 +22,7 @@ ApiError (500 server_error)
 │   └── InsufficientQuota (429 insufficient_quota)    the daily or monthly token budget is spent
 ├── UpstreamUnavailable (503 model_unavailable)       Triton down or the model not ready
 ├── QuotaUnavailable (503 quota_unavailable)          quotas cannot be checked (Redis down, fail closed)
+├── JobQueueUnavailable (503 queue_unavailable)       the job queue (broker) refused a job, which was undone
 └── UpstreamTimeout (504 model_timeout)               Triton missed its deadline
 """
 
@@ -37,11 +38,13 @@ from rest_framework import exceptions as drf
 
 from embeddings.services.errors import (
     InvalidRequest,
+    JobConflict,
     LimitExceeded,
     Overloaded,
     QuotaExceeded,
     ServiceError,
 )
+from embeddings.services.errors import JobQueueUnavailable as JobQueueFailed
 from embeddings.services.errors import QuotaUnavailable as QuotaStoreFailed
 from embeddings.tokenization import InputTooLong, TokenizationError
 from embeddings.triton.errors import (
@@ -201,6 +204,16 @@ class QuotaUnavailable(ApiError):
         super().__init__(message, headers={"Retry-After": "1", **kwargs.pop("headers", {})}, **kwargs)
 
 
+class JobQueueUnavailable(ApiError):
+    status = 503
+    type = "server_error"
+    code = "queue_unavailable"
+    default_message = "The job queue is unavailable, so the job was not submitted; retry shortly."
+
+    def __init__(self, message: str | None = None, **kwargs: Any) -> None:
+        super().__init__(message, headers={"Retry-After": "1", **kwargs.pop("headers", {})}, **kwargs)
+
+
 class UpstreamUnavailable(ApiError):
     status = 503
     type = "server_error"
@@ -274,6 +287,10 @@ def as_api_error(exc: Exception) -> ApiError:
         )
     if isinstance(exc, QuotaStoreFailed):
         return QuotaUnavailable(exc.message)
+    if isinstance(exc, JobConflict):
+        return IdempotencyKeyReused(exc.message, param=exc.param)
+    if isinstance(exc, JobQueueFailed):
+        return JobQueueUnavailable(exc.message)
     if isinstance(exc, InvalidRequest | ServiceError):
         return ValidationFailed(exc.message, param=exc.param)
     if isinstance(exc, TritonUnavailable):

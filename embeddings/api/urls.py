@@ -1,8 +1,8 @@
-"""API routes: OpenAI-compatible, the seed proxy's shapes, models."""
+"""API routes: OpenAI-compatible, the seed proxy's shapes, models, usage, jobs."""
 
 from django.urls import path
 
-from embeddings.api import usage, views
+from embeddings.api import jobs, usage, views
 
 urlpatterns = [
     path("v1/embeddings", views.OpenAIEmbeddingsView.as_view(), name="openai-embeddings"),
@@ -13,4 +13,8 @@ urlpatterns = [
     # Model ids may contain "/" (e.g. sentence-transformers/all-MiniLM-L6-v2).
     path("v1/models/<path:model_id>", views.ModelDetailView.as_view(), name="model-detail"),
     path("v1/usage", usage.UsageView.as_view(), name="usage"),
+    path("v1/jobs", jobs.JobListCreateView.as_view(), name="jobs"),
+    path("v1/jobs/<str:job_id>", jobs.JobDetailView.as_view(), name="job-detail"),
+    path("v1/jobs/<str:job_id>/cancel", jobs.JobCancelView.as_view(), name="job-cancel"),
+    path("v1/jobs/<str:job_id>/results", jobs.JobResultsView.as_view(), name="job-results"),
 ]

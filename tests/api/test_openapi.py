@@ -17,6 +17,10 @@ API_OPERATIONS = {
     "/v1/models": {"get"},
     "/v1/models/{model_id}": {"get"},
     "/v1/usage": {"get"},
+    "/v1/jobs": {"get", "post"},
+    "/v1/jobs/{job_id}": {"get", "delete"},
+    "/v1/jobs/{job_id}/cancel": {"post"},
+    "/v1/jobs/{job_id}/results": {"get"},
 }
 EMBEDDING_ERRORS = {"400", "401", "403", "404", "413", "422", "429", "503", "504"}
 
@@ -104,3 +108,33 @@ async def test_docs_pages_use_only_local_assets(client, path):
     assert not [asset for asset in assets if re.match(r"(https?:)?//", asset)], assets
     assert "googleapis" not in html and "cdn" not in html.lower()
     assert "/api/schema/" in html
+
+
+def test_jobs_are_documented(schema):
+    paths = schema["paths"]
+    create = paths["/v1/jobs"]["post"]
+    assert set(create["requestBody"]["content"]) == {"application/json", "multipart/form-data"}
+    assert {"202", "200", "409", "413", "415", "422", "429"} <= set(create["responses"])
+    assert create["responses"]["202"]["content"]["application/json"]["examples"]
+    assert [parameter["name"] for parameter in create["parameters"]] == ["Idempotency-Key"]
+    results = paths["/v1/jobs/{job_id}/results"]["get"]
+    assert set(results["responses"]["200"]["content"]) == {
+        "application/json",
+        "application/jsonl",
+        "application/x-npy",
+    }
+    codes = {
+        status: [
+            example["value"]["error"]["code"]
+            for example in response["content"]["application/json"]["examples"].values()
+        ]
+        for status, response in results["responses"].items()
+        if status in {"404", "409", "410"}
+    }
+    assert codes == {"404": ["job_not_found"], "409": ["job_not_finished"], "410": ["job_expired"]}
+    for path, method in [
+        ("/v1/jobs/{job_id}", "get"),
+        ("/v1/jobs/{job_id}", "delete"),
+        ("/v1/jobs/{job_id}/cancel", "post"),
+    ]:
+        assert "404" in paths[path][method]["responses"], (path, method)

@@ -1,0 +1,591 @@
+"""/v1/jobs: submit an asynchronous embedding job, follow it, cancel or delete it, download its results.
+
+Thin views over embeddings.services.jobs, whose functions are synchronous (database and blocking
+Redis): each request calls them in one `sync_to_async` hop. Downloads stream chunk by chunk, each
+chunk's Redis read in a worker thread, so a million-vector download holds one chunk in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import orjson
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.files.uploadedfile import UploadedFile
+from django.http import StreamingHttpResponse
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework.parsers import MultiPartParser
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from embeddings.api import serializers as s
+from embeddings.api.authentication import ApiPrincipal
+from embeddings.api.base import ApiView
+from embeddings.api.errors import (
+    IdempotencyKeyReused,
+    InsufficientQuota,
+    JobExpired,
+    JobNotFinished,
+    NotFound,
+    PayloadTooLarge,
+    RateLimited,
+    UnsupportedMediaType,
+    ValidationFailed,
+)
+from embeddings.api.rendering import OrjsonParser
+from embeddings.api.views import (
+    AUTH_ERRORS,
+    ERRORS,
+    EXAMPLE_VECTOR,
+    _error_response,
+    model_for_request,
+    validated,
+)
+from embeddings.models import EmbeddingJob, EmbeddingModel
+from embeddings.services.job_inputs import JobInputs, JobInputTooLarge, job_inputs_parse
+from embeddings.services.job_results import iter_jsonl, iter_npy, json_page, npy_header
+from embeddings.services.jobs import (
+    JobSpec,
+    job_cancel,
+    job_create,
+    job_delete,
+    job_for_tenant,
+    job_object,
+    job_refreshed,
+    job_results_source,
+    jobs_for_tenant,
+)
+
+IDEMPOTENCY_KEY_MAX_CHARS = 255
+# Content types of an uploaded file: text, JSON lines, or unlabelled bytes (curl sends a .jsonl
+# file as application/octet-stream).
+TEXT_UPLOAD_TYPES = {"text/plain", "application/octet-stream", ""}
+JSONL_UPLOAD_TYPES = {
+    "application/jsonl",
+    "application/x-jsonl",
+    "application/jsonlines",
+    "application/x-jsonlines",
+    "application/json-lines",
+    "application/x-ndjson",
+    "application/ndjson",
+}
+
+
+def job_location(job: EmbeddingJob) -> str:
+    return f"/v1/jobs/{job.public_id}"
+
+
+def max_inputs_per_job(principal: ApiPrincipal) -> int:
+    """The smallest limit set on the key or the tenant; JOB_MAX_INPUTS when neither sets one."""
+    limits = [
+        limit
+        for limit in (principal.key_limits.max_inputs_per_job, principal.tenant_limits.max_inputs_per_job)
+        if limit is not None
+    ]
+    return min(limits) if limits else settings.JOB_MAX_INPUTS
+
+
+def request_fingerprint(model: EmbeddingModel, options: dict, inputs: JobInputs) -> str:
+    """SHA-256 of the request in a canonical form: the resolved model, every option and the inputs.
+
+    The same texts sent as JSON or uploaded as a file give the same fingerprint.
+    """
+    canonical = {
+        "model": model.name,
+        "encoding_format": options["encoding_format"],
+        "dimensions": options.get("dimensions"),
+        "normalize": options["normalize"],
+        "metadata": options.get("metadata") or {},
+        "callback_url": options.get("callback_url") or "",
+    }
+    digest = hashlib.sha256(orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS))
+    digest.update(orjson.dumps(inputs.texts))
+    digest.update(orjson.dumps(inputs.ids))
+    return digest.hexdigest()
+
+
+def idempotency_key(request: Request) -> str:
+    key = request.headers.get("Idempotency-Key", "").strip()
+    if len(key) > IDEMPOTENCY_KEY_MAX_CHARS:
+        raise ValidationFailed(
+            f"Idempotency-Key: at most {IDEMPOTENCY_KEY_MAX_CHARS} characters", param="Idempotency-Key"
+        )
+    return key
+
+
+def _upload_lines(upload: UploadedFile) -> Iterator[bytes]:
+    upload.seek(0)
+    # The underlying file splits on b"\n" only (UploadedFile's own iterator also splits on "\r").
+    return iter(upload.file)
+
+
+def upload_parse(request: Request, principal: ApiPrincipal) -> tuple[dict, JobInputs]:
+    """The options and inputs of a multipart upload (sync: it reads the spooled body and the file)."""
+    declared = int(request.META.get("CONTENT_LENGTH") or 0)
+    limit = settings.JOB_MAX_UPLOAD_BYTES
+    # The multipart envelope adds a little to the file's own size.
+    if declared > limit + 64 * 1024:
+        raise PayloadTooLarge(f"The upload is larger than {limit} bytes.", param="file")
+    form = request.data
+    upload = request.FILES.get("file")
+    if upload is None:
+        raise ValidationFailed("file: a multipart upload needs a `file` part", param="file")
+    if upload.size > limit:
+        raise PayloadTooLarge(f"The file is larger than {limit} bytes.", param="file")
+    content_type = (upload.content_type or "").split(";")[0].strip().lower()
+    if content_type not in TEXT_UPLOAD_TYPES | JSONL_UPLOAD_TYPES:
+        raise UnsupportedMediaType(
+            f"file: content type {content_type!r} is not text/plain or JSONL (application/jsonl)",
+            param="file",
+        )
+    fields: dict[str, object] = {name: form.get(name) for name in form if name != "file"}
+    if isinstance(fields.get("metadata"), str):
+        try:
+            fields["metadata"] = orjson.loads(fields["metadata"])
+        except orjson.JSONDecodeError:
+            raise ValidationFailed("metadata: must be a JSON object", param="metadata") from None
+    options = validated(s.JobOptions, fields)
+    inputs = job_inputs_parse(
+        _upload_lines(upload),
+        max_inputs=max_inputs_per_job(principal),
+        max_line_bytes=settings.JOB_MAX_LINE_BYTES,
+        jsonl=True if content_type in JSONL_UPLOAD_TYPES else None,
+    )
+    return options, inputs
+
+
+@sync_to_async
+def _create(
+    *, principal: ApiPrincipal, spec: JobSpec, idempotency_key: str, fingerprint: str
+) -> tuple[dict, bool, str]:
+    job, created = job_create(
+        tenant_id=principal.tenant_id,
+        api_key_id=principal.key_id,
+        spec=spec,
+        idempotency_key=idempotency_key,
+        fingerprint=fingerprint,
+    )
+    return job_object(job), created, job_location(job)
+
+
+def _tenant_job(principal: ApiPrincipal, job_id: str) -> EmbeddingJob:
+    job = job_for_tenant(tenant_id=principal.tenant_id, public_id=job_id)
+    if job is None:
+        raise NotFound(f"You have no job {job_id!r}.", param="job_id", code="job_not_found")
+    return job
+
+
+@sync_to_async
+def _job_read(principal: ApiPrincipal, job_id: str) -> dict:
+    return job_object(job_refreshed(_tenant_job(principal, job_id)))
+
+
+@sync_to_async
+def _job_list(principal: ApiPrincipal, limit: int, after: str | None) -> tuple[list[dict], bool]:
+    jobs, has_more = jobs_for_tenant(tenant_id=principal.tenant_id, limit=limit, after=after)
+    return [job_object(job) for job in jobs], has_more
+
+
+@sync_to_async
+def _job_cancel(principal: ApiPrincipal, job_id: str) -> dict:
+    job = _tenant_job(principal, job_id)
+    job_cancel(job=job)
+    return job_object(job_refreshed(job))
+
+
+@sync_to_async
+def _job_delete(principal: ApiPrincipal, job_id: str) -> str:
+    job = _tenant_job(principal, job_id)
+    job_delete(job=job)
+    return job.public_id
+
+
+@sync_to_async
+def _finished_job(principal: ApiPrincipal, job_id: str) -> tuple[EmbeddingJob, str, tuple]:
+    """The job, its model's name and where its results are, if they can be downloaded: 409 before
+    it finishes, 410 once they expired or were deleted."""
+    job = job_refreshed(_tenant_job(principal, job_id))
+    expired = job.expires_at is not None and job.expires_at <= timezone.now()
+    if job.status == EmbeddingJob.Status.EXPIRED or expired:
+        raise JobExpired(f"The results of job {job.public_id} have expired or were deleted.")
+    if not job.is_finished:
+        raise JobNotFinished(
+            f"Job {job.public_id} is {job.status}; download its results once it has finished.",
+        )
+    return job, job.model.name, job_results_source(job)
+
+
+async def in_threads(chunks: Callable[[], Iterator[bytes]]) -> AsyncIterator[bytes]:
+    """A sync generator's pieces, each produced in a worker thread (its Redis read blocks)."""
+    iterator = await sync_to_async(chunks, thread_sensitive=False)()
+    done = object()
+    while True:
+        piece = await sync_to_async(next, thread_sensitive=False)(iterator, done)
+        if piece is done:
+            return
+        yield piece
+
+
+JOB_EXAMPLE = {
+    "id": "job_6f1c2d9a8b7e4f30a1b2c3d4",
+    "object": "embedding.job",
+    "status": "running",
+    "model": "all-MiniLM-L6-v2",
+    "counts": {"total": 100000, "completed": 25600, "failed": 0},
+    "usage": {"prompt_tokens": 312000},
+    "created_at": 1767225600,
+    "started_at": 1767225601,
+    "finished_at": None,
+    "expires_at": 1767830400,
+    "error": None,
+    "metadata": {"corpus": "wiki-2026-11"},
+    "encoding_format": "float",
+    "dimensions": None,
+}
+JOB_ID_PARAMETER = OpenApiParameter(
+    "job_id", OpenApiTypes.STR, OpenApiParameter.PATH, description="The job's id."
+)
+JOB_NOT_FOUND = _error_response(
+    "No job of yours has this id (another tenant's job is not found either)",
+    NotFound("You have no job 'job_0123'.", param="job_id", code="job_not_found"),
+)
+JOB_RESPONSE_EXAMPLE = OpenApiExample(
+    "A running job", value=JOB_EXAMPLE, response_only=True, status_codes=["200"]
+)
+
+
+class JobListCreateView(ApiView):
+    endpoint = "jobs"
+    parser_classes = [OrjsonParser, MultiPartParser]
+
+    @extend_schema(
+        operation_id="create_job",
+        summary="Submit an embedding job",
+        description=(
+            "A JSON body with `input` (an array of texts), or a multipart/form-data upload with a "
+            '`file` part (one text a line, or JSONL `{"id", "text"}` lines whose ids come back '
+            "with the results) and the options as form fields (`metadata` as a JSON object). "
+            "Tokens for the whole job are reserved against your quotas now. "
+            "An `Idempotency-Key` header makes retries safe: the same key with the same request "
+            "answers the job it created (200), with another request 409."
+        ),
+        parameters=[
+            OpenApiParameter(
+                "Idempotency-Key",
+                OpenApiTypes.STR,
+                OpenApiParameter.HEADER,
+                description=f"Up to {IDEMPOTENCY_KEY_MAX_CHARS} characters of your choice, unique per job.",
+            )
+        ],
+        request={"application/json": s.JobCreateRequest, "multipart/form-data": s.JobUploadRequest},
+        responses={
+            202: OpenApiResponse(s.JobObjectSerializer, description="Created; `Location` is the job's URL."),
+            200: OpenApiResponse(
+                s.JobObjectSerializer,
+                description="An Idempotency-Key already used with this same request: the job it created.",
+            ),
+            400: ERRORS[400],
+            **AUTH_ERRORS,
+            404: ERRORS[404],
+            409: _error_response(
+                "The Idempotency-Key was used with a different request", IdempotencyKeyReused()
+            ),
+            413: _error_response(
+                "More inputs than your max per job, a line or the upload too long",
+                PayloadTooLarge("more than 1000000 inputs (at line 1000001)", param="file"),
+            ),
+            415: _error_response(
+                "A body that is neither JSON nor multipart, or a file neither text nor JSONL",
+                UnsupportedMediaType(
+                    "file: content type 'image/png' is not text/plain or JSONL (application/jsonl)",
+                    param="file",
+                ),
+            ),
+            422: _error_response(
+                "Invalid fields or a file that cannot be read (not UTF-8, empty, a bad JSONL line)",
+                ValidationFailed("line 3: not UTF-8 (byte 7)", param="file"),
+                ValidationFailed("metadata: may have at most 16 pairs", param="metadata"),
+            ),
+            429: _error_response(
+                "The job's tokens do not fit your budget, or too many jobs running at once",
+                InsufficientQuota(
+                    "You exceeded this tenant's quota of tokens per month: limit 1000000, used 990000, "
+                    "requested 312000. It resets in 190h0m0s."
+                ),
+                RateLimited(
+                    "This tenant already runs 2 jobs, its max_concurrent_jobs.", limit_type="requests"
+                ),
+            ),
+            503: ERRORS[503],
+        },
+        examples=[
+            OpenApiExample(
+                "Two texts",
+                value={
+                    "model": "all-MiniLM-L6-v2",
+                    "input": ["The first document.", "The second document."],
+                    "metadata": {"corpus": "wiki-2026-11"},
+                },
+                request_only=True,
+                media_type="application/json",
+            ),
+            OpenApiExample(
+                "Queued",
+                value={
+                    **JOB_EXAMPLE,
+                    "status": "queued",
+                    "counts": {"total": 2, "completed": 0, "failed": 0},
+                    "usage": {"prompt_tokens": 0},
+                    "started_at": None,
+                },
+                response_only=True,
+                status_codes=["202"],
+            ),
+        ],
+        tags=["jobs"],
+    )
+    async def post(self, request: Request) -> Response:
+        principal: ApiPrincipal = request.user
+        key = idempotency_key(request)
+        if request.content_type.startswith("multipart/form-data"):
+            options, inputs = await sync_to_async(upload_parse)(request, principal)
+        else:
+            options = validated(s.JobCreateRequest, request.data)
+            inputs = JobInputs(texts=options.pop("input"), ids=None)
+            limit = max_inputs_per_job(principal)
+            if len(inputs.texts) > limit:
+                raise JobInputTooLarge(
+                    f"{len(inputs.texts)} inputs; a job takes at most {limit}", param="input"
+                )
+        model = await model_for_request(self, options["model"])
+        spec = JobSpec(
+            model=model,
+            texts=inputs.texts,
+            ids=inputs.ids,
+            encoding_format=options["encoding_format"],
+            dimensions=options.get("dimensions"),
+            normalize=options["normalize"],
+            metadata=options.get("metadata") or {},
+            callback_url=options.get("callback_url") or "",
+        )
+        fingerprint = request_fingerprint(model, options, inputs) if key else ""
+        body, created, location = await _create(
+            principal=principal, spec=spec, idempotency_key=key, fingerprint=fingerprint
+        )
+        return Response(body, status=202 if created else 200, headers={"Location": location})
+
+    @extend_schema(
+        operation_id="list_jobs",
+        summary="Your jobs, newest first",
+        parameters=[
+            OpenApiParameter("limit", OpenApiTypes.INT, description="1 to 100 (default 20)."),
+            OpenApiParameter(
+                "after", OpenApiTypes.STR, description=s.JobListQuery().fields["after"].help_text
+            ),
+        ],
+        responses={
+            200: s.JobListSerializer,
+            **AUTH_ERRORS,
+            422: _error_response(
+                "A bad limit",
+                ValidationFailed("limit: Ensure this value is less than or equal to 100.", param="limit"),
+            ),
+        },
+        examples=[
+            OpenApiExample(
+                "One page",
+                value={
+                    "object": "list",
+                    "data": [JOB_EXAMPLE],
+                    "first_id": JOB_EXAMPLE["id"],
+                    "last_id": JOB_EXAMPLE["id"],
+                    "has_more": True,
+                },
+                response_only=True,
+                status_codes=["200"],
+            )
+        ],
+        tags=["jobs"],
+    )
+    async def get(self, request: Request) -> Response:
+        params = validated(s.JobListQuery, request.query_params.dict())
+        data, has_more = await _job_list(request.user, params["limit"], params.get("after"))
+        return Response(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": has_more,
+            }
+        )
+
+
+class JobDetailView(ApiView):
+    endpoint = "job"
+
+    @extend_schema(
+        operation_id="retrieve_job",
+        summary="One job: status, counts, usage",
+        parameters=[JOB_ID_PARAMETER],
+        responses={200: s.JobObjectSerializer, **AUTH_ERRORS, 404: JOB_NOT_FOUND},
+        examples=[JOB_RESPONSE_EXAMPLE],
+        tags=["jobs"],
+    )
+    async def get(self, request: Request, job_id: str) -> Response:
+        return Response(await _job_read(request.user, job_id))
+
+    @extend_schema(
+        operation_id="delete_job",
+        summary="Delete a job and its results",
+        description="Cancels it if it still runs and removes its inputs and results; "
+        "downloading its results answers 410 from then on.",
+        parameters=[JOB_ID_PARAMETER],
+        responses={200: s.JobDeletedSerializer, **AUTH_ERRORS, 404: JOB_NOT_FOUND},
+        examples=[
+            OpenApiExample(
+                "Deleted",
+                value={"id": JOB_EXAMPLE["id"], "object": "embedding.job.deleted", "deleted": True},
+                response_only=True,
+                status_codes=["200"],
+            )
+        ],
+        tags=["jobs"],
+    )
+    async def delete(self, request: Request, job_id: str) -> Response:
+        public_id = await _job_delete(request.user, job_id)
+        return Response({"id": public_id, "object": "embedding.job.deleted", "deleted": True})
+
+
+class JobCancelView(ApiView):
+    endpoint = "job_cancel"
+
+    @extend_schema(
+        operation_id="cancel_job",
+        summary="Cancel a job",
+        description="No new chunks start; the job is `cancelling` until the chunks in progress end, "
+        "then `cancelled`, and the tokens it did not use go back to your quota. "
+        "A finished job is answered as it is.",
+        request=None,
+        parameters=[JOB_ID_PARAMETER],
+        responses={200: s.JobObjectSerializer, **AUTH_ERRORS, 404: JOB_NOT_FOUND},
+        examples=[
+            OpenApiExample(
+                "Cancelling",
+                value={**JOB_EXAMPLE, "status": "cancelling"},
+                response_only=True,
+                status_codes=["200"],
+            )
+        ],
+        tags=["jobs"],
+    )
+    async def post(self, request: Request, job_id: str) -> Response:
+        return Response(await _job_cancel(request.user, job_id))
+
+
+RESULT_LINES_EXAMPLE = (
+    '{"object":"embedding","index":0,"id":"doc-1","embedding":[0.0123,-0.0456,0.0789]}\n'
+    '{"object":"embedding","index":1,"id":"doc-2","embedding":null,'
+    '"error":{"code":"embedding_failed","message":"this input\'s chunk failed after retries"}}\n'
+)
+
+
+class JobResultsView(ApiView):
+    endpoint = "job_results"
+
+    @extend_schema(
+        operation_id="retrieve_job_results",
+        summary="Download a finished job's vectors",
+        description=(
+            "`jsonl` and `npy` stream the whole result, in input order; `json` returns a page of "
+            "`limit` inputs from `offset`. Inputs whose chunk failed are NaN rows in `npy` and "
+            "objects with `embedding: null` and an `error` in `jsonl` and `json`. 409 while the job "
+            "runs, 410 once its results expired or were deleted."
+        ),
+        parameters=[
+            JOB_ID_PARAMETER,
+            OpenApiParameter("format", OpenApiTypes.STR, enum=["jsonl", "json", "npy"], default="jsonl"),
+            OpenApiParameter(
+                "encoding_format",
+                OpenApiTypes.STR,
+                enum=["float", "base64"],
+                description="Default: the job's encoding_format.",
+            ),
+            OpenApiParameter("offset", OpenApiTypes.INT, description="`json` only (default 0)."),
+            OpenApiParameter("limit", OpenApiTypes.INT, description="`json` only: 1 to 1000 (default 100)."),
+        ],
+        responses={
+            (200, "application/json"): s.JobResultsPageSerializer,
+            (200, "application/jsonl"): OpenApiResponse(
+                OpenApiTypes.STR,
+                description="One JSON object a line",
+                examples=[
+                    OpenApiExample("Two lines, one failed", value=RESULT_LINES_EXAMPLE, response_only=True)
+                ],
+            ),
+            (200, "application/x-npy"): OpenApiResponse(
+                OpenApiTypes.BINARY, description="A NumPy .npy file: float32, shape (inputs, dimensions)"
+            ),
+            **AUTH_ERRORS,
+            404: JOB_NOT_FOUND,
+            409: _error_response("The job has not finished", JobNotFinished()),
+            410: _error_response("The results expired or were deleted", JobExpired()),
+            422: _error_response(
+                "A bad format, offset or limit",
+                ValidationFailed('format: "csv" is not a valid choice.', param="format"),
+            ),
+        },
+        examples=[
+            OpenApiExample(
+                "A page (format=json)",
+                value={
+                    "object": "list",
+                    "data": [{"object": "embedding", "index": 0, "id": "doc-1", "embedding": EXAMPLE_VECTOR}],
+                    "model": "all-MiniLM-L6-v2",
+                    "offset": 0,
+                    "total": 2,
+                    "has_more": True,
+                },
+                response_only=True,
+                status_codes=["200"],
+                media_type="application/json",
+            )
+        ],
+        tags=["jobs"],
+    )
+    async def get(self, request: Request, job_id: str):
+        params = validated(s.JobResultsQuery, request.query_params.dict())
+        job, model_name, (store, rows_per_chunk, dims) = await _finished_job(request.user, job_id)
+        encoding = params.get("encoding_format") or job.encoding_format
+        total = sum(rows_per_chunk)
+        if params["format"] == "json":
+            offset, limit = params["offset"], params["limit"]
+            data = await sync_to_async(json_page, thread_sensitive=False)(
+                store, rows_per_chunk, dims, encoding=encoding, offset=offset, limit=limit
+            )
+            return Response(
+                {
+                    "object": "list",
+                    "data": data,
+                    "model": model_name,
+                    "offset": offset,
+                    "total": total,
+                    "has_more": offset + limit < total,
+                }
+            )
+        if params["format"] == "npy":
+            response = StreamingHttpResponse(
+                in_threads(lambda: iter_npy(store, rows_per_chunk, dims)), content_type="application/x-npy"
+            )
+            response["Content-Length"] = str(len(npy_header(total, dims)) + total * dims * 4)
+        else:
+            response = StreamingHttpResponse(
+                in_threads(lambda: iter_jsonl(store, rows_per_chunk, dims, encoding=encoding)),
+                content_type="application/jsonl",
+            )
+        response["Content-Disposition"] = f'attachment; filename="{job.public_id}.{params["format"]}"'
+        return response

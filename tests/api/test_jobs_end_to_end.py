@@ -1,0 +1,190 @@
+"""A job's whole life on a real stack: uvicorn serving the API and a real Celery worker embedding the
+chunks (real Triton, real Redis, one sqlite file shared by both), then downloads in every format,
+equal to the synchronous /v1/embeddings of the same inputs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+import numpy as np
+import orjson
+import pytest
+
+from embeddings.management.commands.runstack import start_celery
+from embeddings.triton.server import die_with_parent, free_port
+from tests.api.conftest import REPO_ROOT, _manage, _stop
+
+MODEL = "all-MiniLM-L6-v2"
+TEXTS = [f"document number {i}: {'a longer text ' * (i % 4)}about embeddings" for i in range(10)]
+# Chunks of 4: three chunks, the last one short.
+CHUNK_SIZE = 4
+
+
+@dataclass
+class JobStack:
+    base_url: str
+    headers: dict[str, str]
+    logs: list[Path]
+
+    def logs_tail(self) -> str:
+        return "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in self.logs)
+
+
+@pytest.fixture(scope="module")
+def job_stack(triton_server, redis_server, tmp_path_factory) -> Iterator[JobStack]:
+    workdir = tmp_path_factory.mktemp("job_stack")
+    port = free_port()
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "embedsite.settings",
+        "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
+        "TRITON_SERVER_URL": triton_server.grpc_target,
+        "REDIS_URL": redis_server.url,
+        "CELERY_BROKER_URL": redis_server.url,
+        "EMBEDSITE_RUN_DIR": str(workdir),
+        "JOB_CHUNK_SIZE": str(CHUNK_SIZE),
+    }
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    _manage(env, "migrate", "--noinput")
+    _manage(env, "register_local_model")
+    _manage(env, "create_tenant", "--name", "Jobs", "--slug", "jobs")
+    api_key = _manage(env, "create_api_key", "--tenant", "jobs")
+    server_log = workdir / "uvicorn.log"
+    worker_log = workdir / "worker.log"
+    with server_log.open("wb") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "embedsite.asgi:application", "--host", "127.0.0.1",
+             "--port", str(port), "--no-access-log"],
+            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+    worker = start_celery("worker", worker_log, env=env)
+    stack = JobStack(
+        f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {api_key}"}, [server_log, worker_log]
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx2.get(f"{stack.base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx2.TransportError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                pytest.fail(f"uvicorn did not start:\n{stack.logs_tail()}")
+            time.sleep(0.2)
+        yield stack
+    finally:
+        _stop(worker)
+        _stop(server)
+
+
+@pytest.fixture
+def http(job_stack) -> Iterator[httpx2.Client]:
+    with httpx2.Client(base_url=job_stack.base_url, headers=job_stack.headers, timeout=60) as client:
+        yield client
+
+
+def finished(http: httpx2.Client, stack: JobStack, job_id: str, timeout_s: float = 120) -> dict:
+    """Poll until the job finishes (a deadline against hanging, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = http.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] in {"completed", "failed", "cancelled", "expired"}:
+            return job
+        time.sleep(0.2)
+    pytest.fail(f"job {job_id} did not finish: {job}\n{stack.logs_tail()}")
+
+
+def synchronous(http: httpx2.Client, texts: list[str], **options) -> tuple[np.ndarray, int]:
+    response = http.post("/v1/embeddings", json={"model": MODEL, "input": texts, **options})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return np.array([item["embedding"] for item in body["data"]], dtype=np.float32), body["usage"][
+        "prompt_tokens"
+    ]
+
+
+def jsonl_vectors(body: bytes, *, encoding: str) -> tuple[list[dict], np.ndarray]:
+    records = [orjson.loads(line) for line in body.splitlines()]
+    if encoding == "base64":
+        vectors = [np.frombuffer(base64.b64decode(r["embedding"]), dtype="<f4") for r in records]
+    else:
+        vectors = [np.array(r["embedding"], dtype=np.float32) for r in records]
+    return records, np.stack(vectors)
+
+
+def test_submit_poll_download_in_every_format(http, job_stack):
+    submitted = http.post("/v1/jobs", json={"model": MODEL, "input": TEXTS, "metadata": {"run": "e2e"}})
+    assert submitted.status_code == 202, submitted.text
+    job_id = submitted.json()["id"]
+    # Not downloadable before it finishes (it may already have: then this is skipped).
+    early = http.get(f"/v1/jobs/{job_id}/results")
+    if http.get(f"/v1/jobs/{job_id}").json()["status"] in {"queued", "running"} and early.status_code != 200:
+        assert early.status_code == 409 and early.json()["error"]["code"] == "job_not_finished"
+    job = finished(http, job_stack, job_id)
+    expected, tokens = synchronous(http, TEXTS)
+    assert job["status"] == "completed", job
+    assert job["counts"] == {"total": 10, "completed": 10, "failed": 0}
+    assert job["usage"] == {"prompt_tokens": tokens}
+    assert job["error"] is None and job["metadata"] == {"run": "e2e"}
+    assert job["started_at"] is not None and job["finished_at"] >= job["started_at"]
+
+    npy = http.get(f"/v1/jobs/{job_id}/results?format=npy")
+    assert npy.status_code == 200, npy.text
+    assert npy.headers["content-disposition"] == f'attachment; filename="{job_id}.npy"'
+    assert int(npy.headers["content-length"]) == len(npy.content)
+    array = np.load(io.BytesIO(npy.content))
+    assert array.dtype == np.float32 and array.shape == (10, 384)
+    np.testing.assert_allclose(array, expected, atol=2e-5)
+
+    for encoding in ("float", "base64"):
+        jsonl = http.get(f"/v1/jobs/{job_id}/results?format=jsonl&encoding_format={encoding}")
+        assert jsonl.status_code == 200, jsonl.text
+        assert jsonl.headers["content-disposition"] == f'attachment; filename="{job_id}.jsonl"'
+        records, vectors = jsonl_vectors(jsonl.content, encoding=encoding)
+        assert [r["index"] for r in records] == list(range(10))
+        assert all("id" not in r and "error" not in r for r in records)
+        np.testing.assert_allclose(vectors, expected, atol=2e-5)
+
+    pages, offset = [], 0
+    while True:
+        page = http.get(f"/v1/jobs/{job_id}/results?format=json&offset={offset}&limit=3").json()
+        assert page["object"] == "list" and page["total"] == 10 and page["model"] == MODEL
+        pages += page["data"]
+        offset += 3
+        if not page["has_more"]:
+            break
+    assert offset == 12 and [r["index"] for r in pages] == list(range(10))
+    np.testing.assert_allclose(np.array([r["embedding"] for r in pages]), expected, atol=2e-5)
+    assert http.get(f"/v1/jobs/{job_id}/results?format=json&offset=20").json()["data"] == []
+
+
+def test_an_uploaded_jsonl_keeps_its_ids_and_options(http, job_stack):
+    lines = b"".join(orjson.dumps({"id": f"doc-{i}", "text": text}) + b"\n" for i, text in enumerate(TEXTS))
+    submitted = http.post(
+        "/v1/jobs",
+        files={"file": ("corpus.jsonl", lines, "application/octet-stream")},
+        data={"model": MODEL, "dimensions": "64", "encoding_format": "base64"},
+    )
+    assert submitted.status_code == 202, submitted.text
+    job = finished(http, job_stack, submitted.json()["id"])
+    assert job["status"] == "completed" and job["dimensions"] == 64, job
+    expected, _ = synchronous(http, TEXTS, dimensions=64)
+    # The job's encoding_format (base64) is the download's default.
+    jsonl = http.get(f"/v1/jobs/{job['id']}/results?format=jsonl")
+    records, vectors = jsonl_vectors(jsonl.content, encoding="base64")
+    assert [r["id"] for r in records] == [f"doc-{i}" for i in range(10)]
+    np.testing.assert_allclose(vectors, expected, atol=2e-5)
+    page = http.get(f"/v1/jobs/{job['id']}/results?format=json&offset=8&limit=5&encoding_format=float").json()
+    assert [r["id"] for r in page["data"]] == ["doc-8", "doc-9"] and page["has_more"] is False
+    np.testing.assert_allclose(np.array([r["embedding"] for r in page["data"]]), expected[8:], atol=2e-5)
