@@ -21,6 +21,7 @@ from embeddings.api.authentication import principal_for_api_key
 from embeddings.api.errors import ApiError, Unauthorized
 from embeddings.models import EmbeddingJob
 from embeddings.services.job_events import job_group
+from embeddings.services.jobs import job_for_tenant, job_object
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ def api_key_from_scope(scope: dict) -> str | None:
 
 
 def _job_for_tenant(*, tenant_id: int, public_id: str) -> dict | None:
-    from embeddings.services.jobs import job_for_tenant, job_object
-
     job = job_for_tenant(tenant_id=tenant_id, public_id=public_id)
     return None if job is None else job_object(job)
 
