@@ -350,3 +350,13 @@ async def test_results_are_410_once_expired(client, alpha):
         for fmt in ("jsonl", "json", "npy"):
             response = await client.get(f"/v1/jobs/{job_id}/results?format={fmt}", headers=alpha.headers)
             assert_error(response, 410, "job_expired")
+
+
+async def test_a_job_over_the_token_budget_is_429_and_creates_nothing(client, alpha):
+    alpha.tenant.tokens_per_month = 10
+    await sync_to_async(alpha.tenant.save)(update_fields=["tokens_per_month"])
+    response = await submit(client, alpha, job_body(input=["a text long enough to need many tokens"] * 3))
+    assert_error(response, 429, "insufficient_quota")
+    assert "retry-after" in response.headers
+    assert await sync_to_async(EmbeddingJob.objects.count)() == 0
+    assert not list(redis_sync().scan_iter("job:*"))
