@@ -10,7 +10,7 @@ REQUIREMENTS := requirements.txt requirements-test.txt requirements-export.txt r
 MODEL_ONNX := model_repository/minilm/1/model.onnx
 PROTOCOL := embeddings/triton/protocol/grpc_service_pb2.py
 
-.PHONY: run test setup bench bench-api bench-quota lint clean-venv
+.PHONY: run test setup bench bench-api bench-quota bench-jobs lint clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
 run: setup
@@ -33,6 +33,10 @@ bench-api: setup
 ## bench-quota: what quotas cost a request (p50/p90, quotas on vs off, one run; table and JSON)
 bench-quota: setup
 	$(PY) bench/quota.py
+
+## bench-jobs: a 100,000-text job end to end vs raw ONNX Runtime, download times and memory (JSON)
+bench-jobs: setup
+	$(PY) bench/jobs.py $(BENCH_ARGS)
 
 setup: .run/.system-packages $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated
 
