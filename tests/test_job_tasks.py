@@ -213,3 +213,16 @@ def test_cancel_stops_a_running_job(job_stack, start_worker):
     )
     job = job_stack.wait(job_id, {"cancelled"}, [log], timeout_s=30)
     assert 8 <= job["completed"] < 400 and job["finished_at"] is not None
+
+
+def test_job_tasks_are_registered_and_scheduled():
+    from embedsite.celery import app
+
+    app.loader.import_default_modules()
+    schedule = app.conf.beat_schedule
+    assert schedule["expire-jobs"]["task"] == "embeddings.tasks.job_expire_task"
+    assert schedule["job-watchdog"]["task"] == "embeddings.tasks.job_watchdog_task"
+    for name in ("job_chunk_task", "job_expire_task", "job_watchdog_task", "job_callback_task"):
+        assert f"embeddings.tasks.{name}" in app.tasks
+    assert app.conf.worker_prefetch_multiplier == 1
+    assert app.conf.broker_transport_options["visibility_timeout"] >= 3600
