@@ -69,7 +69,8 @@ def job_watchdog_task() -> int:
 
 @shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)
 def job_callback_task(self, job_id: int) -> None:
-    """POST a finished job to its callback_url; retried with backoff up to JOB_CALLBACK_RETRIES."""
+    """POST a finished job to its callback_url; retried JOB_CALLBACK_RETRIES times after
+    JOB_CALLBACK_BACKOFF_S * 2^attempt seconds (5 s, 10 s, ... by default; at most an hour)."""
     try:
         job_callback_deliver(job_id=job_id)
     except CallbackRetry as error:
@@ -78,5 +79,5 @@ def job_callback_task(self, job_id: int) -> None:
                 "job %s: callback given up after %s attempts: %s", job_id, self.request.retries + 1, error
             )
             return
-        countdown = min(3600, 5 * 2**self.request.retries)  # 5 s, 10 s, ... up to an hour
+        countdown = min(3600, settings.JOB_CALLBACK_BACKOFF_S * 2**self.request.retries)
         raise self.retry(exc=error, countdown=countdown) from error

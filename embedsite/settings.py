@@ -305,6 +305,8 @@ JOB_CHUNK_RETRIES = env_int("JOB_CHUNK_RETRIES", 5, minimum=0)
 # Keys the HMAC of callback signatures (header Embedsite-Signature).
 JOB_CALLBACK_SECRET = env_str("JOB_CALLBACK_SECRET", SECRET_KEY)
 JOB_CALLBACK_RETRIES = env_int("JOB_CALLBACK_RETRIES", 6, minimum=0)
+# A failed callback is retried after BACKOFF_S * 2^attempt seconds (at most an hour).
+JOB_CALLBACK_BACKOFF_S = env_float("JOB_CALLBACK_BACKOFF_S", 5.0, minimum=0.0)
 # A chunk whose Triton call failed (unavailable, timeout) is retried after BACKOFF_S * 2^attempt
 # seconds, at most BACKOFF_MAX_S (keep it under CELERY_VISIBILITY_TIMEOUT_S: a countdown longer
 # than the visibility timeout gets the message delivered twice).

@@ -9,14 +9,17 @@ import json
 import os
 import signal
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from embeddings.management.commands.runstack import start_celery
+from embeddings.services.job_callbacks import SIGNATURE_HEADER, callback_signature_valid
 from embeddings.services.redis_clients import redis_sync
 from embeddings.services.usage import LIVE_USAGE_KEY
 from embeddings.triton.server import free_port
@@ -226,3 +229,72 @@ def test_job_tasks_are_registered_and_scheduled():
         assert f"embeddings.tasks.{name}" in app.tasks
     assert app.conf.worker_prefetch_multiplier == 1
     assert app.conf.broker_transport_options["visibility_timeout"] >= 3600
+
+
+SUBMIT_WITH_CALLBACK = """
+import json
+from embeddings.models import EmbeddingModel, Tenant
+from embeddings.services.jobs import JobSpec, job_create
+spec = JobSpec(model=EmbeddingModel.objects.get(), texts={texts!r}, callback_url={url!r})
+job, _ = job_create(tenant_id=Tenant.objects.get(slug="alpha").pk, api_key_id=None, spec=spec)
+print(json.dumps(job.pk))
+"""
+
+JOB_OBJECT = """
+import json
+from embeddings.models import EmbeddingJob
+from embeddings.services.jobs import job_object
+print(json.dumps(job_object(EmbeddingJob.objects.select_related("model").get(pk={job_id}))))
+"""
+
+
+@pytest.fixture
+def callback_receiver() -> Iterator[tuple[str, list[tuple[dict[str, str], bytes]]]]:
+    """A local HTTP server that answers 503 to the first two POSTs and 200 after; (url, requests)."""
+    received: list[tuple[dict[str, str], bytes]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            received.append((dict(self.headers), body))
+            self.send_response(503 if len(received) <= 2 else 200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hooks/embedsite", received
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def test_a_callback_is_retried_until_delivered_signed(job_stack, start_worker, callback_receiver):
+    """503, 503, 200: the worker's job_callback_task retries (backoff 0.1 s, 0.2 s) and the third
+    POST delivers the job object, each one signed with JOB_CALLBACK_SECRET."""
+    url, received = callback_receiver
+    secret = "callback-test-secret"
+    _, log = start_worker(JOB_CALLBACK_SECRET=secret, JOB_CALLBACK_BACKOFF_S="0.1")
+    script = SUBMIT_WITH_CALLBACK.format(texts=texts("callback", 6), url=url)
+    job_id = json.loads(_manage(job_stack.env, "shell", "-c", script).splitlines()[-1])
+    job_stack.wait(job_id, {"completed"}, [log])
+    deadline = time.monotonic() + 60
+    while job_stack.job(job_id)["callback_delivered_at"] is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    job = job_stack.job(job_id)
+    assert job["callback_delivered_at"] is not None, log.read_text()[-4000:]
+    assert job["callback_attempts"] == 3 and len(received) == 3
+    expected = json.loads(
+        _manage(job_stack.env, "shell", "-c", JOB_OBJECT.format(job_id=job_id)).splitlines()[-1]
+    )
+    assert expected["status"] == "completed" and expected["counts"]["completed"] == 6
+    for headers, body in received:
+        assert headers["Content-Type"] == "application/json"
+        assert json.loads(body) == expected
+        assert callback_signature_valid(body, headers[SIGNATURE_HEADER], secret=secret)
+        assert not callback_signature_valid(body, headers[SIGNATURE_HEADER], secret="another secret")
+    assert log.read_text().count("Retry in") == 2
