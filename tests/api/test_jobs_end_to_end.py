@@ -6,22 +6,15 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx2
 import numpy as np
 import orjson
 import pytest
 
-from embeddings.management.commands.runstack import start_celery
-from embeddings.triton.server import die_with_parent, free_port
-from tests.api.conftest import REPO_ROOT, _manage, _stop
+from tests.job_stack import JobStack, job_stack_running
 
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = [f"document number {i}: {'a longer text ' * (i % 4)}about embeddings" for i in range(10)]
@@ -29,63 +22,15 @@ TEXTS = [f"document number {i}: {'a longer text ' * (i % 4)}about embeddings" fo
 CHUNK_SIZE = 4
 
 
-@dataclass
-class JobStack:
-    base_url: str
-    headers: dict[str, str]
-    logs: list[Path]
-
-    def logs_tail(self) -> str:
-        return "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in self.logs)
-
-
 @pytest.fixture(scope="module")
 def job_stack(triton_server, redis_server, tmp_path_factory) -> Iterator[JobStack]:
-    workdir = tmp_path_factory.mktemp("job_stack")
-    port = free_port()
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-        "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
-        "TRITON_SERVER_URL": triton_server.grpc_target,
-        "REDIS_URL": redis_server.url,
-        "CELERY_BROKER_URL": redis_server.url,
-        "EMBEDSITE_RUN_DIR": str(workdir),
-        "JOB_CHUNK_SIZE": str(CHUNK_SIZE),
-    }
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    _manage(env, "migrate", "--noinput")
-    _manage(env, "register_local_model")
-    _manage(env, "create_tenant", "--name", "Jobs", "--slug", "jobs")
-    api_key = _manage(env, "create_api_key", "--tenant", "jobs")
-    server_log = workdir / "uvicorn.log"
-    worker_log = workdir / "worker.log"
-    with server_log.open("wb") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "embedsite.asgi:application", "--host", "127.0.0.1",
-             "--port", str(port), "--no-access-log"],
-            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )  # fmt: skip
-    worker = start_celery("worker", worker_log, env=env)
-    stack = JobStack(
-        f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {api_key}"}, [server_log, worker_log]
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx2.get(f"{stack.base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx2.TransportError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                pytest.fail(f"uvicorn did not start:\n{stack.logs_tail()}")
-            time.sleep(0.2)
+    with job_stack_running(
+        triton_server=triton_server,
+        redis_server=redis_server,
+        workdir=tmp_path_factory.mktemp("job_stack"),
+        chunk_size=CHUNK_SIZE,
+    ) as stack:
         yield stack
-    finally:
-        _stop(worker)
-        _stop(server)
 
 
 @pytest.fixture

@@ -1,0 +1,83 @@
+"""A whole jobs stack for end-to-end tests: uvicorn serving the API and a real Celery worker
+(real Triton, real Redis, one sqlite file shared by both), with a tenant and its API key."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from embeddings.management.commands.runstack import start_celery
+from embeddings.triton.server import die_with_parent, free_port
+from tests.api.conftest import REPO_ROOT, _manage, _stop
+
+
+@dataclass
+class JobStack:
+    base_url: str
+    api_key: str
+    env: dict[str, str]  # the servers' environment (settings, database file), for manage.py commands
+    logs: list[Path]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def logs_tail(self) -> str:
+        return "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in self.logs)
+
+
+@contextlib.contextmanager
+def job_stack_running(*, triton_server, redis_server, workdir: Path, chunk_size: int) -> Iterator[JobStack]:
+    """Migrate a fresh database in `workdir`, register the local model, create tenant `jobs` with a
+    key, start uvicorn and a worker; stop both on exit."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "embedsite.settings",
+        "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
+        "TRITON_SERVER_URL": triton_server.grpc_target,
+        "REDIS_URL": redis_server.url,
+        "CELERY_BROKER_URL": redis_server.url,
+        "EMBEDSITE_RUN_DIR": str(workdir),
+        "JOB_CHUNK_SIZE": str(chunk_size),
+    }
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    _manage(env, "migrate", "--noinput")
+    _manage(env, "register_local_model")
+    _manage(env, "create_tenant", "--name", "Jobs", "--slug", "jobs")
+    api_key = _manage(env, "create_api_key", "--tenant", "jobs")
+    server_log = workdir / "uvicorn.log"
+    worker_log = workdir / "worker.log"
+    with server_log.open("wb") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "embedsite.asgi:application", "--host", "127.0.0.1",
+             "--port", str(port), "--no-access-log"],
+            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+    worker = start_celery("worker", worker_log, env=env)
+    stack = JobStack(f"http://127.0.0.1:{port}", api_key, env, [server_log, worker_log])
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx2.get(f"{stack.base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx2.TransportError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                pytest.fail(f"uvicorn did not start:\n{stack.logs_tail()}")
+            time.sleep(0.2)
+        yield stack
+    finally:
+        _stop(worker)
+        _stop(server)
