@@ -9,9 +9,9 @@ Keys (the `{job id}` hash tag keeps one job's keys on one Redis Cluster slot):
     job:{<id>}:progress      hash: completed, failed (inputs), tokens, chunks_done
     job:{<id>}:cancel        present once the job is cancelled
 
-A chunk's result, its entry in `done` and the progress counters are written by one Lua script, so
-a chunk that runs twice (a worker killed after writing, Celery redelivering) neither writes twice
-nor counts twice.
+A chunk's result, its entry in `done`, the progress counters and its usage counters are written by
+one Lua script, so a chunk that runs twice (a worker killed after writing, Celery redelivering)
+neither writes twice nor counts twice, and a worker killed right after it cannot lose its usage.
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ import numpy as np
 import orjson
 import redis
 
-# KEYS: done set, result key (empty string for a failed chunk), progress hash.
-# ARGV: chunk number, payload, ttl seconds, rows, tokens, counter ("completed" or "failed").
+from embeddings.services.usage import LIVE_USAGE_KEY
+
+# KEYS: done set, result key, progress hash, and optionally the live usage hash.
+# ARGV: chunk number, payload, ttl seconds, rows, tokens, counter ("completed" or "failed"), then
+# usage field/amount pairs (embeddings.services.usage): counted with the chunk, never apart from it.
 _FINISH_CHUNK = """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
     return 0
@@ -37,6 +40,9 @@ redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[5])
 redis.call('HINCRBY', KEYS[3], 'chunks_done', 1)
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
+for k = 7, #ARGV, 2 do
+    redis.call('HINCRBY', KEYS[4], ARGV[k], ARGV[k + 1])
+end
 return 1
 """
 
@@ -88,18 +94,38 @@ class JobStore:
     def is_chunk_done(self, chunk: int) -> bool:
         return bool(self.client.sismember(self.key("done"), chunk))
 
-    def finish_chunk(self, chunk: int, vectors: np.ndarray, *, tokens: int) -> bool:
-        """Write a chunk's vectors and count them, once; False if the chunk was already finished."""
+    def finish_chunk(
+        self, chunk: int, vectors: np.ndarray, *, tokens: int, usage: dict[str, int] | None = None
+    ) -> bool:
+        """Write a chunk's vectors and count them (and its usage increments), once; False if the
+        chunk was already finished."""
         payload = np.ascontiguousarray(vectors, dtype="<f4").tobytes()
-        return self._finish(chunk, payload, rows=len(vectors), tokens=tokens, counter="completed")
+        return self._finish(
+            chunk, payload, rows=len(vectors), tokens=tokens, counter="completed", usage=usage
+        )
 
-    def fail_chunk(self, chunk: int, *, rows: int) -> bool:
-        """Count a chunk's inputs as failed, once; False if the chunk was already finished."""
-        return self._finish(chunk, b"", rows=rows, tokens=0, counter="failed")
+    def fail_chunk(self, chunk: int, *, rows: int, usage: dict[str, int] | None = None) -> bool:
+        """Count a chunk's inputs as failed (and its usage increments), once; False if the chunk was
+        already finished."""
+        return self._finish(chunk, b"", rows=rows, tokens=0, counter="failed", usage=usage)
 
-    def _finish(self, chunk: int, payload: bytes, *, rows: int, tokens: int, counter: str) -> bool:
+    def _finish(
+        self,
+        chunk: int,
+        payload: bytes,
+        *,
+        rows: int,
+        tokens: int,
+        counter: str,
+        usage: dict[str, int] | None,
+    ) -> bool:
         keys = [self.key("done"), self.key("out", chunk), self.key("progress")]
-        return self._finish_chunk(keys=keys, args=[chunk, payload, self.ttl_s, rows, tokens, counter]) == 1
+        args: list = [chunk, payload, self.ttl_s, rows, tokens, counter]
+        if usage:
+            keys.append(LIVE_USAGE_KEY)
+            for field, amount in usage.items():
+                args += [field, amount]
+        return self._finish_chunk(keys=keys, args=args) == 1
 
     def progress(self) -> JobProgress:
         values = self.client.hgetall(self.key("progress"))

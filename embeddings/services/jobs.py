@@ -6,8 +6,9 @@ EmbeddingJob row. Life of a job:
     job_create     validate, idempotency, max concurrent jobs, reserve the whole job's tokens
                    (an upper bound), store the inputs, save the row, and after the commit hand out
                    the first JOB_CHUNKS_IN_FLIGHT chunks to the broker.
-    job_chunk_run  (a Celery task per chunk) embed one chunk, write it once (JobStore.finish_chunk),
-                   count its usage, mirror progress, and hand out exactly one successor chunk.
+    job_chunk_run  (a Celery task per chunk) embed one chunk, write it and count its usage once
+                   (one script: JobStore.finish_chunk), mirror progress, and hand out exactly
+                   one successor chunk.
     job_finalize   exactly once: completed | failed | cancelled, counts, tokens settled against
                    the reservation (the unused rest refunded), event published, callback enqueued.
     job_watchdog   (beat) re-sends the chunks of a job whose window stalled (a worker killed
@@ -66,7 +67,7 @@ from embeddings.services.quotas import (
     quota_reserve_sync,
 )
 from embeddings.services.redis_clients import redis_sync
-from embeddings.services.usage import UsageEvent, usage_record_sync
+from embeddings.services.usage import UsageEvent, usage_increments
 
 logger = logging.getLogger(__name__)
 
@@ -567,27 +568,25 @@ def job_chunk_run(*, job_id: int, chunk: int) -> None:
         if store.is_cancelled():
             _finish_cancelled(job)
             return
-        if store.finish_chunk(chunk, result.vectors, tokens=result.total_tokens):
-            _record_usage(job, "succeeded", len(texts), result.total_tokens, started)
+        usage = _usage(job, "succeeded", len(texts), result.total_tokens, started)
+        store.finish_chunk(chunk, result.vectors, tokens=result.total_tokens, usage=usage)
     _after_chunk(job, store, chunk)
 
 
-def _record_usage(job: EmbeddingJob, outcome: str, inputs: int, tokens: int, started: float) -> None:
-    try:
-        usage_record_sync(
-            UsageEvent(
-                tenant_id=job.tenant_id,
-                api_key_id=job.api_key_id,
-                model=job.model.name,
-                endpoint="jobs",
-                outcome=outcome,
-                inputs=inputs if outcome == "succeeded" else 0,
-                tokens=tokens if outcome == "succeeded" else 0,
-                latency_ms=round((time.perf_counter() - started) * 1000),
-            )
+def _usage(job: EmbeddingJob, outcome: str, inputs: int, tokens: int, started: float) -> dict[str, int]:
+    """A chunk's usage increments, counted by the script that finishes it (exactly once with it)."""
+    return usage_increments(
+        UsageEvent(
+            tenant_id=job.tenant_id,
+            api_key_id=job.api_key_id,
+            model=job.model.name,
+            endpoint="jobs",
+            outcome=outcome,
+            inputs=inputs if outcome == "succeeded" else 0,
+            tokens=tokens if outcome == "succeeded" else 0,
+            latency_ms=round((time.perf_counter() - started) * 1000),
         )
-    except redis.exceptions.RedisError as error:
-        logger.warning("could not record usage of job %s: %s", job.public_id, error)
+    )
 
 
 def _after_chunk(job: EmbeddingJob, store: JobStore, chunk: int) -> None:
@@ -624,8 +623,7 @@ def job_chunk_give_up(*, job_id: int, chunk: int, code: str, message: str) -> No
     store.cancel()  # chunks still queued or running stop at their next check
     rows_in = _chunk_rows(job)
     for number in range(job.chunks):
-        if store.fail_chunk(number, rows=rows_in[number]):
-            _record_usage(job, "failed", 0, 0, time.perf_counter())
+        store.fail_chunk(number, rows=rows_in[number], usage=_usage(job, "failed", 0, 0, time.perf_counter()))
     job_finalize(job_id=job.pk, status=Status.FAILED)
 
 

@@ -92,3 +92,14 @@ def test_jobs_do_not_share_keys(service_redis):
     first.finish_chunk(0, vectors(1), tokens=1)
     assert second.progress() == JobProgress()
     assert not second.is_chunk_done(0)
+
+
+def test_usage_is_counted_with_the_chunk_and_only_once(store):
+    from embeddings.services.usage import LIVE_USAGE_KEY
+
+    usage = {"1|2|3600|jobs|tokens|minilm": 7, "1|2|3600|jobs|requests|minilm": 1}
+    assert store.finish_chunk(0, vectors(2), tokens=7, usage=usage) is True
+    assert store.finish_chunk(0, vectors(2), tokens=7, usage=usage) is False
+    assert store.fail_chunk(1, rows=3, usage={"1|2|3600|jobs|failed|minilm": 1}) is True
+    counted = {field.decode(): int(amount) for field, amount in redis_sync().hgetall(LIVE_USAGE_KEY).items()}
+    assert counted == {**usage, "1|2|3600|jobs|failed|minilm": 1}
