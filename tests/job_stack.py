@@ -17,7 +17,7 @@ import pytest
 
 from embeddings.management.commands.runstack import start_celery
 from embeddings.triton.server import die_with_parent, free_port
-from tests.api.conftest import REPO_ROOT, _manage, _stop
+from tests.processes import REPO_ROOT, manage, stop_process_group
 
 
 @dataclass
@@ -51,10 +51,10 @@ def job_stack_running(*, triton_server, redis_server, workdir: Path, chunk_size:
         "JOB_CHUNK_SIZE": str(chunk_size),
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    _manage(env, "migrate", "--noinput")
-    _manage(env, "register_local_model")
-    _manage(env, "create_tenant", "--name", "Jobs", "--slug", "jobs")
-    api_key = _manage(env, "create_api_key", "--tenant", "jobs")
+    manage(env, "migrate", "--noinput")
+    manage(env, "register_local_model")
+    manage(env, "create_tenant", "--name", "Jobs", "--slug", "jobs")
+    api_key = manage(env, "create_api_key", "--tenant", "jobs")
     server_log = workdir / "uvicorn.log"
     worker_log = workdir / "worker.log"
     with server_log.open("wb") as log:
@@ -79,5 +79,5 @@ def job_stack_running(*, triton_server, redis_server, workdir: Path, chunk_size:
             time.sleep(0.2)
         yield stack
     finally:
-        _stop(worker)
-        _stop(server)
+        stop_process_group(worker)
+        stop_process_group(server)

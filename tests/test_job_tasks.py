@@ -23,7 +23,7 @@ from embeddings.services.job_callbacks import SIGNATURE_HEADER, callback_signatu
 from embeddings.services.redis_clients import redis_sync
 from embeddings.services.usage import LIVE_USAGE_KEY
 from embeddings.triton.server import free_port
-from tests.test_tasks import _manage, _stop
+from tests.processes import manage, stop_process_group
 
 SUBMIT = """
 import json
@@ -59,10 +59,10 @@ class JobStack:
     env: dict[str, str]
 
     def submit(self, jobs: list[tuple[str, list[str]]]) -> list[int]:
-        return json.loads(_manage(self.env, "shell", "-c", SUBMIT.format(jobs=jobs)).splitlines()[-1])
+        return json.loads(manage(self.env, "shell", "-c", SUBMIT.format(jobs=jobs)).splitlines()[-1])
 
     def compare(self, job_id: int) -> list:
-        return json.loads(_manage(self.env, "shell", "-c", COMPARE.format(job_id=job_id)).splitlines()[-1])
+        return json.loads(manage(self.env, "shell", "-c", COMPARE.format(job_id=job_id)).splitlines()[-1])
 
     def job(self, job_id: int) -> dict:
         with contextlib.closing(sqlite3.connect(self.path, timeout=10)) as connection:
@@ -99,10 +99,10 @@ def job_stack(redis_server, triton_server, tmp_path_factory) -> JobStack:
         "JOB_CHUNK_SIZE": "4",
         "USAGE_FOLD_INTERVAL_S": "3600",  # job usage stays in Redis, to be counted here
     }
-    _manage(env, "migrate", "--noinput")
-    _manage(env, "register_local_model")
+    manage(env, "migrate", "--noinput")
+    manage(env, "register_local_model")
     for slug in ("alpha", "beta"):
-        _manage(env, "create_tenant", "--name", slug.title(), "--slug", slug)
+        manage(env, "create_tenant", "--name", slug.title(), "--slug", slug)
     return JobStack(path, env)
 
 
@@ -119,7 +119,7 @@ def start_worker(job_stack, service_redis, tmp_path) -> Iterator:
 
     yield start
     for process in processes:
-        _stop(process)
+        stop_process_group(process)
 
 
 def texts(prefix: str, count: int) -> list[str]:
@@ -206,7 +206,7 @@ def test_cancel_stops_a_running_job(job_stack, start_worker):
     deadline = time.monotonic() + 60
     while job_stack.job(job_id)["completed"] < 8 and time.monotonic() < deadline:
         time.sleep(0.05)
-    _manage(
+    manage(
         job_stack.env,
         "shell",
         "-c",
@@ -280,7 +280,7 @@ def test_a_callback_is_retried_until_delivered_signed(job_stack, start_worker, c
     secret = "callback-test-secret"
     _, log = start_worker(JOB_CALLBACK_SECRET=secret, JOB_CALLBACK_BACKOFF_S="0.1")
     script = SUBMIT_WITH_CALLBACK.format(texts=texts("callback", 6), url=url)
-    job_id = json.loads(_manage(job_stack.env, "shell", "-c", script).splitlines()[-1])
+    job_id = json.loads(manage(job_stack.env, "shell", "-c", script).splitlines()[-1])
     job_stack.wait(job_id, {"completed"}, [log])
     deadline = time.monotonic() + 60
     while job_stack.job(job_id)["callback_delivered_at"] is None and time.monotonic() < deadline:
@@ -289,7 +289,7 @@ def test_a_callback_is_retried_until_delivered_signed(job_stack, start_worker, c
     assert job["callback_delivered_at"] is not None, log.read_text()[-4000:]
     assert job["callback_attempts"] == 3 and len(received) == 3
     expected = json.loads(
-        _manage(job_stack.env, "shell", "-c", JOB_OBJECT.format(job_id=job_id)).splitlines()[-1]
+        manage(job_stack.env, "shell", "-c", JOB_OBJECT.format(job_id=job_id)).splitlines()[-1]
     )
     assert expected["status"] == "completed" and expected["counts"]["completed"] == 6
     for headers, body in received:

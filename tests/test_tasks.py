@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,8 +16,8 @@ from celery import Celery
 
 from embeddings.management.commands.runstack import start_celery
 from embeddings.services.usage import UsageEvent, usage_record_sync
+from tests.processes import manage, stop_process_group
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 FOLD_TASK = "embeddings.tasks.usage_fold_task"
 
 
@@ -42,19 +39,6 @@ class StackDatabase:
         return row[0], row[1]
 
 
-def _manage(env: dict[str, str], *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, f"manage.py {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
-    return done.stdout.strip()
-
-
 @pytest.fixture(scope="module")
 def stack_database(redis_server, tmp_path_factory) -> StackDatabase:
     """A migrated sqlite file with one tenant; the environment that points a process at it."""
@@ -68,22 +52,11 @@ def stack_database(redis_server, tmp_path_factory) -> StackDatabase:
         "CELERY_BROKER_URL": redis_server.url,
         "EMBEDSITE_RUN_DIR": str(workdir),
     }
-    _manage(env, "migrate", "--noinput")
-    _manage(env, "create_tenant", "--name", "Worker", "--slug", "worker")
+    manage(env, "migrate", "--noinput")
+    manage(env, "create_tenant", "--name", "Worker", "--slug", "worker")
     with contextlib.closing(sqlite3.connect(path)) as connection:
         (tenant_id,) = connection.execute("SELECT id FROM embeddings_tenant WHERE slug = 'worker'").fetchone()
     return StackDatabase(path, env, tenant_id, workdir)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=20)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=10)
 
 
 @pytest.fixture
@@ -92,7 +65,7 @@ def celery_worker(stack_database, service_redis, tmp_path) -> Iterator[Path]:
     log_path = tmp_path / "worker.log"
     worker = start_celery("worker", log_path, env=stack_database.env)
     yield log_path
-    _stop(worker)
+    stop_process_group(worker)
 
 
 def wait_for_totals(
@@ -137,7 +110,7 @@ def test_beat_schedules_the_fold(stack_database, celery_worker, tmp_path):
     try:
         wait_for_totals(stack_database, "beat-model", expected, [celery_worker, log_path])
     finally:
-        _stop(beat)
+        stop_process_group(beat)
     assert f"Sending due task fold-usage ({FOLD_TASK})" in log_path.read_text()
     # Its schedule file where the settings put it: RUN_DIR.
     assert list(stack_database.run_dir.glob("celerybeat-schedule*"))

@@ -3,9 +3,7 @@ a real multi-worker uvicorn (`uvicorn_server`)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,8 +19,7 @@ from embeddings.services.catalog import embedding_model_register_local
 from embeddings.services.keys import api_key_create
 from embeddings.services.tenants import tenant_create
 from embeddings.triton.server import die_with_parent, free_port
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.processes import REPO_ROOT, manage, stop_process_group
 
 
 @dataclass
@@ -87,37 +84,12 @@ class LiveServer:
     api_key: str
     prometheus_dir: Path
     process: subprocess.Popen
-    # The server's environment (its database): for `_manage(server.env, ...)` in tests.
+    # The server's environment (its database): for `manage(server.env, ...)` in tests.
     env: dict[str, str] | None = None
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
-
-
-def _manage(env: dict[str, str], *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, f"manage.py {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
-    return done.stdout.strip()
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (the workers too), SIGKILL whatever is left after 15 s."""
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=15)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=15)
 
 
 @pytest.fixture(scope="session")
@@ -141,10 +113,10 @@ def uvicorn_server(
         "REDIS_URL": redis_server.url,
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    _manage(env, "migrate", "--noinput")
-    _manage(env, "register_local_model")
-    _manage(env, "create_tenant", "--name", "Live", "--slug", "live")
-    api_key = _manage(env, "create_api_key", "--tenant", "live")
+    manage(env, "migrate", "--noinput")
+    manage(env, "register_local_model")
+    manage(env, "create_tenant", "--name", "Live", "--slug", "live")
+    api_key = manage(env, "create_api_key", "--tenant", "live")
     # Only the server's workers write there (as with runstack), so their files can be counted.
     env["PROMETHEUS_MULTIPROC_DIR"] = str(prometheus_dir)
     log = (workdir / "uvicorn.log").open("wb")
@@ -162,7 +134,7 @@ def uvicorn_server(
         _wait_until_serving(server, workdir / "uvicorn.log")
         yield server
     finally:
-        _stop(process)
+        stop_process_group(process)
         log.close()
 
 

@@ -19,7 +19,8 @@ from embeddings.services.redis_clients import redis_sync, reset_redis_clients
 from embeddings.services.tenants import quota_limits_update
 from embeddings.services.usage import LIVE_USAGE_KEY
 from embeddings.triton.server import free_port
-from tests.api.conftest import LiveServer, TenantWithKey, _manage
+from tests.api.conftest import LiveServer, TenantWithKey
+from tests.processes import manage
 
 RATELIMIT_HEADERS = {
     f"x-ratelimit-{what}-{kind}"
@@ -245,8 +246,8 @@ def live_tenant(server: LiveServer, slug: str, **limits: int) -> dict[str, str]:
     """A tenant with these limits in the live server's database, and its key's headers."""
     env = {name: value for name, value in (server.env or {}).items() if name != "PROMETHEUS_MULTIPROC_DIR"}
     options = [arg for name, value in limits.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
-    _manage(env, "create_tenant", "--name", slug, "--slug", slug, *options)
-    key = _manage(env, "create_api_key", "--tenant", slug)
+    manage(env, "create_tenant", "--name", slug, "--slug", slug, *options)
+    key = manage(env, "create_api_key", "--tenant", slug)
     return {"Authorization": f"Bearer {key}"}
 
 

@@ -14,8 +14,8 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.api.conftest import REPO_ROOT
 from tests.job_stack import JobStack, job_stack_running
+from tests.processes import REPO_ROOT
 
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = [f"line {i} of the corpus: {'some more words ' * (i % 3)}about vectors" for i in range(10)]
