@@ -578,7 +578,7 @@ async def quota_release(
     *, reservation: Reservation | None, refund: bool, usage: UsageEvent | None = None
 ) -> None:
     """Free the reservation's leases; with `refund`, give its tokens back (inference failed); count
-    `usage` (as usage_record_async would) in the same round trip."""
+    `usage` (its usage_increments) in the same round trip."""
     keys, args = _settle_arguments(reservation, refund, usage)
     if len(keys) > 1 or usage is not None:
         _, settle = _scripts(redis_async())

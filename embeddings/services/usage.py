@@ -1,6 +1,8 @@
 """Usage accounting: every request counted in Redis on the hot path, folded into UsageBucket rows.
 
-Hot path: one pipelined HINCRBY batch on the hash LIVE_USAGE_KEY per request. Each hash field is
+Hot path: `usage_increments(event)` gives the HINCRBYs of one request (or job chunk) on the hash
+LIVE_USAGE_KEY; the scripts that settle a request's quota (services/quotas.py) and finish a job's
+chunk (services/job_store.py) apply them in the same round trip. Each hash field is
 one counter of one bucket: "<tenant>|<key or empty>|<hour epoch>|<endpoint>|<metric>|<model>"
 (the model last, so a "|" in a model's name cannot shift the other parts). Metrics are the
 UsageBucket counter fields: requests, succeeded, rejected, failed, inputs, tokens, latency_ms_total.
@@ -27,7 +29,7 @@ from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from embeddings.models import ApiKey, Tenant, UsageBucket, UsageFold
-from embeddings.services.redis_clients import redis_async, redis_sync
+from embeddings.services.redis_clients import redis_sync
 
 logger = logging.getLogger(__name__)
 
@@ -87,21 +89,12 @@ def usage_increments(event: UsageEvent) -> dict[str, int]:
     }
 
 
-def _queue_increments(pipeline, event: UsageEvent) -> None:
+def usage_record_sync(event: UsageEvent) -> None:
+    """Count one event on its own (tests, scripts); the request and job paths count it inside their
+    settling scripts instead."""
+    pipeline = redis_sync().pipeline(transaction=False)
     for field, amount in usage_increments(event).items():
         pipeline.hincrby(LIVE_USAGE_KEY, field, amount)
-
-
-async def usage_record_async(event: UsageEvent) -> None:
-    """Count one event (one round trip). Raises redis.exceptions.RedisError when Redis fails."""
-    pipeline = redis_async().pipeline(transaction=False)
-    _queue_increments(pipeline, event)
-    await pipeline.execute()
-
-
-def usage_record_sync(event: UsageEvent) -> None:
-    pipeline = redis_sync().pipeline(transaction=False)
-    _queue_increments(pipeline, event)
     pipeline.execute()
 
 
