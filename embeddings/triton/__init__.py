@@ -1,6 +1,15 @@
 """Triton Inference Server: the gRPC client, tensor codecs and the local server launcher. Nothing Django."""
 
-from .client import AsyncTritonClient, ModelSpec, ModelStatistics, TensorSpec, TritonClient
+from .client import (
+    PRIORITY_BULK,
+    PRIORITY_INTERACTIVE,
+    PRIORITY_LARGE,
+    AsyncTritonClient,
+    ModelSpec,
+    ModelStatistics,
+    TensorSpec,
+    TritonClient,
+)
 from .errors import (
     TritonError,
     TritonInvalidInput,
@@ -10,6 +19,9 @@ from .errors import (
 )
 
 __all__ = [
+    "PRIORITY_BULK",
+    "PRIORITY_INTERACTIVE",
+    "PRIORITY_LARGE",
     "AsyncTritonClient",
     "ModelSpec",
     "ModelStatistics",

@@ -64,6 +64,16 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+# Triton's dynamic batcher serves lower levels first when the model config sets priority_levels
+# (ours: 3, default 1): a request that fits in one sub-batch, the sub-batches of a large request,
+# then bulk work (job chunks). So across server processes a small request overtakes a large one's
+# queued sub-batches, and both overtake queued job chunks. A model without priority levels treats
+# any level as its default.
+PRIORITY_INTERACTIVE = 1
+PRIORITY_LARGE = 2
+PRIORITY_BULK = 3
+
+
 _ERRORS_BY_STATUS: dict[grpc.StatusCode, type[TritonError]] = {
     grpc.StatusCode.UNAVAILABLE: TritonUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: TritonTimeout,
@@ -331,7 +341,12 @@ class _TritonClientBase:
         )
 
     def _infer_op(
-        self, model: str, inputs: Mapping[str, np.ndarray], version: str, output_name: str | None
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        version: str,
+        output_name: str | None,
+        priority: int = 0,
     ) -> Operation:
         spec = yield from self._model_spec_op(model, version)
         output = spec.embedding_output(output_name)
@@ -346,6 +361,7 @@ class _TritonClientBase:
                 version=version,
                 datatypes=datatypes,
                 output_names=[output.name],
+                priority=priority,
             )
             for batch in codec.split_batches(rows, spec.max_batch_size)
         ]
@@ -363,10 +379,12 @@ class _TritonClientBase:
         return codec.reassemble(parts)
 
     def _embed_op(
-        self, model: str, version: str, output_name: str | None, make_inputs, *arguments
+        self, model: str, version: str, output_name: str | None, priority: int, make_inputs, *arguments
     ) -> Operation:
         spec = yield from self._model_spec_op(model, version)
-        embeddings = yield from self._infer_op(model, make_inputs(spec, *arguments), version, output_name)
+        embeddings = yield from self._infer_op(
+            model, make_inputs(spec, *arguments), version, output_name, priority
+        )
         if embeddings.ndim != 2 or embeddings.dtype != np.float32:
             raise TritonModelError(
                 f"model {model!r} answered {embeddings.dtype} {list(embeddings.shape)}, "
@@ -436,10 +454,14 @@ class AsyncTritonClient(_TritonClientBase):
         *,
         version: str = "",
         output_name: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
     ) -> np.ndarray:
         """One output (named, or the first FP32 one) for `inputs`, split into concurrent calls
-        of at most max_batch_size rows and reassembled in order."""
-        return await self._run(self._infer_op(model, inputs, version, output_name))
+        of at most max_batch_size rows and reassembled in order. `priority`: Triton's queue level
+        (PRIORITY_INTERACTIVE, PRIORITY_BULK; 0 the model's default); `timeout_s` replaces the
+        client's deadline for this call."""
+        return await self._run(self._infer_op(model, inputs, version, output_name, priority), timeout_s)
 
     async def embed_tokens(
         self,
@@ -449,17 +471,31 @@ class AsyncTritonClient(_TritonClientBase):
         *,
         version: str = "",
         output_name: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
     ) -> np.ndarray:
-        """FP32 [batch, dimensions] embeddings of token ids ([batch, sequence] each)."""
+        """FP32 [batch, dimensions] embeddings of token ids ([batch, sequence] each); `priority`
+        and `timeout_s` as for `infer`."""
         return await self._run(
-            self._embed_op(model, version, output_name, token_inputs, input_ids, attention_mask)
+            self._embed_op(model, version, output_name, priority, token_inputs, input_ids, attention_mask),
+            timeout_s,
         )
 
     async def embed_texts(
-        self, model: str, texts: Sequence[str | bytes], *, version: str = "", output_name: str | None = None
+        self,
+        model: str,
+        texts: Sequence[str | bytes],
+        *,
+        version: str = "",
+        output_name: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
     ) -> np.ndarray:
-        """FP32 [batch, dimensions] embeddings from a model that takes text (a BYTES input)."""
-        return await self._run(self._embed_op(model, version, output_name, text_inputs, texts))
+        """FP32 [batch, dimensions] embeddings from a model that takes text (a BYTES input);
+        `priority` and `timeout_s` as for `infer`."""
+        return await self._run(
+            self._embed_op(model, version, output_name, priority, text_inputs, texts), timeout_s
+        )
 
     async def close(self) -> None:
         channels, loop = self._channel_pool, self._loop
@@ -478,8 +514,8 @@ class AsyncTritonClient(_TritonClientBase):
             self._loop = loop
         return self._stubs[next(self._round_robin) % len(self._stubs)]
 
-    async def _call(self, call: Call) -> Any:
-        deadline = time.monotonic() + self.timeout_s
+    async def _call(self, call: Call, timeout_s: float | None = None) -> Any:
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         for attempt in itertools.count():
             method = getattr(self._stub(), call.method)
             try:
@@ -488,10 +524,10 @@ class AsyncTritonClient(_TritonClientBase):
                 delay = self._retry_delay(error, call, attempt, deadline)
             await asyncio.sleep(delay)
 
-    async def _gather(self, calls: list[Call]) -> list[Any]:
+    async def _gather(self, calls: list[Call], timeout_s: float | None = None) -> list[Any]:
         if len(calls) == 1:
-            return [await self._call(calls[0])]
-        tasks = [asyncio.ensure_future(self._call(call)) for call in calls]
+            return [await self._call(calls[0], timeout_s)]
+        tasks = [asyncio.ensure_future(self._call(call, timeout_s)) for call in calls]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:
@@ -500,7 +536,7 @@ class AsyncTritonClient(_TritonClientBase):
                 task.cancel()
             raise
 
-    async def _run(self, operation: Operation) -> Any:
+    async def _run(self, operation: Operation, timeout_s: float | None = None) -> Any:
         response = None
         try:
             while True:
@@ -508,7 +544,9 @@ class AsyncTritonClient(_TritonClientBase):
                     step = operation.send(response)
                 except StopIteration as done:
                     return done.value
-                response = await (self._gather(step) if isinstance(step, list) else self._call(step))
+                response = await (
+                    self._gather(step, timeout_s) if isinstance(step, list) else self._call(step, timeout_s)
+                )
         finally:
             operation.close()
 
@@ -561,10 +599,14 @@ class TritonClient(_TritonClientBase):
         *,
         version: str = "",
         output_name: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
     ) -> np.ndarray:
         """One output (named, or the first FP32 one) for `inputs`, split into concurrent calls
-        of at most max_batch_size rows and reassembled in order."""
-        return self._run(self._infer_op(model, inputs, version, output_name))
+        of at most max_batch_size rows and reassembled in order. `priority`: Triton's queue level
+        (PRIORITY_INTERACTIVE, PRIORITY_BULK; 0 the model's default); `timeout_s` replaces the
+        client's deadline for this call."""
+        return self._run(self._infer_op(model, inputs, version, output_name, priority), timeout_s)
 
     def embed_tokens(
         self,
@@ -574,15 +616,29 @@ class TritonClient(_TritonClientBase):
         *,
         version: str = "",
         output_name: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
     ) -> np.ndarray:
-        """FP32 [batch, dimensions] embeddings of token ids ([batch, sequence] each)."""
-        return self._run(self._embed_op(model, version, output_name, token_inputs, input_ids, attention_mask))
+        """FP32 [batch, dimensions] embeddings of token ids ([batch, sequence] each); `priority`
+        and `timeout_s` as for `infer`."""
+        return self._run(
+            self._embed_op(model, version, output_name, priority, token_inputs, input_ids, attention_mask),
+            timeout_s,
+        )
 
     def embed_texts(
-        self, model: str, texts: Sequence[str | bytes], *, version: str = "", output_name: str | None = None
+        self,
+        model: str,
+        texts: Sequence[str | bytes],
+        *,
+        version: str = "",
+        output_name: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
     ) -> np.ndarray:
-        """FP32 [batch, dimensions] embeddings from a model that takes text (a BYTES input)."""
-        return self._run(self._embed_op(model, version, output_name, text_inputs, texts))
+        """FP32 [batch, dimensions] embeddings from a model that takes text (a BYTES input);
+        `priority` and `timeout_s` as for `infer`."""
+        return self._run(self._embed_op(model, version, output_name, priority, text_inputs, texts), timeout_s)
 
     def close(self) -> None:
         with self._lock:
@@ -615,8 +671,8 @@ class TritonClient(_TritonClientBase):
                 self._executor = ThreadPoolExecutor(self.split_workers, thread_name_prefix="triton-split")
             return self._executor
 
-    def _call(self, call: Call) -> Any:
-        deadline = time.monotonic() + self.timeout_s
+    def _call(self, call: Call, timeout_s: float | None = None) -> Any:
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         for attempt in itertools.count():
             method = getattr(self._stub(), call.method)
             try:
@@ -625,10 +681,10 @@ class TritonClient(_TritonClientBase):
                 delay = self._retry_delay(error, call, attempt, deadline)
             time.sleep(delay)
 
-    def _gather(self, calls: list[Call]) -> list[Any]:
+    def _gather(self, calls: list[Call], timeout_s: float | None = None) -> list[Any]:
         if len(calls) == 1:
-            return [self._call(calls[0])]
-        futures = [self._split_executor().submit(self._call, call) for call in calls]
+            return [self._call(calls[0], timeout_s)]
+        futures = [self._split_executor().submit(self._call, call, timeout_s) for call in calls]
         try:
             return [future.result() for future in futures]
         except BaseException:
@@ -636,7 +692,7 @@ class TritonClient(_TritonClientBase):
                 future.cancel()
             raise
 
-    def _run(self, operation: Operation) -> Any:
+    def _run(self, operation: Operation, timeout_s: float | None = None) -> Any:
         response = None
         try:
             while True:
@@ -644,6 +700,8 @@ class TritonClient(_TritonClientBase):
                     step = operation.send(response)
                 except StopIteration as done:
                     return done.value
-                response = self._gather(step) if isinstance(step, list) else self._call(step)
+                response = (
+                    self._gather(step, timeout_s) if isinstance(step, list) else self._call(step, timeout_s)
+                )
         finally:
             operation.close()

@@ -115,9 +115,15 @@ def build_infer_request(
     version: str = "",
     datatypes: Mapping[str, str] | None = None,
     output_names: Sequence[str] = (),
+    priority: int = 0,
 ) -> pb.ModelInferRequest:
-    """A ModelInferRequest carrying every input as raw bytes; asks only for `output_names`."""
+    """A ModelInferRequest carrying every input as raw bytes; asks only for `output_names`.
+
+    priority: the queue level Triton's dynamic batcher serves it at (0: the model's default).
+    """
     request = pb.ModelInferRequest(model_name=model, model_version=version)
+    if priority:
+        request.parameters["priority"].int64_param = priority
     for name, array in inputs.items():
         array = np.asarray(array)
         datatype, raw = encode_tensor(array, (datatypes or {}).get(name), name=name)

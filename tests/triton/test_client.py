@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from embeddings.triton import (
+    PRIORITY_BULK,
+    PRIORITY_INTERACTIVE,
     AsyncTritonClient,
     TritonClient,
     TritonInvalidInput,
@@ -156,6 +158,49 @@ async def test_deadline_shorter_than_the_call_is_a_timeout(triton_server):
         client.infer("slow_echo", slow_inputs(sleep_ms=1500))
     with TritonClient(triton_server.grpc_target, timeout_s=5) as client:
         np.testing.assert_array_equal(client.infer("slow_echo", slow_inputs(sleep_ms=10)), [[1.0, 1.0]])
+
+
+async def test_a_call_s_own_timeout_replaces_the_client_deadline(triton_server):
+    async with AsyncTritonClient(triton_server.grpc_target, timeout_s=30) as client:
+        await client.model_metadata("slow_echo")
+        started = time.monotonic()
+        with pytest.raises(TritonTimeout):
+            await client.infer("slow_echo", slow_inputs(sleep_ms=1500), timeout_s=0.3)
+        assert time.monotonic() - started < 1.0
+    with TritonClient(triton_server.grpc_target, timeout_s=30) as client, pytest.raises(TritonTimeout):
+        client.infer("slow_echo", slow_inputs(sleep_ms=1500), timeout_s=0.3)
+
+
+async def test_bulk_work_queued_at_triton_yields_to_a_small_request(triton_server):
+    """minilm's config sets priority levels: with both model instances busy and more bulk rows
+    queued than one batch holds (max_batch_size 64), a small request sent last goes into the next
+    batch, ahead of bulk work queued before it. Without the levels it would wait for a second batch."""
+    rng = np.random.default_rng(7)
+
+    def batch(rows: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = rng.integers(1000, 20000, size=(rows, length))
+        return ids, np.ones_like(ids)
+
+    async with AsyncTritonClient(triton_server.grpc_target, timeout_s=120) as client:
+        await client.embed_tokens("minilm", *batch(1, 8))
+        finished: list[str] = []
+
+        async def call(name: str, priority: int, rows: int, length: int) -> None:
+            await client.embed_tokens("minilm", *batch(rows, length), priority=priority)
+            finished.append(name)
+
+        # Both instances busy; the second far longer, so the next batch forms on the first alone.
+        running = [asyncio.ensure_future(call("busy-long", PRIORITY_BULK, 32, 256))]
+        await asyncio.sleep(0.05)  # its own batch, not merged with the next
+        running.append(asyncio.ensure_future(call("busy-short", PRIORITY_BULK, 8, 256)))
+        await asyncio.sleep(0.05)
+        # 80 rows queued: the next batch can take 64 of them.
+        queued = [asyncio.ensure_future(call(f"queued{i}", PRIORITY_BULK, 8, 32)) for i in range(10)]
+        await asyncio.sleep(0.05)
+        await call("small", PRIORITY_INTERACTIVE, 1, 10)
+        await asyncio.gather(*running, *queued)
+    bulk_after_small = len(finished) - 1 - finished.index("small")
+    assert bulk_after_small >= 3, finished
 
 
 async def test_triton_killed_mid_call_fails_fast_with_a_clear_error(tmp_path):

@@ -199,3 +199,10 @@ def test_reassembled_result_is_writable():
     read_only = codec.decode_tensor(np.ones(4, np.float32).tobytes(), "FP32", [2, 2])
     assert not read_only.flags.writeable
     assert codec.reassemble([read_only]).flags.writeable
+
+
+def test_build_infer_request_carries_a_priority_only_when_asked():
+    inputs = {"input_ids": np.ones((1, 2), dtype=np.int64)}
+    assert "priority" not in codec.build_infer_request("m", inputs).parameters
+    request = codec.build_infer_request("m", inputs, priority=3)
+    assert request.parameters["priority"].int64_param == 3
