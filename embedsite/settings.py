@@ -224,10 +224,28 @@ DEFAULT_EMBEDDING_MODEL = env_str("DEFAULT_EMBEDDING_MODEL", "all-MiniLM-L6-v2")
 
 # --- API limits (per model overrides live on EmbeddingModel) -------------------------------------
 MAX_INPUTS_PER_REQUEST = env_int("MAX_INPUTS_PER_REQUEST", 2048, minimum=1)
-MAX_TOKENS_PER_REQUEST = env_int("MAX_TOKENS_PER_REQUEST", 300_000, minimum=1)
+# Sized so that a request at the limit finishes well within EMBEDDING_TIMEOUT_S on the machine the
+# defaults ship for (2 CPU cores: ~4,500 tokens/s of 256-token texts, so 32,768 tokens take ~7 s
+# alone, ~4x headroom for sharing). A GPU deployment raises it (README: sizing the limits).
+MAX_TOKENS_PER_REQUEST = env_int("MAX_TOKENS_PER_REQUEST", 32_768, minimum=1)
 MAX_REQUEST_BODY_BYTES = env_int("MAX_REQUEST_BODY_BYTES", 16 * 1024 * 1024, minimum=1024)
 # Inference requests one server process has in flight; beyond it, 429 with Retry-After at once.
 MAX_INFLIGHT_TRITON_CALLS = env_int("MAX_INFLIGHT_TRITON_CALLS", 64, minimum=1)
+# Fair, bounded inference (embeddings/services/scheduling.py): a request's rows go to Triton in
+# sub-batches of at most MAX_BATCH_TOKENS padded tokens, and each server process keeps at most
+# MAX_TOKENS_IN_FLIGHT of them at Triton, interleaving requests so a small one waits for about one
+# sub-batch of a large one, never its backlog. On 2 CPU cores a 2,048-token sub-batch takes ~0.5 s
+# alone and ~0.9 s beside another (two model instances).
+MAX_BATCH_TOKENS = env_int("MAX_BATCH_TOKENS", 2048, minimum=1)
+MAX_TOKENS_IN_FLIGHT = env_int("MAX_TOKENS_IN_FLIGHT", 2 * MAX_BATCH_TOKENS, minimum=1)
+if MAX_TOKENS_IN_FLIGHT < MAX_BATCH_TOKENS:
+    raise ImproperlyConfigured(
+        f"MAX_TOKENS_IN_FLIGHT ({MAX_TOKENS_IN_FLIGHT}) must be at least "
+        f"MAX_BATCH_TOKENS ({MAX_BATCH_TOKENS})"
+    )
+# A request's whole inference (its turn in the scheduler and every sub-batch) ends by then: 504
+# at the deadline, and its sub-batches not yet sent are dropped.
+EMBEDDING_TIMEOUT_S = env_float("EMBEDDING_TIMEOUT_S", 30.0, minimum=0.01)
 # Django refuses larger bodies before any view runs; our handler turns that into a 413.
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
 

@@ -23,7 +23,7 @@ ApiError (500 server_error)
 ├── UpstreamUnavailable (503 model_unavailable)       Triton down or the model not ready
 ├── QuotaUnavailable (503 quota_unavailable)          quotas cannot be checked (Redis down, fail closed)
 ├── JobQueueUnavailable (503 queue_unavailable)       the job queue (broker) refused a job, which was undone
-└── UpstreamTimeout (504 model_timeout)               Triton missed its deadline
+└── UpstreamTimeout (504 model_timeout)               Triton or the request missed its deadline
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from django.http import HttpRequest, HttpResponse
 from rest_framework import exceptions as drf
 
 from embeddings.services.errors import (
+    InferenceTimeout,
     InvalidRequest,
     JobConflict,
     LimitExceeded,
@@ -277,6 +278,8 @@ def as_api_error(exc: Exception) -> ApiError:
         return ValidationFailed(str(exc), param="input")
     if isinstance(exc, LimitExceeded):
         return PayloadTooLarge(exc.message, param=exc.param)
+    if isinstance(exc, InferenceTimeout):
+        return UpstreamTimeout(exc.message)
     if isinstance(exc, Overloaded):
         return RateLimited(exc.message, retry_after_s=exc.retry_after_s)
     if isinstance(exc, QuotaExceeded):

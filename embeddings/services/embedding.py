@@ -1,12 +1,17 @@
 """Embedding inputs: tokenise in the service, call Triton, post-process, count tokens.
 
-One implementation behind every endpoint, the Celery tasks and the `embed` command.
+One implementation behind every endpoint, the Celery tasks and the `embed` command. Requests are
+sent to Triton as token-bounded sub-batches (embeddings.services.scheduling): interleaved fairly
+with other requests on the async path, a few at a time at Triton's bulk priority on the blocking
+path, and each request's inference ends at its deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,10 +19,22 @@ import numpy as np
 from django.conf import settings
 
 from embeddings.metrics import TOKENIZATION_SECONDS, TRITON_IN_FLIGHT, triton_call_observed
-from embeddings.services.errors import InvalidRequest, LimitExceeded, Overloaded
-from embeddings.services.inference import model_tokenizer, triton_async_client, triton_sync_client
+from embeddings.services.errors import InferenceTimeout, InvalidRequest, LimitExceeded, Overloaded
+from embeddings.services.inference import (
+    inference_scheduler,
+    model_tokenizer,
+    triton_async_client,
+    triton_sync_client,
+)
+from embeddings.services.scheduling import SubBatch, reassembled, sub_batches
 from embeddings.tokenization import TextTokenizer, TokenizedBatch, TruncationDirection
-from embeddings.triton import ModelSpec, TritonModelError
+from embeddings.triton import (
+    PRIORITY_BULK,
+    PRIORITY_INTERACTIVE,
+    PRIORITY_LARGE,
+    ModelSpec,
+    TritonModelError,
+)
 
 if TYPE_CHECKING:
     from embeddings.models import EmbeddingModel
@@ -212,6 +229,78 @@ def _postprocess(target: EmbeddingTarget, vectors: np.ndarray, options: Embeddin
     return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
+# Tokenising this many characters (or token ids) takes milliseconds: done in a thread, so the
+# event loop keeps serving other requests meanwhile. Smaller inputs are cheaper than the hop.
+TOKENIZE_IN_THREAD_ABOVE = 32_768
+
+
+def _input_size(texts: Sequence[str] | None, token_ids: Sequence[Sequence[int]] | None) -> int:
+    if token_ids is not None:
+        return sum(len(ids) if isinstance(ids, list | tuple) else 1 for ids in token_ids)
+    return sum(len(text) if isinstance(text, str) else 1 for text in texts or ())
+
+
+def _plan(spec: ModelSpec, batch: TokenizedBatch) -> list[SubBatch]:
+    return sub_batches(
+        batch.token_counts,
+        max_batch_tokens=settings.MAX_BATCH_TOKENS,
+        max_rows=spec.max_batch_size,
+        buckets=tuple(settings.SEQUENCE_LENGTH_BUCKETS),
+    )
+
+
+def _sub_batch_inputs(batch: TokenizedBatch, group: SubBatch) -> tuple[np.ndarray, np.ndarray]:
+    """The sub-batch's rows, padded to its own width (the batch is right-padded to its longest)."""
+    if len(group.rows) == len(batch) and group.width >= batch.input_ids.shape[1]:
+        return batch.input_ids, batch.attention_mask
+    return batch.input_ids[group.rows, : group.width], batch.attention_mask[group.rows, : group.width]
+
+
+async def _gather_or_cancel(calls: Sequence[Awaitable[np.ndarray]]) -> list[np.ndarray]:
+    """Run the calls concurrently; the first failure (or our cancellation) cancels the rest."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+async def _infer(
+    target: EmbeddingTarget,
+    texts: Sequence[str] | None,
+    token_ids: Sequence[Sequence[int]] | None,
+    batch: TokenizedBatch,
+    deadline: float,
+) -> np.ndarray:
+    """All of the request's sub-batches through the process's fair scheduler, by `deadline`."""
+    client = triton_async_client()
+    model, version = target.triton_model, target.triton_version
+    spec = await client.model_metadata(model, version)
+    takes_text = _takes_text(spec, token_ids)
+    groups = _plan(spec, batch)
+    scheduler = inference_scheduler()
+    share = scheduler.share()
+
+    async def run(group: SubBatch) -> np.ndarray:
+        async with scheduler.slot(share, group.cost):
+            options = {
+                "version": version,
+                "output_name": settings.OUTPUT_NAME,
+                "priority": PRIORITY_INTERACTIVE if len(groups) == 1 else PRIORITY_LARGE,
+                # Each call within TRITON_TIMEOUT_S, and none past the request's deadline.
+                "timeout_s": max(0.001, min(settings.TRITON_TIMEOUT_S, deadline - time.monotonic())),
+            }
+            if takes_text:
+                rows = [texts[row] for row in group.rows] if len(groups) > 1 else list(texts or ())
+                return await client.embed_texts(model, rows, **options)
+            return await client.embed_tokens(model, *_sub_batch_inputs(batch, group), **options)
+
+    parts = [await run(groups[0])] if len(groups) == 1 else await _gather_or_cancel(map(run, groups))
+    return reassembled(list(zip(groups, parts, strict=True)), len(batch))
+
+
 async def embeddings_create(
     *,
     target: EmbeddingTarget,
@@ -219,48 +308,64 @@ async def embeddings_create(
     token_ids: Sequence[Sequence[int]] | None = None,
     options: EmbeddingOptions = EmbeddingOptions(),
     quota: RequestQuota | None = None,
+    timeout_s: float | None = None,
 ) -> EmbeddingResult:
     """Embed `texts` (or pre-tokenised `token_ids`) with the target model, in input order.
 
     With `quota`, the request's tokens are reserved against its tenant's and key's limits after
     tokenisation and before inference (QuotaExceeded refuses it with nothing spent), and settled
     afterwards: kept when it succeeded, refunded when inference failed.
+
+    Inference (waiting for its turn included) ends within `timeout_s` (EMBEDDING_TIMEOUT_S) of
+    the call: past it InferenceTimeout is raised at once, and the sub-batches not yet sent are
+    never sent. A cancelled call (the client went away) drops them likewise.
     """
+    timeout_s = settings.EMBEDDING_TIMEOUT_S if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
     _check_options(target, options)
     texts = _with_prompt(target, texts, options)
-    batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
-    client = triton_async_client()
+    if _input_size(texts, token_ids) > TOKENIZE_IN_THREAD_ABOVE:
+        batch, _, tokenization_s = await asyncio.to_thread(_tokenize, target, texts, token_ids, options)
+    else:
+        batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
     with inflight_gate:
         if quota is not None:
             await quota.reserve(inputs=len(batch), tokens=batch.total_tokens)
         try:
             with triton_call_observed(target.triton_model):
                 started = time.perf_counter()
-                version = target.triton_version
-                if _takes_text(await client.model_metadata(target.triton_model, version), token_ids):
-                    vectors = await client.embed_texts(
-                        target.triton_model,
-                        list(texts or ()),
-                        version=version,
-                        output_name=settings.OUTPUT_NAME,
-                    )
-                else:
-                    vectors = await client.embed_tokens(
-                        target.triton_model,
-                        batch.input_ids,
-                        batch.attention_mask,
-                        version=version,
-                        output_name=settings.OUTPUT_NAME,
-                    )
+                try:
+                    async with asyncio.timeout(deadline - time.monotonic()):
+                        vectors = await _infer(target, texts, token_ids, batch, deadline)
+                except TimeoutError:
+                    raise InferenceTimeout(
+                        f"The embeddings were not ready within this server's {timeout_s:g} s deadline "
+                        f"({len(batch)} inputs, {batch.total_tokens} tokens); send fewer or shorter "
+                        "inputs per request, or retry when the server is less busy."
+                    ) from None
                 inference_s = time.perf_counter() - started
             vectors = _postprocess(target, vectors, options)
-        except BaseException:  # a Triton error, a bad output, or the client went away (cancelled)
+        except BaseException:  # a Triton error, a bad output, the deadline, or the client went away
             if quota is not None:
                 await quota.settle(succeeded=False)
             raise
     if quota is not None:
         await quota.settle(succeeded=True)
     return EmbeddingResult(target.triton_model, vectors, batch.token_counts, tokenization_s, inference_s)
+
+
+def _run_windowed(calls: Sequence[Callable[[], np.ndarray]], window: int) -> list[np.ndarray]:
+    """Run blocking calls with at most `window` at a time, in order; a failure cancels the rest."""
+    if len(calls) == 1 or window <= 1:
+        return [call() for call in calls]
+    with ThreadPoolExecutor(min(window, len(calls)), thread_name_prefix="embed-sub-batch") as pool:
+        futures = [pool.submit(call) for call in calls]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
 
 
 def embeddings_create_sync(
@@ -270,26 +375,33 @@ def embeddings_create_sync(
     token_ids: Sequence[Sequence[int]] | None = None,
     options: EmbeddingOptions = EmbeddingOptions(),
 ) -> EmbeddingResult:
-    """The blocking twin of `embeddings_create`, for Celery workers and commands (no in-flight gate)."""
+    """The blocking twin of `embeddings_create`, for Celery workers and commands (no in-flight gate).
+
+    Its sub-batches go to Triton at the bulk priority, MAX_TOKENS_IN_FLIGHT / MAX_BATCH_TOKENS at a
+    time, so queued bulk work never stands in front of a request someone is waiting for.
+    """
     _check_options(target, options)
     texts = _with_prompt(target, texts, options)
     batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
     client = triton_sync_client()
-    with triton_call_observed(target.triton_model):
+    model, version = target.triton_model, target.triton_version
+    with triton_call_observed(model):
         started = time.perf_counter()
-        version = target.triton_version
-        if _takes_text(client.model_metadata(target.triton_model, version), token_ids):
-            vectors = client.embed_texts(
-                target.triton_model, list(texts or ()), version=version, output_name=settings.OUTPUT_NAME
-            )
-        else:
-            vectors = client.embed_tokens(
-                target.triton_model,
-                batch.input_ids,
-                batch.attention_mask,
-                version=version,
-                output_name=settings.OUTPUT_NAME,
-            )
+        spec = client.model_metadata(model, version)
+        takes_text = _takes_text(spec, token_ids)
+        groups = _plan(spec, batch)
+        call_options = {"version": version, "output_name": settings.OUTPUT_NAME, "priority": PRIORITY_BULK}
+
+        def call(group: SubBatch) -> Callable[[], np.ndarray]:
+            if takes_text:
+                rows = [texts[row] for row in group.rows] if len(groups) > 1 else list(texts or ())
+                return lambda: client.embed_texts(model, rows, **call_options)
+            input_ids, attention_mask = _sub_batch_inputs(batch, group)
+            return lambda: client.embed_tokens(model, input_ids, attention_mask, **call_options)
+
+        window = max(1, settings.MAX_TOKENS_IN_FLIGHT // settings.MAX_BATCH_TOKENS)
+        parts = _run_windowed([call(group) for group in groups], window)
+        vectors = reassembled(list(zip(groups, parts, strict=True)), len(batch))
         inference_s = time.perf_counter() - started
     vectors = _postprocess(target, vectors, options)
-    return EmbeddingResult(target.triton_model, vectors, batch.token_counts, tokenization_s, inference_s)
+    return EmbeddingResult(model, vectors, batch.token_counts, tokenization_s, inference_s)

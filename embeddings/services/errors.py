@@ -4,6 +4,7 @@ ServiceError
 ├── InvalidRequest      (422) a well-formed request the model cannot serve as asked
 ├── LimitExceeded       (413) more inputs, tokens or bytes than allowed
 ├── Overloaded          (429) too many inference calls in flight in this process
+├── InferenceTimeout    (504) the request's inference missed its deadline (EMBEDDING_TIMEOUT_S)
 ├── QuotaExceeded       (429) a tenant's or key's rate limit or budget (embeddings.services.quotas)
 ├── QuotaUnavailable    (503) the quota store (Redis) failed and QUOTA_REDIS_FAILURE is "closed"
 ├── JobConflict         (409) an Idempotency-Key reused for a different job request
@@ -34,6 +35,10 @@ class Overloaded(ServiceError):
     def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class InferenceTimeout(ServiceError):
+    """A request's inference did not finish by its deadline; what it had not sent was dropped."""
 
 
 class QuotaExceeded(ServiceError):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import weakref
 from functools import cache
 from pathlib import Path
 
 from django.conf import settings
 
+from embeddings.services.scheduling import FairScheduler
 from embeddings.tokenization import TextTokenizer, tokenizer_for
 from embeddings.triton.client import AsyncTritonClient, TritonClient
 
@@ -41,6 +44,19 @@ def triton_sync_client() -> TritonClient:
         if _sync_client is None:
             _sync_client = TritonClient(settings.TRITON_GRPC_TARGET, **_client_options())
         return _sync_client
+
+
+# One per event loop: its waiters are futures of that loop (tests run many loops in one process).
+_schedulers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, FairScheduler] = weakref.WeakKeyDictionary()
+
+
+def inference_scheduler() -> FairScheduler:
+    """This process's (and event loop's) fair scheduler of sub-batches, MAX_TOKENS_IN_FLIGHT wide."""
+    loop = asyncio.get_running_loop()
+    scheduler = _schedulers.get(loop)
+    if scheduler is None or scheduler.capacity != settings.MAX_TOKENS_IN_FLIGHT:
+        scheduler = _schedulers[loop] = FairScheduler(settings.MAX_TOKENS_IN_FLIGHT)
+    return scheduler
 
 
 def reset_clients() -> None:

@@ -15,7 +15,7 @@ from django.core.management import CommandError, call_command
 
 from embeddings.services import embedding
 from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget
-from embeddings.services.errors import InvalidRequest, Overloaded
+from embeddings.services.errors import InferenceTimeout, InvalidRequest, Overloaded
 from embeddings.services.inference import model_tokenizer
 from embeddings.tokenization import InputTooLong, InvalidText
 from embeddings.triton import TritonModelError, TritonTimeout, TritonUnavailable
@@ -215,3 +215,55 @@ async def test_inflight_limit_refuses_at_once(service_triton, settings):
     served = [o for o in outcomes if not isinstance(o, BaseException)]
     assert len(served) == 2 and len(refused) == 4
     assert embedding.inflight_gate.in_flight == 0
+
+
+# --- Token-bounded sub-batches and the request deadline ------------------------------------------
+
+MIXED = [f"row {i} " + "word " * (3 + (i * 37) % 200) for i in range(40)]
+
+
+@pytest.mark.parametrize("model", ["minilm", "minilm_text"])
+async def test_sub_batched_requests_equal_the_reference_row_by_row(
+    service_triton, reference_session, settings, model
+):
+    # 40 rows of 5..205 tokens in 512-token sub-batches: many sub-batches, rows reordered by
+    # length and put back; each row must still be its own reference vector.
+    settings.MAX_BATCH_TOKENS = 512
+    settings.MAX_TOKENS_IN_FLIGHT = 1024
+    result = await embeddings_create(texts=MIXED, model=model)
+    groups = embedding._plan(
+        await embedding.triton_async_client().model_metadata("minilm"),
+        model_tokenizer("minilm").encode(MIXED),
+    )
+    assert len(groups) > 5
+    assert cosines(result.vectors, reference_vectors(reference_session, MIXED)).min() >= 0.9999
+    blocking = embedding.embeddings_create_sync(target=EmbeddingTarget(model), texts=MIXED)
+    np.testing.assert_allclose(blocking.vectors, result.vectors, atol=1e-5)
+
+
+async def test_token_id_rows_of_different_lengths_are_sub_batched_in_order(service_triton, settings):
+    settings.MAX_BATCH_TOKENS = 256
+    ids = model_tokenizer("minilm").encode(MIXED)
+    rows = [ids.input_ids[i, : ids.token_counts[i]].tolist() for i in range(len(MIXED))]
+    split = await embedding.embeddings_create(target=MINILM, token_ids=rows)
+    text = await embeddings_create(texts=MIXED)
+    assert cosines(split.vectors, text.vectors).min() >= 0.9999
+    assert split.token_counts.tolist() == ids.token_counts.tolist()
+
+
+async def test_a_request_past_its_deadline_ends_at_the_deadline(service_triton, settings):
+    settings.MAX_BATCH_TOKENS = 512
+    await embeddings_create(texts=["warm up"])
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(InferenceTimeout, match="deadline"):
+        await embedding.embeddings_create(
+            target=MINILM, texts=["a long sentence to keep the model busy " * 40] * 128, timeout_s=0.5
+        )
+    elapsed = asyncio.get_running_loop().time() - started
+    assert 0.5 <= elapsed < 1.5, elapsed
+    assert embedding.inflight_gate.in_flight == 0
+    from embeddings.services.inference import inference_scheduler
+
+    # Nothing of it waits any more, and the calls it had at Triton were cancelled with it.
+    scheduler = inference_scheduler()
+    assert scheduler.waiting_sub_batches == 0 and scheduler.in_flight == 0

@@ -71,6 +71,13 @@ class TritonPythonModel:
         responses: list = [None] * len(requests)
         valid: list[tuple[int, np.ndarray, np.ndarray]] = []
         for index, request in enumerate(requests):
+            # The client gave up (its deadline passed, or its own client went away) after the
+            # batcher took the request: answer it without computing it.
+            if request.is_cancelled():
+                responses[index] = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+                )
+                continue
             try:
                 input_ids, attention_mask = self._read(request)
             except ValueError as error:

@@ -1,0 +1,245 @@
+"""One heavy request must not stall everyone: through a real uvicorn (as `make run` starts it) and
+the real Triton, a maximum-size request runs while single-text requests are answered beside it,
+and a request past its deadline or abandoned by its client leaves Triton nothing to compute.
+
+Every bound is derived from times measured in the same test (one sub-batch alone, two at once),
+never a fixed number of seconds, so a slower or busier machine moves the bound with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx2
+import numpy as np
+import pytest
+from django.conf import settings
+
+from embeddings.triton.client import TritonClient
+from embeddings.triton.server import die_with_parent, free_port
+from tests.processes import REPO_ROOT, manage, stop_process_group
+
+MODEL = "all-MiniLM-L6-v2"
+# 256 tokens after truncation at the model's maximum, whatever the number: distinct per row, so a
+# row put back in the wrong place is noticed.
+FILLER = " alpha beta gamma delta" * 120
+
+
+def long_text(index: int) -> str:
+    return f"document number {index} begins here{FILLER}"
+
+
+@dataclass
+class Server:
+    base_url: str
+    headers: dict[str, str]
+
+
+def inferred_rows(triton_target: str) -> int:
+    """Rows Triton has computed for minilm so far (successes and failures)."""
+    with TritonClient(triton_target, channels=1, timeout_s=10) as client:
+        return client.model_statistics("minilm").inference_count
+
+
+async def post(http: httpx2.AsyncClient, server: Server, texts: list[str]) -> tuple[httpx2.Response, float]:
+    started = time.monotonic()
+    response = await http.post(
+        f"{server.base_url}/v1/embeddings",
+        json={"model": MODEL, "input": texts, "encoding_format": "base64"},
+        headers=server.headers,
+    )
+    return response, time.monotonic() - started
+
+
+async def sub_batch_times(http: httpx2.AsyncClient, server: Server) -> tuple[float, float]:
+    """(one sub-batch alone, two sub-batches at once): the slowest of three tries each, in s."""
+    rows = settings.MAX_BATCH_TOKENS // 256
+    batch = [long_text(i) for i in range(rows)]
+    alone, pair = 0.0, 0.0
+    for _ in range(3):
+        response, elapsed = await post(http, server, batch)
+        assert response.status_code == 200, response.text
+        alone = max(alone, elapsed)
+        started = time.monotonic()
+        both = await asyncio.gather(post(http, server, batch), post(http, server, batch[::-1]))
+        assert all(r.status_code == 200 for r, _ in both)
+        pair = max(pair, time.monotonic() - started)
+    return alone, pair
+
+
+def decoded(response: httpx2.Response) -> np.ndarray:
+    import base64
+
+    rows = [
+        np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4") for item in response.json()["data"]
+    ]
+    return np.stack(rows)
+
+
+POLL_S = 0.1
+
+
+async def wait_until_triton_is_idle(target: str, settle_s: float) -> tuple[int, float]:
+    """Poll Triton's counters until they stop moving for settle_s: (rows inferred, when they last
+    moved, to within POLL_S)."""
+    last = inferred_rows(target)
+    last_change = time.monotonic()
+    while time.monotonic() - last_change < settle_s:
+        await asyncio.sleep(POLL_S)
+        now = inferred_rows(target)
+        if now != last:
+            last, last_change = now, time.monotonic()
+    return last, last_change
+
+
+async def test_single_texts_are_answered_beside_a_maximum_size_request(uvicorn_server, triton_server):
+    server = Server(uvicorn_server.base_url, uvicorn_server.headers)
+    rows = settings.MAX_TOKENS_PER_REQUEST // 256
+    large_texts = [long_text(i) for i in range(rows)]
+    async with httpx2.AsyncClient(timeout=120) as http:
+        await post(http, server, ["warm up"])
+        one_sub_batch, two_sub_batches = await sub_batch_times(http, server)
+        single_alone = min([(await post(http, server, ["a short query"]))[1] for _ in range(5)])
+        # A small request waits for at most the sub-batches already running when it arrives (two
+        # at once, on the two model instances), then runs itself.
+        bound = 2 * two_sub_batches + 5 * single_alone
+
+        async def wave(number: int) -> list[tuple[int, float, bool]]:
+            # Waves start while the large request has most of its sub-batches still to run (it
+            # has MAX_TOKENS_PER_REQUEST / MAX_BATCH_TOKENS of them, two at a time).
+            await asyncio.sleep(one_sub_batch + number * two_sub_batches / 2)
+            answers = await asyncio.gather(*(post(http, server, [f"query {number}-{i}"]) for i in range(5)))
+            return [(response.status_code, elapsed, large.done()) for response, elapsed in answers]
+
+        large = asyncio.ensure_future(post(http, server, large_texts))
+        waves = await asyncio.gather(*(wave(number) for number in range(4)))
+        large_response, large_elapsed = await large
+        finished_at = time.monotonic()
+        small_results = [result for answers in waves for result in answers]
+
+    # The large request is served, or refused at its deadline on a machine too busy for it.
+    assert large_response.status_code in (200, 504), large_response.text
+    assert [status for status, _, _ in small_results] == [200] * 20
+    # Every small request was answered while the large one was still running ...
+    assert not any(large_done for _, _, large_done in small_results), (small_results, large_elapsed)
+    # ... each within what one or two sub-batches take, not the large one's backlog.
+    latencies = [elapsed for _, elapsed, _ in small_results]
+    assert max(latencies) <= bound, (latencies, bound, one_sub_batch, two_sub_batches)
+    assert large_elapsed >= 3 * two_sub_batches  # it really was many sub-batches
+    # Once it is answered, Triton has nothing of it left to compute.
+    _, stopped_at = await wait_until_triton_is_idle(triton_server.grpc_target, 2 * two_sub_batches)
+    assert stopped_at - finished_at <= two_sub_batches + POLL_S
+    print(
+        f"\nsub-batch alone {one_sub_batch:.2f} s, two at once {two_sub_batches:.2f} s; "
+        f"large ({rows} x 256 tokens) {large_response.status_code} after {large_elapsed:.1f} s; "
+        f"20 single texts beside it: max {max(latencies):.2f} s, median {sorted(latencies)[10]:.2f} s "
+        f"(bound {bound:.2f} s)"
+    )
+    if large_response.status_code != 200:
+        return
+    assert large_response.json()["usage"]["prompt_tokens"] == settings.MAX_TOKENS_PER_REQUEST
+    # Sub-batches were put back in input order: rows equal the same texts embedded alone.
+    vectors = decoded(large_response)
+    async with httpx2.AsyncClient(timeout=60) as http:
+        for index in (0, rows // 2, rows - 1):
+            single, _ = await post(http, server, [large_texts[index]])
+            assert float(vectors[index] @ decoded(single)[0]) > 0.9999
+
+
+# --- A request that runs out of time, or whose client leaves --------------------------------------
+
+DEADLINE_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def short_deadline_server(triton_server, redis_server, tmp_path_factory) -> Iterator[Server]:
+    """uvicorn as runstack starts it, with EMBEDDING_TIMEOUT_S short enough for a maximum-size
+    request to run out of time."""
+    workdir = tmp_path_factory.mktemp("short_deadline")
+    port = free_port()
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "embedsite.settings",
+        "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
+        "TRITON_SERVER_URL": triton_server.grpc_target,
+        "REDIS_URL": redis_server.url,
+        "EMBEDDING_TIMEOUT_S": str(DEADLINE_S),
+    }
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    manage(env, "migrate", "--noinput")
+    manage(env, "register_local_model")
+    manage(env, "create_tenant", "--name", "Deadline", "--slug", "deadline")
+    api_key = manage(env, "create_api_key", "--tenant", "deadline")
+    log_path = workdir / "uvicorn.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "embedsite.asgi:application", "--host", "127.0.0.1",
+             "--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log"],
+            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+    server = Server(f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {api_key}"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx2.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx2.TransportError:
+                pass
+            if time.monotonic() > deadline or process.poll() is not None:
+                pytest.fail(f"uvicorn did not start:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        stop_process_group(process)
+
+
+async def test_a_request_past_its_deadline_is_504_at_the_deadline_and_stops(
+    short_deadline_server, triton_server
+):
+    server = short_deadline_server
+    rows = settings.MAX_TOKENS_PER_REQUEST // 256
+    async with httpx2.AsyncClient(timeout=120) as http:
+        await post(http, server, ["warm up"])
+        _, two_sub_batches = await sub_batch_times(http, server)
+        before = inferred_rows(triton_server.grpc_target)
+        response, elapsed = await post(http, server, [long_text(i) for i in range(rows)])
+        answered_at = time.monotonic()
+    assert response.status_code == 504, response.text
+    assert response.json()["error"]["code"] == "model_timeout"
+    assert "deadline" in response.json()["error"]["message"]
+    # At the deadline, not after it: at most the event loop's reaction time late.
+    assert DEADLINE_S <= elapsed <= DEADLINE_S + two_sub_batches, elapsed
+    # Triton finishes the sub-batches that were running at the deadline, then has nothing left.
+    after, stopped_at = await wait_until_triton_is_idle(triton_server.grpc_target, 2 * two_sub_batches)
+    assert stopped_at - answered_at <= two_sub_batches + POLL_S, (stopped_at - answered_at, two_sub_batches)
+    assert after - before < rows  # the rest of the request was never computed
+    print(
+        f"\n504 after {elapsed:.2f} s (deadline {DEADLINE_S} s); "
+        f"Triton computed {after - before} of {rows} rows"
+    )
+
+
+async def test_a_request_whose_client_leaves_stops(short_deadline_server, triton_server):
+    server = short_deadline_server
+    rows = settings.MAX_TOKENS_PER_REQUEST // 256
+    async with httpx2.AsyncClient(timeout=120) as http:
+        await post(http, server, ["warm up"])
+        _, two_sub_batches = await sub_batch_times(http, server)
+        before = inferred_rows(triton_server.grpc_target)
+        large = asyncio.ensure_future(post(http, server, [long_text(i) for i in range(rows)]))
+        await asyncio.sleep(DEADLINE_S / 3)
+        large.cancel()  # closes the connection: uvicorn tells Django the client disconnected
+        with pytest.raises(asyncio.CancelledError):
+            await large
+        left_at = time.monotonic()
+    after, stopped_at = await wait_until_triton_is_idle(triton_server.grpc_target, 2 * two_sub_batches)
+    assert stopped_at - left_at <= two_sub_batches + POLL_S, (stopped_at - left_at, two_sub_batches)
+    assert after - before < rows
