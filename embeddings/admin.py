@@ -1,6 +1,6 @@
-"""Django admin: tenants with their keys, quotas and usage; API keys (the secret shown once); usage rows.
+"""Django admin: tenants (keys, quotas, usage, webhook secrets), API keys (secrets shown once), usage rows.
 
-Thin: creating, revoking and deactivating go through the services the API and commands use; usage
+Thin: creating, revoking, deactivating and rotating go through the services the API and commands use; usage
 numbers come from embeddings/services/usage_reports.py, charts from embeddings/admin_charts.py.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import logging
+from datetime import timedelta
 
 from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
@@ -22,8 +23,14 @@ from django.utils.html import format_html
 
 from embeddings.admin_charts import daily_bar_chart
 from embeddings.models import ApiKey, EmbeddingModel, QuotaLimits, Tenant, UsageBucket
+from embeddings.services.encryption import SecretUndecryptable
 from embeddings.services.keys import api_key_create, api_key_revoke
-from embeddings.services.tenants import tenant_deactivate
+from embeddings.services.tenants import (
+    tenant_deactivate,
+    tenant_webhook_secret_rotate,
+    tenant_webhook_signing_secrets,
+    webhook_secret_fingerprint,
+)
 from embeddings.services.usage_reports import (
     CHART_DAYS,
     api_keys_with_month_usage,
@@ -35,6 +42,8 @@ from embeddings.services.usage_reports import (
 
 logger = logging.getLogger(__name__)
 
+# The admin's ordinary rotation keeps the old webhook secret signing this long (as the command does).
+WEBHOOK_OVERLAP_HOURS = 24
 API_KEY_READONLY_FIELDS = ("public_id", "secret_hash", "created_at", "revoked_at", "last_used_at")
 TENANT_QUOTAS_HELP = (
     "Blank: unlimited. A tenant's limits count the requests and tokens of all its keys together; "
@@ -138,7 +147,7 @@ class TenantAdmin(admin.ModelAdmin):
     search_fields = ("name", "slug")
     prepopulated_fields = {"slug": ("name",)}
     filter_horizontal = ("allowed_models",)
-    readonly_fields = ("created_at", "add_key_link")
+    readonly_fields = ("created_at", "add_key_link", "webhook_secret_status")
     fieldsets = (
         (
             None,
@@ -151,14 +160,16 @@ class TenantAdmin(admin.ModelAdmin):
                     "allowed_models",
                     "created_at",
                     "add_key_link",
+                    "webhook_secret_status",
                 )
             },
         ),
         ("Quotas", {"fields": QuotaLimits.QUOTA_FIELDS, "description": TENANT_QUOTAS_HELP}),
     )
     inlines = (ApiKeyInline,)
-    actions = ("deactivate_tenants",)
+    actions = ("deactivate_tenants", "rotate_webhook_secrets", "rotate_webhook_secrets_now")
     change_form_template = "admin/embeddings/tenant/change_form.html"
+    webhook_secret_rotated_template = "admin/embeddings/tenant/webhook_secret_rotated.html"
 
     def formfield_for_dbfield(self, db_field, request: HttpRequest, **kwargs):
         return with_quota_help(
@@ -238,6 +249,69 @@ class TenantAdmin(admin.ModelAdmin):
             return "Save the tenant first."
         url = reverse("admin:embeddings_apikey_add") + f"?tenant={tenant.pk}"
         return format_html('<a href="{}">Create an API key for this tenant</a>', url)
+
+    @admin.display(description="webhook secret")
+    def webhook_secret_status(self, tenant: Tenant) -> str:
+        """Which secret signs (by fingerprint, never the secret) and until when the previous one does."""
+        if not tenant.webhook_secret_encrypted:
+            return "None yet (made at the first callback). Rotate it from the tenant list to see one."
+        now = timezone.now()
+        try:
+            fingerprints = [
+                webhook_secret_fingerprint(s) for s in tenant_webhook_signing_secrets(tenant=tenant, now=now)
+            ]
+        except SecretUndecryptable:
+            return "Cannot be decrypted (SECRET_KEY changed without SECRET_KEY_FALLBACKS): rotate it."
+        status = f"fingerprint {fingerprints[0]}, since {tenant.webhook_secret_created_at:%Y-%m-%d %H:%M} UTC"
+        if len(fingerprints) > 1:
+            until = tenant.webhook_previous_secret_expires_at
+            status += f"; the previous one ({fingerprints[1]}) also signs until {until:%Y-%m-%d %H:%M} UTC"
+        return status
+
+    def _rotate_webhook_secrets(
+        self, request: HttpRequest, queryset: QuerySet[Tenant], overlap: timedelta, note: str
+    ) -> TemplateResponse:
+        rotated = []
+        for tenant in queryset.order_by("name"):
+            secret = tenant_webhook_secret_rotate(tenant=tenant, overlap=overlap)
+            rotated.append(
+                {
+                    "tenant": tenant,
+                    "secret": secret,
+                    "fingerprint": webhook_secret_fingerprint(secret),
+                    "url": reverse("admin:embeddings_tenant_change", args=[tenant.pk]),
+                }
+            )
+            self.log_change(request, tenant, f"Rotated the webhook secret ({note})")
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": "New webhook secrets",
+            "rotated": rotated,
+            "overlap_note": note,
+        }
+        # Rendered into this one response and never cached: reloading never shows the secrets again.
+        response = TemplateResponse(request, self.webhook_secret_rotated_template, context)
+        add_never_cache_headers(response)
+        return response
+
+    @admin.action(
+        description=f"Rotate webhook secrets (the old ones sign {WEBHOOK_OVERLAP_HOURS} h more)",
+        permissions=["change"],
+    )
+    def rotate_webhook_secrets(self, request: HttpRequest, queryset: QuerySet[Tenant]) -> TemplateResponse:
+        overlap = timedelta(hours=WEBHOOK_OVERLAP_HOURS)
+        note = f"The previous secrets also sign for {WEBHOOK_OVERLAP_HOURS} hours, so receivers can switch."
+        return self._rotate_webhook_secrets(request, queryset, overlap, note)
+
+    @admin.action(
+        description="Rotate webhook secrets now (the old ones stop at once)", permissions=["change"]
+    )
+    def rotate_webhook_secrets_now(
+        self, request: HttpRequest, queryset: QuerySet[Tenant]
+    ) -> TemplateResponse:
+        note = "The previous secrets no longer sign (as after a leak)."
+        return self._rotate_webhook_secrets(request, queryset, timedelta(0), note)
 
     # Without `permissions`, Django offers an action to staff who may only view the changelist.
     @admin.action(description="Deactivate selected tenants", permissions=["change"])

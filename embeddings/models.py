@@ -86,6 +86,12 @@ class Tenant(QuotaLimits):
     allow_all_models = models.BooleanField(default=True, help_text="Off: only the models listed below")
     allowed_models = models.ManyToManyField(EmbeddingModel, blank=True, related_name="tenants")
     created_at = models.DateTimeField(default=timezone.now)
+    # Signs the tenant's job callbacks (services/tenants.py): Fernet ciphertext, never the plaintext.
+    # The previous secret signs too until its overlap window ends, so receivers can switch over.
+    webhook_secret_encrypted = models.TextField(blank=True, editable=False)
+    webhook_secret_created_at = models.DateTimeField(null=True, blank=True, editable=False)
+    webhook_previous_secret_encrypted = models.TextField(blank=True, editable=False)
+    webhook_previous_secret_expires_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         ordering = ["name"]
@@ -223,6 +229,9 @@ class EmbeddingJob(models.Model):
     error_message = models.TextField(blank=True)
     callback_attempts = models.PositiveIntegerField(default=0)
     callback_delivered_at = models.DateTimeField(null=True, blank=True)
+    callback_error = models.CharField(
+        max_length=500, blank=True, help_text="Why the last callback attempt failed or was refused"
+    )
 
     class Meta:
         ordering = ["-created_at", "-id"]
