@@ -1,5 +1,6 @@
 """Settings, read from the environment with safe local defaults; a bad value fails loudly at startup."""
 
+import ipaddress
 import os
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -56,6 +57,17 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None or raw.strip() == "":
         return default
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def env_networks(name: str) -> tuple[str, ...]:
+    """Comma-separated CIDRs; one with host bits set ("10.0.0.1/8") is refused, not guessed at."""
+    networks = tuple(env_list(name, []))
+    for network in networks:
+        try:
+            ipaddress.ip_network(network, strict=True)
+        except ValueError as error:
+            raise ImproperlyConfigured(f"{name}: {error}") from None
+    return networks
 
 
 def database_from_url(url: str) -> dict:
@@ -320,8 +332,16 @@ JOB_MAX_LINE_BYTES = env_int("JOB_MAX_LINE_BYTES", 64 * 1024, minimum=16)
 JOB_CHUNKS_IN_FLIGHT = env_int("JOB_CHUNKS_IN_FLIGHT", 2, minimum=1)
 # A chunk retries Triton this many times (with backoff) before its inputs count as failed.
 JOB_CHUNK_RETRIES = env_int("JOB_CHUNK_RETRIES", 5, minimum=0)
-# Keys the HMAC of callback signatures (header Embedsite-Signature).
-JOB_CALLBACK_SECRET = env_str("JOB_CALLBACK_SECRET", SECRET_KEY)
+# Callbacks are signed with each tenant's own webhook secret (embeddings/services/tenants.py), and
+# go only to globally reachable addresses (embeddings/services/callback_targets.py), plus these
+# networks, named as CIDRs, for deployments whose receivers are internal ("10.0.0.0/8,127.0.0.1/32").
+JOB_CALLBACK_ALLOWED_NETWORKS = env_networks("JOB_CALLBACK_ALLOWED_NETWORKS")
+# A callback host must resolve within this long, at submission (else 422) and at delivery (else retried).
+JOB_CALLBACK_RESOLVE_TIMEOUT_S = env_float("JOB_CALLBACK_RESOLVE_TIMEOUT_S", 3.0, minimum=0.1)
+# PEM file of the CAs https callbacks are verified against instead of the system's (a private CA).
+JOB_CALLBACK_CA_FILE = env_str("JOB_CALLBACK_CA_FILE", "")
+if JOB_CALLBACK_CA_FILE and not Path(JOB_CALLBACK_CA_FILE).is_file():
+    raise ImproperlyConfigured(f"JOB_CALLBACK_CA_FILE: no file {JOB_CALLBACK_CA_FILE!r}")
 JOB_CALLBACK_RETRIES = env_int("JOB_CALLBACK_RETRIES", 6, minimum=0)
 # A failed callback is retried after BACKOFF_S * 2^attempt seconds (at most an hour).
 JOB_CALLBACK_BACKOFF_S = env_float("JOB_CALLBACK_BACKOFF_S", 5.0, minimum=0.0)

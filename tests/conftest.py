@@ -96,3 +96,36 @@ def service_redis(redis_server: RedisServer, settings) -> Iterator[RedisServer]:
     redis_sync().flushdb()
     yield redis_server
     reset_redis_clients()
+
+
+class FakeDns:
+    """The callback resolver in tests: names answer from `answers` only, so no lookup leaves the
+    machine (a fuzzer's `https://0.com` included). Each lookup takes the next answer of a name's
+    list, the last one again once the list is used up (a name that answers differently later)."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, list[list[str]]] = {"localhost": [["127.0.0.1", "::1"]]}
+        self.lookups: list[str] = []
+
+    def set(self, name: str, *answers: list[str]) -> None:
+        self.answers[name] = list(answers)
+
+    def __call__(self, host: str, port: int, timeout_s: float) -> list[str]:
+        from embeddings.services.callback_targets import CallbackHostUnresolved
+
+        self.lookups.append(host)
+        answers = self.answers.get(host)
+        if not answers:
+            raise CallbackHostUnresolved(f"{host} does not resolve (test resolver)")
+        return answers.pop(0) if len(answers) > 1 else answers[0]
+
+
+@pytest.fixture(autouse=True)
+def fake_dns(monkeypatch: pytest.MonkeyPatch) -> FakeDns:
+    """Every in-process test resolves callback hosts with a FakeDns (processes a test starts use
+    the real resolver: give them literal addresses or localhost)."""
+    from embeddings.services import job_callbacks
+
+    resolver = FakeDns()
+    monkeypatch.setattr(job_callbacks, "callback_resolver", resolver)
+    return resolver

@@ -275,10 +275,14 @@ def callback_receiver() -> Iterator[tuple[str, list[tuple[dict[str, str], bytes]
 
 def test_a_callback_is_retried_until_delivered_signed(job_stack, start_worker, callback_receiver):
     """503, 503, 200: the worker's job_callback_task retries (backoff 0.1 s, 0.2 s) and the third
-    POST delivers the job object, each one signed with JOB_CALLBACK_SECRET."""
+    POST delivers the job object, each one signed with the tenant's webhook secret (as
+    rotate_webhook_secret printed it) and not with another tenant's. The worker is allowed loopback
+    (JOB_CALLBACK_ALLOWED_NETWORKS), which it refuses by default."""
     url, received = callback_receiver
-    secret = "callback-test-secret"
-    _, log = start_worker(JOB_CALLBACK_SECRET=secret, JOB_CALLBACK_BACKOFF_S="0.1")
+    secret = manage(job_stack.env, "rotate_webhook_secret", "--tenant", "alpha").strip()
+    other_secret = manage(job_stack.env, "rotate_webhook_secret", "--tenant", "beta").strip()
+    assert secret.startswith("whsec_") and other_secret.startswith("whsec_") and secret != other_secret
+    _, log = start_worker(JOB_CALLBACK_ALLOWED_NETWORKS="127.0.0.1/32", JOB_CALLBACK_BACKOFF_S="0.1")
     script = SUBMIT_WITH_CALLBACK.format(texts=texts("callback", 6), url=url)
     job_id = json.loads(manage(job_stack.env, "shell", "-c", script).splitlines()[-1])
     job_stack.wait(job_id, {"completed"}, [log])
@@ -296,5 +300,5 @@ def test_a_callback_is_retried_until_delivered_signed(job_stack, start_worker, c
         assert headers["Content-Type"] == "application/json"
         assert json.loads(body) == expected
         assert callback_signature_valid(body, headers[SIGNATURE_HEADER], secret=secret)
-        assert not callback_signature_valid(body, headers[SIGNATURE_HEADER], secret="another secret")
+        assert not callback_signature_valid(body, headers[SIGNATURE_HEADER], secret=other_secret)
     assert log.read_text().count("Retry in") == 2

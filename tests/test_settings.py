@@ -3,7 +3,7 @@
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from embedsite.settings import database_from_url, env_bool, env_int, triton_grpc_target
+from embedsite.settings import database_from_url, env_bool, env_int, env_networks, triton_grpc_target
 
 
 @pytest.mark.parametrize(
@@ -42,6 +42,17 @@ def test_env_bool(monkeypatch):
     monkeypatch.setenv("FLAG", "maybe")
     with pytest.raises(ImproperlyConfigured):
         env_bool("FLAG", False)
+
+
+def test_env_networks(monkeypatch):
+    monkeypatch.setenv("NETS", " 10.0.0.0/8, 127.0.0.1/32,::1/128 ")
+    assert env_networks("NETS") == ("10.0.0.0/8", "127.0.0.1/32", "::1/128")
+    monkeypatch.setenv("NETS", "")
+    assert env_networks("NETS") == ()
+    for bad in ("127.0.0.1/8", "10.0.0.0/33", "localhost"):
+        monkeypatch.setenv("NETS", bad)
+        with pytest.raises(ImproperlyConfigured, match="NETS"):
+            env_networks("NETS")
 
 
 def test_database_url():

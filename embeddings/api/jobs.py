@@ -354,7 +354,8 @@ class JobListCreateView(ApiView):
         if request.content_type.startswith("multipart/form-data"):
             options, inputs = await sync_to_async(upload_parse)(request, principal)
         else:
-            options = validated(s.JobCreateRequest, request.data)
+            # In a thread: validating callback_url resolves its host (a blocking lookup).
+            options = await sync_to_async(validated)(s.JobCreateRequest, request.data)
             inputs = JobInputs(texts=options.pop("input"), ids=None)
             limit = max_inputs_per_job(principal)
             if len(inputs.texts) > limit:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from django.core.validators import URLValidator
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+
+from embeddings.services.callback_targets import CallbackTargetError
+from embeddings.services.job_callbacks import callback_target_check
 
 INPUT_HELP = (
     "A string, an array of strings, an array of token ids, or an array of arrays of token ids "
@@ -380,6 +382,15 @@ class JobTextsField(serializers.Field):
         return value
 
 
+def callback_url_deliverable(url: str) -> None:
+    """Refuse a callback_url the address policy refuses now (its host is resolved here: call from
+    a thread, not the event loop)."""
+    try:
+        callback_target_check(url=url)
+    except CallbackTargetError as error:
+        raise serializers.ValidationError(error.reason) from error
+
+
 class JobOptions(serializers.Serializer):
     """What a job asks for besides its inputs (JSON body fields, or multipart form fields)."""
 
@@ -398,8 +409,11 @@ class JobOptions(serializers.Serializer):
         required=False,
         allow_blank=True,
         max_length=2000,
-        validators=[URLValidator(schemes=["http", "https"])],
-        help_text="POSTed the job when it finishes, signed (HMAC-SHA256) in the Embedsite-Signature header.",
+        # The policy first, so its reason is the message; URLField's own check still follows.
+        validators=[callback_url_deliverable],
+        help_text="POSTed the job when it finishes, signed (HMAC-SHA256) in the Embedsite-Signature header. "
+        "http or https, to a public address: a host that does not resolve, or resolves to a loopback, "
+        "private, link-local or other non-public address, is refused.",
     )
 
 
