@@ -38,7 +38,14 @@ bench-quota: setup
 bench-jobs: setup
 	$(PY) bench/jobs.py $(BENCH_ARGS)
 
-setup: .run/.system-packages $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated
+setup: .run/.system-packages .run/secret_key $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated
+
+# This checkout's Django secret key, random, made once and never overwritten (O_EXCL): settings read it
+# when DJANGO_SECRET_KEY is unset, so `make run`, `make test` and manage.py commands share one key
+# (API-key hashes among them) with nothing set by hand. Mode 0600; .run/ is never committed.
+.run/secret_key:
+	mkdir -p .run
+	$(PYTHON) -c 'import os, secrets; fd = os.open("$@", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600); os.write(fd, secrets.token_urlsafe(64).encode()); os.close(fd)'
 
 # Debian packages the stack runs: redis-server (quotas, usage, Celery's broker); chromium for the
 # admin's browser test (tests/admin/test_browser.py drives it headless with Playwright).
@@ -57,10 +64,10 @@ $(VENV)/.installed: $(REQUIREMENTS)
 $(PROTOCOL): $(VENV)/.installed $(wildcard protos/*.proto) protos/generate.py
 	$(PY) protos/generate.py
 
-$(MODEL_ONNX): $(VENV)/.installed
+$(MODEL_ONNX): $(VENV)/.installed | .run/secret_key
 	HF_HUB_OFFLINE=1 $(PY) manage.py export_model --if-missing
 
-.run/.migrated: $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) $(wildcard embeddings/migrations/*.py)
+.run/.migrated: $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) $(wildcard embeddings/migrations/*.py) | .run/secret_key
 	mkdir -p .run
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py register_local_model

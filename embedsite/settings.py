@@ -106,13 +106,66 @@ def triton_grpc_target(url: str, default_port: int) -> str:
     return f"{host}:{port}"
 
 
+# Used only with DJANGO_DEBUG on and no key given; refused as a key anywhere else.
+DEBUG_ONLY_SECRET_KEY = "embedsite-local-development-only-not-secret"
+MIN_SECRET_LENGTH = 32
+
+
+def secret_weakness(value: str) -> str | None:
+    """Why `value` is no secret (public, short, repetitive or Django's own placeholder), or None."""
+    if value == DEBUG_ONLY_SECRET_KEY:
+        return "it is the public debug-only key written in embedsite/settings.py"
+    if value.startswith("django-insecure-"):
+        return "it is a key Django generated for development (django-insecure-...)"
+    if len(value) < MIN_SECRET_LENGTH:
+        return f"it has {len(value)} characters, fewer than {MIN_SECRET_LENGTH}"
+    if len(set(value)) < 5:
+        return "it has fewer than 5 different characters"
+    return None
+
+
+def env_secret(name: str, value: str, *, debug: bool) -> str:
+    """`value` (read from `name`), refused outside debug when it is weak."""
+    reason = secret_weakness(value)
+    if reason is not None and not debug:
+        raise ImproperlyConfigured(
+            f"{name} is not a usable secret: {reason}. Generate one with "
+            '`python -c "import secrets; print(secrets.token_urlsafe(64))"`.'
+        )
+    return value
+
+
+def secret_key_from_environment(*, debug: bool, default_file: Path) -> str:
+    """DJANGO_SECRET_KEY, else the file DJANGO_SECRET_KEY_FILE names (Docker/Kubernetes secrets),
+    else `default_file` when it exists (`make setup` writes it); without any, only debug runs (on a
+    public key)."""
+    value = os.environ.get("DJANGO_SECRET_KEY", "")
+    source = "DJANGO_SECRET_KEY"
+    if not value:
+        named = os.environ.get("DJANGO_SECRET_KEY_FILE", "")
+        path = Path(named) if named else (default_file if default_file.is_file() else None)
+        if path is not None:
+            source = f"DJANGO_SECRET_KEY_FILE ({path})"
+            try:
+                value = path.read_text().strip()
+            except OSError as error:
+                raise ImproperlyConfigured(f"{source} cannot be read: {error.strerror}") from None
+            if not value:
+                raise ImproperlyConfigured(f"{source} is empty")
+    if not value:
+        if debug:
+            return DEBUG_ONLY_SECRET_KEY
+        raise ImproperlyConfigured(
+            "No secret key: set DJANGO_SECRET_KEY, or DJANGO_SECRET_KEY_FILE to a file holding one "
+            f"(`make setup` writes {default_file}); DJANGO_DEBUG=true runs on a public key, locally only."
+        )
+    return env_secret(source, value, debug=debug)
+
+
 DEBUG = env_bool("DJANGO_DEBUG", False)
-SECRET_KEY = env_str("DJANGO_SECRET_KEY", "")
-if not SECRET_KEY:
-    if not DEBUG and env_bool("DJANGO_REQUIRE_SECRET_KEY", False):
-        raise ImproperlyConfigured("DJANGO_SECRET_KEY must be set")
-    # Local default only: production sets DJANGO_SECRET_KEY (docker-compose does).
-    SECRET_KEY = "embedsite-local-development-only-not-secret"
+# Keys sessions, CSRF, password resets and (unless split off below) API-key hashes and callback
+# signatures: outside debug, settings refuse to load without a real one.
+SECRET_KEY = secret_key_from_environment(debug=DEBUG, default_file=BASE_DIR / ".run" / "secret_key")
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 
 INSTALLED_APPS = [
@@ -226,8 +279,13 @@ SPECTACULAR_SETTINGS = {
 
 # A revoked/expired key or a deactivated tenant stops working within this many seconds.
 API_KEY_CACHE_SECONDS = env_float("API_KEY_CACHE_SECONDS", 5.0, minimum=0)
-# Keyed hash of stored API key secrets; changing it invalidates every key.
-API_KEY_HMAC_SECRET = env_str("API_KEY_HMAC_SECRET", SECRET_KEY)
+# Keyed hash of stored API key secrets; changing it invalidates every key. Defaults to SECRET_KEY
+# (so every process that shares the key, manage.py create_api_key included, hashes alike).
+API_KEY_HMAC_SECRET = (
+    env_secret("API_KEY_HMAC_SECRET", os.environ["API_KEY_HMAC_SECRET"], debug=DEBUG)
+    if os.environ.get("API_KEY_HMAC_SECRET")
+    else SECRET_KEY
+)
 # Model catalog changes (admin edits) reach every server process within this many seconds.
 MODEL_CACHE_SECONDS = env_float("MODEL_CACHE_SECONDS", 5.0, minimum=0)
 

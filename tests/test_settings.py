@@ -1,9 +1,26 @@
-"""Settings read from the environment: seed variable names and loud failures on bad values."""
+"""Settings read from the environment: seed variable names, loud failures on bad values, and the
+secret key (required and strong outside DEBUG, from the environment or a file)."""
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
-from embedsite.settings import database_from_url, env_bool, env_int, env_networks, triton_grpc_target
+from embedsite.settings import (
+    DEBUG_ONLY_SECRET_KEY,
+    database_from_url,
+    env_bool,
+    env_int,
+    env_networks,
+    secret_weakness,
+    triton_grpc_target,
+)
+from tests.processes import REPO_ROOT
 
 
 @pytest.mark.parametrize(
@@ -68,3 +85,153 @@ def test_database_url():
     assert database_from_url("sqlite:////tmp/x.db")["NAME"] == "/tmp/x.db"
     with pytest.raises(ImproperlyConfigured):
         database_from_url("mysql://x/y")
+
+
+# --- The secret key: refused when missing or weak outside DEBUG ----------------------------------
+
+STRONG_KEY = "k3y-" + "0123456789abcdefghijklmnopqrstuvwxyz"
+SECRET_VARIABLES = ("DJANGO_SECRET_KEY", "DJANGO_SECRET_KEY_FILE", "API_KEY_HMAC_SECRET", "DJANGO_DEBUG")
+PRINT_SECRETS = (
+    "import django; django.setup(); from django.conf import settings; "
+    "print(settings.SECRET_KEY); print(settings.API_KEY_HMAC_SECRET)"
+)
+
+
+@pytest.fixture
+def project_copy(tmp_path: Path) -> Path:
+    """The `embedsite` package copied under tmp_path, so its BASE_DIR (and BASE_DIR/.run/secret_key)
+    is a directory this test controls; `embeddings` is still imported from the checkout."""
+    shutil.copytree(
+        REPO_ROOT / "embedsite", tmp_path / "embedsite", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return tmp_path
+
+
+def load_settings(project: Path, **environment: str) -> subprocess.CompletedProcess:
+    """`django.setup()` in a fresh interpreter with only `environment` as secret settings."""
+    env = {name: value for name, value in os.environ.items() if name not in SECRET_VARIABLES}
+    env.update(
+        environment,
+        DJANGO_SETTINGS_MODULE="embedsite.settings",
+        PYTHONPATH=os.pathsep.join([str(project), str(REPO_ROOT)]),
+    )
+    return subprocess.run(
+        [sys.executable, "-c", PRINT_SECRETS],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def loaded_secrets(done: subprocess.CompletedProcess) -> list[str]:
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def refusal(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode != 0, f"settings loaded: {done.stdout}"
+    assert "ImproperlyConfigured" in done.stderr, done.stderr
+    return done.stderr.strip().splitlines()[-1]
+
+
+def test_settings_refuse_to_load_without_a_secret_key(project_copy):
+    message = refusal(load_settings(project_copy))
+    assert "No secret key: set DJANGO_SECRET_KEY, or DJANGO_SECRET_KEY_FILE" in message
+    assert str(project_copy / ".run" / "secret_key") in message
+
+
+def test_debug_runs_on_the_public_key_without_one(project_copy):
+    assert loaded_secrets(load_settings(project_copy, DJANGO_DEBUG="true")) == [DEBUG_ONLY_SECRET_KEY] * 2
+
+
+def test_the_key_from_the_environment_also_keys_api_key_hashes(project_copy):
+    assert loaded_secrets(load_settings(project_copy, DJANGO_SECRET_KEY=STRONG_KEY)) == [STRONG_KEY] * 2
+
+
+def test_the_key_from_a_named_file(project_copy, tmp_path):
+    key_file = tmp_path / "mounted-secret"
+    key_file.write_text(STRONG_KEY + "\n")  # secrets files often end in a newline
+    done = load_settings(project_copy, DJANGO_SECRET_KEY_FILE=str(key_file))
+    assert loaded_secrets(done) == [STRONG_KEY] * 2
+
+
+def test_a_named_file_that_is_missing_is_refused_by_name(project_copy, tmp_path):
+    missing = tmp_path / "nowhere" / "secret"
+    message = refusal(load_settings(project_copy, DJANGO_SECRET_KEY_FILE=str(missing)))
+    assert f"DJANGO_SECRET_KEY_FILE ({missing}) cannot be read" in message
+
+
+def test_the_environment_wins_over_the_file(project_copy, tmp_path):
+    (project_copy / ".run").mkdir()
+    (project_copy / ".run" / "secret_key").write_text("f" + STRONG_KEY)
+    assert loaded_secrets(load_settings(project_copy, DJANGO_SECRET_KEY=STRONG_KEY))[0] == STRONG_KEY
+
+
+@pytest.mark.parametrize(
+    ("weak", "reason"),
+    [
+        (DEBUG_ONLY_SECRET_KEY, "public debug-only key"),
+        ("s3cr3t-but-only-31-characters!!", "31 characters, fewer than 32"),
+        ("django-insecure-" + "x1y2z3" * 8, "django-insecure"),
+        ("ab" * 40, "fewer than 5 different characters"),
+    ],
+)
+def test_weak_keys_are_refused_outside_debug(project_copy, weak, reason):
+    message = refusal(load_settings(project_copy, DJANGO_SECRET_KEY=weak))
+    assert "DJANGO_SECRET_KEY is not a usable secret" in message
+    assert reason in message
+
+
+def test_a_weak_key_in_a_file_is_refused_and_debug_accepts_it(project_copy, tmp_path):
+    key_file = tmp_path / "secret"
+    key_file.write_text("short")
+    assert "5 characters, fewer than 32" in refusal(
+        load_settings(project_copy, DJANGO_SECRET_KEY_FILE=str(key_file))
+    )
+    done = load_settings(project_copy, DJANGO_SECRET_KEY_FILE=str(key_file), DJANGO_DEBUG="1")
+    assert loaded_secrets(done)[0] == "short"
+
+
+def test_a_separate_api_key_hmac_secret_is_validated_the_same_way(project_copy):
+    done = load_settings(project_copy, DJANGO_SECRET_KEY=STRONG_KEY, API_KEY_HMAC_SECRET="weak")
+    assert "API_KEY_HMAC_SECRET is not a usable secret" in refusal(done)
+    other = STRONG_KEY[::-1]
+    done = load_settings(project_copy, DJANGO_SECRET_KEY=STRONG_KEY, API_KEY_HMAC_SECRET=other)
+    assert loaded_secrets(done) == [STRONG_KEY, other]
+
+
+def test_setup_writes_a_private_random_key_once_and_settings_read_it(project_copy):
+    """`make .run/secret_key` (a prerequisite of `make setup`) in a fresh directory: mode 0600, 50+
+    characters, the same file after a second run, and settings loaded there find it unaided."""
+
+    def make_secret() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["make", "--no-print-directory", "-f", str(REPO_ROOT / "Makefile"), "-C", str(project_copy),
+             ".run/secret_key"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    key_file = project_copy / ".run" / "secret_key"
+    assert make_secret().returncode == 0
+    key = key_file.read_text()
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert len(key) >= 50 and secret_weakness(key) is None
+    second = make_secret()
+    assert second.returncode == 0 and "up to date" in second.stdout
+    assert key_file.read_text() == key
+    assert loaded_secrets(load_settings(project_copy)) == [key] * 2
+
+
+def test_make_setup_creates_the_key_before_any_manage_py_command():
+    """Every setup step that runs manage.py (export, migrate) waits for the secret key."""
+    plan = subprocess.run(
+        ["make", "-f", str(REPO_ROOT / "Makefile"), "-p", "-n", "--no-print-directory", "-q", "setup"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    ).stdout  # fmt: skip
+    rules = {
+        line.split(":", 1)[0]: line for line in plan.splitlines() if ":" in line and not line.startswith("#")
+    }
+    for target in ("setup", ".run/.migrated", "model_repository/minilm/1/model.onnx"):
+        assert ".run/secret_key" in rules[target], rules[target]
