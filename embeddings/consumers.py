@@ -15,7 +15,7 @@ import logging
 
 import orjson
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
 
 from embeddings.api.authentication import principal_for_api_key
 from embeddings.api.errors import ApiError, Unauthorized
@@ -116,3 +116,11 @@ class JobProgressConsumer(AsyncJsonWebsocketConsumer):
     @classmethod
     async def encode_json(cls, content: dict) -> str:
         return orjson.dumps(content).decode()
+
+
+class UnknownRouteConsumer(AsyncWebsocketConsumer):
+    """Any other WebSocket path: refused at the handshake (uvicorn answers 403), where channels'
+    router would raise "No route found" and the client would get a 500."""
+
+    async def connect(self) -> None:
+        await self.close()

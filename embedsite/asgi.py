@@ -19,10 +19,10 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from django.urls import path  # noqa: E402
+from django.urls import path, re_path  # noqa: E402
 
 from embeddings import metrics  # noqa: E402
-from embeddings.consumers import JobProgressConsumer  # noqa: E402
+from embeddings.consumers import JobProgressConsumer, UnknownRouteConsumer  # noqa: E402
 
 
 class LeanASGIHandler(ASGIHandler):
@@ -49,7 +49,12 @@ async def http_router(scope, receive, send):
 
 # No origin check: WebSockets authenticate with an API key the client sends, never a cookie, so a
 # foreign page gains nothing by opening one.
-websocket_router = URLRouter([path("ws/v1/jobs/<str:job_id>", JobProgressConsumer.as_asgi())])
+websocket_router = URLRouter(
+    [
+        path("ws/v1/jobs/<str:job_id>", JobProgressConsumer.as_asgi()),
+        re_path(r"", UnknownRouteConsumer.as_asgi()),
+    ]
+)
 
 application = ProtocolTypeRouter(
     {"http": http_router, "websocket": websocket_router, "lifespan": metrics.lifespan}

@@ -26,6 +26,8 @@ class JobStack:
     api_key: str
     env: dict[str, str]  # the servers' environment (settings, database file), for manage.py commands
     logs: list[Path]
+    # The Celery worker's process (its own group): tests may pause it (SIGSTOP) or kill it.
+    worker: subprocess.Popen | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -60,12 +62,12 @@ def job_stack_running(*, triton_server, redis_server, workdir: Path, chunk_size:
     with server_log.open("wb") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "embedsite.asgi:application", "--host", "127.0.0.1",
-             "--port", str(port), "--no-access-log"],
+             "--port", str(port), "--ws", "websockets-sansio", "--no-access-log"],
             cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
     worker = start_celery("worker", worker_log, env=env)
-    stack = JobStack(f"http://127.0.0.1:{port}", api_key, env, [server_log, worker_log])
+    stack = JobStack(f"http://127.0.0.1:{port}", api_key, env, [server_log, worker_log], worker)
     try:
         deadline = time.monotonic() + 120
         while True:

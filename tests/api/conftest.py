@@ -124,7 +124,7 @@ def uvicorn_server(
         [
             sys.executable, "-m", "uvicorn", "embedsite.asgi:application",
             "--host", "127.0.0.1", "--port", str(port), "--workers", "2",
-            "--loop", "uvloop", "--http", "httptools", "--no-access-log",
+            "--loop", "uvloop", "--http", "httptools", "--ws", "websockets-sansio", "--no-access-log",
         ],
         cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True, preexec_fn=die_with_parent,

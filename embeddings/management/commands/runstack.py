@@ -98,7 +98,7 @@ class Command(BaseCommand):
                 [
                     sys.executable, "-m", "uvicorn", "embedsite.asgi:application",
                     "--host", host, "--port", str(port), "--workers", str(workers),
-                    "--loop", "uvloop", "--http", "httptools", "--no-access-log",
+                    "--loop", "uvloop", "--http", "httptools", "--ws", "websockets-sansio", "--no-access-log",
                 ],
                 env=web_env,
                 start_new_session=True,
