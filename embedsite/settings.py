@@ -2,6 +2,7 @@
 
 import ipaddress
 import os
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -180,6 +181,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "django_prometheus",
+    "axes",
     "embeddings",
 ]
 
@@ -192,6 +194,9 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes asks: turns a locked-out login into the lockout page (admin login only:
+    # the API's stack below has no sessions or passwords).
+    "axes.middleware.AxesMiddleware",
 ]
 
 # django-prometheus's PrometheusBeforeMiddleware/PrometheusAfterMiddleware are deliberately absent:
@@ -201,6 +206,25 @@ MIDDLEWARE = [
 # API routes (and health checks) run with this lean, async-only stack instead (embedsite/asgi.py).
 API_MIDDLEWARE = ["embeddings.api.middleware.ArrivalTimeMiddleware"]
 API_PATH_PREFIXES = ("/v1/", "/api/v1/", "/embed", "/health", "/ready", "/metrics")
+
+# --- Admin login brute force (django-axes) ------------------------------------------------------
+# Axes' backend first: it refuses a locked-out login before any password is checked.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+# Failed logins counted per username *and* client address together: by username alone anyone could
+# lock the real admin out; by address alone everyone behind one NAT or proxy would share a count.
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_FAILURE_LIMIT = env_int("ADMIN_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+ADMIN_LOGIN_COOLOFF_MINUTES = env_float("ADMIN_LOGIN_COOLOFF_MINUTES", 15.0, minimum=0.1)
+AXES_COOLOFF_TIME = timedelta(minutes=ADMIN_LOGIN_COOLOFF_MINUTES)
+# A success clears that username+address's count; attempts during a lockout restart its cool-off.
+AXES_RESET_ON_SUCCESS = True
+AXES_HANDLER = "axes.handlers.database.AxesDatabaseHandler"
+AXES_LOCKOUT_CALLABLE = "embeddings.admin_lockout.admin_lockout_response"
+# REMOTE_ADDR as uvicorn sets it (django-ipware is not installed): X-Forwarded-For is believed only
+# from the proxies uvicorn trusts (--forwarded-allow-ips, loopback by default).
 
 ROOT_URLCONF = "embedsite.urls"
 # API routes have no trailing slash (as OpenAI's); redirecting a POST would lose its body.
@@ -239,6 +263,9 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    # django-axes announces itself at INFO in every process (each manage.py command); its lockout
+    # and failed-login lines come from other loggers and stay.
+    "loggers": {"axes.apps": {"level": "WARNING"}},
 }
 
 # --- Serving -----------------------------------------------------------------------------------

@@ -107,8 +107,10 @@ def project_copy(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def load_settings(project: Path, **environment: str) -> subprocess.CompletedProcess:
-    """`django.setup()` in a fresh interpreter with only `environment` as secret settings."""
+def load_settings(
+    project: Path, code: str = PRINT_SECRETS, **environment: str
+) -> subprocess.CompletedProcess:
+    """`django.setup()` (then `code`) in a fresh interpreter with only `environment` as secret settings."""
     env = {name: value for name, value in os.environ.items() if name not in SECRET_VARIABLES}
     env.update(
         environment,
@@ -116,7 +118,7 @@ def load_settings(project: Path, **environment: str) -> subprocess.CompletedProc
         PYTHONPATH=os.pathsep.join([str(project), str(REPO_ROOT)]),
     )
     return subprocess.run(
-        [sys.executable, "-c", PRINT_SECRETS],
+        [sys.executable, "-c", code],
         cwd=project,
         env=env,
         capture_output=True,
@@ -235,3 +237,18 @@ def test_make_setup_creates_the_key_before_any_manage_py_command():
     }
     for target in ("setup", ".run/.migrated", "model_repository/minilm/1/model.onnx"):
         assert ".run/secret_key" in rules[target], rules[target]
+
+
+def test_admin_lockout_settings_from_the_environment(project_copy):
+    code = (
+        "import django; django.setup(); from django.conf import settings; "
+        "print(settings.AXES_FAILURE_LIMIT, settings.AXES_COOLOFF_TIME.total_seconds())"
+    )
+    environment = {"DJANGO_SECRET_KEY": STRONG_KEY}
+    done = load_settings(
+        project_copy, code, ADMIN_LOGIN_FAILURE_LIMIT="3", ADMIN_LOGIN_COOLOFF_MINUTES="0.5", **environment
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["3", "30.0"]
+    refused = load_settings(project_copy, code, ADMIN_LOGIN_FAILURE_LIMIT="0", **environment)
+    assert "ADMIN_LOGIN_FAILURE_LIMIT must be at least 1" in refusal(refused)
