@@ -372,6 +372,8 @@ TRITON_HTTP_PORT = env_int("TRITON_HTTP_PORT", 8000, minimum=1)
 TRITON_METRICS_PORT = env_int("TRITON_METRICS_PORT", 8002, minimum=1)
 TRITON_MODEL_CONFIG_NAME = env_str("TRITON_MODEL_CONFIG_NAME", "")
 TRITON_STARTUP_TIMEOUT_S = env_float("TRITON_STARTUP_TIMEOUT_S", 180.0, minimum=1)
+# Stopping (or after a crash) Triton's process group gets this long after SIGTERM, then SIGKILL.
+TRITON_STOP_TIMEOUT_S = env_float("TRITON_STOP_TIMEOUT_S", 15.0, minimum=0.1)
 RUN_DIR = Path(env_str("EMBEDSITE_RUN_DIR", str(BASE_DIR / ".run")))
 
 # --- Readiness (/ready) ------------------------------------------------------------------------

@@ -26,7 +26,7 @@ def require_exported_model(repository: Path, name: str = "minilm") -> Path:
     return model_file
 
 
-def start_triton(run_dir: Path, repositories: list[Path], *, name: str = "triton") -> TritonServer:
+def start_triton(run_dir: Path, repositories: list[Path], *, name: str = "triton", **options) -> TritonServer:
     server = TritonServer(
         model_repositories=repositories,
         run_dir=run_dir,
@@ -34,6 +34,7 @@ def start_triton(run_dir: Path, repositories: list[Path], *, name: str = "triton
         http_port=free_port(),
         metrics_port=free_port(),
         log_path=run_dir / f"{name}.log",
+        **options,
     )
     server.start()
     server.wait_until_ready(settings.TRITON_STARTUP_TIMEOUT_S)

@@ -21,4 +21,5 @@ def local_triton_server(*, log_path: Path | None = None, extra_repositories: lis
         address="127.0.0.1" if grpc_host in {"localhost", "127.0.0.1"} else grpc_host.strip("[]"),
         model_config_name=settings.TRITON_MODEL_CONFIG_NAME,
         log_path=log_path,
+        stop_timeout_s=settings.TRITON_STOP_TIMEOUT_S,
     )

@@ -6,19 +6,29 @@ beside `libtriton_python.so`; this interpreter's own libpython first on LD_LIBRA
 crashes with `'_thread.RLock' object has no attribute '_recursion_count'` when it picks the system's
 copy); and this environment's interpreter first on PATH and its site-packages on PYTHONPATH, so
 models import this environment's numpy/onnxruntime.
+
+Triton runs in a session and process group of its own, which its Python backend stubs (one process
+per model instance, hundreds of MB each) share. The launcher ends the whole group: on stop(), and on
+its own as soon as tritonserver exits unasked (a crash, kill -9), because stubs wait forever on a
+dead tritonserver nobody has reaped. A stub that needs SIGKILL leaves its shared-memory region in
+/dev/shm; the launcher removes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
+import re
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -76,6 +86,119 @@ def die_with_parent() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+PYTHON_BACKEND_SHM_REGION = re.compile(r"/dev/shm/(triton_python_backend_shm_region_[0-9a-f-]+)")
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """The live processes (zombies left out: they hold no memory) in process group `pgid`, from /proc."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                line = stat.read()
+        except OSError:  # ended meanwhile
+            continue
+        # Fields after the command name (which may hold spaces or parentheses): state, ppid, pgrp.
+        state, _ppid, pgrp = line[line.rindex(")") + 2 :].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def shared_memory_regions(pids: Sequence[int]) -> set[str]:
+    """Names of the Python backend's shared-memory regions (in /dev/shm) these processes have mapped."""
+    names: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            names.update(PYTHON_BACKEND_SHM_REGION.findall(maps.read()))
+    return names
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signum)
+
+
+def _wait_until_group_ends(pgid: int, deadline: float) -> bool:
+    while process_group_members(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def end_process_group(process: subprocess.Popen, *, timeout_s: float, kill_timeout_s: float = 5.0) -> None:
+    """End the process group `process` leads (started with start_new_session=True): SIGTERM to the
+    group, up to timeout_s for the leader and every member to exit, then SIGKILL to the group.
+
+    Works when the leader has died already: its group lives on while any member does, and Linux does
+    not hand its number to a new process meanwhile. Regions of /dev/shm that members killed by
+    SIGKILL could not remove are removed here (only those the group's own processes had mapped).
+    """
+    pgid = process.pid
+    _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    # Reaping the leader matters: its stubs take a zombie for a live parent and wait on it forever.
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=timeout_s)
+    if _wait_until_group_ends(pgid, deadline):
+        return
+    regions = shared_memory_regions([pgid, *process_group_members(pgid)])
+    _signal_group(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=kill_timeout_s)
+    _wait_until_group_ends(pgid, time.monotonic() + kill_timeout_s)
+    for name in regions:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def _wait_for_exit(process: subprocess.Popen) -> None:
+    """Block until `process` exits, without reaping it (a pidfd; polling where the kernel has none)."""
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except ProcessLookupError:  # exited and reaped already
+        return
+    except OSError:  # no pidfd_open (Linux < 5.3)
+        while process.poll() is None:
+            time.sleep(0.5)
+        return
+    try:
+        if process.returncode is None:  # else the pid may be another process's by now
+            waiter = select.poll()  # not select.select: it fails for descriptors above 1023
+            waiter.register(pidfd, select.POLLIN)
+            waiter.poll()
+    finally:
+        os.close(pidfd)
+
+
+class TritonProcessGroup:
+    """A started tritonserver and its process group, ended exactly once: by the launcher's stop(), or
+    by a watcher thread as soon as tritonserver exits on its own."""
+
+    def __init__(self, process: subprocess.Popen, *, stop_timeout_s: float) -> None:
+        self.process = process
+        self.stop_timeout_s = stop_timeout_s
+        self._lock = threading.Lock()
+        self._ended = False
+        threading.Thread(
+            target=self._end_when_leader_exits, name=f"triton-{process.pid}-group", daemon=True
+        ).start()
+
+    def end(self, timeout_s: float | None = None) -> None:
+        """End the group (see end_process_group); returns once it is over, whoever began it."""
+        with self._lock:
+            if not self._ended:
+                end_process_group(self.process, timeout_s=timeout_s or self.stop_timeout_s)
+                self._ended = True
+
+    def _end_when_leader_exits(self) -> None:
+        _wait_for_exit(self.process)
+        self.end()
+
+
 class TritonServer:
     """One tritonserver process serving the given model repositories on loopback ports."""
 
@@ -91,6 +214,7 @@ class TritonServer:
         model_config_name: str = "",
         log_path: Path | None = None,
         extra_args: Sequence[str] = (),
+        stop_timeout_s: float = 15.0,
     ) -> None:
         self.model_repositories = [Path(p).resolve() for p in model_repositories]
         self.run_dir = Path(run_dir)
@@ -101,7 +225,11 @@ class TritonServer:
         self.model_config_name = model_config_name
         self.log_path = log_path
         self.extra_args = list(extra_args)
+        # How long Triton's group gets to exit after SIGTERM before SIGKILL (Triton itself waits up
+        # to --exit-timeout-secs=10 for requests in flight).
+        self.stop_timeout_s = stop_timeout_s
         self.process: subprocess.Popen | None = None
+        self._group: TritonProcessGroup | None = None
         self._log_file = None
 
     @property
@@ -164,9 +292,16 @@ class TritonServer:
             args.append(f"--model-config-name={self.model_config_name}")
         return args + self.extra_args
 
+    @property
+    def process_group(self) -> int | None:
+        """The id of Triton's process group (tritonserver's pid), while this launcher holds one."""
+        return None if self.process is None else self.process.pid
+
     def start(self) -> None:
         if self.process is not None and self.process.poll() is None:
             raise TritonServerError("Triton is already running")
+        # A Triton that died since: what is left of its group (stubs) ends before a new one starts.
+        self.stop()
         for repo in self.model_repositories:
             if not repo.is_dir():
                 raise TritonServerError(f"Model repository {repo} does not exist")
@@ -186,6 +321,7 @@ class TritonServer:
             start_new_session=True,  # Ctrl-C reaches our launcher, which stops Triton in order
             preexec_fn=die_with_parent,
         )
+        self._group = TritonProcessGroup(self.process, stop_timeout_s=self.stop_timeout_s)
 
     def is_ready(self) -> bool:
         try:
@@ -217,21 +353,19 @@ class TritonServer:
         self.stop()
         raise TritonServerError(f"Triton was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=5)
+    def stop(self, timeout_s: float | None = None) -> None:
+        """End Triton's whole process group (its backend stubs too), whether tritonserver is still
+        running or has died; return once none of it is left."""
+        group, self._group, self.process = self._group, None, None
+        if group is not None:
+            group.end(timeout_s)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
 
     def kill(self) -> None:
-        """SIGKILL, as a crash would: for fault tests."""
+        """SIGKILL tritonserver alone, as a crash would (for fault tests); what is left of its group
+        ends as after any crash."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=5)

@@ -126,6 +126,8 @@ class Command(BaseCommand):
             )
             while not stop.wait(0.5):
                 if triton.process is None or triton.process.poll() is not None:
+                    # Its backend stubs (hundreds of MB each) end first, before the rest winds down.
+                    triton.stop()
                     raise CommandError(f"Triton exited unexpectedly; see {triton_log}")
                 if redis_server is not None and redis_server.process.poll() is not None:
                     raise CommandError(f"Redis exited unexpectedly; see {redis_server.log_path}")

@@ -1,0 +1,101 @@
+"""`manage.py runstack` (what `make run` runs), whole, on free ports: when Triton dies, the stack stops
+with an error naming Triton, and nothing it started is left, Triton's backend stubs included even when
+they hang (stopped here with SIGSTOP, so only SIGKILL ends them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from embeddings.triton.server import die_with_parent, free_port, shared_memory_regions
+from tests.conftest import require_exported_model
+from tests.processes import REPO_ROOT, manage, stop_process_group
+from tests.triton.test_server_process_group import group_processes, stubs_of, wait_until_no_live_member
+
+START_DEADLINE_S = 240  # against hanging only: Triton, Celery and uvicorn start on a loaded machine
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """pid -> command name of the live children of `pid`."""
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+            if int(ppid) == pid and state != "Z":
+                children[int(name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+    return children
+
+
+def wait_until_serving(process: subprocess.Popen, base_url: str, log: Path) -> None:
+    deadline = time.monotonic() + START_DEADLINE_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"runstack exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        if "embedsite on" in log.read_text():
+            try:
+                if httpx2.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx2.TransportError:
+                pass
+        time.sleep(0.5)
+    pytest.fail(f"runstack did not start within {START_DEADLINE_S} s:\n{log.read_text()[-4000:]}")
+
+
+def test_when_triton_dies_runstack_stops_everything_and_leaves_no_stub(tmp_path):
+    require_exported_model(REPO_ROOT / "model_repository")
+    port = free_port()
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        "EMBEDSITE_RUN_DIR": str(tmp_path),
+        "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+        "SERVER_PORT": str(port),
+        "TRITON_SERVER_URL": "127.0.0.1",
+        "TRITON_SERVER_GRPC_PORT": str(free_port()),
+        "TRITON_HTTP_PORT": str(free_port()),
+        "TRITON_METRICS_PORT": str(free_port()),
+        "TRITON_STOP_TIMEOUT_S": "2",
+    }
+    for inherited in ("PROMETHEUS_MULTIPROC_DIR", "CELERY_BROKER_URL"):
+        env.pop(inherited, None)
+    manage(env, "migrate", "--noinput")
+    log = tmp_path / "runstack.log"
+    with log.open("wb") as output:
+        runstack = subprocess.Popen(
+            [sys.executable, "manage.py", "runstack", "--workers", "1"],
+            cwd=REPO_ROOT, env=env, stdout=output, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+    try:
+        wait_until_serving(runstack, f"http://127.0.0.1:{port}", log)
+        started = children_of(runstack.pid)
+        [triton] = [pid for pid, name in started.items() if name == "tritonserver"]
+        stubs = stubs_of(triton)
+        regions = shared_memory_regions([triton, *stubs])
+        assert stubs and regions
+        for stub in stubs:
+            os.kill(stub, signal.SIGSTOP)
+        os.kill(triton, signal.SIGKILL)
+        runstack.wait(timeout=120)
+    finally:
+        stop_process_group(runstack)
+    output = log.read_text()
+    assert runstack.returncode != 0
+    assert "Triton exited unexpectedly" in output and "Stopped." in output, output[-3000:]
+    wait_until_no_live_member(triton)
+    assert [name for name in regions if Path("/dev/shm", name).exists()] == []
+    # Redis, the Celery worker and beat, uvicorn: each its own group, none left.
+    for pid, name in started.items():
+        live = {member: state for member, state in group_processes(pid).items() if state != "Z"}
+        assert live == {}, f"{name} ({pid}) left: {live}"
