@@ -120,3 +120,48 @@ def test_log_in_see_the_usage_chart_and_create_a_key(live_server, tenant_with_us
     page.goto(tenant_url)
     assert "made-in-a-browser" in page.locator(".inline-group").inner_text()
     assert shown not in page.content()
+
+
+WEBHOOK_SECRET = re.compile(r"whsec_[A-Za-z0-9_-]{20,}")
+
+
+def _log_in(page, live_server, password: str = "a-long-password") -> None:
+    page.goto(live_server.url + reverse("admin:login"))
+    page.fill("#id_username", "root")
+    page.fill("#id_password", password)
+    page.click("input[type=submit]")
+
+
+def test_rotate_a_webhook_secret_and_see_it_once(live_server, tenant_with_usage, browser_page, tmp_path):
+    page = browser_page
+    _log_in(page, live_server)
+    page.goto(live_server.url + reverse("admin:embeddings_tenant_changelist"))
+    page.check("#result_list tbody tr input.action-select")
+    page.select_option("select[name=action]", "rotate_webhook_secrets")
+    page.click("button[name=index]")
+    secret = page.locator("code.new-webhook-secret")
+    assert secret.count() == 1 and secret.is_visible()
+    shown = secret.inner_text()
+    assert WEBHOOK_SECRET.fullmatch(shown)
+    assert "shown only this once" in page.content()
+    page.screenshot(path=str(tmp_path / "webhook-secret-rotated.png"), full_page=True)
+    # The tenant page shows a fingerprint of it, never the secret.
+    page.goto(live_server.url + reverse("admin:embeddings_tenant_change", args=[tenant_with_usage.pk]))
+    assert "fingerprint" in page.locator(".field-webhook_secret_status").inner_text()
+    assert shown not in page.content()
+
+
+def test_repeated_wrong_passwords_lock_the_login(
+    live_server, tenant_with_usage, browser_page, settings, tmp_path
+):
+    page = browser_page
+    for _ in range(settings.AXES_FAILURE_LIMIT - 1):
+        _log_in(page, live_server, password="wrong")
+        assert "Please enter the correct username and password" in page.content()
+    _log_in(page, live_server, password="wrong")
+    assert "Too many failed logins" in page.locator(".errornote").inner_text()
+    page.screenshot(path=str(tmp_path / "login-locked-out.png"), full_page=True)
+    # Even the right password is refused now.
+    _log_in(page, live_server)
+    assert "Too many failed logins" in page.content()
+    assert "/admin/login/" in page.url
