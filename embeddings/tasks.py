@@ -8,7 +8,13 @@ from celery import shared_task
 from django.conf import settings
 
 from embeddings.services.job_callbacks import CallbackRetry, job_callback_deliver
-from embeddings.services.jobs import job_chunk_give_up, job_chunk_run, job_expire_due, job_watchdog
+from embeddings.services.jobs import (
+    job_chunk_give_up,
+    job_chunk_retry_scheduled,
+    job_chunk_run,
+    job_expire_due,
+    job_watchdog,
+)
 from embeddings.services.usage import usage_fold
 from embeddings.triton import TritonTimeout, TritonUnavailable
 
@@ -40,7 +46,7 @@ def chunk_retry_countdown(retries: int) -> float:
 @shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)
 def job_chunk_task(self, job_id: int, chunk: int) -> None:
     """Embed one chunk of a job. Idempotent (a chunk is written and counted once, and hands out one
-    successor), so a redelivery after a lost worker is harmless."""
+    successor), so a redelivery after a lost worker, or the watchdog's re-send, is harmless."""
     try:
         job_chunk_run(job_id=job_id, chunk=chunk)
     except CHUNK_RETRYABLE as error:
@@ -52,7 +58,9 @@ def job_chunk_task(self, job_id: int, chunk: int) -> None:
             )
             job_chunk_give_up(job_id=job_id, chunk=chunk, code=code, message=message)
             return
-        raise self.retry(exc=error, countdown=chunk_retry_countdown(self.request.retries)) from error
+        countdown = chunk_retry_countdown(self.request.retries)
+        job_chunk_retry_scheduled(job_id=job_id, chunk=chunk, delay_s=countdown)
+        raise self.retry(exc=error, countdown=countdown) from error
 
 
 @shared_task(acks_late=True, reject_on_worker_lost=True)
@@ -63,7 +71,8 @@ def job_expire_task() -> int:
 
 @shared_task(acks_late=True, reject_on_worker_lost=True)
 def job_watchdog_task() -> int:
-    """Revive jobs whose chunk window stalled (beat, every JOB_WATCHDOG_INTERVAL_S)."""
+    """Re-send the chunks of dead workers (beat, every JOB_WATCHDOG_INTERVAL_S). Idempotent: what it
+    re-sends is marked sent in the same script that decides it, and chunk tasks are idempotent."""
     return job_watchdog()
 
 

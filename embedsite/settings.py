@@ -437,9 +437,15 @@ JOB_CALLBACK_BACKOFF_S = env_float("JOB_CALLBACK_BACKOFF_S", 5.0, minimum=0.0)
 # than the visibility timeout gets the message delivered twice).
 JOB_CHUNK_RETRY_BACKOFF_S = env_float("JOB_CHUNK_RETRY_BACKOFF_S", 2.0, minimum=0.0)
 JOB_CHUNK_RETRY_BACKOFF_MAX_S = env_float("JOB_CHUNK_RETRY_BACKOFF_MAX_S", 60.0, minimum=0.0)
-# An active job with no chunk started for this long is revived by the watchdog (chunks re-sent).
-JOB_STALL_S = env_float("JOB_STALL_S", 600.0, minimum=1.0)
-JOB_WATCHDOG_INTERVAL_S = env_float("JOB_WATCHDOG_INTERVAL_S", 60.0, minimum=0.1)
+# A running chunk holds a lease its worker renews every third of this (a heartbeat thread); once
+# it lapses (the worker died) beat's watchdog, every WATCHDOG_INTERVAL_S, re-sends the chunk: a lost
+# worker's job resumes within about LEASE_S + WATCHDOG_INTERVAL_S.
+JOB_CHUNK_LEASE_S = env_float("JOB_CHUNK_LEASE_S", 30.0, minimum=0.3)
+JOB_WATCHDOG_INTERVAL_S = env_float("JOB_WATCHDOG_INTERVAL_S", 15.0, minimum=0.1)
+# A chunk handed out this long ago that never started (its message lost with a worker killed
+# between taking and starting it) is re-sent; one merely waiting in a long queue then gets a
+# harmless duplicate, so keep it above the usual queue wait.
+JOB_STALL_S = env_float("JOB_STALL_S", 120.0, minimum=1.0)
 JOB_EXPIRE_INTERVAL_S = env_float("JOB_EXPIRE_INTERVAL_S", 300.0, minimum=0.1)
 
 # --- Channel layer: job progress to WebSocket watchers (WS /ws/v1/jobs/<id>) ---------------------
@@ -458,7 +464,8 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Fair share between jobs: each worker process holds one message at a time, so chunks of the jobs
 # in the queue take turns (embeddings.services.jobs). Unacked messages (acks_late) come back after
-# the visibility timeout, which must be above the longest chunk and the longest retry countdown.
+# the visibility timeout, which must be above the longest chunk and the longest retry countdown
+# (a dead worker's chunk is re-sent by the watchdog long before; the late redelivery is a no-op).
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_VISIBILITY_TIMEOUT_S = env_int("CELERY_VISIBILITY_TIMEOUT_S", 3600, minimum=60)
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_VISIBILITY_TIMEOUT_S}
@@ -478,7 +485,8 @@ CELERY_BEAT_SCHEDULE = {
     "job-watchdog": {
         "task": "embeddings.tasks.job_watchdog_task",
         "schedule": JOB_WATCHDOG_INTERVAL_S,
-        "options": {"expires": JOB_WATCHDOG_INTERVAL_S},
+        # Priority 0 (Redis serves it first): ahead of the chunks (jobs.CHUNK_PRIORITY) it watches.
+        "options": {"expires": JOB_WATCHDOG_INTERVAL_S, "priority": 0},
     },
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(RUN_DIR / "celerybeat-schedule")

@@ -6,13 +6,17 @@ EmbeddingJob row. Life of a job:
     job_create     validate, idempotency, max concurrent jobs, reserve the whole job's tokens
                    (an upper bound), store the inputs, save the row, and after the commit hand out
                    the first JOB_CHUNKS_IN_FLIGHT chunks to the broker.
-    job_chunk_run  (a Celery task per chunk) embed one chunk, write it and count its usage once
+    job_chunk_run  (a Celery task per chunk) embed one chunk under a lease its heartbeat keeps
+                   alive (embeddings.services.job_leases), write it and count its usage once
                    (one script: JobStore.finish_chunk), mirror progress, and hand out exactly
                    one successor chunk.
     job_finalize   exactly once: completed | failed | cancelled, counts, tokens settled against
                    the reservation (the unused rest refunded), event published, callback enqueued.
-    job_watchdog   (beat) re-sends the chunks of a job whose window stalled (a worker killed
-                   between finishing a chunk and sending the next), finalises what is done.
+    job_watchdog   (beat, every JOB_WATCHDOG_INTERVAL_S) re-sends a chunk whose lease lapsed (its
+                   worker died mid-chunk) and one handed out JOB_STALL_S ago that never started
+                   (its message lost), hands out the successor a dead worker did not, finalises
+                   what is done: a lost worker's job resumes within about JOB_CHUNK_LEASE_S +
+                   JOB_WATCHDOG_INTERVAL_S.
     job_expire_due (beat) jobs past expires_at become expired and their Redis data goes.
 
 Fair share: a job never has more than JOB_CHUNKS_IN_FLIGHT chunks in the broker. Each finished
@@ -58,6 +62,15 @@ from embeddings.services.errors import (
     QuotaExceeded,
 )
 from embeddings.services.job_events import job_event_publish
+from embeddings.services.job_leases import (
+    ChunkLease,
+    chunk_hand_off,
+    chunk_mark_sent,
+    chunk_take_next,
+    chunks_scan,
+    lease_keys,
+    live_leases,
+)
 from embeddings.services.job_store import JobStore
 from embeddings.services.quotas import (
     QuotaHolder,
@@ -79,18 +92,12 @@ CALLBACK_TASK = "embeddings.tasks.job_callback_task"
 PUBLIC_ID_ALPHABET = string.ascii_lowercase + string.digits
 # Progress events at most this often per job (each finished chunk when chunks are slower).
 EVENT_INTERVAL_S = 0.5
-
-# Hands out one successor per finished chunk. KEYS: handoff hash, next counter. ARGV: chunk, ttl.
-# Returns the chunk number to send, or -1 (this chunk handed out its successor already).
-_HANDOFF = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 0 then
-    return -1
-end
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-local taken = redis.call('INCR', KEYS[2])
-redis.call('EXPIRE', KEYS[2], ARGV[2])
-return taken - 1
-"""
+# Chunks go to the broker below the default priority (0, which Redis serves first), so beat's
+# tasks (the watchdog above all) are not stuck behind a backlog of chunks: each expires after one
+# interval, and behind a backlog longer than that it would never run. What the watchdog re-sends
+# goes ahead of the backlog: a dead worker's job resumes without queueing again.
+CHUNK_PRIORITY = 6
+RESENT_CHUNK_PRIORITY = 3
 
 # Refunds a finished job's unused tokens once. KEYS: the settled marker, then the token counters.
 # ARGV: ttl, amount. A counter whose window has expired is not recreated.
@@ -129,8 +136,8 @@ def job_store(job: EmbeddingJob) -> JobStore:
 
 def _engine_keys(store: JobStore) -> list[str]:
     """The engine's own keys beside JobStore's (same hash tag)."""
-    kinds = ("next", "handoff", "reservation", "settled", "event", "beat")
-    return [store.key(kind) for kind in kinds]
+    kinds = ("next", "handoff", "reservation", "settled", "event")
+    return [store.key(kind) for kind in kinds] + lease_keys(store)
 
 
 def _delete_data(job: EmbeddingJob) -> None:
@@ -371,15 +378,13 @@ def _dispatch(job: EmbeddingJob) -> None:
 
 
 def _send_next(job: EmbeddingJob) -> None:
-    store = job_store(job)
-    chunk = int(store.client.incr(store.key("next")))
-    store.client.expire(store.key("next"), store.ttl_s)
-    if chunk - 1 < job.chunks:
-        _send_chunk(job.pk, chunk - 1)
+    chunk = chunk_take_next(job_store(job), chunks=job.chunks)
+    if chunk < job.chunks:
+        _send_chunk(job.pk, chunk)
 
 
-def _send_chunk(job_id: int, chunk: int) -> None:
-    current_app.send_task(CHUNK_TASK, args=[job_id, chunk])
+def _send_chunk(job_id: int, chunk: int, priority: int = CHUNK_PRIORITY) -> None:
+    current_app.send_task(CHUNK_TASK, args=[job_id, chunk], priority=priority)
 
 
 # --- Reads -----------------------------------------------------------------------------------------
@@ -535,16 +540,14 @@ def _mark_started(job: EmbeddingJob) -> None:
         _publish(job, force=True)
 
 
-def _beat(store: JobStore) -> None:
-    store.client.set(store.key("beat"), int(time.time()), ex=store.ttl_s)
-
-
 def job_chunk_run(*, job_id: int, chunk: int) -> None:
     """Embed one chunk of a job and write it once; hand out the job's next chunk.
 
-    Triton errors (TritonUnavailable, TritonTimeout, ...) propagate: the Celery task retries them
-    and calls job_chunk_give_up after the last. A chunk that ran before (redelivered) writes and
-    counts nothing again, and hands out no second successor.
+    Runs under the chunk's lease (ChunkLease: renewed by a heartbeat while it embeds, so a long
+    chunk is never re-sent while its worker lives). Triton errors (TritonUnavailable, TritonTimeout,
+    ...) propagate: the Celery task retries them and calls job_chunk_give_up after the last. A
+    chunk that ran before (redelivered, or re-sent by the watchdog) writes and counts nothing
+    again, and hands out no second successor.
     """
     job = EmbeddingJob.objects.select_related("model").filter(pk=job_id).first()
     if job is None or job.status not in ACTIVE:
@@ -554,23 +557,31 @@ def job_chunk_run(*, job_id: int, chunk: int) -> None:
         _finish_cancelled(job)
         return
     _mark_started(job)
-    _beat(store)
-    if not store.is_chunk_done(chunk):
-        texts = store.chunk_inputs(chunk)
-        if texts is None:  # deleted or expired under us
-            return
-        started = time.perf_counter()
-        result = embeddings_create_sync(
-            target=_target(job.model),
-            texts=texts,
-            options=EmbeddingOptions(dimensions=job.dimensions, normalize=job.normalize),
-        )
-        if store.is_cancelled():
-            _finish_cancelled(job)
-            return
-        usage = _usage(job, "succeeded", len(texts), result.total_tokens, started)
-        store.finish_chunk(chunk, result.vectors, tokens=result.total_tokens, usage=usage)
-    _after_chunk(job, store, chunk)
+    with ChunkLease(store, chunk):
+        if not store.is_chunk_done(chunk):
+            texts = store.chunk_inputs(chunk)
+            if texts is None:  # deleted or expired under us
+                return
+            started = time.perf_counter()
+            result = embeddings_create_sync(
+                target=_target(job.model),
+                texts=texts,
+                options=EmbeddingOptions(dimensions=job.dimensions, normalize=job.normalize),
+            )
+            if store.is_cancelled():
+                _finish_cancelled(job)
+                return
+            usage = _usage(job, "succeeded", len(texts), result.total_tokens, started)
+            store.finish_chunk(chunk, result.vectors, tokens=result.total_tokens, usage=usage)
+        _after_chunk(job, store, chunk)
+
+
+def job_chunk_retry_scheduled(*, job_id: int, chunk: int, delay_s: float) -> None:
+    """A chunk's Celery retry is due in `delay_s`: the stall timer counts from then, so the watchdog
+    does not re-send a chunk that is waiting out its backoff."""
+    job = EmbeddingJob.objects.filter(pk=job_id).first()
+    if job is not None and job.status in ACTIVE:
+        chunk_mark_sent(job_store(job), chunk=chunk, delay_s=delay_s)
 
 
 def _usage(job: EmbeddingJob, outcome: str, inputs: int, tokens: int, started: float) -> dict[str, int]:
@@ -594,11 +605,7 @@ def _after_chunk(job: EmbeddingJob, store: JobStore, chunk: int) -> None:
     if progress.chunks_done >= job.chunks:
         job_finalize(job_id=job.pk, status=Status.FAILED if progress.failed else Status.COMPLETED)
         return
-    next_chunk = int(
-        _script(store.client, _HANDOFF)(
-            keys=[store.key("handoff"), store.key("next")], args=[chunk, store.ttl_s]
-        )
-    )
+    next_chunk = chunk_hand_off(store, chunk=chunk, chunks=job.chunks)
     if 0 <= next_chunk < job.chunks:
         _send_chunk(job.pk, next_chunk)
     job.completed, job.failed, job.prompt_tokens = progress.completed, progress.failed, progress.tokens
@@ -678,34 +685,50 @@ def _settle(job: EmbeddingJob, store: JobStore, used_tokens: int) -> None:
         _script(store.client, _SETTLE_ONCE)(keys=[store.key("settled"), *keys], args=[store.ttl_s, refund])
 
 
-# --- Watchdog --------------------------------------------------------------------------------------
+# --- Watchdog ------------------------------------------------------------------------------------
 
 
-def job_watchdog(*, stalled_after_s: float | None = None) -> int:
-    """Revive active jobs that made no progress for JOB_STALL_S: finalise what is done or
-    cancelled, re-send the handed-out chunks that are not done (chunk tasks are idempotent) and
-    hand out a fresh window if none is. Returns how many jobs it touched."""
-    stalled_after_s = settings.JOB_STALL_S if stalled_after_s is None else stalled_after_s
+def job_watchdog(*, stall_s: float | None = None) -> int:
+    """One pass over the active jobs (beat runs it every JOB_WATCHDOG_INTERVAL_S): finalise a job
+    whose chunks are all finished, or that was cancelled and has no chunk running; re-send the
+    chunks whose worker died (lease lapsed) or whose message was lost (handed out JOB_STALL_S ago,
+    never started); hand out the successors dead workers did not, and a fresh window to a job with
+    nothing in flight. Chunk tasks are idempotent, so a re-send is harmless even when the original
+    turns up after all. Returns how many jobs it acted on."""
+    stall_s = settings.JOB_STALL_S if stall_s is None else stall_s
     touched = 0
     for job in EmbeddingJob.objects.select_related("model").filter(status__in=ACTIVE).iterator():
-        store = job_store(job)
-        last = store.client.get(store.key("beat"))
-        last_at = int(last) if last else int(job.created_at.timestamp())
-        if time.time() - last_at < stalled_after_s:
-            continue
-        touched += 1
-        _beat(store)
-        progress = store.progress()
-        if job.status == Status.CANCELLING or store.is_cancelled():
-            job_finalize(job_id=job.pk, status=Status.CANCELLED)
-        elif progress.chunks_done >= job.chunks:
-            job_finalize(job_id=job.pk, status=Status.COMPLETED)
-        else:
-            handed = min(int(store.client.get(store.key("next")) or 0), job.chunks)
-            pending = [c for c in range(handed) if not store.is_chunk_done(c)]
-            for chunk in pending:
-                _send_chunk(job.pk, chunk)
-            for _ in range(max(0, settings.JOB_CHUNKS_IN_FLIGHT - len(pending))):
-                _send_next(job)
-            logger.warning("job %s stalled; re-sent chunks %s", job.public_id, pending)
+        try:
+            touched += _watch(job, stall_s)
+        except redis.RedisError as error:  # one job's data unreachable: the next pass tries again
+            logger.warning("watchdog: job %s not checked: %s", job.public_id, error)
     return touched
+
+
+def _watch(job: EmbeddingJob, stall_s: float) -> bool:
+    store = job_store(job)
+    if job.status == Status.CANCELLING or store.is_cancelled():
+        # A running chunk stops at its next check and ends the job; otherwise nothing would.
+        return live_leases(store) == 0 and job_finalize(job_id=job.pk, status=Status.CANCELLED)
+    if store.progress().chunks_done >= job.chunks:
+        return job_finalize(job_id=job.pk, status=Status.COMPLETED)
+    scan = chunks_scan(store, chunks=job.chunks, stall_s=stall_s)
+    for chunk in [*scan.lost, *scan.stalled, *scan.successors]:
+        _send_chunk(job.pk, chunk, RESENT_CHUNK_PRIORITY)
+    fresh = []
+    if scan.in_flight == 0:  # nothing handed out (data from before leases, or lost): start again
+        for _ in range(settings.JOB_CHUNKS_IN_FLIGHT):
+            chunk = chunk_take_next(store, chunks=job.chunks)
+            if chunk < job.chunks:
+                _send_chunk(job.pk, chunk, RESENT_CHUNK_PRIORITY)
+                fresh.append(chunk)
+    actions = {
+        "re-sent (worker lost mid-chunk)": scan.lost,
+        "re-sent (never started)": scan.stalled,
+        "handed out (successors a dead worker did not)": scan.successors,
+        "handed out (a fresh window)": fresh,
+    }
+    done = "; ".join(f"{action}: {chunks}" for action, chunks in actions.items() if chunks)
+    if done:
+        logger.warning("watchdog: job %s: chunks %s", job.public_id, done)
+    return bool(done)

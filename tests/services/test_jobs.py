@@ -4,6 +4,7 @@ Celery worker runs them in tests/test_job_tasks.py)."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -11,11 +12,14 @@ import pytest
 from django.utils import timezone
 
 from embeddings.models import EmbeddingJob
+from embeddings.services import jobs
 from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
 from embeddings.services.errors import InvalidRequest, JobConflict, LimitExceeded, QuotaExceeded
+from embeddings.services.job_leases import ChunkLease, chunk_runs, live_leases
 from embeddings.services.jobs import (
     JobSpec,
     job_cancel,
+    job_chunk_retry_scheduled,
     job_chunk_run,
     job_create,
     job_delete,
@@ -25,6 +29,7 @@ from embeddings.services.jobs import (
     job_refreshed,
     job_results_source,
     job_store,
+    job_watchdog,
     jobs_for_tenant,
 )
 from embeddings.services.quotas import quota_status_sync
@@ -243,3 +248,105 @@ def test_refreshed_mirrors_progress(api_setup, small_chunks):
     stale = EmbeddingJob.objects.get(pk=job.pk)
     stale.completed = 0
     assert job_refreshed(stale).completed == 5
+
+
+# --- Lost workers: leases, the watchdog ------------------------------------------------------------
+
+
+@pytest.fixture
+def sent_chunks(monkeypatch) -> list[tuple[int, int]]:
+    """The chunks the engine hands to the broker, (job id, chunk), instead of sending them: these
+    tests run chunks themselves (the Celery path is tests/reliability/test_worker_recovery.py)."""
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(jobs, "_send_chunk", lambda job_id, chunk, *priority: sent.append((job_id, chunk)))
+    return sent
+
+
+def _redis_ms() -> int:
+    seconds, microseconds = redis_sync().time()
+    return seconds * 1000 + microseconds // 1000
+
+
+def _lapsed_lease(job: EmbeddingJob, chunk: int) -> None:
+    """The lease a worker killed mid-chunk leaves: taken, its deadline passed, never released."""
+    store = job_store(job)
+    store.client.hset(store.key("lease"), chunk, f"{_redis_ms() - 1} dead-host:1")
+
+
+def _submit(api_setup, texts=TEXTS) -> EmbeddingJob:
+    alpha = api_setup["alpha"]
+    spec = JobSpec(model=api_setup["model"], texts=texts)
+    return job_create(tenant_id=alpha.tenant.pk, api_key_id=None, spec=spec)[0]
+
+
+def test_watchdog_leaves_queued_chunks_until_they_stall(api_setup, small_chunks, sent_chunks):
+    job = _submit(api_setup)
+    assert sent_chunks == [(job.pk, 0), (job.pk, 1)]
+    assert job_watchdog() == 0 and len(sent_chunks) == 2  # queued in the broker: no lease yet
+    assert job_watchdog(stall_s=0) == 1  # handed out "long ago" and never started: lost messages
+    assert sent_chunks[2:] == [(job.pk, 0), (job.pk, 1)]
+    assert job_watchdog(stall_s=60) == 0  # marked sent again: the stall timer starts over
+
+
+def test_watchdog_resends_a_chunk_whose_worker_died_and_never_a_live_one(
+    api_setup, small_chunks, sent_chunks
+):
+    job = _submit(api_setup)
+    store = job_store(job)
+    with ChunkLease(store, 1, lease_s=30):
+        _lapsed_lease(job, 0)
+        assert job_watchdog(stall_s=0) == 1
+    assert sent_chunks[2:] == [(job.pk, 0)]  # chunk 1's lease was live: not re-sent, even at stall 0
+    assert live_leases(store) == 0 and job_watchdog() == 0  # chunk 0 is queued again, not lost
+    # The re-sent chunk runs (a late redelivery of the original too): written and counted once.
+    job_chunk_run(job_id=job.pk, chunk=0)
+    job_chunk_run(job_id=job.pk, chunk=0)
+    assert job_store(job).progress().completed == 5
+    assert chunk_runs(store).runs == {0: 1, 1: 1}  # chunk 0's dead run was set by hand: one real
+
+
+def test_heartbeat_keeps_a_long_chunk_leased(api_setup, small_chunks, sent_chunks):
+    job = _submit(api_setup)
+    store = job_store(job)
+    with ChunkLease(store, 0, lease_s=0.3):
+        time.sleep(1.2)  # four leases long: alive only because the heartbeat renewed it
+        assert live_leases(store) == 1
+        assert job_watchdog(stall_s=0) == 1 and sent_chunks[2:] == [(job.pk, 1)]  # only the queued one
+    assert live_leases(store) == 0 and store.client.hlen(store.key("lease")) == 0
+
+
+def test_watchdog_hands_out_the_successor_a_dead_worker_did_not(api_setup, small_chunks, sent_chunks):
+    """Killed after writing chunk 0 and before handing out chunk 2: the watchdog hands it out, once."""
+    job = _submit(api_setup)
+    store = job_store(job)
+    result = embeddings_create_sync(target=EmbeddingTarget.for_model(job.model), texts=store.chunk_inputs(0))
+    store.finish_chunk(0, result.vectors, tokens=result.total_tokens)
+    _lapsed_lease(job, 0)
+    assert job_watchdog() == 1 and sent_chunks[2:] == [(job.pk, 2)]
+    assert job_watchdog() == 0 and len(sent_chunks) == 3
+    job_chunk_run(job_id=job.pk, chunk=0)  # the original, redelivered: no second successor
+    assert len(sent_chunks) == 3
+
+
+def test_watchdog_finalises_a_finished_job_and_a_cancelled_one(api_setup, small_chunks, sent_chunks):
+    job = _submit(api_setup, TEXTS[:5])
+    store = job_store(job)
+    result = embeddings_create_sync(target=EmbeddingTarget.for_model(job.model), texts=TEXTS[:5])
+    store.finish_chunk(0, result.vectors, tokens=result.total_tokens)  # the worker died right after
+    assert job_watchdog() == 1
+    job.refresh_from_db()
+    assert (job.status, job.completed, job.prompt_tokens) == ("completed", 5, result.total_tokens)
+
+    cancelled = job_cancel(job=_submit(api_setup))
+    with ChunkLease(job_store(cancelled), 0, lease_s=30):
+        assert job_watchdog() == 0  # a chunk still runs: it ends the job when it stops
+    assert job_watchdog() == 1
+    cancelled.refresh_from_db()
+    assert cancelled.status == "cancelled" and cancelled.finished_at is not None
+
+
+def test_a_retry_waiting_out_its_backoff_is_not_stalled(api_setup, small_chunks, sent_chunks):
+    job = _submit(api_setup)
+    job_chunk_retry_scheduled(job_id=job.pk, chunk=0, delay_s=60)
+    assert job_watchdog(stall_s=1) == 0
+    assert job_watchdog(stall_s=0) == 1 and sent_chunks[2:] == [(job.pk, 1)]  # chunk 0's is not due
