@@ -39,10 +39,13 @@ def long_texts(prefix: str, count: int) -> list[str]:
 
 MEASURE = """
 import time
+from django.conf import settings
 from embeddings.models import EmbeddingModel
 from embeddings.services.embedding import EmbeddingTarget, embeddings_create_sync
+target = EmbeddingTarget.for_model(EmbeddingModel.objects.get(name=settings.DEFAULT_EMBEDDING_MODEL))
+embeddings_create_sync(target=target, texts=["warm the tokenizer and the connection"])
 started = time.perf_counter()
-embeddings_create_sync(target=EmbeddingTarget.for_model(EmbeddingModel.objects.get()), texts={texts!r})
+embeddings_create_sync(target=target, texts={texts!r})
 print((time.perf_counter() - started) / {count})
 """
 
