@@ -7,8 +7,10 @@ import logging
 from celery import shared_task
 from django.conf import settings
 
+from embeddings.services.errors import InvalidRequest, LimitExceeded
 from embeddings.services.job_callbacks import CallbackRetry, job_callback_deliver
 from embeddings.services.jobs import (
+    job_chunk_fail,
     job_chunk_give_up,
     job_chunk_retry_scheduled,
     job_chunk_run,
@@ -16,7 +18,8 @@ from embeddings.services.jobs import (
     job_watchdog,
 )
 from embeddings.services.usage import usage_fold
-from embeddings.triton import TritonTimeout, TritonUnavailable
+from embeddings.tokenization import TokenizationError
+from embeddings.triton import TritonInvalidInput, TritonModelError, TritonTimeout, TritonUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,9 @@ def usage_fold_task() -> dict[str, int]:
 # Transient Triton failures a chunk retries; anything else (a bad model output, a tokenizer error)
 # would fail the same way again.
 CHUNK_RETRYABLE = (TritonUnavailable, TritonTimeout)
+# Failures the same inputs would meet again: the chunk's inputs count failed and the job goes on
+# (re-running it, as a stalled chunk would be, could only fail again).
+CHUNK_FAILURES = (TritonModelError, TritonInvalidInput, TokenizationError, InvalidRequest, LimitExceeded)
 
 
 def chunk_retry_countdown(retries: int) -> float:
@@ -49,6 +55,10 @@ def job_chunk_task(self, job_id: int, chunk: int) -> None:
     successor), so a redelivery after a lost worker, or the watchdog's re-send, is harmless."""
     try:
         job_chunk_run(job_id=job_id, chunk=chunk)
+    except CHUNK_FAILURES as error:
+        logger.warning("job %s chunk %s failed: %s", job_id, chunk, error)
+        message = f"Some inputs could not be embedded: {error}"
+        job_chunk_fail(job_id=job_id, chunk=chunk, code="embedding_failed", message=message)
     except CHUNK_RETRYABLE as error:
         if self.request.retries >= settings.JOB_CHUNK_RETRIES:
             code = "model_unavailable"

@@ -4,6 +4,7 @@ fair share, Triton down, cancel, callbacks. A worker killed mid-job: tests/relia
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -63,6 +64,34 @@ def test_triton_down_fails_the_job_after_retries(job_stack, start_worker):
     assert log.read_text().count("Retry in") >= 2
 
 
+SUBMIT_TO_A_WRONG_MODEL = """
+import json
+from embeddings.models import EmbeddingModel, Tenant
+from embeddings.services.jobs import JobSpec, job_create
+# instant_1024 answers 1024-d vectors: a model registered as 384-d gets a TritonModelError each time.
+model, _ = EmbeddingModel.objects.get_or_create(
+    name="wrong-dimensions", defaults=dict(triton_model="instant_1024", dimensions=384, max_tokens=128)
+)
+spec = JobSpec(model=model, texts={texts!r})
+job, _ = job_create(tenant_id=Tenant.objects.get(slug="alpha").pk, api_key_id=None, spec=spec)
+print(json.dumps(job.pk))
+"""
+
+
+def test_a_chunk_that_cannot_be_embedded_fails_without_being_retried(job_stack, start_worker):
+    """A model answer that would be as wrong the next time: the chunk's inputs count failed at once
+    and the job goes on to the end (failed), instead of a chunk re-sent until the job expires."""
+    _, log = start_worker()
+    script = SUBMIT_TO_A_WRONG_MODEL.format(texts=texts("wrong", 10))
+    job_id = json.loads(manage(job_stack.env, "shell", "-c", script).splitlines()[-1])
+    job = job_stack.wait(job_id, {"completed", "failed"}, [log])
+    assert (job["status"], job["completed"], job["failed"]) == ("failed", 0, 10)
+    assert job["error_code"] == "embedding_failed" and "1024-d vectors, 384 expected" in job["error_message"]
+    received = re.findall(r"job_chunk_task\[[^\]]+\] received", log.read_text())
+    assert len(received) == 3  # 3 chunks, each run once
+    assert "Retry in" not in log.read_text()
+
+
 def test_cancel_stops_a_running_job(job_stack, start_worker):
     _, log = start_worker()
     (job_id,) = job_stack.submit([("alpha", texts("cancel", 400))])
@@ -96,9 +125,11 @@ def test_job_tasks_are_registered_and_scheduled():
 
 SUBMIT_WITH_CALLBACK = """
 import json
+from django.conf import settings
 from embeddings.models import EmbeddingModel, Tenant
 from embeddings.services.jobs import JobSpec, job_create
-spec = JobSpec(model=EmbeddingModel.objects.get(), texts={texts!r}, callback_url={url!r})
+model = EmbeddingModel.objects.get(name=settings.DEFAULT_EMBEDDING_MODEL)
+spec = JobSpec(model=model, texts={texts!r}, callback_url={url!r})
 job, _ = job_create(tenant_id=Tenant.objects.get(slug="alpha").pk, api_key_id=None, spec=spec)
 print(json.dumps(job.pk))
 """

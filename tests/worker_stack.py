@@ -23,9 +23,10 @@ from tests.processes import manage, stop_process_group
 
 SUBMIT = """
 import json
+from django.conf import settings
 from embeddings.models import EmbeddingModel, Tenant
 from embeddings.services.jobs import JobSpec, job_create
-model = EmbeddingModel.objects.get()
+model = EmbeddingModel.objects.get(name=settings.DEFAULT_EMBEDDING_MODEL)
 ids = []
 for slug, texts in {jobs!r}:
     tenant = Tenant.objects.get(slug=slug)

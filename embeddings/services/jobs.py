@@ -615,6 +615,19 @@ def _after_chunk(job: EmbeddingJob, store: JobStore, chunk: int) -> None:
     _publish(job)
 
 
+def job_chunk_fail(*, job_id: int, chunk: int, code: str, message: str) -> None:
+    """A chunk failed in a way a retry would repeat (the model answered wrongly, refused an input):
+    its inputs count failed (once), the job goes on with the other chunks and ends `failed`."""
+    job = EmbeddingJob.objects.select_related("model").filter(pk=job_id).first()
+    if job is None or job.status not in ACTIVE:
+        return
+    EmbeddingJob.objects.filter(pk=job.pk, error_code="").update(error_code=code, error_message=message)
+    store = job_store(job)
+    rows = _chunk_rows(job)[chunk]
+    store.fail_chunk(chunk, rows=rows, usage=_usage(job, "failed", 0, 0, time.perf_counter()))
+    _after_chunk(job, store, chunk)
+
+
 def _finish_cancelled(job: EmbeddingJob) -> None:
     job_finalize(job_id=job.pk, status=Status.CANCELLED)
 

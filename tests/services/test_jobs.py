@@ -19,6 +19,7 @@ from embeddings.services.job_leases import ChunkLease, chunk_runs, live_leases
 from embeddings.services.jobs import (
     JobSpec,
     job_cancel,
+    job_chunk_fail,
     job_chunk_retry_scheduled,
     job_chunk_run,
     job_create,
@@ -350,3 +351,14 @@ def test_a_retry_waiting_out_its_backoff_is_not_stalled(api_setup, small_chunks,
     job_chunk_retry_scheduled(job_id=job.pk, chunk=0, delay_s=60)
     assert job_watchdog(stall_s=1) == 0
     assert job_watchdog(stall_s=0) == 1 and sent_chunks[2:] == [(job.pk, 1)]  # chunk 0's is not due
+
+
+def test_a_chunk_that_cannot_be_embedded_fails_alone(api_setup, small_chunks, sent_chunks):
+    job = _submit(api_setup)
+    job_chunk_fail(job_id=job.pk, chunk=1, code="embedding_failed", message="the model answered wrongly")
+    assert sent_chunks[-1] == (job.pk, 2)  # the job goes on
+    for chunk in (0, 2, 3, 4):
+        job_chunk_run(job_id=job.pk, chunk=chunk)
+    job.refresh_from_db()
+    assert (job.status, job.completed, job.failed, job.error_code) == ("failed", 18, 5, "embedding_failed")
+    assert "answered wrongly" in job.error_message
