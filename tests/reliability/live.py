@@ -1,0 +1,155 @@
+"""What the fault tests run and measure: a site (database, tenant with quotas, key) served by a
+uvicorn process that can be SIGKILLed and started again on the same port, and a load of concurrent
+clients that records every answer with its timing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from embeddings.triton.server import die_with_parent, free_port
+from tests.processes import REPO_ROOT, manage, stop_process_group
+
+
+def site_prepared(workdir: Path, **settings_env: str) -> tuple[dict[str, str], str]:
+    """A fresh sqlite database in `workdir` with the local model and tenant `faults` (generous
+    quotas, so every request goes through Redis) and its key; (the servers' environment, key)."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "embedsite.settings",
+        "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
+        "EMBEDSITE_RUN_DIR": str(workdir),
+        **settings_env,
+    }
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    manage(env, "migrate", "--noinput")
+    manage(env, "register_local_model")
+    quotas = ["--requests-per-minute", "1000000", "--tokens-per-day", "1000000000"]
+    manage(env, "create_tenant", "--name", "Faults", "--slug", "faults", *quotas)
+    return env, manage(env, "create_api_key", "--tenant", "faults")
+
+
+@dataclass
+class LiveApi:
+    """One uvicorn process (as runstack starts it) on a fixed port of its own."""
+
+    env: dict[str, str]
+    api_key: str
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def start(self, timeout_s: float = 120) -> None:
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "embedsite.asgi:application", "--host", "127.0.0.1",
+                 "--port", str(self.port), "--no-access-log"],
+                cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=die_with_parent,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"uvicorn exited:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx2.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx2.TransportError:
+                pass
+            time.sleep(0.1)
+        pytest.fail(f"uvicorn did not start:\n{self.log_path.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group, as a crash or the OOM killer would."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_process_group(self.process)
+
+
+@dataclass(frozen=True)
+class Answer:
+    started: float  # time.monotonic()
+    elapsed_s: float
+    status: int | None  # None: no HTTP answer (a transport error, the client's own timeout included)
+    code: str | None  # the error body's `code`
+    transport_error: str = ""
+
+    @property
+    def ended(self) -> float:
+        return self.started + self.elapsed_s
+
+
+class Load:
+    """`clients` threads POSTing /v1/embeddings back to back (a short pause between), each answer
+    recorded; the client timeout is far above any bound the tests assert, so a hang shows."""
+
+    def __init__(self, api: LiveApi, *, clients: int = 4, timeout_s: float = 60, pause_s: float = 0.02):
+        self.api = api
+        self.clients = clients
+        self.timeout_s = timeout_s
+        self.pause_s = pause_s
+        self.answers: list[Answer] = []
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> Load:
+        for number in range(self.clients):
+            thread = threading.Thread(target=self._run, args=(number,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=self.timeout_s + 5)
+
+    def _run(self, number: int) -> None:
+        body = {"model": "all-MiniLM-L6-v2", "input": [f"client {number} asks about faults", "and recovery"]}
+        with httpx2.Client(
+            base_url=self.api.base_url, headers=self.api.headers, timeout=self.timeout_s
+        ) as http:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    reply = http.post("/v1/embeddings", json=body)
+                    code = None if reply.status_code == 200 else reply.json()["error"]["code"]
+                    answer = Answer(started, time.monotonic() - started, reply.status_code, code)
+                except httpx2.TransportError as error:
+                    answer = Answer(started, time.monotonic() - started, None, None, repr(error))
+                self.answers.append(answer)
+                time.sleep(self.pause_s)
+
+    def between(self, start: float, end: float = float("inf")) -> list[Answer]:
+        """The answers to requests started in [start, end)."""
+        return [answer for answer in list(self.answers) if start <= answer.started < end]
+
+    def wait_for(self, predicate, after: float, timeout_s: float = 120) -> Answer:
+        """The first answer to a request started after `after` that satisfies `predicate`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = [answer for answer in self.between(after) if predicate(answer)]
+            if found:
+                return min(found, key=lambda answer: answer.ended)
+            time.sleep(0.02)
+        pytest.fail(f"no such answer within {timeout_s} s; last ones: {self.answers[-5:]}")
