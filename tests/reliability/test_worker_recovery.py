@@ -168,11 +168,11 @@ def test_a_worker_killed_mid_chunk_is_replaced_within_the_lease(job_stack, start
 
 
 def test_a_chunk_longer_than_many_leases_is_not_resent_while_its_worker_lives(job_stack, start_worker):
-    """One chunk of long texts that takes several seconds, a 1 s lease and the watchdog every 0.5 s
+    """One chunk of long texts that takes several seconds, a 2 s lease and the watchdog every 0.5 s
     on a second worker: the heartbeat keeps the lease, the chunk runs once."""
-    lease_s, interval_s = 1.0, 0.5
-    # Enough texts for about five seconds on this machine now (measured), at least 4 leases' worth.
-    count = min(512, max(16, math.ceil(5.0 / seconds_per_text(job_stack))))
+    lease_s, interval_s = 2.0, 0.5
+    # Enough texts for about four leases on this machine now (measured); at least three are asserted.
+    count = min(512, max(16, math.ceil(4 * lease_s / seconds_per_text(job_stack))))
     env = {"JOB_CHUNK_LEASE_S": str(lease_s), "JOB_STALL_S": "600"}
     _, first_log = start_worker(**env)
     _, second_log = start_worker(**env)
