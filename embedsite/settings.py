@@ -345,6 +345,12 @@ if MAX_TOKENS_IN_FLIGHT < MAX_BATCH_TOKENS:
 EMBEDDING_TIMEOUT_S = env_float("EMBEDDING_TIMEOUT_S", 30.0, minimum=0.01)
 # Django refuses larger bodies before any view runs; our handler turns that into a 413.
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BODY_BYTES
+# A request body (API paths; embeddings/api/intake.py) that stalls this long between two pieces,
+# or takes longer than TIMEOUT_S + its size / MIN_BYTES_PER_S in all, is answered 408: a 16 MiB
+# body gets 124 s, a 512 MiB upload about 35 minutes (a client at 2 Mbit/s or faster).
+REQUEST_BODY_IDLE_TIMEOUT_S = env_float("REQUEST_BODY_IDLE_TIMEOUT_S", 10.0, minimum=0.1)
+REQUEST_BODY_TIMEOUT_S = env_float("REQUEST_BODY_TIMEOUT_S", 60.0, minimum=0.1)
+REQUEST_BODY_MIN_BYTES_PER_S = env_int("REQUEST_BODY_MIN_BYTES_PER_S", 256 * 1024, minimum=1)
 
 # --- Triton ------------------------------------------------------------------------------------
 # Names kept from the seed proxy: TRITON_SERVER_URL, TRITON_SERVER_GRPC_PORT, MODEL_NAME, ...

@@ -3,19 +3,21 @@
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
 ApiError (500 server_error)
-├── BadRequest (400 invalid_request_error)            malformed JSON, unparsable body
+├── BadRequest (400 invalid_request_error)            malformed JSON, unparsable body, a Host not
+│                                                     in ALLOWED_HOSTS (code invalid_host)
 ├── Unauthorized (401 invalid_api_key)                missing, unknown, revoked or expired key
 ├── Forbidden (403 permission_denied)                 inactive tenant
 │   └── ModelForbidden (403 model_not_allowed)        a model the tenant may not use
 ├── NotFound (404 not_found)
 │   └── ModelNotFound (404 model_not_found)
 ├── MethodNotAllowed (405 method_not_allowed)
+├── RequestTimeout (408 request_timeout)              the body stalled or arrived too slowly
 ├── Conflict (409 conflict)
 │   ├── IdempotencyKeyReused (409 idempotency_key_reused)  an Idempotency-Key sent with another request
 │   └── JobNotFinished (409 job_not_finished)          results asked for before the job finished
 ├── JobExpired (410 job_expired)                      a job's results, expired or deleted
 ├── PayloadTooLarge (413 payload_too_large)           body, inputs or tokens over a limit
-├── UnsupportedMediaType (415 unsupported_media_type) a body that is not JSON
+├── UnsupportedMediaType (415 unsupported_media_type) a body that is not JSON, or not UTF-8
 ├── ValidationFailed (422 invalid_request_error)      well-formed JSON with wrong fields
 ├── RateLimited (429 rate_limit_exceeded)             overloaded, or a rate limit (type "requests" or
 │   │                                                 "tokens"); carries Retry-After
@@ -32,7 +34,7 @@ import logging
 from typing import Any, ClassVar
 
 import orjson
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.http import HttpRequest, HttpResponse
 from rest_framework import exceptions as drf
 
@@ -140,6 +142,13 @@ class IdempotencyKeyReused(Conflict):
 class JobNotFinished(Conflict):
     code = "job_not_finished"
     default_message = "The job has not finished; its results can be downloaded once it has."
+
+
+class RequestTimeout(ApiError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+    default_message = "The request body did not arrive in time."
 
 
 class JobExpired(ApiError):
@@ -306,6 +315,9 @@ def as_api_error(exc: Exception) -> ApiError:
         return UpstreamUnavailable("The model is not available on the model server.")
     if isinstance(exc, RequestDataTooBig):
         return PayloadTooLarge("The request body is larger than this server accepts.")
+    if isinstance(exc, SuspiciousOperation):
+        # Django's multipart parser: too many fields or files (DATA_UPLOAD_MAX_NUMBER_*).
+        return BadRequest(str(exc) or BadRequest.default_message)
     if isinstance(exc, drf.ValidationError):
         param, message = _first_validation_error(exc.detail)
         return ValidationFailed(f"{param}: {message}" if param else message, param=param)
@@ -322,7 +334,8 @@ def as_api_error(exc: Exception) -> ApiError:
     return ApiError()
 
 
-def _json_error(error: ApiError) -> HttpResponse:
+def json_error_response(error: ApiError) -> HttpResponse:
+    """An error as a plain Django response, for answers given outside a DRF view."""
     response = HttpResponse(orjson.dumps(error.body()), status=error.status, content_type="application/json")
     for name, value in error.headers.items():
         response[name] = value
@@ -331,8 +344,8 @@ def _json_error(error: ApiError) -> HttpResponse:
 
 def json_not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """Unknown URLs answer in the API's error shape, not an HTML page."""
-    return _json_error(NotFound(f"No route for {request.method} {request.path}."))
+    return json_error_response(NotFound(f"No route for {request.method} {request.path}."))
 
 
 def json_server_error(request: HttpRequest) -> HttpResponse:
-    return _json_error(ApiError())
+    return json_error_response(ApiError())

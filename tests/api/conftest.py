@@ -1,8 +1,10 @@
-"""API fixtures: the real ASGI application (in process) backed by the real Triton, two tenants, and
-a real multi-worker uvicorn (`uvicorn_server`)."""
+"""API fixtures: the real ASGI application (in process) backed by the real Triton, two tenants, a
+real multi-worker uvicorn (`uvicorn_server`) and one with small body limits and timeouts
+(`edge_server`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from embeddings.services.catalog import embedding_model_register_local
 from embeddings.services.keys import api_key_create
 from embeddings.services.tenants import tenant_create
 from embeddings.triton.server import die_with_parent, free_port
+from tests.api.raw_http import RawHttp
 from tests.processes import REPO_ROOT, manage, stop_process_group
 
 
@@ -86,67 +89,112 @@ class LiveServer:
     process: subprocess.Popen
     # The server's environment (its database): for `manage(server.env, ...)` in tests.
     env: dict[str, str] | None = None
+    log_path: Path | None = None
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
 
 
-@pytest.fixture(scope="session")
-def uvicorn_server(
-    triton_server, redis_server, tmp_path_factory: pytest.TempPathFactory
+@contextlib.contextmanager
+def live_uvicorn(
+    *, workdir: Path, triton_target: str, redis_url: str, workers: int = 2, env: dict[str, str] | None = None
 ) -> Iterator[LiveServer]:
-    """`uvicorn --workers 2` as in production (runstack), backed by the test Triton.
+    """uvicorn serving embedsite.asgi as runstack does, with its own sqlite database (migrated, the
+    local model registered, tenant `live` with a key) and the given settings in `env`; stopped on exit.
 
-    PROMETHEUS_MULTIPROC_DIR is set as runstack sets it, so /metrics sums both workers.
+    PROMETHEUS_MULTIPROC_DIR is set as runstack sets it, so /metrics sums the workers.
     """
-    workdir = tmp_path_factory.mktemp("uvicorn_server")
     prometheus_dir = workdir / "prometheus"
     prometheus_dir.mkdir()
     port = free_port()
-    env = {
+    server_env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "embedsite.settings",
         "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
-        "TRITON_SERVER_URL": triton_server.grpc_target,
+        "TRITON_SERVER_URL": triton_target,
         "SERVER_PORT": str(port),
-        "REDIS_URL": redis_server.url,
+        "REDIS_URL": redis_url,
+        **(env or {}),
     }
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    manage(env, "migrate", "--noinput")
-    manage(env, "register_local_model")
-    manage(env, "create_tenant", "--name", "Live", "--slug", "live")
-    api_key = manage(env, "create_api_key", "--tenant", "live")
+    server_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    manage(server_env, "migrate", "--noinput")
+    manage(server_env, "register_local_model")
+    manage(server_env, "create_tenant", "--name", "Live", "--slug", "live")
+    api_key = manage(server_env, "create_api_key", "--tenant", "live")
     # Only the server's workers write there (as with runstack), so their files can be counted.
-    env["PROMETHEUS_MULTIPROC_DIR"] = str(prometheus_dir)
-    log = (workdir / "uvicorn.log").open("wb")
+    server_env["PROMETHEUS_MULTIPROC_DIR"] = str(prometheus_dir)
+    log_path = workdir / "uvicorn.log"
+    log = log_path.open("wb")
     process = subprocess.Popen(
         [
             sys.executable, "-m", "uvicorn", "embedsite.asgi:application",
-            "--host", "127.0.0.1", "--port", str(port), "--workers", "2",
+            "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
             "--loop", "uvloop", "--http", "httptools", "--ws", "websockets-sansio", "--no-access-log",
         ],
-        cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        cwd=REPO_ROOT, env=server_env, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     try:
-        server = LiveServer(f"http://127.0.0.1:{port}", api_key, prometheus_dir, process, env)
-        _wait_until_serving(server, workdir / "uvicorn.log")
+        server = LiveServer(
+            f"http://127.0.0.1:{port}", api_key, prometheus_dir, process, server_env, log_path
+        )
+        _wait_until_serving(server, log_path, workers)
         yield server
     finally:
         stop_process_group(process)
         log.close()
 
 
-def _wait_until_serving(server: LiveServer, log_path: Path, timeout_s: float = 120.0) -> None:
-    """Until both workers have started (each creates its live-gauge file when it imports our
+@pytest.fixture(scope="session")
+def uvicorn_server(
+    triton_server, redis_server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    """`uvicorn --workers 2` as in production (runstack), backed by the test Triton and Redis."""
+    with live_uvicorn(
+        workdir=tmp_path_factory.mktemp("uvicorn_server"),
+        triton_target=triton_server.grpc_target,
+        redis_url=redis_server.url,
+    ) as server:
+        yield server
+
+
+# Small limits and timeouts, so that the HTTP edge's refusals are quick to reach.
+EDGE_LIMITS = {
+    "MAX_REQUEST_BODY_BYTES": str(64 * 1024),
+    "JOB_MAX_UPLOAD_BYTES": str(256 * 1024),
+    "REQUEST_BODY_IDLE_TIMEOUT_S": "1",
+    "REQUEST_BODY_TIMEOUT_S": "3",
+    "REQUEST_BODY_MIN_BYTES_PER_S": str(1024 * 1024),
+}
+
+
+@pytest.fixture(scope="session")
+def edge_server(
+    triton_server, redis_server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    """One uvicorn worker with EDGE_LIMITS: body limits of 64 KiB (256 KiB for an upload), a 1 s idle
+    timeout and a 3 s total one."""
+    with live_uvicorn(
+        workdir=tmp_path_factory.mktemp("edge_server"),
+        triton_target=triton_server.grpc_target,
+        redis_url=redis_server.url,
+        workers=1,
+        # Its uploads' chunks go to a Redis database no test's worker reads (they are never run).
+        env={**EDGE_LIMITS, "CELERY_BROKER_URL": redis_server.url.rsplit("/", 1)[0] + "/15"},
+    ) as server:
+        yield server
+
+
+def _wait_until_serving(server: LiveServer, log_path: Path, workers: int, timeout_s: float = 120.0) -> None:
+    """Until every worker has started (each creates its live-gauge file when it imports our
     metrics) and the server answers /health."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             pytest.fail(f"uvicorn exited with {server.process.returncode}:\n{log_path.read_text()[-4000:]}")
-        workers = len(list(server.prometheus_dir.glob("gauge_livesum_*.db")))
-        if workers == 2:
+        started = len(list(server.prometheus_dir.glob("gauge_livesum_*.db")))
+        if started == workers:
             try:
                 if httpx2.get(f"{server.base_url}/health", timeout=2).status_code == 200:
                     return
@@ -154,3 +202,10 @@ def _wait_until_serving(server: LiveServer, log_path: Path, timeout_s: float = 1
                 pass
         time.sleep(0.2)
     pytest.fail(f"uvicorn did not start within {timeout_s} s:\n{log_path.read_text()[-4000:]}")
+
+
+@pytest.fixture
+def raw(edge_server) -> Iterator[RawHttp]:
+    """One raw HTTP/1.1 connection to `edge_server`."""
+    with RawHttp(edge_server) as connection:
+        yield connection
