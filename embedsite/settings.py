@@ -204,7 +204,10 @@ MIDDLEWARE = [
 # Request metrics are recorded by ApiView and the embedding service instead (embeddings/metrics.py).
 
 # API routes (and health checks) run with this lean, async-only stack instead (embedsite/asgi.py).
-API_MIDDLEWARE = ["embeddings.api.middleware.ArrivalTimeMiddleware"]
+API_MIDDLEWARE = [
+    "embeddings.api.middleware.ArrivalTimeMiddleware",
+    "embeddings.api.middleware.ApiSecurityMiddleware",
+]
 API_PATH_PREFIXES = ("/v1/", "/api/v1/", "/embed", "/health", "/ready", "/metrics")
 
 # --- Admin login brute force (django-axes) ------------------------------------------------------
