@@ -8,6 +8,7 @@ renders every failure through `embeddings.api.errors`.
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import ClassVar
 
@@ -49,13 +50,17 @@ class ApiView(APIView):
         self.request = request
         self.headers = self.default_response_headers
         try:
-            await self.authenticate(request)
-            handler = getattr(self, request.method.lower(), None)
-            if request.method.lower() not in self.http_method_names or handler is None:
+            method = request.method.lower()
+            handler = getattr(self, method, None)
+            if method not in self.http_method_names or handler is None:
                 handler = self.http_method_not_allowed
-                response = handler(request, *args, **kwargs)
-            else:
-                response = await handler(request, *args, **kwargs)
+            # OPTIONS says which methods a route takes, as a CORS preflight (which carries no
+            # credentials) needs: no key.
+            if method != "options":
+                await self.authenticate(request)
+            response = handler(request, *args, **kwargs)
+            if inspect.isawaitable(response):
+                response = await response
         except Exception as exc:  # every failure becomes an API error response, never a 500 page
             response = self.handle_exception(exc)
         if self.principal is not None:
@@ -63,6 +68,10 @@ class ApiView(APIView):
         self.response = self.finalize_response(request, response, *args, **kwargs)
         request_observed(endpoint=self.endpoint, model=self.model_name, status=self.response.status_code)
         return self.response
+
+    async def options(self, request: Request, *args, **kwargs) -> Response:
+        """204 with the route's methods in `Allow` (set on every response by finalize_response)."""
+        return Response(status=204)
 
     async def authenticate(self, request: Request) -> None:
         for authenticator in request.authenticators:
