@@ -303,7 +303,9 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
+        "embeddings.api.schema.edge_errors_hook",
         "embeddings.api.schema.ratelimit_headers_hook",
+        "embeddings.api.schema.job_links_hook",
     ],
 }
 

@@ -18,7 +18,6 @@ from django.http import StreamingHttpResponse
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiResponse, extend_schema
-from rest_framework.parsers import MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -36,7 +35,7 @@ from embeddings.api.errors import (
     UnsupportedMediaType,
     ValidationFailed,
 )
-from embeddings.api.rendering import OrjsonParser
+from embeddings.api.rendering import MultipartUploadParser, OrjsonParser, refuse_non_utf8
 from embeddings.api.views import (
     AUTH_ERRORS,
     ERRORS,
@@ -123,32 +122,45 @@ def _upload_lines(upload: UploadedFile) -> Iterator[bytes]:
     return iter(upload.file)
 
 
+def _form_fields(form) -> dict[str, object]:
+    """Each field of a multipart form, which must come once: a repeated field (two `file` parts,
+    two `model`s) is refused rather than one of them silently dropped."""
+    fields: dict[str, object] = {}
+    for name, values in form.lists():
+        if len(values) > 1:
+            raise ValidationFailed(f"{name}: sent {len(values)} times in the form; send it once", param=name)
+        fields[name] = values[0]
+    return fields
+
+
 def upload_parse(request: Request, principal: ApiPrincipal) -> tuple[dict, JobInputs]:
-    """The options and inputs of a multipart upload (sync: it reads the spooled body and the file)."""
-    declared = int(request.META.get("CONTENT_LENGTH") or 0)
-    limit = settings.JOB_MAX_UPLOAD_BYTES
-    # The multipart envelope adds a little to the file's own size.
-    if declared > limit + 64 * 1024:
-        raise PayloadTooLarge(f"The upload is larger than {limit} bytes.", param="file")
-    form = request.data
-    upload = request.FILES.get("file")
-    if upload is None:
+    """The options and inputs of a multipart upload (sync: it reads the spooled body and the file).
+
+    The upload's size was enforced while the body arrived (embeddings/api/intake.py).
+    """
+    fields = _form_fields(request.data)
+    upload = fields.pop("file", None)
+    if not isinstance(upload, UploadedFile):
         raise ValidationFailed("file: a multipart upload needs a `file` part", param="file")
+    limit = settings.JOB_MAX_UPLOAD_BYTES
     if upload.size > limit:
         raise PayloadTooLarge(f"The file is larger than {limit} bytes.", param="file")
-    content_type = (upload.content_type or "").split(";")[0].strip().lower()
+    content_type = (upload.content_type or "").strip().lower()
     if content_type not in TEXT_UPLOAD_TYPES | JSONL_UPLOAD_TYPES:
         raise UnsupportedMediaType(
             f"file: content type {content_type!r} is not text/plain or JSONL (application/jsonl)",
             param="file",
         )
-    fields: dict[str, object] = {name: form.get(name) for name in form if name != "file"}
+    refuse_non_utf8(upload.charset, what="file: the file", param="file")
     if isinstance(fields.get("metadata"), str):
         try:
             fields["metadata"] = orjson.loads(fields["metadata"])
         except orjson.JSONDecodeError:
             raise ValidationFailed("metadata: must be a JSON object", param="metadata") from None
-    options = validated(s.JobOptions, fields)
+    # A form cannot send JSON null: an empty or `null` dimensions field means none.
+    if fields.get("dimensions") in ("", "null"):
+        fields["dimensions"] = None
+    options = validated(s.JobOptions, fields, form=True)
     inputs = job_inputs_parse(
         _upload_lines(upload),
         max_inputs=max_inputs_per_job(principal),
@@ -260,7 +272,7 @@ JOB_RESPONSE_EXAMPLE = OpenApiExample(
 
 class JobListCreateView(ApiView):
     endpoint = "jobs"
-    parser_classes = [OrjsonParser, MultiPartParser]
+    parser_classes = [OrjsonParser, MultipartUploadParser]
 
     @extend_schema(
         operation_id="create_job",
@@ -382,12 +394,7 @@ class JobListCreateView(ApiView):
     @extend_schema(
         operation_id="list_jobs",
         summary="Your jobs, newest first",
-        parameters=[
-            OpenApiParameter("limit", OpenApiTypes.INT, description="1 to 100 (default 20)."),
-            OpenApiParameter(
-                "after", OpenApiTypes.STR, description=s.JobListQuery().fields["after"].help_text
-            ),
-        ],
+        parameters=[s.JobListQuery],
         responses={
             200: s.JobListSerializer,
             **AUTH_ERRORS,
@@ -414,7 +421,7 @@ class JobListCreateView(ApiView):
     )
     async def get(self, request: Request) -> Response:
         params = validated(s.JobListQuery, request.query_params.dict())
-        data, has_more = await _job_list(request.user, params["limit"], params.get("after"))
+        data, has_more = await _job_list(request.user, params["limit"], params.get("after") or None)
         return Response(
             {
                 "object": "list",
@@ -507,18 +514,7 @@ class JobResultsView(ApiView):
             "objects with `embedding: null` and an `error` in `jsonl` and `json`. 409 while the job "
             "runs, 410 once its results expired or were deleted."
         ),
-        parameters=[
-            JOB_ID_PARAMETER,
-            OpenApiParameter("format", OpenApiTypes.STR, enum=["jsonl", "json", "npy"], default="jsonl"),
-            OpenApiParameter(
-                "encoding_format",
-                OpenApiTypes.STR,
-                enum=["float", "base64"],
-                description="Default: the job's encoding_format.",
-            ),
-            OpenApiParameter("offset", OpenApiTypes.INT, description="`json` only (default 0)."),
-            OpenApiParameter("limit", OpenApiTypes.INT, description="`json` only: 1 to 1000 (default 100)."),
-        ],
+        parameters=[JOB_ID_PARAMETER, s.JobResultsQuery],
         responses={
             (200, "application/json"): s.JobResultsPageSerializer,
             (200, "application/jsonl"): OpenApiResponse(

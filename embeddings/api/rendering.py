@@ -1,4 +1,5 @@
-"""JSON in and out with orjson: numpy arrays are serialised directly, with no per-float Python loop."""
+"""JSON in and out with orjson (numpy arrays are serialised directly, with no per-float Python loop),
+and the request parsers, which take UTF-8 only."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import time
 
 import orjson
 from django.conf import settings
-from rest_framework.parsers import BaseParser
+from django.utils.http import parse_header_parameters
+from rest_framework.parsers import BaseParser, MultiPartParser
 from rest_framework.renderers import BaseRenderer
 
-from embeddings.api.errors import BadRequest, PayloadTooLarge
+from embeddings.api.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from embeddings.metrics import SERIALIZATION_SECONDS
 
 ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
@@ -36,12 +38,34 @@ class OrjsonRenderer(BaseRenderer):
         return body
 
 
+# US-ASCII is a subset of UTF-8.
+UTF8_CHARSETS = {"utf-8", "utf8", "us-ascii", "ascii"}
+
+
+def refuse_non_utf8(charset: str | bytes | None, *, what: str, param: str | None = None) -> None:
+    """415 for a declared charset other than UTF-8: JSON is UTF-8 (RFC 8259), and so are uploads.
+
+    Decoding latin-1 or UTF-16 text as UTF-8 would embed something else than the client sent.
+    """
+    if isinstance(charset, bytes):  # a multipart part's header parameter, as Django's parser leaves it
+        charset = charset.decode("latin-1")
+    if charset is not None and charset.strip().strip('"').lower() not in UTF8_CHARSETS:
+        raise UnsupportedMediaType(
+            f"{what} must be UTF-8; charset {charset!r} is not supported.", param=param
+        )
+
+
+def media_type_charset(media_type: str | None) -> str | None:
+    return parse_header_parameters(media_type or "")[1].get("charset")
+
+
 class OrjsonParser(BaseParser):
-    """application/json bodies, refused past MAX_REQUEST_BODY_BYTES even without a Content-Length."""
+    """application/json bodies, UTF-8, at most MAX_REQUEST_BODY_BYTES (also checked as it arrives)."""
 
     media_type = "application/json"
 
     def parse(self, stream, media_type=None, parser_context=None):
+        refuse_non_utf8(media_type_charset(media_type), what="A JSON body")
         if stream is None:
             raise BadRequest("The request body is empty; send a JSON object.")
         limit = settings.MAX_REQUEST_BODY_BYTES
@@ -52,3 +76,11 @@ class OrjsonParser(BaseParser):
             return orjson.loads(body)
         except orjson.JSONDecodeError as error:
             raise BadRequest(f"The request body is not valid JSON: {error}") from None
+
+
+class MultipartUploadParser(MultiPartParser):
+    """Django's multipart parser, for UTF-8 forms only (the form's charset decodes its fields)."""
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        refuse_non_utf8(media_type_charset(media_type), what="A multipart form")
+        return super().parse(stream, media_type, parser_context)

@@ -1,8 +1,12 @@
 """OpenAPI extensions for drf-spectacular: how our API key authentication appears in the schema,
-and the rate-limit headers of authenticated responses."""
+the rate-limit headers of authenticated responses, the errors any request can meet at the HTTP
+edge, and the links between job operations (which Schemathesis's stateful tests follow)."""
 
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
-from drf_spectacular.plumbing import build_bearer_security_scheme_object
+from drf_spectacular.openapi import AutoSchema
+from drf_spectacular.plumbing import build_bearer_security_scheme_object, is_list_serializer
+
+from embeddings.api.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout
 
 
 class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):
@@ -49,4 +53,85 @@ def ratelimit_headers_hook(result, generator, request, public):
                     headers[name] = _header(f"{description}. Sent only when such a limit applies.")
                 if status in ("429", "503"):
                     headers["Retry-After"] = _header(RETRY_AFTER["Retry-After"], "integer")
+    return result
+
+
+class ListLengthAutoSchema(AutoSchema):
+    """drf-spectacular drops a list serializer's min_length and max_length from an array body
+    (`[]` would be documented as valid): this keeps them as minItems and maxItems."""
+
+    def _unwrap_list_serializer(self, serializer, direction):
+        schema = super()._unwrap_list_serializer(serializer, direction)
+        if schema and is_list_serializer(serializer):
+            if serializer.min_length is not None:
+                schema["minItems"] = serializer.min_length
+            if serializer.max_length is not None:
+                schema["maxItems"] = serializer.max_length
+        return schema
+
+
+# Answers the HTTP edge gives any request, before or beside the view (embeddings/api/intake.py,
+# ApiSecurityMiddleware, the parsers): documented on every operation that does not already say more.
+EDGE_ERRORS: dict[str, tuple[str, ApiError]] = {
+    "400": (
+        "Malformed: a body that is not JSON, a query string that is not UTF-8, a bad Content-Length, "
+        "or a Host header outside ALLOWED_HOSTS (`invalid_host`)",
+        BadRequest("The Host header names a host this server does not serve.", code="invalid_host"),
+    ),
+    "408": (
+        "The body stalled (REQUEST_BODY_IDLE_TIMEOUT_S) or arrived too slowly (REQUEST_BODY_TIMEOUT_S)",
+        RequestTimeout("The request body did not arrive in time: no data for 10 s."),
+    ),
+    "413": (
+        "A body over MAX_REQUEST_BODY_BYTES (JOB_MAX_UPLOAD_BYTES for an upload), refused as it arrives",
+        PayloadTooLarge("The request body is larger than 16777216 bytes."),
+    ),
+}
+ERROR_SCHEMA = {"$ref": "#/components/schemas/Error"}
+
+
+def _error_response(description: str, error: ApiError) -> dict:
+    name = f"{type(error).__name__}: {error.error_code}"
+    return {
+        "description": description,
+        "content": {
+            "application/json": {"schema": ERROR_SCHEMA, "examples": {name: {"value": error.body()}}}
+        },
+    }
+
+
+def edge_errors_hook(result, generator, request, public):
+    """drf-spectacular postprocessing hook: 400, 408 and 413 on every operation."""
+    for operations in result.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            for status, (description, error) in EDGE_ERRORS.items():
+                responses.setdefault(status, _error_response(description, error))
+    return result
+
+
+# The operations a job's id leads to, from the operations that answer a job object.
+JOB_LINKS = {
+    "RetrieveJob": "retrieve_job",
+    "CancelJob": "cancel_job",
+    "RetrieveJobResults": "retrieve_job_results",
+    "DeleteJob": "delete_job",
+}
+JOB_OBJECT_RESPONSES = {"create_job": ("200", "202"), "retrieve_job": ("200",), "cancel_job": ("200",)}
+
+
+def job_links_hook(result, generator, request, public):
+    """drf-spectacular postprocessing hook: OpenAPI links from each answer that carries a job to
+    the operations on that job (`job_id` = the body's `id`)."""
+    for operations in result.get("paths", {}).values():
+        for operation in operations.values():
+            for status in JOB_OBJECT_RESPONSES.get(operation.get("operationId"), ()):
+                response = operation["responses"].get(status)
+                if response is None:
+                    continue
+                response["links"] = {
+                    name: {"operationId": target, "parameters": {"job_id": "$response.body#/id"}}
+                    for name, target in JOB_LINKS.items()
+                    if target != operation["operationId"]
+                }
     return result

@@ -31,6 +31,45 @@ class ParsedInput:
         return len(self.texts if self.texts is not None else self.token_ids or ())
 
 
+# --- JSON types taken as they are ------------------------------------------------------------------
+# DRF's fields coerce: "user": 0 becomes "0", "normalize": 0 becomes false, "dimensions": "64"
+# becomes 64. A JSON body must send the type the schema names; multipart form fields are text by
+# nature and keep DRF's reading (the serializer's context says `form`).
+
+
+def _is_form(field: serializers.Field) -> bool:
+    return bool(field.context.get("form"))
+
+
+class StrictCharField(serializers.CharField):
+    """A JSON string; a number or a boolean is refused."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str) and not _is_form(self):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """JSON true or false; 0, 1 and strings are refused."""
+
+    default_error_messages = {"invalid": "Must be true or false."}
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool) and not _is_form(self):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """A JSON integer (5.0 is one, as JSON Schema reads it); strings and booleans are refused."""
+
+    def to_internal_value(self, data):
+        if (isinstance(data, bool) or not isinstance(data, int | float)) and not _is_form(self):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and all(type(item) is int for item in value)
 
@@ -52,8 +91,12 @@ def _parse_texts(data: object, field: serializers.Field) -> list[str]:
         "oneOf": [
             {"type": "string"},
             {"type": "array", "items": {"type": "string"}, "minItems": 1},
-            {"type": "array", "items": {"type": "integer"}, "minItems": 1},
-            {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}, "minItems": 1},
+            {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            {
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                "minItems": 1,
+            },
         ],
         "description": INPUT_HELP,
         "example": ["The food was delicious and the waiter was friendly."],
@@ -103,17 +146,17 @@ class TextsField(serializers.Field):
 
 
 class OpenAIEmbeddingsRequest(serializers.Serializer):
-    model = serializers.CharField(help_text="A model id from GET /v1/models (or one of its aliases).")
+    model = StrictCharField(help_text="A model id from GET /v1/models (or one of its aliases).")
     input = EmbeddingInputField(help_text=INPUT_HELP)
     encoding_format = serializers.ChoiceField(
         choices=["float", "base64"],
         default="float",
         help_text="`base64`: each embedding is the base64 of its little-endian float32 bytes.",
     )
-    dimensions = serializers.IntegerField(
+    dimensions = StrictIntegerField(
         min_value=1, required=False, allow_null=True, help_text="Keep the first N dimensions, re-normalised."
     )
-    user = serializers.CharField(
+    user = StrictCharField(
         required=False, allow_blank=True, max_length=256, help_text="Your end user's id, recorded."
     )
 
@@ -155,16 +198,16 @@ class SeedQueriesField(serializers.Field):
 
 class TeiEmbedRequest(serializers.Serializer):
     inputs = TextsField()
-    model = serializers.CharField(required=False, help_text="Default: the server's default model.")
-    truncate = serializers.BooleanField(
+    model = StrictCharField(required=False, help_text="Default: the server's default model.")
+    truncate = StrictBooleanField(
         default=True, help_text="Truncate inputs longer than the model's maximum; false: refuse them (413)."
     )
     truncation_direction = serializers.ChoiceField(choices=["Left", "Right"], default="Right")
-    prompt_name = serializers.CharField(
+    prompt_name = StrictCharField(
         required=False, allow_null=True, help_text="A prompt of the model, e.g. `query`, prepended to inputs."
     )
-    normalize = serializers.BooleanField(default=True)
-    dimensions = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+    normalize = StrictBooleanField(default=True)
+    dimensions = StrictIntegerField(min_value=1, required=False, allow_null=True)
 
 
 # --- Documented responses ---------------------------------------------------------------------
@@ -394,16 +437,16 @@ def callback_url_deliverable(url: str) -> None:
 class JobOptions(serializers.Serializer):
     """What a job asks for besides its inputs (JSON body fields, or multipart form fields)."""
 
-    model = serializers.CharField(help_text="A model id from GET /v1/models (or one of its aliases).")
+    model = StrictCharField(help_text="A model id from GET /v1/models (or one of its aliases).")
     encoding_format = serializers.ChoiceField(
         choices=["float", "base64"],
         default="float",
         help_text="How `json` and `jsonl` results encode vectors (a download may ask for the other).",
     )
-    dimensions = serializers.IntegerField(
+    dimensions = StrictIntegerField(
         min_value=1, required=False, allow_null=True, help_text="Keep the first N dimensions, re-normalised."
     )
-    normalize = serializers.BooleanField(default=True, help_text="Unit-length vectors.")
+    normalize = StrictBooleanField(default=True, help_text="Unit-length vectors.")
     metadata = MetadataField(required=False)
     callback_url = serializers.URLField(
         required=False,
@@ -434,7 +477,10 @@ class JobUploadRequest(JobOptions):
 class JobListQuery(serializers.Serializer):
     limit = serializers.IntegerField(min_value=1, max_value=100, default=20, help_text="1 to 100.")
     after = serializers.CharField(
-        required=False, help_text="A job id from the previous page (its last_id): the jobs created before it."
+        required=False,
+        allow_blank=True,
+        help_text="A job id from the previous page (its last_id): the jobs created before it. "
+        "Empty: the first page.",
     )
 
 

@@ -31,11 +31,13 @@ from embeddings.api.errors import (
     QuotaUnavailable,
     RateLimited,
     Unauthorized,
+    UnsupportedMediaType,
     UpstreamTimeout,
     UpstreamUnavailable,
     ValidationFailed,
 )
 from embeddings.api.middleware import ARRIVED
+from embeddings.api.schema import ListLengthAutoSchema
 from embeddings.metrics import embedded_observed
 from embeddings.models import EmbeddingModel
 from embeddings.services import catalog
@@ -69,6 +71,10 @@ ERRORS = {
     413: _error_response(
         "Body, inputs or tokens over a limit (or an input too long with truncation off)",
         PayloadTooLarge("3000 inputs in one request; this model takes at most 2048", param="input"),
+    ),
+    415: _error_response(
+        "A body that is not JSON, or JSON declared in another charset than UTF-8",
+        UnsupportedMediaType("A JSON body must be UTF-8; charset 'latin-1' is not supported."),
     ),
     422: _error_response(
         "Invalid fields",
@@ -106,10 +112,12 @@ AUTH_ERRORS = {code: ERRORS[code] for code in (401, 403)}
 EXAMPLE_VECTOR = [0.0123, -0.0456, 0.0789]
 
 
-def validated(serializer_class: type, data: object) -> dict:
+def validated(serializer_class: type, data: object, *, form: bool = False) -> dict:
+    """The serializer's validated data. form: the values are multipart form fields (text), read
+    as DRF reads them; otherwise JSON values must have the type the schema names."""
     if not isinstance(data, dict):
         raise ValidationFailed("The request body must be a JSON object.")
-    serializer = serializer_class(data=data)
+    serializer = serializer_class(data=data, context={"form": form})
     serializer.is_valid(raise_exception=True)
     return serializer.validated_data
 
@@ -233,20 +241,20 @@ class OpenAIEmbeddingsView(ApiView):
 
 class SeedEmbeddingView(ApiView):
     endpoint = "seed"
+    # Its body is an array: `[]` is documented as refused (minItems 1).
+    schema = ListLengthAutoSchema()
 
     @extend_schema(
         operation_id="create_embedding_seed",
         summary="Embed queries (the seed proxy's shape)",
         description='`[{"query": "..."}, ...]` → `[{"embedding": [...]}, ...]`, with the default model.',
-        request=s.SeedQuerySerializer(many=True),
+        request=s.SeedQuerySerializer(many=True, min_length=1),
         responses={200: s.SeedEmbeddingSerializer(many=True), **ERRORS},
+        # drf-spectacular lists a many=True example itself: each value is one item of the array.
         examples=[
-            OpenApiExample("Two queries", value=[{"query": "hello"}, {"query": "world"}], request_only=True),
+            OpenApiExample("One query", value={"query": "hello"}, request_only=True),
             OpenApiExample(
-                "Two embeddings",
-                value=[{"embedding": EXAMPLE_VECTOR}, {"embedding": EXAMPLE_VECTOR}],
-                response_only=True,
-                status_codes=["200"],
+                "One embedding", value={"embedding": EXAMPLE_VECTOR}, response_only=True, status_codes=["200"]
             ),
         ],
         tags=["embeddings"],

@@ -1,6 +1,6 @@
-"""The HTTP edge of the API: every method on every route, hosts and nosniff; in process, and the host
-check and OPTIONS through a real uvicorn on a socket. Request bodies (size, framing, timeouts) are in
-test_intake.py."""
+"""The HTTP edge of the API: every method on every route, hosts, nosniff, charsets, multipart parts
+and strict JSON types; in process, and the host check and OPTIONS through a real uvicorn on a socket.
+Request bodies (size, framing, timeouts) are in test_intake.py."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from tests.api.raw_http import upload_parts
 from tests.api.test_embeddings import assert_error
 
 MODEL = "all-MiniLM-L6-v2"
@@ -106,6 +107,165 @@ async def test_nosniff_on_answers_and_errors(client, alpha):
     assert [answer.status_code for answer in answers] == [200, 422, 401, 404, 404, 200]
     for answer in answers:
         assert answer.headers["x-content-type-options"] == "nosniff", answer.request.url
+
+
+# --- Charsets and UTF-8 ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("charset", ["latin-1", "utf-16", "ISO-8859-1", "cp1252", "nonsense"])
+async def test_json_in_another_charset_than_utf8_is_415(client, alpha, charset):
+    response = await client.post(
+        "/v1/embeddings",
+        content=json.dumps({"model": MODEL, "input": "café"}).encode(),
+        headers={**alpha.headers, "Content-Type": f"application/json; charset={charset}"},
+    )
+    error = assert_error(response, 415, code="unsupported_media_type")
+    assert "UTF-8" in error["message"]
+
+
+@pytest.mark.parametrize("charset", ["utf-8", "UTF-8", '"utf-8"', "us-ascii"])
+async def test_json_declared_utf8_is_read(client, alpha, charset):
+    response = await client.post(
+        "/v1/embeddings",
+        content=json.dumps({"model": MODEL, "input": "café"}, ensure_ascii=False).encode(),
+        headers={**alpha.headers, "Content-Type": f"application/json; charset={charset}"},
+    )
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"model": "all-MiniLM-L6-v2", "input": "caf\xe9"}', b'{"model": "\xff\xfe", "input": "x"}', b"\xff"],
+)
+async def test_a_body_that_is_not_utf8_is_400(client, alpha, body):
+    response = await client.post(
+        "/v1/embeddings", content=body, headers={**alpha.headers, "Content-Type": "application/json"}
+    )
+    assert_error(response, 400)
+
+
+FILE_PART = ("file", "texts.txt", b"first line\nsecond line\n", "text/plain")
+MODEL_PART = ("model", None, MODEL.encode(), None)
+
+
+async def post_upload(client, tenant, *parts, content_type_suffix: str = ""):
+    body, content_type = upload_parts(*parts)
+    return await client.post(
+        "/v1/jobs",
+        content=body,
+        headers={**tenant.headers, "Content-Type": content_type + content_type_suffix},
+    )
+
+
+@pytest.mark.parametrize("charset", ["latin-1", "utf-16"])
+async def test_an_uploaded_file_in_another_charset_is_415(client, alpha, charset):
+    name, filename, content, _ = FILE_PART
+    response = await post_upload(
+        client,
+        alpha,
+        (name, filename, content.decode().encode(charset), f"text/plain; charset={charset}"),
+        MODEL_PART,
+    )
+    assert_error(response, 415, code="unsupported_media_type", param="file")
+
+
+async def test_a_multipart_form_in_another_charset_is_415(client, alpha):
+    response = await post_upload(
+        client, alpha, FILE_PART, MODEL_PART, content_type_suffix="; charset=latin-1"
+    )
+    assert_error(response, 415, code="unsupported_media_type")
+
+
+async def test_an_uploaded_file_declared_utf8_is_taken(client, alpha):
+    name, filename, content, _ = FILE_PART
+    response = await post_upload(
+        client, alpha, (name, filename, content, "text/plain; charset=utf-8"), MODEL_PART
+    )
+    assert response.status_code == 202, response.text
+    assert response.json()["counts"]["total"] == 2
+
+
+# --- Multipart parts -------------------------------------------------------------------------------
+
+
+async def test_two_file_parts_are_refused_naming_the_field(client, alpha):
+    second = ("file", "more.txt", b"third line\n", "text/plain")
+    error = assert_error(await post_upload(client, alpha, FILE_PART, second, MODEL_PART), 422, param="file")
+    assert "2 times" in error["message"]
+
+
+@pytest.mark.parametrize("field", ["model", "dimensions", "metadata", "normalize"])
+async def test_a_repeated_form_field_is_refused_naming_it(client, alpha, field):
+    value = {"model": MODEL, "dimensions": "8", "metadata": "{}", "normalize": "true"}[field].encode()
+    parts = [FILE_PART, (field, None, value, None), (field, None, value, None)]
+    if field != "model":
+        parts.append(MODEL_PART)
+    assert_error(await post_upload(client, alpha, *parts), 422, param=field)
+
+
+async def test_form_fields_are_text(client, alpha, model):
+    response = await post_upload(
+        client,
+        alpha,
+        FILE_PART,
+        MODEL_PART,
+        ("dimensions", None, b"null", None),
+        ("normalize", None, b"false", None),
+        ("encoding_format", None, b"base64", None),
+    )
+    assert response.status_code == 202, response.text
+    job = response.json()
+    assert job["dimensions"] == model.dimensions and job["encoding_format"] == "base64"
+    response = await post_upload(client, alpha, FILE_PART, MODEL_PART, ("dimensions", None, b"16", None))
+    assert response.status_code == 202, response.text
+    assert response.json()["dimensions"] == 16
+
+
+# --- Strict JSON types -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/embeddings", {"model": MODEL, "input": "x", "user": 0}, "user"),
+        ("/v1/embeddings", {"model": 7, "input": "x"}, "model"),
+        ("/v1/embeddings", {"model": MODEL, "input": "x", "dimensions": "64"}, "dimensions"),
+        ("/v1/embeddings", {"model": MODEL, "input": "x", "dimensions": True}, "dimensions"),
+        ("/v1/embeddings", {"model": MODEL, "input": "x", "dimensions": 8.5}, "dimensions"),
+        ("/api/v1/embed", {"inputs": "x", "normalize": 0}, "normalize"),
+        ("/api/v1/embed", {"inputs": "x", "normalize": "false"}, "normalize"),
+        ("/api/v1/embed", {"inputs": "x", "truncate": 1}, "truncate"),
+        ("/api/v1/embed", {"inputs": "x", "prompt_name": 0}, "prompt_name"),
+        ("/api/v1/embed", {"inputs": "x", "model": False}, "model"),
+        ("/v1/jobs", {"model": MODEL, "input": ["x"], "normalize": 1}, "normalize"),
+        ("/v1/jobs", {"model": MODEL, "input": ["x"], "dimensions": "8"}, "dimensions"),
+        ("/v1/jobs", {"model": 1, "input": ["x"]}, "model"),
+    ],
+)
+async def test_json_values_of_the_wrong_type_are_422(client, alpha, path, body, param):
+    assert_error(await client.post(path, json=body, headers=alpha.headers), 422, param=param)
+
+
+async def test_an_integral_float_is_an_integer(client, alpha):
+    body = {"model": MODEL, "input": "x", "dimensions": 8.0}
+    response = await client.post("/v1/embeddings", json=body, headers=alpha.headers)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["data"][0]["embedding"]) == 8
+
+
+@pytest.mark.parametrize("body", [[], [[]], [{"text": "no query"}], [{"query": 1}]])
+async def test_seed_bodies_the_schema_refuses_are_422(client, alpha, body):
+    assert_error(await client.post("/v1/embedding", json=body, headers=alpha.headers), 422)
+
+
+@pytest.mark.parametrize("query", ["limit=0", "limit=101", "limit=x"])
+async def test_job_list_limits_are_422(client, alpha, query):
+    assert_error(await client.get(f"/v1/jobs?{query}", headers=alpha.headers), 422, param="limit")
+
+
+async def test_an_empty_cursor_is_the_first_page(client, alpha):
+    response = await client.get("/v1/jobs?after=", headers=alpha.headers)
+    assert response.status_code == 200, response.text
 
 
 # --- Through a real uvicorn --------------------------------------------------------------------------

@@ -138,3 +138,68 @@ def test_jobs_are_documented(schema):
         ("/v1/jobs/{job_id}/cancel", "post"),
     ]:
         assert "404" in paths[path][method]["responses"], (path, method)
+
+
+def test_every_operation_documents_the_edge_errors(schema):
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            for status in ("400", "408", "413"):
+                content = operation["responses"][status]["content"]["application/json"]
+                assert content["schema"] == {"$ref": "#/components/schemas/Error"}, (path, method, status)
+    for path in ("/v1/embeddings", "/v1/embedding", "/api/v1/embed", "/embed", "/v1/jobs"):
+        assert "415" in schema["paths"][path]["post"]["responses"], path
+
+
+def parameter(operation: dict, name: str) -> dict:
+    return next(p for p in operation["parameters"] if p["name"] == name)["schema"]
+
+
+def test_query_parameters_carry_their_bounds(schema):
+    """What the views refuse, the schema says: limit=0 is documented invalid."""
+    jobs = schema["paths"]["/v1/jobs"]["get"]
+    assert parameter(jobs, "limit") == {"type": "integer", "maximum": 100, "minimum": 1, "default": 20}
+    results = schema["paths"]["/v1/jobs/{job_id}/results"]["get"]
+    assert parameter(results, "limit")["minimum"] == 1 and parameter(results, "limit")["maximum"] == 1000
+    assert parameter(results, "offset")["minimum"] == 0
+    assert parameter(results, "format")["enum"] == ["jsonl", "json", "npy"]
+
+
+def test_array_bodies_document_what_is_refused(schema):
+    seed = schema["paths"]["/v1/embedding"]["post"]["requestBody"]["content"]["application/json"]
+    assert seed["schema"]["minItems"] == 1 and seed["schema"]["items"]["$ref"].endswith("/SeedQueryRequest")
+    # The documented example is a valid body (drf-spectacular lists a many=True example itself).
+    assert [example["value"] for example in seed["examples"].values()] == [[{"query": "hello"}]]
+    token_ids = schema["components"]["schemas"]["OpenAIEmbeddingsRequestRequest"]["properties"]["input"]
+    nested = token_ids["oneOf"][3]
+    assert nested["minItems"] == 1 and nested["items"]["minItems"] == 1
+    assert nested["items"]["items"] == {"type": "integer", "minimum": 0}
+
+
+def test_jobs_link_to_their_operations(schema):
+    create = schema["paths"]["/v1/jobs"]["post"]["responses"]
+    for status in ("200", "202"):
+        links = create[status]["links"]
+        assert {link["operationId"] for link in links.values()} == {
+            "retrieve_job", "cancel_job", "retrieve_job_results", "delete_job"
+        }  # fmt: skip
+        assert all(link["parameters"] == {"job_id": "$response.body#/id"} for link in links.values())
+    retrieve = schema["paths"]["/v1/jobs/{job_id}"]["get"]["responses"]["200"]["links"]
+    assert {link["operationId"] for link in retrieve.values()} == {
+        "cancel_job",
+        "retrieve_job_results",
+        "delete_job",
+    }
+
+
+async def test_documented_request_examples_are_accepted(client, alpha):
+    """Every request example of the schema, sent as documented, is answered 200 or 202."""
+    served = (await client.get("/api/schema/", headers={"Accept": "application/vnd.oai.openapi+json"})).json()
+    sent = 0
+    for path, operations in served["paths"].items():
+        for method, operation in operations.items():
+            content = operation.get("requestBody", {}).get("content", {}).get("application/json", {})
+            for example in content.get("examples", {}).values():
+                response = await client.request(method, path, json=example["value"], headers=alpha.headers)
+                assert response.status_code in (200, 202), (path, example, response.text)
+                sent += 1
+    assert sent >= 6
