@@ -303,20 +303,26 @@ class ErrorSerializer(serializers.Serializer):
 
 
 class UsageQuery(serializers.Serializer):
-    """The query string of GET /v1/usage (the view turns the bounds into datetimes)."""
+    """The query string of GET /v1/usage (the view turns the bounds into datetimes). An empty
+    value means the parameter's default, as if it were not sent."""
 
     start = serializers.CharField(
         required=False,
+        allow_blank=True,
         help_text="UTC date `YYYY-MM-DD` (from its midnight) or ISO 8601 datetime (from the start of "
-        "its hour). Default: the first day of end's UTC month.",
+        "its hour), from 1970-01-01 to 9999-01-01. Default: the first day of end's UTC month.",
     )
     end = serializers.CharField(
         required=False,
-        help_text="UTC date `YYYY-MM-DD` (that day included) or ISO 8601 datetime (exclusive). Default: now.",
+        allow_blank=True,
+        help_text="UTC date `YYYY-MM-DD` (that day included) or ISO 8601 datetime (exclusive), from "
+        "1970-01-01 to 9999-01-01. Default: now.",
     )
     group_by = serializers.ChoiceField(choices=["day", "model", "key"], default="day")
     key = serializers.CharField(
-        required=False, help_text="Only this key of yours: its public id (`emb_<public id>_…`'s middle)."
+        required=False,
+        allow_blank=True,
+        help_text="Only this key of yours: its public id (`emb_<public id>_…`'s middle).",
     )
 
 

@@ -6,8 +6,7 @@ import logging
 from datetime import UTC, date, datetime, timedelta
 
 from asgiref.sync import sync_to_async
-from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiExample, extend_schema
 from redis.exceptions import RedisError
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -16,7 +15,7 @@ from embeddings.api import serializers as s
 from embeddings.api.authentication import ApiPrincipal
 from embeddings.api.base import ApiView
 from embeddings.api.errors import NotFound, ValidationFailed
-from embeddings.api.views import AUTH_ERRORS, _error_response
+from embeddings.api.views import AUTH_ERRORS, _error_response, validated
 from embeddings.models import ApiKey
 from embeddings.services.quotas import quota_status_sync
 from embeddings.services.usage import TenantUsage, usage_for_tenant
@@ -27,6 +26,12 @@ logger = logging.getLogger(__name__)
 MAX_USAGE_RANGE = timedelta(days=366)
 
 
+# Bounds outside this window are refused (422): no usage predates the Unix epoch, and a moment next
+# to datetime's limits (year 1, year 9999) overflows once a day or a UTC offset is added to it.
+EARLIEST_BOUND = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST_BOUND = datetime(9999, 1, 1, tzinfo=UTC)
+
+
 def parse_bound(text: str, *, param: str) -> datetime:
     """A query bound as an aware UTC datetime. A date means its midnight, and as `end` the
     midnight after it (the day is included); a naive datetime is UTC."""
@@ -34,13 +39,23 @@ def parse_bound(text: str, *, param: str) -> datetime:
         if len(text) == len("YYYY-MM-DD"):
             day = date.fromisoformat(text)
             moment = datetime(day.year, day.month, day.day, tzinfo=UTC)
-            return moment + timedelta(days=1) if param == "end" else moment
-        moment = datetime.fromisoformat(text)
+            if param == "end":
+                moment += timedelta(days=1)
+        else:
+            moment = datetime.fromisoformat(text)
+            moment = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
     except ValueError:
         raise ValidationFailed(
             f"{param}: {text!r} is not a date (YYYY-MM-DD) or an ISO 8601 datetime", param=param
         ) from None
-    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    except OverflowError:
+        moment = None
+    if moment is None or not EARLIEST_BOUND <= moment <= LATEST_BOUND:
+        raise ValidationFailed(
+            f"{param}: {text!r} is outside {EARLIEST_BOUND:%Y-%m-%d} to {LATEST_BOUND:%Y-%m-%d} (UTC)",
+            param=param,
+        )
+    return moment
 
 
 def usage_range(params: dict, now: datetime) -> tuple[datetime, datetime]:
@@ -170,12 +185,7 @@ class UsageView(ApiView):
             "the database are included (`includes_unfolded`), so numbers are up to date. "
             "Ranges of at most 366 days."
         ),
-        parameters=[
-            OpenApiParameter("start", OpenApiTypes.STR, description=s.UsageQuery().fields["start"].help_text),
-            OpenApiParameter("end", OpenApiTypes.STR, description=s.UsageQuery().fields["end"].help_text),
-            OpenApiParameter("group_by", OpenApiTypes.STR, enum=["day", "model", "key"], default="day"),
-            OpenApiParameter("key", OpenApiTypes.STR, description=s.UsageQuery().fields["key"].help_text),
-        ],
+        parameters=[s.UsageQuery],
         responses={
             200: s.UsageResponse,
             **AUTH_ERRORS,
@@ -194,9 +204,8 @@ class UsageView(ApiView):
         tags=["usage"],
     )
     async def get(self, request: Request) -> Response:
-        serializer = s.UsageQuery(data=request.query_params)
-        serializer.is_valid(raise_exception=True)
-        params = serializer.validated_data
+        query = validated(s.UsageQuery, request.query_params.dict())
+        params = {name: value for name, value in query.items() if value != ""}
         start, end = usage_range(params, datetime.now(UTC))
         usage, quota = await _tenant_usage(
             principal=request.user, start=start, end=end, group_by=params["group_by"], key=params.get("key")

@@ -162,6 +162,8 @@ def test_query_parameters_carry_their_bounds(schema):
     assert parameter(results, "limit")["minimum"] == 1 and parameter(results, "limit")["maximum"] == 1000
     assert parameter(results, "offset")["minimum"] == 0
     assert parameter(results, "format")["enum"] == ["jsonl", "json", "npy"]
+    usage = schema["paths"]["/v1/usage"]["get"]
+    assert parameter(usage, "group_by")["enum"] == ["day", "model", "key"]
 
 
 def test_array_bodies_document_what_is_refused(schema):

@@ -218,10 +218,35 @@ async def test_default_range_is_this_utc_month(client, alpha):
         ({"start": "2026-06-10T10:00:00Z", "end": "2026-06-10T10:00:00Z"}, "end"),
         ({"start": "2025-01-01", "end": "2026-06-01"}, "start"),
         ({"group_by": "week"}, "group_by"),
+        # Dates at datetime's limits, far-future offsets, nonsense and huge numbers: 422, never a 500.
+        ({"start": "9999-12-31", "end": "9999-12-31"}, "end"),
+        ({"start": "9999-12-30"}, "start"),
+        ({"start": "0001-01-01", "end": "0001-01-02"}, "end"),
+        ({"start": "0001-01-01T00:00:00+01:00"}, "start"),
+        ({"end": "9999-12-31T23:59:59-23:59"}, "end"),
+        ({"end": "9999-12-31T23:59:59.999999"}, "end"),
+        ({"start": "1969-12-31T23:00:00Z"}, "start"),
+        ({"start": "NaN"}, "start"),
+        ({"end": "inf"}, "end"),
+        ({"start": "99999999999999999999"}, "start"),
+        ({"start": "1e308"}, "start"),
+        ({"start": "2026-06-10\x00"}, "start"),
     ],
 )
 async def test_invalid_queries_are_422(client, alpha, params, param):
     assert_error(await get_usage(client, alpha, **params), 422, param)
+
+
+async def test_the_last_representable_range_is_answered(client, alpha):
+    response = await get_usage(client, alpha, start="9998-12-01", end="9998-12-31")
+    assert response.status_code == 200, response.text
+    assert response.json()["end"] == "9999-01-01T00:00:00Z"
+
+
+async def test_empty_bounds_are_the_defaults(client, alpha):
+    response = await get_usage(client, alpha, start="", end="", key="")
+    assert response.status_code == 200, response.text
+    assert response.json()["start"].endswith("-01T00:00:00Z")
 
 
 async def test_quota_state_is_included(client, alpha):
