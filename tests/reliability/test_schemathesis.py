@@ -1,0 +1,234 @@
+"""Schemathesis against the shipped server: every operation of /api/schema/ fuzzed with a real API key
+(examples, coverage, fuzzing and stateful phases, positive and negative data), 0 server errors and 0
+responses that disagree with the schema.
+
+The server is uvicorn serving embedsite.asgi as runstack does, backed by the test Triton and a Redis
+of this test's own. The fuzzer submits jobs with `callback_url`s of its choosing (it produced
+`https://0.com`), so no callback may be delivered while it runs. That is guaranteed three ways:
+
+1. Callbacks are delivered only by the Celery task `job_callback_task`, in a worker; the web process
+   only enqueues it (when a job finishes or is deleted). No worker is started here.
+2. The server's broker is a Redis started by this test and stopped at its end, without persistence:
+   no other test's worker (tests/job_stack.py runs one on the shared test Redis) can ever see these
+   messages, and they vanish with it.
+3. A Celery worker takes a message from a Redis broker with BRPOP (kombu); Redis's own command
+   statistics are checked after the run: no BRPOP (or any other pop) was ever served, so nothing
+   took a single queued task.
+4. The server's own Python code cannot reach past loopback: loopback_only/sitecustomize.py, loaded
+   into it, refuses connections to other addresses and name lookups that would query DNS, and logs
+   each refusal; the test checks that it is loaded and that no connection was refused (a lookup
+   refused is counted: a callback policy that resolves hosts at submission does that).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+import pytest
+import redis
+
+from embeddings.services.local_redis import RedisServer
+from embeddings.triton.server import free_port
+from tests.api.conftest import LiveServer, live_uvicorn
+from tests.processes import manage
+
+# Fuzzed cases per operation; the examples phase sends the documented examples and the coverage
+# phase its own boundary and type-violation cases on top.
+MAX_EXAMPLES = 50
+STATEFUL_MAX_STEPS = 12
+MIN_CASES = 1000
+FUZZ_TIMEOUT_S = 540
+LOOPBACK_GUARD = Path(__file__).resolve().parent / "loopback_only"
+GUARD_MARK = "loopback-only guard refused"
+# How a consumer takes messages off a Redis list (Celery's Redis transport uses BRPOP).
+POP_COMMANDS = ("brpop", "blpop", "rpop", "lpop", "brpoplpush", "rpoplpush", "lmove", "blmove", "lmpop")
+
+FINISH_JOB = """
+from embeddings.models import EmbeddingJob
+from embeddings.services.jobs import job_chunk_run
+job = EmbeddingJob.objects.get(public_id={job_id!r})
+for chunk in range(job.chunks):
+    job_chunk_run(job_id=job.pk, chunk=chunk)
+job.refresh_from_db()
+print(job.status)
+"""
+
+
+@pytest.fixture(scope="module")
+def fuzz_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """The fuzzed server's own Redis (quotas, usage, job data and the Celery broker)."""
+    data_dir = tmp_path_factory.mktemp("fuzz_redis")
+    server = RedisServer(
+        port=free_port(), data_dir=data_dir, persistent=False, log_path=data_dir / "redis.log"
+    )
+    server.start()
+    server.wait_until_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(triton_server, fuzz_redis, tmp_path_factory) -> Iterator[LiveServer]:
+    """One uvicorn worker on fuzz_redis, its Python code held to loopback (LOOPBACK_GUARD)."""
+    with live_uvicorn(
+        workdir=tmp_path_factory.mktemp("fuzz_server"),
+        triton_target=triton_server.grpc_target,
+        redis_url=fuzz_redis.url,
+        workers=1,
+        env={
+            "CELERY_BROKER_URL": fuzz_redis.url,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(LOOPBACK_GUARD), os.environ.get("PYTHONPATH")])),
+        },
+    ) as server:
+        guard = manage(server.env, "shell", "-c", "import socket; print(socket.getaddrinfo.__module__)")
+        assert guard.splitlines()[-1] == "sitecustomize", guard
+        yield server
+
+
+def finished_job(server: LiveServer) -> str:
+    """A completed job whose results the fuzzer downloads in every format: submitted over HTTP, its
+    chunks run by the job engine in a one-off `manage.py shell` (no worker, no callback)."""
+    response = httpx2.post(
+        f"{server.base_url}/v1/jobs",
+        json={"model": "all-MiniLM-L6-v2", "input": ["first text", "second text", "third text"]},
+        headers=server.headers,
+        timeout=30,
+    )
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    status = manage(server.env, "shell", "-c", FINISH_JOB.format(job_id=job_id)).splitlines()[-1]
+    assert status == "completed", status
+    return job_id
+
+
+def pops_served(client: redis.Redis) -> dict[str, int]:
+    stats = client.info("commandstats")
+    return {name: stats[f"cmdstat_{name}"]["calls"] for name in POP_COMMANDS if f"cmdstat_{name}" in stats}
+
+
+CONFIG = f"""
+[generation]
+mode = "all"
+max-examples = {MAX_EXAMPLES}
+# Derandomized, and nothing kept between runs: CI replays the same cases every time.
+deterministic = true
+database = "none"
+
+# Schema-valid requests may still be refused for what a schema cannot say (dimensions above the
+# model's, token ids outside its vocabulary, a prompt name it lacks, a usage range over 366 days):
+# a 4xx for schema-valid data is no failure. Every other check runs, the negative-data ones included.
+[checks.positive_data_acceptance]
+enabled = false
+
+[phases.stateful]
+max-steps = {STATEFUL_MAX_STEPS}
+"""
+
+
+@dataclass
+class FuzzRun:
+    report: dict
+    statuses: Counter  # responses by status code
+    stateful_calls: int
+    wall_s: float
+    output: str
+
+    @property
+    def cases(self) -> int:
+        return self.report["test_cases"]["generated"]
+
+    def summary(self) -> str:
+        return (
+            f"{self.cases} cases over {self.report['operations']['tested']} operations "
+            f"({self.stateful_calls} stateful calls) in {self.wall_s:.0f} s; "
+            f"responses {dict(sorted(self.statuses.items()))}; failures {self.report['failures']}, "
+            f"errors {self.report['errors']}"
+        )
+
+
+def schemathesis_run(server: LiveServer, workdir: Path, *, config: str, options: list[str]) -> FuzzRun:
+    """`schemathesis run` (the CLI, as a developer would run it) against the server's /api/schema/."""
+    workdir.mkdir()
+    (workdir / "schemathesis.toml").write_text(config)
+    reports = workdir / "reports"
+    started = time.monotonic()
+    run = subprocess.run(
+        [
+            sys.executable, "-m", "schemathesis.cli", "--config-file", str(workdir / "schemathesis.toml"),
+            "run", f"{server.base_url}/api/schema/",
+            "--header", f"Authorization: Bearer {server.api_key}",
+            # One worker: the 2 cores are shared with the server and Triton.
+            "--workers", "1", "--no-color", "--report", "json,ndjson,junit", "--report-dir", str(reports),
+            *options,
+        ],
+        cwd=workdir, capture_output=True, text=True, timeout=FUZZ_TIMEOUT_S,
+    )  # fmt: skip
+    wall_s = time.monotonic() - started
+    output = run.stdout + run.stderr
+    reports_written = list(reports.glob("json-*.json"))
+    assert reports_written, output[-20000:]
+    statuses: Counter = Counter()
+    stateful_calls = 0
+    for line in next(reports.glob("ndjson-*.ndjson")).read_text().splitlines():
+        finished = json.loads(line).get("ScenarioFinished")
+        if not finished:
+            continue
+        interactions = finished.get("recorder", {}).get("interactions", {}).values()
+        statuses.update(
+            (interaction.get("response") or {}).get("status_code") for interaction in interactions
+        )
+        if finished.get("phase") == "stateful":
+            stateful_calls += len(interactions)
+    fuzz_run = FuzzRun(json.loads(reports_written[0].read_text()), statuses, stateful_calls, wall_s, output)
+    assert fuzz_run.report["failures"] == [] and fuzz_run.report["errors"] == [], (
+        f"{fuzz_run.summary()}\n{output[-20000:]}"
+    )
+    assert run.returncode == 0, output[-20000:]
+    assert all(phase["status"] in ("success", "skip") for phase in fuzz_run.report["phases"].values()), (
+        fuzz_run.report["phases"]
+    )
+    return fuzz_run
+
+
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(fuzz_server, fuzz_redis, tmp_path):
+    broker = redis.Redis.from_url(fuzz_redis.url)
+    job_id = finished_job(fuzz_server)
+    # The results of a finished job first, alone: in the full run the fuzzer deletes the jobs it
+    # finds (the check that a deleted job stays gone), this one among them.
+    results = schemathesis_run(
+        fuzz_server,
+        tmp_path / "results",
+        config=CONFIG
+        + f"""
+[[operations]]
+include-operation-id = "retrieve_job_results"
+parameters = {{ job_id = "{job_id}" }}
+""",
+        options=["--include-operation-id", "retrieve_job_results", "--phases", "examples,coverage,fuzzing"],
+    )
+    assert results.statuses[200] > 0, results.summary()
+    full = schemathesis_run(fuzz_server, tmp_path / "all", config=CONFIG, options=[])
+    summary = f"results of a finished job: {results.summary()}\nall operations: {full.summary()}"
+    print(f"\nschemathesis: {summary}")
+    assert full.report["operations"]["tested"] == full.report["operations"]["total"] == 13, summary
+    assert full.report["phases"]["stateful"]["status"] == "success" and full.stateful_calls > 0, summary
+    assert full.cases >= MIN_CASES, summary
+    # Nothing consumed the queue the server filled: no worker ran, no callback was delivered.
+    assert pops_served(broker) == {}, pops_served(broker)
+    queued = Counter(json.loads(message)["headers"]["task"] for message in broker.lrange("celery", 0, -1))
+    print(f"left queued, never taken: {dict(queued)}")
+    assert queued["embeddings.tasks.job_chunk_task"] > 0, queued
+    server_log = fuzz_server.log_path.read_text()
+    refused = [line for line in server_log.splitlines() if line.startswith(GUARD_MARK)]
+    print(f"refused by the loopback-only guard: {len(refused)} ({refused[:3]})")
+    assert not [line for line in refused if "a connection" in line], refused
+    assert "Traceback" not in server_log, server_log[-5000:]
