@@ -318,7 +318,8 @@ class JobListCreateView(ApiView):
                 ),
             ),
             422: _error_response(
-                "Invalid fields or a file that cannot be read (not UTF-8, empty, a bad JSONL line)",
+                "Invalid fields (a refused `callback_url` among them), a form field sent twice, or a file "
+                "that cannot be read (not UTF-8, empty, a bad JSONL line)",
                 ValidationFailed("line 3: not UTF-8 (byte 7)", param="file"),
                 ValidationFailed("metadata: may have at most 16 pairs", param="metadata"),
             ),
