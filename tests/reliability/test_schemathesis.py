@@ -227,7 +227,11 @@ parameters = {{ job_id = "{job_id}" }}
     assert full.cases >= MIN_CASES, summary
     # Nothing consumed the queue the server filled: no worker ran, no callback was delivered.
     assert pops_served(broker) == {}, pops_served(broker)
-    queued = Counter(json.loads(message)["headers"]["task"] for message in broker.lrange("celery", 0, -1))
+    # Kombu keeps each broker priority in its own list (`celery`, `celery\x06\x166`, ...).
+    queues = [key for key in broker.scan_iter(b"celery*") if broker.type(key) == b"list"]
+    queued = Counter(
+        json.loads(message)["headers"]["task"] for key in queues for message in broker.lrange(key, 0, -1)
+    )
     print(f"left queued, never taken: {dict(queued)}")
     assert queued["embeddings.tasks.job_chunk_task"] > 0, queued
     server_log = fuzz_server.log_path.read_text()
