@@ -79,11 +79,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Loaded in the parent, once: die_with_parent runs between fork and exec, where loading a library
+# (dlopen, its lock perhaps held by another thread at the fork, e.g. gRPC's) can deadlock the child.
+_prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+PR_SET_PDEATHSIG = 1
+
+
 def die_with_parent() -> None:
     """Linux: SIGTERM this child when its parent dies (a killed test run, a crashed launcher)."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 PYTHON_BACKEND_SHM_REGION = re.compile(r"/dev/shm/(triton_python_backend_shm_region_[0-9a-f-]+)")
