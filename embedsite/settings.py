@@ -164,8 +164,8 @@ def secret_key_from_environment(*, debug: bool, default_file: Path) -> str:
 
 
 DEBUG = env_bool("DJANGO_DEBUG", False)
-# Keys sessions, CSRF, password resets and (unless split off below) API-key hashes and callback
-# signatures: outside debug, settings refuse to load without a real one.
+# Keys sessions, CSRF, password resets, the encryption of tenants' webhook secrets and (unless split
+# off below) API-key hashes: outside debug, settings refuse to load without a real one.
 SECRET_KEY = secret_key_from_environment(debug=DEBUG, default_file=BASE_DIR / ".run" / "secret_key")
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 
