@@ -7,17 +7,13 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx2
-import pytest
-
 from embeddings.management.commands.runstack import start_celery
 from embeddings.triton.server import die_with_parent, free_port
-from tests.processes import REPO_ROOT, manage, stop_process_group
+from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
 
 
 @dataclass
@@ -69,16 +65,7 @@ def job_stack_running(*, triton_server, redis_server, workdir: Path, chunk_size:
     worker = start_celery("worker", worker_log, env=env)
     stack = JobStack(f"http://127.0.0.1:{port}", api_key, env, [server_log, worker_log], worker)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx2.get(f"{stack.base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx2.TransportError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                pytest.fail(f"uvicorn did not start:\n{stack.logs_tail()}")
-            time.sleep(0.2)
+        wait_until_healthy(server, stack.base_url, server_log)
         yield stack
     finally:
         stop_process_group(worker)

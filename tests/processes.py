@@ -7,7 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+import httpx2
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,3 +41,27 @@ def stop_process_group(process: subprocess.Popen, timeout_s: float = 20) -> None
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=15)
+
+
+def wait_until_healthy(
+    process: subprocess.Popen,
+    base_url: str,
+    log_path: Path,
+    *,
+    ready: Callable[[], bool] = lambda: True,
+    timeout_s: float = 120.0,
+) -> None:
+    """Until the server `process` started answers GET /health with 200 (once `ready()` holds too);
+    fails the test with the log's tail if it exits first or takes longer than timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+        if ready():
+            try:
+                if httpx2.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx2.TransportError:
+                pass
+        time.sleep(0.2)
+    pytest.fail(f"the server did not start within {timeout_s:g} s:\n{log_path.read_text()[-4000:]}")

@@ -8,7 +8,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from embeddings.services.keys import api_key_create
 from embeddings.services.tenants import tenant_create
 from embeddings.triton.server import die_with_parent, free_port
 from tests.api.raw_http import RawHttp
-from tests.processes import REPO_ROOT, manage, stop_process_group
+from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
 
 
 @dataclass
@@ -123,7 +122,8 @@ def live_uvicorn(
     manage(server_env, "create_tenant", "--name", "Live", "--slug", "live")
     api_key = manage(server_env, "create_api_key", "--tenant", "live")
     # Only the server's workers write there (as with runstack), so their files can be counted.
-    server_env["PROMETHEUS_MULTIPROC_DIR"] = str(prometheus_dir)
+    # (`server.env` stays without it: manage.py commands a test runs must not add files there.)
+    process_env = {**server_env, "PROMETHEUS_MULTIPROC_DIR": str(prometheus_dir)}
     log_path = workdir / "uvicorn.log"
     log = log_path.open("wb")
     process = subprocess.Popen(
@@ -132,14 +132,20 @@ def live_uvicorn(
             "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
             "--loop", "uvloop", "--http", "httptools", "--ws", "websockets-sansio", "--no-access-log",
         ],
-        cwd=REPO_ROOT, env=server_env, stdout=log, stderr=subprocess.STDOUT,
+        cwd=REPO_ROOT, env=process_env, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     try:
         server = LiveServer(
             f"http://127.0.0.1:{port}", api_key, prometheus_dir, process, server_env, log_path
         )
-        _wait_until_serving(server, log_path, workers)
+        # Every worker has started once each has created its live-gauge file (it imports our metrics).
+        wait_until_healthy(
+            process,
+            server.base_url,
+            log_path,
+            ready=lambda: len(list(prometheus_dir.glob("gauge_livesum_*.db"))) == workers,
+        )
         yield server
     finally:
         stop_process_group(process)
@@ -184,24 +190,6 @@ def edge_server(
         env={**EDGE_LIMITS, "CELERY_BROKER_URL": redis_server.url.rsplit("/", 1)[0] + "/15"},
     ) as server:
         yield server
-
-
-def _wait_until_serving(server: LiveServer, log_path: Path, workers: int, timeout_s: float = 120.0) -> None:
-    """Until every worker has started (each creates its live-gauge file when it imports our
-    metrics) and the server answers /health."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            pytest.fail(f"uvicorn exited with {server.process.returncode}:\n{log_path.read_text()[-4000:]}")
-        started = len(list(server.prometheus_dir.glob("gauge_livesum_*.db")))
-        if started == workers:
-            try:
-                if httpx2.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx2.TransportError:
-                pass
-        time.sleep(0.2)
-    pytest.fail(f"uvicorn did not start within {timeout_s} s:\n{log_path.read_text()[-4000:]}")
 
 
 @pytest.fixture

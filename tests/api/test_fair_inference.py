@@ -9,9 +9,6 @@ never a fixed number of seconds, so a slower or busier machine moves the bound w
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,8 +19,7 @@ import pytest
 from django.conf import settings
 
 from embeddings.triton.client import TritonClient
-from embeddings.triton.server import die_with_parent, free_port
-from tests.processes import REPO_ROOT, manage, stop_process_group
+from tests.api.conftest import live_uvicorn
 
 MODEL = "all-MiniLM-L6-v2"
 # 256 tokens after truncation at the model's maximum, whatever the number: distinct per row, so a
@@ -161,44 +157,14 @@ DEADLINE_S = 3.0
 def short_deadline_server(triton_server, redis_server, tmp_path_factory) -> Iterator[Server]:
     """uvicorn as runstack starts it, with EMBEDDING_TIMEOUT_S short enough for a maximum-size
     request to run out of time."""
-    workdir = tmp_path_factory.mktemp("short_deadline")
-    port = free_port()
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-        "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
-        "TRITON_SERVER_URL": triton_server.grpc_target,
-        "REDIS_URL": redis_server.url,
-        "EMBEDDING_TIMEOUT_S": str(DEADLINE_S),
-    }
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    manage(env, "migrate", "--noinput")
-    manage(env, "register_local_model")
-    manage(env, "create_tenant", "--name", "Deadline", "--slug", "deadline")
-    api_key = manage(env, "create_api_key", "--tenant", "deadline")
-    log_path = workdir / "uvicorn.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "embedsite.asgi:application", "--host", "127.0.0.1",
-             "--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log"],
-            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )  # fmt: skip
-    server = Server(f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {api_key}"})
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx2.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx2.TransportError:
-                pass
-            if time.monotonic() > deadline or process.poll() is not None:
-                pytest.fail(f"uvicorn did not start:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield server
-    finally:
-        stop_process_group(process)
+    with live_uvicorn(
+        workdir=tmp_path_factory.mktemp("short_deadline"),
+        triton_target=triton_server.grpc_target,
+        redis_url=redis_server.url,
+        workers=1,
+        env={"EMBEDDING_TIMEOUT_S": str(DEADLINE_S)},
+    ) as server:
+        yield Server(server.base_url, server.headers)
 
 
 async def test_a_request_past_its_deadline_is_504_at_the_deadline_and_stops(

@@ -8,15 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import httpx2
-import pytest
 
 from embeddings.triton.server import die_with_parent, free_port, shared_memory_regions
 from tests.conftest import require_exported_model
-from tests.processes import REPO_ROOT, manage, stop_process_group
+from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
 from tests.triton.test_server_process_group import group_processes, stubs_of, wait_until_no_live_member
 
 START_DEADLINE_S = 240  # against hanging only: Triton, Celery and uvicorn start on a loaded machine
@@ -35,21 +31,6 @@ def children_of(pid: int) -> dict[int, str]:
             if int(ppid) == pid and state != "Z":
                 children[int(name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
     return children
-
-
-def wait_until_serving(process: subprocess.Popen, base_url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_DEADLINE_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"runstack exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        if "embedsite on" in log.read_text():
-            try:
-                if httpx2.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx2.TransportError:
-                pass
-        time.sleep(0.5)
-    pytest.fail(f"runstack did not start within {START_DEADLINE_S} s:\n{log.read_text()[-4000:]}")
 
 
 def test_when_triton_dies_runstack_stops_everything_and_leaves_no_stub(tmp_path):
@@ -78,7 +59,13 @@ def test_when_triton_dies_runstack_stops_everything_and_leaves_no_stub(tmp_path)
             start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
     try:
-        wait_until_serving(runstack, f"http://127.0.0.1:{port}", log)
+        wait_until_healthy(
+            runstack,
+            f"http://127.0.0.1:{port}",
+            log,
+            ready=lambda: "embedsite on" in log.read_text(),
+            timeout_s=START_DEADLINE_S,
+        )
         started = children_of(runstack.pid)
         [triton] = [pid for pid, name in started.items() if name == "tritonserver"]
         stubs = stubs_of(triton)

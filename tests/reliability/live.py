@@ -17,7 +17,7 @@ import httpx2
 import pytest
 
 from embeddings.triton.server import die_with_parent, free_port
-from tests.processes import REPO_ROOT, manage, stop_process_group
+from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
 
 
 def site_prepared(workdir: Path, **settings_env: str) -> tuple[dict[str, str], str]:
@@ -64,17 +64,7 @@ class LiveApi:
                 cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=die_with_parent,
             )  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"uvicorn exited:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx2.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx2.TransportError:
-                pass
-            time.sleep(0.1)
-        pytest.fail(f"uvicorn did not start:\n{self.log_path.read_text()[-3000:]}")
+        wait_until_healthy(self.process, self.base_url, self.log_path, timeout_s=timeout_s)
 
     def kill(self) -> None:
         """SIGKILL the server's process group, as a crash or the OOM killer would."""
