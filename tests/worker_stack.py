@@ -39,13 +39,13 @@ COMPARE = """
 import json
 import numpy as np
 from embeddings.models import EmbeddingJob
-from embeddings.services.embedding import EmbeddingTarget, embeddings_create_sync
-from embeddings.services.jobs import job_results_source
+from embeddings.services.embedding import embeddings_create_sync
+from embeddings.services.jobs import job_embedding_target, job_results_source
 job = EmbeddingJob.objects.select_related("model").get(pk={job_id})
 store, rows, dims = job_results_source(job)
 stored = np.concatenate([store.chunk_result(chunk, dims) for chunk in range(len(rows))])
 texts = [text for chunk in range(len(rows)) for text in store.chunk_inputs(chunk)]
-expected = embeddings_create_sync(target=EmbeddingTarget.for_model(job.model), texts=texts)
+expected = embeddings_create_sync(target=job_embedding_target(job.model), texts=texts)
 print(json.dumps([stored.shape[0], float(np.abs(stored - expected.vectors).max()), expected.total_tokens]))
 """
 
@@ -55,13 +55,20 @@ class JobStack:
     path: Path
     env: dict[str, str]
 
+    def shell(self, script: str, **env: str) -> str:
+        """The last line `manage.py shell` prints running `script`, which goes in a file: one
+        command-line argument holds at most 128 KiB on Linux, less than a job of long texts."""
+        path = self.path.with_name(f"script-{time.monotonic_ns()}.py")
+        path.write_text(script)
+        command = f"exec(open({str(path)!r}).read())"
+        return manage({**self.env, **env}, "shell", "-c", command).splitlines()[-1]
+
     def submit(self, jobs: list[tuple[str, list[str]]], **env: str) -> list[int]:
         """Submit (tenant slug, texts) jobs; `env` overrides settings (JOB_CHUNK_SIZE=...)."""
-        script = SUBMIT.format(jobs=jobs)
-        return json.loads(manage({**self.env, **env}, "shell", "-c", script).splitlines()[-1])
+        return json.loads(self.shell(SUBMIT.format(jobs=jobs), **env))
 
     def compare(self, job_id: int) -> list:
-        return json.loads(manage(self.env, "shell", "-c", COMPARE.format(job_id=job_id)).splitlines()[-1])
+        return json.loads(self.shell(COMPARE.format(job_id=job_id)))
 
     def job(self, job_id: int) -> dict:
         with contextlib.closing(sqlite3.connect(self.path, timeout=10)) as connection:

@@ -516,8 +516,9 @@ def job_expire_due(*, now: datetime | None = None) -> int:
 # --- The engine: one chunk -------------------------------------------------------------------------
 
 
-def _target(model: EmbeddingModel) -> EmbeddingTarget:
-    # A chunk is sized by JOB_CHUNK_SIZE, not held to the synchronous per-request limits.
+def job_embedding_target(model: EmbeddingModel) -> EmbeddingTarget:
+    """What a job's chunks are embedded with: the model without the synchronous per-request limits
+    (a chunk is sized by JOB_CHUNK_SIZE)."""
     return dataclasses.replace(EmbeddingTarget.for_model(model), max_inputs=None, max_total_tokens=None)
 
 
@@ -564,7 +565,7 @@ def job_chunk_run(*, job_id: int, chunk: int) -> None:
                 return
             started = time.perf_counter()
             result = embeddings_create_sync(
-                target=_target(job.model),
+                target=job_embedding_target(job.model),
                 texts=texts,
                 options=EmbeddingOptions(dimensions=job.dimensions, normalize=job.normalize),
             )
