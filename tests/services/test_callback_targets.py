@@ -20,6 +20,8 @@ from embeddings.services.callback_targets import (
     resolve_host,
 )
 
+pytestmark = pytest.mark.unit
+
 REFUSED_ADDRESSES = [
     ("0.0.0.0", "unspecified"),
     ("0.1.2.3", "'this network'"),

@@ -8,6 +8,8 @@ import pytest
 
 from embeddings.services.job_inputs import JobInputError, JobInputTooLarge, job_inputs_parse
 
+pytestmark = pytest.mark.unit
+
 
 def parse(data: bytes, **kwargs):
     options = {"max_inputs": 100, "max_line_bytes": 1000, **kwargs}

@@ -22,6 +22,8 @@ from embeddings.triton import (
 from embeddings.triton.client import channel_options, error_from_rpc, text_inputs, token_inputs
 from embeddings.triton.protocol import grpc_service_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 
 def rpc_error(code: grpc.StatusCode, details: str = "boom") -> grpc.RpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)

@@ -11,6 +11,8 @@ from hypothesis.extra import numpy as hnp
 from embeddings.triton import TritonInvalidInput, TritonModelError, codec
 from embeddings.triton.protocol import grpc_service_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 texts_or_bytes = st.lists(st.one_of(st.text(), st.binary()), max_size=20)
 
 
