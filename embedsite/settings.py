@@ -167,6 +167,12 @@ DEBUG = env_bool("DJANGO_DEBUG", False)
 # Keys sessions, CSRF, password resets, the encryption of tenants' webhook secrets and (unless split
 # off below) API-key hashes: outside debug, settings refuse to load without a real one.
 SECRET_KEY = secret_key_from_environment(debug=DEBUG, default_file=BASE_DIR / ".run" / "secret_key")
+# Earlier keys, still accepted while a new one rolls out (sessions, and the tenants' webhook secrets
+# encrypted under an old key stay readable until rotated). Comma-separated; each checked as the key.
+SECRET_KEY_FALLBACKS = [
+    env_secret("DJANGO_SECRET_KEY_FALLBACKS", key, debug=DEBUG)
+    for key in env_list("DJANGO_SECRET_KEY_FALLBACKS", [])
+]
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 
 INSTALLED_APPS = [

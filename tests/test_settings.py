@@ -90,7 +90,13 @@ def test_database_url():
 # --- The secret key: refused when missing or weak outside DEBUG ----------------------------------
 
 STRONG_KEY = "k3y-" + "0123456789abcdefghijklmnopqrstuvwxyz"
-SECRET_VARIABLES = ("DJANGO_SECRET_KEY", "DJANGO_SECRET_KEY_FILE", "API_KEY_HMAC_SECRET", "DJANGO_DEBUG")
+SECRET_VARIABLES = (
+    "DJANGO_SECRET_KEY",
+    "DJANGO_SECRET_KEY_FILE",
+    "DJANGO_SECRET_KEY_FALLBACKS",
+    "API_KEY_HMAC_SECRET",
+    "DJANGO_DEBUG",
+)
 PRINT_SECRETS = (
     "import django; django.setup(); from django.conf import settings; "
     "print(settings.SECRET_KEY); print(settings.API_KEY_HMAC_SECRET)"
@@ -202,6 +208,23 @@ def test_a_separate_api_key_hmac_secret_is_validated_the_same_way(project_copy):
     other = STRONG_KEY[::-1]
     done = load_settings(project_copy, DJANGO_SECRET_KEY=STRONG_KEY, API_KEY_HMAC_SECRET=other)
     assert loaded_secrets(done) == [STRONG_KEY, other]
+
+
+def test_earlier_keys_are_fallbacks_and_checked_as_the_key(project_copy):
+    earlier = STRONG_KEY[::-1]
+    print_fallbacks = (
+        "import django; django.setup(); from django.conf import settings; "
+        "print(*settings.SECRET_KEY_FALLBACKS, sep='\\n')"
+    )
+    done = load_settings(
+        project_copy,
+        print_fallbacks,
+        DJANGO_SECRET_KEY=STRONG_KEY,
+        DJANGO_SECRET_KEY_FALLBACKS=f"{earlier}, {earlier}x",
+    )
+    assert loaded_secrets(done) == [earlier, earlier + "x"]
+    done = load_settings(project_copy, DJANGO_SECRET_KEY=STRONG_KEY, DJANGO_SECRET_KEY_FALLBACKS="short")
+    assert "DJANGO_SECRET_KEY_FALLBACKS is not a usable secret" in refusal(done)
 
 
 def test_setup_writes_a_private_random_key_once_and_settings_read_it(project_copy):
