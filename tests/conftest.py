@@ -69,13 +69,10 @@ def service_triton(triton_server: TritonServer, settings) -> Iterator[TritonServ
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A real redis-server of our own on a free port, without persistence."""
     data_dir = tmp_path_factory.mktemp("redis")
-    server = RedisServer(
+    with RedisServer(
         port=free_port(), data_dir=data_dir, persistent=False, log_path=data_dir / "redis.log"
-    )
-    server.start()
-    server.wait_until_ready()
-    yield server
-    server.stop()
+    ) as server:
+        yield server
 
 
 @pytest.fixture

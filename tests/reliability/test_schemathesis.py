@@ -67,13 +67,10 @@ print(job.status)
 def fuzz_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """The fuzzed server's own Redis (quotas, usage, job data and the Celery broker)."""
     data_dir = tmp_path_factory.mktemp("fuzz_redis")
-    server = RedisServer(
+    with RedisServer(
         port=free_port(), data_dir=data_dir, persistent=False, log_path=data_dir / "redis.log"
-    )
-    server.start()
-    server.wait_until_ready()
-    yield server
-    server.stop()
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
