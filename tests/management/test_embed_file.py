@@ -1,5 +1,6 @@
 """`manage.py embed_file` against a local HTTP server that imitates the jobs API: what it sends, the
-download written whole, clear errors, and Ctrl-C cancelling the job."""
+download written whole, clear errors, Ctrl-C cancelling the job; and the
+progress bar's rate and time left, driven by a controllable clock."""
 
 from __future__ import annotations
 
@@ -291,3 +292,169 @@ def test_a_jsonl_input_is_sent_as_jsonl(api, tmp_path):
         "0.01",
     )
     assert b"Content-Type: application/jsonl\r\n\r\n" in api.requests[0][3]
+
+
+# --- The progress bar's rate and time left ---------------------------------------------------------
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Stream(StringIO):
+    def __init__(self, *, terminal: bool) -> None:
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+def running(completed: int, total: int = 1000, status: str = "running", failed: int = 0) -> dict:
+    counts = {"total": total, "completed": completed, "failed": failed}
+    return {"id": "job_x", "status": status, "counts": counts}
+
+
+@pytest.mark.unit
+def test_the_rate_is_unknown_until_two_polls_then_follows_the_last_window():
+    clock = Clock()
+    rate = embed_file.ProgressRate(window_s=10, clock=clock)
+    assert rate.per_second() is None and rate.seconds_left(100) is None
+    rate.observe(0)
+    assert rate.per_second() is None
+    for _ in range(10):  # 10 s at 50/s
+        clock.now += 1
+        rate.observe(rate.done + 50)
+    assert rate.per_second() == pytest.approx(50)
+    for _ in range(5):  # then 5 s at 10/s: the window (10 s) holds 5 s of each
+        clock.now += 1
+        rate.observe(rate.done + 10)
+    assert rate.per_second() == pytest.approx((5 * 50 + 5 * 10) / 10)
+    for _ in range(10):  # 10 s more at 10/s: the fast start has left the window
+        clock.now += 1
+        rate.observe(rate.done + 10)
+    assert rate.per_second() == pytest.approx(10)
+    assert rate.average_per_second() == pytest.approx(rate.done / 25)
+    assert rate.seconds_left(rate.done + 300) == pytest.approx(30)
+
+
+@pytest.mark.unit
+def test_polls_further_apart_than_the_window_still_give_a_rate():
+    clock = Clock()
+    rate = embed_file.ProgressRate(window_s=10, clock=clock)
+    rate.observe(0)
+    clock.now += 60
+    rate.observe(120)
+    assert rate.per_second() == pytest.approx(2)
+    clock.now += 60
+    rate.observe(120)  # nothing finished in the last minute
+    assert rate.per_second() == 0.0
+    assert rate.seconds_left(1000) is None  # no finite estimate from a rate of 0
+
+
+@pytest.mark.unit
+def test_a_count_going_back_or_the_same_instant_is_no_absurd_rate():
+    clock = Clock()
+    rate = embed_file.ProgressRate(window_s=10, clock=clock)
+    rate.observe(5)
+    rate.observe(9)  # the same instant: no division by zero
+    assert rate.per_second() is None
+    clock.now += 1
+    rate.observe(0)
+    assert rate.per_second() == 0.0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (None, "--:-- left"),
+        (0, "~0s left"),
+        (44.6, "~45s left"),
+        (83, "~1m23s left"),
+        (3599, "~59m59s left"),
+        (7500, "~2h05m left"),
+        (99 * 3600 + 1, ">99h left"),
+        (1e12, ">99h left"),
+    ],
+)
+def test_time_left_text(seconds, text):
+    assert embed_file.time_left_text(seconds) == text
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("per_second", "text"),
+    [(None, "-- emb/s"), (0.0, "0.0 emb/s"), (12.345, "12.3 emb/s"), (1234.5, "1,234 emb/s")],
+)
+def test_rate_text(per_second, text):
+    assert embed_file.rate_text(per_second) == text
+
+
+@pytest.mark.unit
+def test_the_line_shows_rate_and_time_left_then_the_average_and_duration_when_finished():
+    clock = Clock()
+    rate = embed_file.ProgressRate(clock=clock)
+    rate.observe(0)
+    assert embed_file.progress_line(running(0, status="queued"), rate).endswith(
+        "0/1000   0% queued  -- emb/s  --:-- left"
+    )
+    clock.now += 4
+    rate.observe(200)
+    line = embed_file.progress_line(running(196, failed=4), rate)
+    assert line == "[######........................] 200/1000  20% running, 4 failed  50.0 emb/s  ~16s left"
+    clock.now += 16
+    rate.observe(1000)
+    assert embed_file.progress_line(running(1000, status="completed"), rate).endswith(
+        "1000/1000 100% completed  50.0 emb/s  took 20s"
+    )
+
+
+@pytest.mark.unit
+def test_a_terminal_gets_one_line_redrawn_at_every_poll():
+    clock, stream = Clock(), Stream(terminal=True)
+    display = embed_file.ProgressDisplay(stream, clock=clock, window_s=10)
+    display.update(running(0, total=100_000, status="queued"))
+    clock.now += 1
+    display.update(running(1000, total=100_000))
+    clock.now += 10
+    display.update(running(1000, total=100_000))  # stalled for the whole window: rate 0, no estimate
+    display.end()
+    output = stream.getvalue()
+    frames = output.removesuffix("\n").split("\r")[1:]
+    assert output.count("\n") == 1 and output.endswith("\n")
+    assert frames[1].endswith("1% running  1,000 emb/s  ~1m39s left")
+    assert frames[2].rstrip().endswith("1% running  0.0 emb/s  --:-- left")
+    # The shorter line is padded to blank what the longer one left on screen.
+    assert len(frames[2]) == len(frames[1]) > len(frames[2].rstrip())
+
+
+@pytest.mark.unit
+def test_a_log_gets_a_line_per_status_and_at_most_one_per_interval_between():
+    clock, stream = Clock(), Stream(terminal=False)
+    display = embed_file.ProgressDisplay(stream, clock=clock, log_interval_s=5)
+    display.update(running(0, status="queued"))
+    clock.now += 1
+    display.update(running(0, status="queued"))  # nothing new: no line
+    for done in range(10, 130, 10):  # a poll a second for 12 s
+        clock.now += 1
+        display.update(running(done))
+    clock.now += 1
+    display.update(running(1000, status="completed"))
+    display.end()
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue()
+    assert [re.search(r"\] (\d+/\d+) +\d+% (\w+)", line).groups() for line in lines] == [
+        ("0/1000", "queued"),
+        ("10/1000", "running"),  # the status changed: at once
+        ("60/1000", "running"),  # 5 s later
+        ("110/1000", "running"),
+        ("1000/1000", "completed"),  # the status changed: at once
+    ]
+    assert all(re.search(r" emb/s  (~\S+|--:--) left$", line) for line in lines[1:-1]), lines

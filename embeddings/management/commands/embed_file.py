@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from django.core.management.base import BaseCommand, CommandError
 
@@ -13,16 +16,150 @@ from embeddings.jobs_client import FINISHED_STATUSES, JobsApiError, JobsClient
 
 RESULT_FORMATS = {".npy": "npy", ".jsonl": "jsonl"}
 BAR_WIDTH = 30
+# The rate is measured over the polls of the last RATE_WINDOW_S seconds: recent enough to follow a
+# job that speeds up or slows down (other tenants' jobs share the workers), long enough to even out
+# chunks finishing in bursts.
+RATE_WINDOW_S = 10.0
+# Not a terminal (CI, a pipe, a log file): a line when the status changes, else at most this often.
+LOG_INTERVAL_S = 5.0
+LONGEST_TIME_LEFT_S = 99 * 3600  # beyond this an estimate says nothing useful
 
 
-def progress_line(job: dict) -> str:
+class ProgressRate:
+    """Embeddings per second over the polls of the last `window_s` seconds, and the time left at
+    that rate. `clock` is injectable so tests drive it without sleeping."""
+
+    def __init__(self, *, window_s: float = RATE_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self.clock = clock
+        self._samples: deque[tuple[float, int]] = deque()  # (when, done)
+        self._first: tuple[float, int] | None = None
+
+    def observe(self, done: int) -> None:
+        now = self.clock()
+        self._samples.append((now, done))
+        self._first = self._first or (now, done)
+        # Keep the newest sample at or before the window's start, so the rate spans the whole window
+        # (and still has two samples when polls are further apart than the window).
+        while len(self._samples) > 1 and self._samples[1][0] <= now - self.window_s:
+            self._samples.popleft()
+
+    @property
+    def done(self) -> int:
+        return self._samples[-1][1] if self._samples else 0
+
+    def per_second(self) -> float | None:
+        """None until two polls some time apart; 0.0 when nothing finished over the window."""
+        return _rate(self._samples[0], self._samples[-1]) if self._samples else None
+
+    def average_per_second(self) -> float | None:
+        """Since the first poll: the figure for a finished job."""
+        return _rate(self._first, self._samples[-1]) if self._first else None
+
+    def elapsed_s(self) -> float:
+        return self._samples[-1][0] - self._first[0] if self._first else 0.0
+
+    def seconds_left(self, total: int) -> float | None:
+        """None while the rate is unknown or zero (no finite estimate)."""
+        rate = self.per_second()
+        return max(0, total - self.done) / rate if rate else None
+
+
+def _rate(start: tuple[float, int], end: tuple[float, int]) -> float | None:
+    (started, done_then), (now, done_now) = start, end
+    return max(0.0, (done_now - done_then) / (now - started)) if now > started else None
+
+
+def rate_text(per_second: float | None) -> str:
+    if per_second is None:
+        return "-- emb/s"
+    return f"{per_second:,.0f} emb/s" if per_second >= 100 else f"{per_second:.1f} emb/s"
+
+
+def duration_text(seconds: float) -> str:
+    """45s, 1m23s, 2h05m."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def time_left_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "--:-- left"
+    if seconds > LONGEST_TIME_LEFT_S:
+        return f">{LONGEST_TIME_LEFT_S // 3600}h left"
+    return f"~{duration_text(seconds)} left"
+
+
+def _counts(job: dict) -> tuple[int, int, int]:
     counts = job.get("counts") or {}
-    total, done = counts.get("total", 0), counts.get("completed", 0) + counts.get("failed", 0)
+    failed = counts.get("failed", 0)
+    return counts.get("total", 0), counts.get("completed", 0) + failed, failed
+
+
+def progress_line(job: dict, rate: ProgressRate) -> str:
+    """`[###...] done/total pct status  rate  time left`; a finished job shows its average rate and
+    how long it took instead of the time left."""
+    total, done, failed = _counts(job)
     fraction = done / total if total else 0.0
     filled = int(BAR_WIDTH * fraction)
     bar = "#" * filled + "." * (BAR_WIDTH - filled)
-    failed = f", {counts['failed']} failed" if counts.get("failed") else ""
-    return f"[{bar}] {done}/{total} {fraction:4.0%} {job.get('status')}{failed}"
+    failures = f", {failed} failed" if failed else ""
+    if job.get("status") in FINISHED_STATUSES:
+        pace = f"{rate_text(rate.average_per_second())}  took {duration_text(rate.elapsed_s())}"
+    else:
+        pace = f"{rate_text(rate.per_second())}  {time_left_text(rate.seconds_left(total))}"
+    return f"[{bar}] {done}/{total} {fraction:4.0%} {job.get('status')}{failures}  {pace}"
+
+
+class ProgressDisplay:
+    """The progress bar on `stream`: on a terminal one line redrawn with \\r at every poll; anywhere
+    else (CI, a pipe) a line when the status changes, else at most every `log_interval_s` and only
+    when the counts moved, so a long job does not flood a log."""
+
+    def __init__(
+        self,
+        stream: TextIO,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        log_interval_s: float = LOG_INTERVAL_S,
+        window_s: float = RATE_WINDOW_S,
+    ):
+        self.stream = stream
+        self.clock = clock
+        self.log_interval_s = log_interval_s
+        self.rate = ProgressRate(window_s=window_s, clock=clock)
+        self.terminal = stream.isatty()
+        self._width = 0  # of the line on screen, to blank a longer previous one
+        self._logged: tuple[str, int, int] | None = None  # (status, done, failed) last written
+        self._logged_at = 0.0
+
+    def update(self, job: dict) -> None:
+        _, done, failed = _counts(job)
+        self.rate.observe(done)
+        line = progress_line(job, self.rate)
+        if self.terminal:
+            self.stream.write("\r" + line.ljust(self._width))
+            self.stream.flush()
+            self._width = len(line)
+            return
+        now, state = self.clock(), (job.get("status"), done, failed)
+        status_changed = self._logged is None or state[0] != self._logged[0]
+        moved_a_while_ago = state != self._logged and now - self._logged_at >= self.log_interval_s
+        if status_changed or moved_a_while_ago:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+            self._logged, self._logged_at = state, now
+
+    def end(self) -> None:
+        """Leave the terminal's bar line, so what follows starts on a line of its own."""
+        if self.terminal and self._width:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._width = 0
 
 
 class Command(BaseCommand):
@@ -79,16 +216,17 @@ class Command(BaseCommand):
 
     def _wait(self, client: JobsClient, job: dict, poll_interval: float) -> dict:
         """Poll until the job finishes, drawing the progress bar; Ctrl-C cancels it."""
+        display = ProgressDisplay(self.stderr._out)
         try:
             while True:
-                self._draw(progress_line(job))
+                display.update(job)
                 if job["status"] in FINISHED_STATUSES:
-                    self._end_line()
+                    display.end()
                     return job
                 time.sleep(poll_interval)
                 job = client.job(job["id"])
         except KeyboardInterrupt:
-            self._end_line()
+            display.end()
             try:
                 client.cancel(job["id"])
             except JobsApiError as error:
@@ -96,17 +234,3 @@ class Command(BaseCommand):
                     f"interrupted; cancelling job {job['id']} failed: {error}", returncode=130
                 ) from None
             raise CommandError(f"interrupted: job {job['id']} cancelled", returncode=130) from None
-
-    def _draw(self, line: str) -> None:
-        # A terminal sees one line redrawn; a log file a line per change.
-        stream = self.stderr._out
-        if stream.isatty():
-            stream.write("\r" + line)
-            stream.flush()
-        elif line != getattr(self, "_last_line", None):
-            stream.write(line + "\n")
-        self._last_line = line
-
-    def _end_line(self) -> None:
-        if self.stderr._out.isatty():
-            self.stderr._out.write("\n")
