@@ -1,12 +1,14 @@
 """`manage.py embed_file` against a local HTTP server that imitates the jobs API: what it sends, the
-download written whole, clear errors, Ctrl-C cancelling the job; and the
+download written whole, clear errors, Ctrl-C cancelling the job or stopping the download; and the
 progress bar's rate and time left, driven by a controllable clock."""
 
 from __future__ import annotations
 
 import json
 import re
+import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,6 +40,8 @@ class FakeApi:
     states: list[dict] = field(default_factory=lambda: [job("running", 1), job("completed", 3)])
     submit_status: int = 202
     results_status: int = 200
+    # When set, the results are sent in part and the rest only once this event is set.
+    results_held_until: threading.Event | None = None
     requests: list[tuple[str, str, dict, bytes]] = field(default_factory=list)
 
 
@@ -79,8 +83,20 @@ def api() -> Iterator[FakeApi]:
             if self.path.startswith("/v1/jobs/job_fake/results"):
                 if state.results_status != 200:
                     return self._reply(state.results_status, b"oops", "text/plain")
+                if state.results_held_until is not None:
+                    return self._reply_held(state.results_held_until)
                 return self._reply(200, RESULTS, "application/octet-stream")
             return self._reply(404, b"{}")
+
+        def _reply_held(self, release: threading.Event) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(RESULTS)))
+            self.end_headers()
+            self.wfile.write(RESULTS[:1000])
+            self.wfile.flush()
+            release.wait(timeout=60)  # a guard: the test sets it at its end
+            self.wfile.write(RESULTS[1000:])
 
         def log_message(self, *args) -> None:
             pass
@@ -292,6 +308,47 @@ def test_a_jsonl_input_is_sent_as_jsonl(api, tmp_path):
         "0.01",
     )
     assert b"Content-Type: application/jsonl\r\n\r\n" in api.requests[0][3]
+
+
+def test_ctrl_c_during_the_download_leaves_no_file_and_does_not_cancel(api, texts, tmp_path):
+    """A real SIGINT to this (main) thread while the results are half sent: the partial file goes,
+    the job is not cancelled (it completed), exit status 130."""
+    api.results_held_until = threading.Event()
+    partial = tmp_path / "v.npy.part"
+    main_thread = threading.main_thread().ident
+
+    def interrupt_once_downloading() -> None:
+        deadline = time.monotonic() + 60  # a guard against hanging, not a timing
+        while not partial.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        signal.pthread_kill(main_thread, signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_once_downloading)
+    interrupter.start()
+    try:
+        with pytest.raises(CommandError, match="interrupted: download stopped") as raised:
+            run(
+                str(texts),
+                "--model",
+                "m",
+                "--out",
+                str(tmp_path / "v.npy"),
+                "--url",
+                api.url,
+                "--key",
+                KEY,
+                "--poll-interval",
+                "0.01",
+            )
+    except KeyboardInterrupt:  # escaped the command: a traceback for the user; fail this test only
+        pytest.fail("Ctrl-C during the download escaped embed_file")
+    finally:
+        interrupter.join()
+        api.results_held_until.set()
+    assert raised.value.returncode == 130
+    assert "job job_fake stays completed" in str(raised.value)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["texts.txt"]
+    assert not any(path.endswith("/cancel") for _, path, _, _ in api.requests)
 
 
 # --- The progress bar's rate and time left ---------------------------------------------------------

@@ -23,6 +23,7 @@ RATE_WINDOW_S = 10.0
 # Not a terminal (CI, a pipe, a log file): a line when the status changes, else at most this often.
 LOG_INTERVAL_S = 5.0
 LONGEST_TIME_LEFT_S = 99 * 3600  # beyond this an estimate says nothing useful
+INTERRUPTED = 130  # the shell's exit status for a process stopped by SIGINT (128 + 2)
 
 
 class ProgressRate:
@@ -162,10 +163,15 @@ class ProgressDisplay:
             self._width = 0
 
 
+def interrupted(message: str) -> CommandError:
+    return CommandError(f"interrupted: {message}", returncode=INTERRUPTED)
+
+
 class Command(BaseCommand):
     help = (
         'Embed a text file (one input per line) or a JSONL file ({"id", "text"} lines) through the '
-        "jobs API and write the vectors to --out (.npy or .jsonl). Ctrl-C cancels the job."
+        "jobs API and write the vectors to --out (.npy or .jsonl). Ctrl-C cancels the job, or once "
+        "it has completed stops the download; either way it writes nothing and exits 130."
     )
 
     def add_arguments(self, parser):
@@ -198,21 +204,28 @@ class Command(BaseCommand):
             raise CommandError(f"{out.parent} is not a directory")
         client = JobsClient(url, key)
         try:
-            job = client.submit_file(
-                input, model=model, options={"encoding_format": encoding_format} if encoding_format else None
-            )
+            job = self._submit(client, input, model=model, encoding_format=encoding_format)
             self.stderr.write(f"job {job['id']}: {job['counts']['total']} inputs")
             job = self._wait(client, job, poll_interval)
             if job["status"] != "completed":
                 error = job.get("error") or {}
                 reason = f": {error.get('message')}" if error.get("message") else ""
                 raise CommandError(f"job {job['id']} {job['status']}{reason}")
-            written = client.download(
-                job["id"], out, result_format=result_format, encoding_format=encoding_format
-            )
+            written = self._download(client, job, out, result_format, encoding_format)
         except JobsApiError as error:
             raise CommandError(str(error)) from error
         self.stderr.write(f"wrote {job['counts']['completed']} vectors ({written} bytes) to {out}")
+
+    def _submit(self, client: JobsClient, input: Path, *, model: str, encoding_format: str | None) -> dict:
+        options = {"encoding_format": encoding_format} if encoding_format else None
+        try:
+            return client.submit_file(input, model=model, options=options)
+        except KeyboardInterrupt:
+            # The server may have taken the whole file just before: its answer (the id) never came.
+            raise interrupted(
+                "stopped during the upload; if the server had already received the whole file, "
+                "the job runs on (GET /v1/jobs lists it)"
+            ) from None
 
     def _wait(self, client: JobsClient, job: dict, poll_interval: float) -> dict:
         """Poll until the job finishes, drawing the progress bar; Ctrl-C cancels it."""
@@ -221,16 +234,41 @@ class Command(BaseCommand):
             while True:
                 display.update(job)
                 if job["status"] in FINISHED_STATUSES:
-                    display.end()
                     return job
                 time.sleep(poll_interval)
                 job = client.job(job["id"])
         except KeyboardInterrupt:
+            raise self._cancelled(client, job["id"]) from None
+        finally:
             display.end()
-            try:
-                client.cancel(job["id"])
-            except JobsApiError as error:
-                raise CommandError(
-                    f"interrupted; cancelling job {job['id']} failed: {error}", returncode=130
-                ) from None
-            raise CommandError(f"interrupted: job {job['id']} cancelled", returncode=130) from None
+
+    def _cancelled(self, client: JobsClient, job_id: str) -> CommandError:
+        try:
+            status = client.cancel(job_id)["status"]
+        except JobsApiError as error:
+            return interrupted(f"cancelling job {job_id} failed: {error}")
+        except KeyboardInterrupt:
+            return interrupted(
+                f"a second Ctrl-C while cancelling job {job_id}: it may still run "
+                f"(POST /v1/jobs/{job_id}/cancel cancels it)"
+            )
+        if status == "cancelling":  # the worker stops it after the chunk it is embedding
+            return interrupted(f"job {job_id} cancelled (it stops after the chunk in progress)")
+        if status == "cancelled":
+            return interrupted(f"job {job_id} cancelled")
+        return interrupted(f"job {job_id} had already ended ({status}); nothing downloaded")
+
+    def _download(
+        self, client: JobsClient, job: dict, out: Path, result_format: str, encoding_format: str | None
+    ) -> int:
+        self.stderr.write(f"downloading the results to {out}")
+        try:
+            return client.download(
+                job["id"], out, result_format=result_format, encoding_format=encoding_format
+            )
+        except KeyboardInterrupt:
+            # The job is done and paid for: leave it completed, so its results can be fetched again.
+            raise interrupted(
+                f"download stopped, nothing written to {out}; job {job['id']} stays completed and its "
+                f"results can be downloaded until it expires (GET /v1/jobs/{job['id']}/results)"
+            ) from None
