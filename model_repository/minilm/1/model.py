@@ -7,6 +7,7 @@ similar lengths, and splits the rows back per request. A bad request gets its ow
 the rest of the batch is still served.
 """
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -33,6 +34,36 @@ def _invalid_argument(message: str):
     return pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _log_export_check(model_path: Path, export_info: dict) -> None:
+    """Say in Triton's log whether model.onnx is the file export.json describes. A mismatch is
+    logged, not refused: the model still loads (`register_local_model` refuses it at setup)."""
+    logger = pb_utils.Logger
+    recorded = export_info.get("sha256")
+    actual = _sha256(model_path)
+    if not recorded:
+        logger.log_warn(
+            f"{model_path} (sha256 {actual}): export.json records no checksum to check it against"
+        )
+    elif actual != recorded:
+        logger.log_warn(
+            f"{model_path} has sha256 {actual} but export.json records {recorded}: this is not the exported "
+            "model; re-export it (manage.py export_model)"
+        )
+    else:
+        logger.log_info(
+            f"{model_path} sha256 {actual} matches export.json "
+            f"({export_info.get('pooling')} pooling, {export_info.get('dims')} dims)"
+        )
+
+
 def _parameters(model_config: dict) -> dict[str, str]:
     return {key: value["string_value"] for key, value in model_config.get("parameters", {}).items()}
 
@@ -47,6 +78,8 @@ class TritonPythonModel:
         version_dir = Path(args["model_repository"]) / args["model_version"]
         export_info_path = version_dir / EXPORT_INFO_FILENAME
         export_info = json.loads(export_info_path.read_text()) if export_info_path.is_file() else {}
+
+        _log_export_check(version_dir / MODEL_FILENAME, export_info)
 
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = int(parameters.get("intra_op_threads", "0"))
