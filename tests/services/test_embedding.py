@@ -10,7 +10,6 @@ import numpy as np
 import onnxruntime as ort
 import orjson
 import pytest
-from django.conf import settings
 from django.core.management import CommandError, call_command
 
 from embeddings.services import embedding
@@ -20,6 +19,7 @@ from embeddings.services.inference import model_tokenizer
 from embeddings.tokenization import InputTooLong, InvalidText
 from embeddings.triton import TritonModelError, TritonTimeout, TritonUnavailable
 from embeddings.triton.server import free_port
+from tests import onnx_reference
 from tests.conftest import start_triton
 
 MINILM = EmbeddingTarget("minilm", dimensions=384)
@@ -49,8 +49,7 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def reference_session() -> ort.InferenceSession:
-    model = Path(settings.TRITON_MODEL_REPOSITORY) / "minilm" / "1" / "model.onnx"
-    return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    return onnx_reference.reference_session()
 
 
 def reference_vectors(session: ort.InferenceSession, texts: list[str]) -> np.ndarray:
@@ -243,12 +242,41 @@ async def test_sub_batched_requests_equal_the_reference_row_by_row(
 
 async def test_token_id_rows_of_different_lengths_are_sub_batched_in_order(service_triton, settings):
     settings.MAX_BATCH_TOKENS = 256
-    ids = model_tokenizer("minilm").encode(MIXED)
-    rows = [ids.input_ids[i, : ids.token_counts[i]].tolist() for i in range(len(MIXED))]
+    rows = [onnx_reference.token_ids(text) for text in MIXED]
+    lengths = [len(ids) for ids in rows]
+    spec = await embedding.triton_async_client().model_metadata("minilm")
+    groups = embedding._plan(spec, model_tokenizer("minilm").encode_ids(rows))
+    # Several sub-batches, some padding their shorter rows: where a wrong mask would show.
+    assert len(groups) > 5 and any(len({lengths[row] for row in group.rows}) > 1 for group in groups)
+
     split = await embedding.embeddings_create(target=MINILM, token_ids=rows)
+    blocking = embedding.embeddings_create_sync(target=MINILM, token_ids=rows)
     text = await embeddings_create(texts=MIXED)
-    assert cosines(split.vectors, text.vectors).min() >= 0.9999
-    assert split.token_counts.tolist() == ids.token_counts.tolist()
+
+    reference = onnx_reference.vectors_for_ids(rows)
+    for vectors in (split.vectors, blocking.vectors, text.vectors):
+        assert (cosines(vectors, reference) >= 0.9999).all()
+    assert split.token_counts.tolist() == lengths
+
+
+@pytest.mark.parametrize("direction", ["right", "left"])
+@pytest.mark.parametrize("max_batch_tokens", [2048, 256])
+async def test_token_ids_past_the_maximum_are_cut_at_their_own_end(
+    service_triton, settings, direction, max_batch_tokens
+):
+    settings.MAX_BATCH_TOKENS = max_batch_tokens
+    long = onnx_reference.token_ids(" ".join(f"w{i}" for i in range(300)) + " the very end")
+    rows = [onnx_reference.token_ids("a short one"), long, onnx_reference.token_ids("word " * 60)]
+    assert len(long) > 300
+
+    result = await embedding.embeddings_create(
+        target=MINILM, token_ids=rows, options=EmbeddingOptions(direction=direction)
+    )
+
+    kept = long[:256] if direction == "right" else long[-256:]
+    reference = onnx_reference.vectors_for_ids([rows[0], kept, rows[2]])
+    assert (cosines(result.vectors, reference) >= 0.9999).all()
+    assert result.token_counts.tolist() == [len(rows[0]), 256, len(rows[2])]
 
 
 async def test_a_request_past_its_deadline_ends_at_the_deadline(service_triton, settings):
