@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 from pathlib import Path
 
 import numpy as np
@@ -147,13 +148,26 @@ def test_triton_killed_mid_call_raises_within_the_deadline(tmp_path, settings):
     settings.TRITON_GRPC_TARGET = server.grpc_target
     settings.TRITON_TIMEOUT_S = 20.0
     reset_clients()
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        server.kill()
+        killed_at.append(time.monotonic())
+
     try:
         embeddings_create_sync(texts=["warm up"])
-        killer = threading.Timer(0.3, server.kill)
+        killer = threading.Timer(0.3, kill)
         killer.start()
         with pytest.raises((TritonUnavailable, TritonTimeout)):
             embeddings_create_sync(texts=["a fairly long sentence to keep the model busy " * 20] * 1024)
+        raised_at = time.monotonic()
         killer.join()
+        assert killed_at and killed_at[0] < raised_at, "the request ended before Triton was killed"
+        # Each RPC gives up within its deadline, TRITON_TIMEOUT_S after it was sent, retries
+        # included: those in flight at the kill were sent before it, and any sent after it are
+        # refused at once by a dead server. So the error comes within one deadline of the kill
+        # however slow this machine is (on a quiet one, in well under a second).
+        assert raised_at - killed_at[0] <= settings.TRITON_TIMEOUT_S, raised_at - killed_at[0]
     finally:
         server.stop()
         reset_clients()
