@@ -61,11 +61,17 @@ $(VENV)/.installed: $(REQUIREMENTS)
 	$(PIP) install -q --no-deps -r requirements-nodeps.txt
 	touch $@
 
+# generate.py does nothing when its outputs are newer than the protos; the touch keeps make from
+# asking again (and re-migrating) after every package install.
 $(PROTOCOL): $(VENV)/.installed $(wildcard protos/*.proto) protos/generate.py
 	$(PY) protos/generate.py
+	touch $@
 
-$(MODEL_ONNX): $(VENV)/.installed | .run/secret_key
+# --if-missing exports again only when the export in place is out of date (export.json says why);
+# rechecked when the packages or the exporter change, hence the touch when nothing was redone.
+$(MODEL_ONNX): $(VENV)/.installed embeddings/services/model_export.py | .run/secret_key
 	HF_HUB_OFFLINE=1 $(PY) manage.py export_model --if-missing
+	touch $@
 
 .run/.migrated: $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) $(wildcard embeddings/migrations/*.py) | .run/secret_key
 	mkdir -p .run
