@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx2
@@ -65,3 +65,15 @@ def wait_until_healthy(
                 pass
         time.sleep(0.2)
     pytest.fail(f"the server did not start within {timeout_s:g} s:\n{log_path.read_text()[-4000:]}")
+
+
+@contextlib.contextmanager
+def process_group_paused(process: subprocess.Popen) -> Iterator[None]:
+    """The process's group stopped (SIGSTOP) for the block, continued (SIGCONT) after: a server or
+    worker that holds back its work until the test has checked what it needs to see first."""
+    assert process.poll() is None, "the process is not running"
+    os.killpg(process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(process.pid, signal.SIGCONT)
