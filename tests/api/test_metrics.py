@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
 from embeddings.services.inference import reset_clients
 from embeddings.triton.server import free_port
+from tests.api.worker_metrics import answered_since, requests_answered_by_worker
+from tests.processes import process_group_paused
 
 MODEL = "all-MiniLM-L6-v2"
+# A deadline against hanging only: far above what waiting for an event takes on a loaded machine.
+HANG_DEADLINE_S = 30
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -81,17 +86,23 @@ async def test_requests_inputs_tokens_and_timings_are_counted(client, alpha):
     assert value(after, "embedsite_triton_in_flight") == 0
 
 
-async def test_in_flight_gauge_counts_calls_in_progress(client, alpha, settings):
-    body = {"model": MODEL, "input": ["a sentence that takes a while to embed " * 20] * 32}
-    pending = [
-        asyncio.create_task(client.post("/v1/embeddings", json=body, headers=alpha.headers)) for _ in range(3)
-    ]
-    seen = 0.0
-    while not all(task.done() for task in pending):
-        seen = max(seen, value(await scrape(client), "embedsite_triton_in_flight"))
-        await asyncio.sleep(0.005)
-    assert [task.result().status_code for task in pending] == [200, 200, 200]
-    assert seen >= 1
+async def test_in_flight_gauge_counts_calls_in_progress(client, alpha, triton_server):
+    """Triton paused (SIGSTOP) while three requests call it: the gauge shows the three calls in flight
+    for as long as they wait, and none once Triton answered them."""
+    await client.post("/v1/embeddings", json={"model": MODEL, "input": "warm"}, headers=alpha.headers)
+    body = {"model": MODEL, "input": ["a sentence to embed"] * 4}
+    with process_group_paused(triton_server.process):
+        pending = [
+            asyncio.create_task(client.post("/v1/embeddings", json=body, headers=alpha.headers))
+            for _ in range(3)
+        ]
+        deadline = time.monotonic() + HANG_DEADLINE_S
+        while (in_flight := value(await scrape(client), "embedsite_triton_in_flight")) < 3:
+            assert time.monotonic() < deadline, f"{in_flight} calls in flight, not 3"
+            await asyncio.sleep(0.01)
+        assert not any(task.done() for task in pending)
+    responses = await asyncio.gather(*pending)
+    assert [response.status_code for response in responses] == [200, 200, 200]
     assert value(await scrape(client), "embedsite_triton_in_flight") == 0
 
 
@@ -112,20 +123,17 @@ async def test_triton_errors_are_counted_by_kind(client, alpha, settings):
 
 
 def test_metrics_are_summed_over_worker_processes(uvicorn_server):
-    """N requests spread over two uvicorn workers; /metrics from either worker reports N."""
-    requests = 24
-    ok = (
-        "embedsite_requests_total",
-        frozenset({"endpoint": "openai", "model": MODEL, "status": "200"}.items()),
-    )
+    """Requests answered by both uvicorn workers; /metrics from either worker reports them all."""
+    wave, max_waves = 24, 20
+    labels = {"endpoint": "openai", "model": MODEL}
 
     def scrape_live() -> Samples:
         response = httpx2.get(f"{uvicorn_server.base_url}/metrics", timeout=10)
         assert response.status_code == 200
         return parse(response.text)
 
-    async def send_all() -> list[int]:
-        # A connection per request, all at once, so both workers accept some.
+    async def send_wave() -> list[int]:
+        # A connection per request, all at once, so that either worker may accept each.
         async def one(i: int) -> int:
             async with httpx2.AsyncClient(base_url=uvicorn_server.base_url, timeout=30) as http:
                 response = await http.post(
@@ -135,17 +143,25 @@ def test_metrics_are_summed_over_worker_processes(uvicorn_server):
                 )
                 return response.status_code
 
-        return await asyncio.gather(*(one(i) for i in range(requests)))
+        return await asyncio.gather(*(one(i) for i in range(wave)))
 
-    before = scrape_live().get(ok, 0.0)
-    assert asyncio.run(send_all()) == [200] * requests
-    serving_pids = {
-        path.stem.rsplit("_", 1)[1] for path in uvicorn_server.prometheus_dir.glob("counter_*.db")
-    }
-    assert len(serving_pids) == 2, f"expected both workers to count requests, got pids {serving_pids}"
+    before = scrape_live()
+    answered_before = requests_answered_by_worker(uvicorn_server.prometheus_dir)
+    # Each worker counts what it answers in a file of its own. The kernel gives each connection to
+    # whichever worker accepts first, and one idle worker can take a whole small wave: waves go on
+    # until both answered some (a worker that never answers fails the test after max_waves).
+    sent = 0
+    for _ in range(max_waves):
+        assert asyncio.run(send_wave()) == [200] * wave
+        sent += wave
+        answered = answered_since(answered_before, requests_answered_by_worker(uvicorn_server.prometheus_dir))
+        assert sum(answered.values()) == sent, answered
+        if len(answered) == 2:
+            break
+    assert len(answered) == 2, f"one worker answered all {sent} requests: {answered}"
     # Each scrape is a new connection: whichever worker answers sums every worker's files.
     for _ in range(4):
         samples = scrape_live()
-        assert samples.get(ok, 0.0) - before == requests
-        assert value(samples, "embedsite_inputs_total", endpoint="openai", model=MODEL) >= requests
+        assert delta(before, samples, "embedsite_requests_total", **labels, status="200") == sent
+        assert delta(before, samples, "embedsite_inputs_total", **labels) == sent
         assert value(samples, "embedsite_triton_in_flight") == 0
