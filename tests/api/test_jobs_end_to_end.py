@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from tests.job_stack import JobStack, job_stack_running
+from tests.processes import process_group_paused
 
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = [f"document number {i}: {'a longer text ' * (i % 4)}about embeddings" for i in range(10)]
@@ -69,13 +70,17 @@ def jsonl_vectors(body: bytes, *, encoding: str) -> tuple[list[dict], np.ndarray
 
 
 def test_submit_poll_download_in_every_format(http, job_stack):
-    submitted = http.post("/v1/jobs", json={"model": MODEL, "input": TEXTS, "metadata": {"run": "e2e"}})
-    assert submitted.status_code == 202, submitted.text
-    job_id = submitted.json()["id"]
-    # Not downloadable before it finishes (it may already have: then this is skipped).
-    early = http.get(f"/v1/jobs/{job_id}/results")
-    if http.get(f"/v1/jobs/{job_id}").json()["status"] in {"queued", "running"} and early.status_code != 200:
-        assert early.status_code == 409 and early.json()["error"]["code"] == "job_not_finished"
+    # The worker held back (SIGSTOP) until the job has been seen unfinished.
+    with process_group_paused(job_stack.worker):
+        submitted = http.post("/v1/jobs", json={"model": MODEL, "input": TEXTS, "metadata": {"run": "e2e"}})
+        assert submitted.status_code == 202, submitted.text
+        job_id = submitted.json()["id"]
+        assert http.get(f"/v1/jobs/{job_id}").json()["status"] == "queued"
+        # Not downloadable before it finishes, in any format.
+        for fmt in ("npy", "jsonl", "json"):
+            early = http.get(f"/v1/jobs/{job_id}/results?format={fmt}")
+            assert early.status_code == 409, early.text
+            assert early.json()["error"]["code"] == "job_not_finished"
     job = finished(http, job_stack, job_id)
     expected, tokens = synchronous(http, TEXTS)
     assert job["status"] == "completed", job
