@@ -249,16 +249,22 @@ async def test_empty_bounds_are_the_defaults(client, alpha):
     assert response.json()["start"].endswith("-01T00:00:00Z")
 
 
-async def test_quota_state_is_included(client, alpha):
+async def test_quota_state_is_included(client, alpha, beta, model):
     tenant = alpha.tenant
     tenant.tokens_per_month = 1000
     await sync_to_async(tenant.save)(update_fields=["tokens_per_month"])
-    body = (await get_usage(client, alpha)).json()
-    quota = body["quota"]
-    assert quota["tenant"]["tokens_per_month"]["limit"] == 1000
-    assert (
-        quota["tenant"]["tokens_per_month"]["remaining"] == 1000 - quota["tenant"]["tokens_per_month"]["used"]
-    )
+    assert (await get_usage(client, alpha)).json()["quota"]["tenant"]["tokens_per_month"]["used"] == 0
+    used = 0
+    # Two requests of alpha's, one of beta's (which must not count against alpha's quota).
+    for who, text in ((alpha, "hello"), (beta, "beta's text"), (alpha, "a second, longer request")):
+        embedded = await client.post(
+            "/v1/embeddings", json={"model": model.name, "input": text}, headers=who.headers
+        )
+        assert embedded.status_code == 200, embedded.text
+        used += embedded.json()["usage"]["total_tokens"] if who is alpha else 0
+    quota = (await get_usage(client, alpha)).json()["quota"]
+    month = quota["tenant"]["tokens_per_month"]
+    assert (month["limit"], month["used"], month["remaining"]) == (1000, used, 1000 - used)
     assert quota["tenant"]["requests_per_minute"]["limit"] is None
 
 
