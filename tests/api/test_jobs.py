@@ -14,7 +14,8 @@ from asgiref.sync import sync_to_async
 from django.utils import timezone
 
 from embeddings.models import EmbeddingJob
-from embeddings.services.jobs import job_expire_due
+from embeddings.services.jobs import job_chunk_run, job_expire_due
+from embeddings.services.quotas import quota_status_sync
 from embeddings.services.redis_clients import redis_sync
 
 MODEL = "all-MiniLM-L6-v2"
@@ -298,13 +299,32 @@ async def test_results_are_409_until_the_job_finishes(client, alpha):
 
 
 async def test_cancel_a_queued_job(client, alpha):
+    """A queued job's chunks wait in the broker (no worker runs them here): cancelling until the
+    first of them is delivered, which ends the job cancelled, nothing embedded, its tokens refunded."""
+    alpha.tenant.tokens_per_day = 10_000
+    await sync_to_async(alpha.tenant.save)(update_fields=["tokens_per_day"])
     job_id = (await submit(client, alpha)).json()["id"]
+    assert await tokens_used_today(alpha) > 0  # the job's reservation
     cancelled = await client.post(f"/v1/jobs/{job_id}/cancel", headers=alpha.headers)
     assert cancelled.status_code == 200, cancelled.text
-    assert cancelled.json()["id"] == job_id
-    assert cancelled.json()["status"] in {"cancelling", "cancelled"}
+    assert (cancelled.json()["id"], cancelled.json()["status"]) == (job_id, "cancelling")
     read = (await client.get(f"/v1/jobs/{job_id}", headers=alpha.headers)).json()
-    assert read["status"] in {"cancelling", "cancelled"}
+    assert read["status"] == "cancelling" and read["finished_at"] is None
+
+    job = await EmbeddingJob.objects.aget(public_id=job_id)
+    await sync_to_async(job_chunk_run)(job_id=job.pk, chunk=0)  # what a worker does on delivery
+    read = (await client.get(f"/v1/jobs/{job_id}", headers=alpha.headers)).json()
+    assert (read["status"], read["counts"]["completed"]) == ("cancelled", 0)
+    assert read["finished_at"] is not None
+    assert await tokens_used_today(alpha) == 0
+    assert (await client.post(f"/v1/jobs/{job_id}/cancel", headers=alpha.headers)).json()["status"] == (
+        "cancelled"
+    )
+
+
+async def tokens_used_today(tenant) -> int:
+    status = await sync_to_async(quota_status_sync)(tenant.tenant.pk)
+    return status["tenant"]["tokens_per_day"]["used"]
 
 
 async def test_delete_removes_the_job_and_its_data(client, alpha):
