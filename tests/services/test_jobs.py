@@ -306,12 +306,23 @@ def test_watchdog_resends_a_chunk_whose_worker_died_and_never_a_live_one(
     assert chunk_runs(store).runs == {0: 1, 1: 1}  # chunk 0's dead run was set by hand: one real
 
 
+def _lease_deadline_ms(store, chunk: int) -> int:
+    return int(store.client.hget(store.key("lease"), chunk).split()[0])
+
+
 def test_heartbeat_keeps_a_long_chunk_leased(api_setup, small_chunks, sent_chunks):
+    """Checked once Redis's clock is past the lease as first taken: alive only because the heartbeat
+    moved it. The heartbeat beats every third of the lease, so it lapses only if the heartbeat thread
+    is late by two thirds of it (1.3 s here): a wide margin on a busy machine."""
     job = _submit(api_setup)
     store = job_store(job)
-    with ChunkLease(store, 0, lease_s=0.3):
-        time.sleep(1.2)  # four leases long: alive only because the heartbeat renewed it
-        assert live_leases(store) == 1
+    with ChunkLease(store, 0, lease_s=2.0):
+        first_deadline = _lease_deadline_ms(store, 0)
+        hang_deadline = time.monotonic() + 60
+        while _redis_ms() <= first_deadline:
+            assert time.monotonic() < hang_deadline
+            time.sleep(0.05)
+        assert live_leases(store) == 1 and _lease_deadline_ms(store, 0) > first_deadline
         assert job_watchdog(stall_s=0) == 1 and sent_chunks[2:] == [(job.pk, 1)]  # only the queued one
     assert live_leases(store) == 0 and store.client.hlen(store.key("lease")) == 0
 
@@ -349,7 +360,8 @@ def test_watchdog_finalises_a_finished_job_and_a_cancelled_one(api_setup, small_
 def test_a_retry_waiting_out_its_backoff_is_not_stalled(api_setup, small_chunks, sent_chunks):
     job = _submit(api_setup)
     job_chunk_retry_scheduled(job_id=job.pk, chunk=0, delay_s=60)
-    assert job_watchdog(stall_s=1) == 0
+    # Chunk 1 was handed out a moment ago (30 s is a wide margin for "a moment"), chunk 0 is due later.
+    assert job_watchdog(stall_s=30) == 0
     assert job_watchdog(stall_s=0) == 1 and sent_chunks[2:] == [(job.pk, 1)]  # chunk 0's is not due
 
 
