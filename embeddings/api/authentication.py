@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -87,15 +88,17 @@ def _principal_for_key(key: str) -> ApiPrincipal | ApiError:
 
 
 class PrincipalCache:
-    """key digest -> (expiry on the monotonic clock, principal or error)."""
+    """key digest -> (expiry on `clock`, principal or error). `clock` is time.monotonic; a test may
+    give the cache a clock it moves itself, to cross a TTL without waiting for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.entries: dict[str, tuple[float, ApiPrincipal | ApiError]] = {}
         self.last_touched: dict[int, float] = {}
 
     def get(self, digest: str) -> ApiPrincipal | ApiError | None:
         entry = self.entries.get(digest)
-        if entry is None or entry[0] < time.monotonic():
+        if entry is None or entry[0] < self.clock():
             return None
         return entry[1]
 
@@ -103,18 +106,18 @@ class PrincipalCache:
         if len(self.entries) >= CACHE_MAX_ENTRIES:
             # Bounded: drop what has expired; if a flood of distinct keys filled it, start afresh
             # (rebuilding costs one query per key).
-            now = time.monotonic()
+            now = self.clock()
             self.entries = {d: entry for d, entry in self.entries.items() if entry[0] >= now}
             if len(self.entries) >= CACHE_MAX_ENTRIES:
                 self.entries.clear()
         ttl = settings.API_KEY_CACHE_SECONDS
         if isinstance(value, ApiError):
             ttl = min(ttl, NEGATIVE_CACHE_SECONDS)
-        self.entries[digest] = (time.monotonic() + ttl, value)
+        self.entries[digest] = (self.clock() + ttl, value)
 
     def should_touch(self, key_id: int) -> bool:
         """At most one last_used_at UPDATE per key per minute from this process."""
-        now = time.monotonic()
+        now = self.clock()
         if now - self.last_touched.get(key_id, -1e9) < 60:
             return False
         self.last_touched[key_id] = now
