@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import time
+from collections.abc import Iterator
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -21,6 +20,7 @@ from embeddings.api.errors import Forbidden, ModelForbidden, Unauthorized
 from embeddings.models import ApiKey, EmbeddingModel, Tenant
 from embeddings.services.keys import api_key_create, api_key_revoke
 from embeddings.services.tenants import tenant_create, tenant_deactivate
+from tests.clocks import ManualClock
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -35,10 +35,13 @@ async def authenticate(authorization: str | None):
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache(settings):
+def cache_clock(settings, monkeypatch) -> Iterator[ManualClock]:
+    """An empty key cache reading a clock the test moves: TTLs are crossed without sleeping."""
     settings.API_KEY_CACHE_SECONDS = 5.0
     authentication.principal_cache.clear()
-    yield
+    clock = ManualClock()
+    monkeypatch.setattr(authentication.principal_cache, "clock", clock)
+    yield clock
     authentication.principal_cache.clear()
 
 
@@ -198,56 +201,59 @@ async def test_inactive_tenant_is_403(setup):
     assert principal.tenant_slug == "beta"
 
 
-async def test_cached_key_works_until_the_ttl_then_revocation_applies(setup, settings, database_reads):
-    settings.API_KEY_CACHE_SECONDS = 0.3
+async def test_cached_key_works_until_the_ttl_then_revocation_applies(
+    setup, settings, database_reads, cache_clock
+):
     await authenticate(f"Bearer {setup.alpha_secret}")
     await sync_to_async(api_key_revoke)(api_key=setup.alpha_key)
 
+    cache_clock.advance(settings.API_KEY_CACHE_SECONDS)  # the last instant of the TTL
     principal, _ = await authenticate(f"Bearer {setup.alpha_secret}")  # within the TTL: cached
     assert principal.key_id == setup.alpha_key.pk
     assert len(database_reads) == 1
 
-    await asyncio.sleep(0.35)
+    cache_clock.advance(0.001)
     with pytest.raises(Unauthorized) as refused:
         await authenticate(f"Bearer {setup.alpha_secret}")
     assert refused.value.error_code == "api_key_revoked"
     assert len(database_reads) == 2
 
 
-async def test_tenant_deactivation_applies_after_the_ttl(setup, settings):
-    settings.API_KEY_CACHE_SECONDS = 0.3
+async def test_tenant_deactivation_applies_after_the_ttl(setup, settings, cache_clock):
     await authenticate(f"Bearer {setup.alpha_secret}")
     await sync_to_async(tenant_deactivate)(tenant=setup.alpha)
 
-    await authenticate(f"Bearer {setup.alpha_secret}")
-    await asyncio.sleep(0.35)
+    cache_clock.advance(settings.API_KEY_CACHE_SECONDS - 0.001)
+    await authenticate(f"Bearer {setup.alpha_secret}")  # still cached as active
+    cache_clock.advance(0.002)
     with pytest.raises(Forbidden):
         await authenticate(f"Bearer {setup.alpha_secret}")
 
 
-async def test_refusals_are_cached_briefly(setup, settings, monkeypatch, database_reads):
+async def test_refusals_are_cached_briefly(setup, settings, database_reads, cache_clock):
     settings.API_KEY_CACHE_SECONDS = 60.0
-    monkeypatch.setattr(authentication, "NEGATIVE_CACHE_SECONDS", 0.3)
     await sync_to_async(tenant_deactivate)(tenant=setup.alpha)
     for _ in range(5):
         with pytest.raises(Forbidden):
             await authenticate(f"Bearer {setup.alpha_secret}")
+        cache_clock.advance(authentication.NEGATIVE_CACHE_SECONDS / 5)
     assert len(database_reads) == 1  # hammering does not reach the database
 
     setup.alpha.is_active = True
     await sync_to_async(setup.alpha.save)(update_fields=["is_active"])
-    await asyncio.sleep(0.35)  # a refusal is kept far shorter than API_KEY_CACHE_SECONDS
+    cache_clock.advance(0.001)  # a refusal is kept far shorter than API_KEY_CACHE_SECONDS
     principal, _ = await authenticate(f"Bearer {setup.alpha_secret}")
     assert principal.tenant_slug == "alpha"
+    assert len(database_reads) == 2
 
 
-async def test_negative_cache_is_at_most_a_second(setup, settings):
+async def test_negative_cache_is_at_most_a_second(setup, settings, cache_clock):
     settings.API_KEY_CACHE_SECONDS = 60.0
     assert authentication.NEGATIVE_CACHE_SECONDS <= 1.0
     with pytest.raises(Unauthorized):
         await authenticate(f"Bearer emb_zzzzzzzzzzzz_{'s' * 43}")
     (expiry, _), *_ = authentication.principal_cache.entries.values()
-    assert expiry - time.monotonic() <= 1.0
+    assert expiry - cache_clock() == authentication.NEGATIVE_CACHE_SECONDS
 
 
 async def test_cache_is_keyed_by_a_hash_never_the_key(setup):
@@ -303,13 +309,14 @@ async def test_model_allowed_and_forbidden(setup):
     assert refused.value.param == "model"
 
 
-async def test_allowed_models_follow_the_tenant_after_the_ttl(setup, settings):
-    settings.API_KEY_CACHE_SECONDS = 0.2
+async def test_allowed_models_follow_the_tenant_after_the_ttl(setup, settings, cache_clock):
     beta, _ = await authenticate(f"Bearer {setup.beta_secret}")
     assert not beta.may_use(setup.minilm)
 
     await sync_to_async(setup.beta.allowed_models.add)(setup.minilm)
-    await asyncio.sleep(0.25)
+    beta, _ = await authenticate(f"Bearer {setup.beta_secret}")
+    assert not beta.may_use(setup.minilm)  # cached
+    cache_clock.advance(settings.API_KEY_CACHE_SECONDS + 0.001)
     beta, _ = await authenticate(f"Bearer {setup.beta_secret}")
     assert beta.may_use(setup.minilm)
 

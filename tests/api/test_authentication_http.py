@@ -6,9 +6,10 @@ check what a client sees on the wire, on every authenticated route.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Iterator
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -20,6 +21,7 @@ from embeddings.services.keys import api_key_create, api_key_revoke
 from embeddings.services.tenants import tenant_create, tenant_deactivate
 from tests.api.conftest import TenantWithKey
 from tests.api.test_embeddings import assert_error
+from tests.clocks import ManualClock
 
 EMBEDDINGS = {"model": "minilm", "input": "hello world"}
 AUTHENTICATED_ROUTES = [
@@ -33,10 +35,13 @@ AUTHENTICATED_ROUTES = [
 
 
 @pytest.fixture(autouse=True)
-def fresh_principal_cache():
-    # Process-wide: entries of earlier tests (last_touched by key id) must not leak into these.
+def cache_clock(monkeypatch) -> Iterator[ManualClock]:
+    """An empty key cache (process-wide: earlier tests' entries must not leak into these) reading a
+    clock the test moves, so its TTL is crossed without sleeping."""
     authentication.principal_cache.clear()
-    yield
+    clock = ManualClock()
+    monkeypatch.setattr(authentication.principal_cache, "clock", clock)
+    yield clock
     authentication.principal_cache.clear()
 
 
@@ -104,15 +109,14 @@ async def test_right_public_id_wrong_secret_is_401(client, alpha, beta):
     )
 
 
-async def test_revoked_key_works_until_the_cache_ttl_then_is_401(client, alpha, beta, settings):
-    # The fixture's 0.2 s leaves too little room for "still accepted" on two busy shared cores.
-    settings.API_KEY_CACHE_SECONDS = 1.0
+async def test_revoked_key_works_until_the_cache_ttl_then_is_401(client, alpha, beta, settings, cache_clock):
     assert (await client.get("/v1/models", headers=alpha.headers)).status_code == 200  # now cached
 
     await sync_to_async(api_key_revoke)(api_key=alpha.api_key)
-    assert (await client.get("/v1/models", headers=alpha.headers)).status_code == 200  # within the TTL
+    cache_clock.advance(settings.API_KEY_CACHE_SECONDS)  # the TTL's last instant
+    assert (await client.get("/v1/models", headers=alpha.headers)).status_code == 200
 
-    await asyncio.sleep(settings.API_KEY_CACHE_SECONDS + 0.1)
+    cache_clock.advance(0.001)
     error = assert_error(await embed(client, alpha.headers), 401, code="api_key_revoked")
     assert "revoked" in error["message"]
     assert_error(await client.get("/v1/models", headers=alpha.headers), 401, code="api_key_revoked")
@@ -132,14 +136,16 @@ async def test_expired_key_is_401(client, alpha):
     assert "expired" in error["message"]
 
 
-async def test_key_expiring_while_cached_is_refused_without_waiting_for_the_ttl(client, model, settings):
+async def test_key_expiring_while_cached_is_refused_without_waiting_for_the_ttl(
+    client, model, settings, monkeypatch
+):
     settings.API_KEY_CACHE_SECONDS = 60.0
-    soon = await sync_to_async(new_tenant_with_key)(
-        "Soon", expires_at=timezone.now() + timedelta(seconds=1.5)
-    )
+    expires_at = timezone.now() + timedelta(hours=1)
+    soon = await sync_to_async(new_tenant_with_key)("Soon", expires_at=expires_at)
     assert (await client.get("/v1/models", headers=soon.headers)).status_code == 200  # cached for 60 s
 
-    await asyncio.sleep(1.6)
+    # The cache's clock stands still; the authenticator's time of day passes the key's expiry.
+    monkeypatch.setattr(authentication, "timezone", SimpleNamespace(now=lambda: expires_at))
     assert_error(await embed(client, soon.headers), 401, code="api_key_expired")
 
 
@@ -151,7 +157,9 @@ async def test_inactive_tenant_is_403(client, alpha, beta):
     assert (await embed(client, alpha.headers)).status_code == 200
 
 
-async def test_restricted_tenant_without_models_is_403_until_the_model_is_allowed(client, model):
+async def test_restricted_tenant_without_models_is_403_until_the_model_is_allowed(
+    client, model, settings, cache_clock
+):
     restricted = await sync_to_async(new_tenant_with_key)("Gamma", allow_all_models=False)
 
     error = assert_error(
@@ -167,7 +175,7 @@ async def test_restricted_tenant_without_models_is_403_until_the_model_is_allowe
     assert await model_ids(client, restricted.headers) == []
 
     await restricted.tenant.allowed_models.aadd(model)
-    await asyncio.sleep(0.3)  # past the fixture's API_KEY_CACHE_SECONDS (0.2)
+    cache_clock.advance(settings.API_KEY_CACHE_SECONDS + 0.001)
 
     response = await embed(client, restricted.headers)
     assert response.status_code == 200, response.text
@@ -175,7 +183,9 @@ async def test_restricted_tenant_without_models_is_403_until_the_model_is_allowe
     assert await model_ids(client, restricted.headers) == ["all-MiniLM-L6-v2"]
 
 
-async def test_last_used_at_is_set_then_not_rewritten_within_a_minute(client, alpha, beta):
+async def test_last_used_at_is_set_then_not_rewritten_within_a_minute(
+    client, alpha, beta, settings, cache_clock
+):
     assert alpha.api_key.last_used_at is None
     before = timezone.now()
     assert (await embed(client, alpha.headers)).status_code == 200
@@ -183,13 +193,15 @@ async def test_last_used_at_is_set_then_not_rewritten_within_a_minute(client, al
     first = (await ApiKey.objects.aget(pk=alpha.api_key.pk)).last_used_at
     assert first is not None and before <= first <= timezone.now()
 
-    await asyncio.sleep(0.3)  # past the principal cache: the second request re-reads the key
+    cache_clock.advance(settings.API_KEY_CACHE_SECONDS + 0.001)  # past the cache: the key is re-read
     assert (await embed(client, alpha.headers)).status_code == 200
     assert (await ApiKey.objects.aget(pk=alpha.api_key.pk)).last_used_at == first
     assert (await ApiKey.objects.aget(pk=beta.api_key.pk)).last_used_at is None
 
 
-async def test_each_key_authenticates_as_its_own_tenant(client, alpha, beta, model, caplog):
+async def test_each_key_authenticates_as_its_own_tenant(
+    client, alpha, beta, model, caplog, settings, cache_clock
+):
     caplog.set_level(logging.INFO, logger="embeddings.requests")
     for tenant in (alpha, beta, alpha):
         assert (await embed(client, tenant.headers)).status_code == 200
@@ -205,7 +217,7 @@ async def test_each_key_authenticates_as_its_own_tenant(client, alpha, beta, mod
 
     # Restricting beta changes what beta's key may do, and nothing about alpha's.
     await sync_to_async(restrict_to_listed_models)(beta.tenant)
-    await asyncio.sleep(0.3)  # past the fixture's API_KEY_CACHE_SECONDS (0.2)
+    cache_clock.advance(settings.API_KEY_CACHE_SECONDS + 0.001)
     assert await model_ids(client, alpha.headers) == ["all-MiniLM-L6-v2"]
     assert await model_ids(client, beta.headers) == []
     assert (await embed(client, alpha.headers)).status_code == 200
