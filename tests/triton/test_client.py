@@ -2,12 +2,19 @@
 
 Uses the test-only models in tests/triton_models: `instant_1024` (row i is filled with
 input_ids[i, 0], element 1 counts attended tokens; max_batch_size 16) and `slow_echo`
-(sleeps `sleep_ms`, then echoes `value`).
+(sleeps `sleep_ms`, then echoes `value`; creates the file `started_path` names as it starts;
+stops sleeping once its caller gave up).
+
+Bounds on elapsed time here are against hanging, never timings: each is derived from the
+deadline under test with a margin for a busy machine, and the model's own work is made far
+longer than deadline + margin, so a call that waited for the model cannot pass.
 """
 
 import asyncio
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -27,6 +34,12 @@ from embeddings.triton.server import free_port
 from tests.conftest import TEST_MODEL_REPOSITORY, start_triton
 
 INSTANT = "instant_1024"
+# What a loaded two-core machine may add to a deadline before the caller sees the error.
+MARGIN_S = 5.0
+# slow_echo's sleep in the deadline tests: far beyond any deadline + MARGIN_S used with it.
+SLOW_CALL_MS = 60_000
+# How long to wait for an event (a call inside the model, a queue filled) before failing.
+HANG_DEADLINE_S = 30
 
 
 def token_batch(rows: int, length: int = 9, attended: int = 6) -> tuple[np.ndarray, np.ndarray]:
@@ -38,8 +51,19 @@ def token_batch(rows: int, length: int = 9, attended: int = 6) -> tuple[np.ndarr
     return input_ids, attention_mask
 
 
-def slow_inputs(sleep_ms: int) -> dict[str, np.ndarray]:
-    return {"sleep_ms": np.array([sleep_ms], dtype=np.int64), "value": np.ones((1, 2), np.float32)}
+def slow_inputs(sleep_ms: int, *, started: Path | None = None) -> dict[str, np.ndarray]:
+    inputs = {"sleep_ms": np.array([sleep_ms], dtype=np.int64), "value": np.ones((1, 2), np.float32)}
+    if started is not None:
+        inputs["started_path"] = np.array([str(started).encode()], dtype=object)
+    return inputs
+
+
+async def until(condition, what: str) -> None:
+    """Poll `condition` until it holds; fail after HANG_DEADLINE_S (a bound on hanging)."""
+    deadline = time.monotonic() + HANG_DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {HANG_DEADLINE_S} s: {what}"
+        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -133,42 +157,67 @@ def test_wrong_input_is_invalid_input(client):
 
 
 async def test_triton_not_running_is_unavailable_within_the_deadline():
+    """Refused connections are retried (with backoff) only within the call's deadline."""
     target = f"127.0.0.1:{free_port()}"  # nobody listens here
-    started = time.monotonic()
-    async with AsyncTritonClient(target, timeout_s=2, retries=3) as client:
+    timeout_s = 2.0
+    async with AsyncTritonClient(target, timeout_s=timeout_s, retries=3) as client:
+        started = time.monotonic()
         with pytest.raises(
             TritonUnavailable, match=f"Triton at {target}: ServerReady failed with UNAVAILABLE"
         ):
             await client.server_ready()
-    sync_client = TritonClient(target, timeout_s=2, retries=3)
-    with pytest.raises(TritonUnavailable, match="after 4 attempts"):
-        sync_client.embed_tokens(INSTANT, *token_batch(2))
-    sync_client.close()
-    assert time.monotonic() - started < 2 * 2 + 1
+        assert time.monotonic() - started < timeout_s + MARGIN_S
+    with TritonClient(target, timeout_s=timeout_s, retries=3) as sync_client:
+        started = time.monotonic()
+        with pytest.raises(TritonUnavailable, match="after 4 attempts"):
+            sync_client.embed_tokens(INSTANT, *token_batch(2))
+        assert time.monotonic() - started < timeout_s + MARGIN_S
 
 
 async def test_deadline_shorter_than_the_call_is_a_timeout(triton_server):
-    async with AsyncTritonClient(triton_server.grpc_target, timeout_s=0.5) as client:
+    """A 0.5 s deadline against a call the model answers after 60 s: a timeout, at the deadline."""
+    timeout_s = 0.5
+    async with AsyncTritonClient(triton_server.grpc_target, timeout_s=timeout_s) as client:
         await client.model_metadata("slow_echo")  # not part of the timed call
         started = time.monotonic()
         with pytest.raises(TritonTimeout, match="DEADLINE_EXCEEDED"):
-            await client.infer("slow_echo", slow_inputs(sleep_ms=1500))
-        assert time.monotonic() - started < 1.0
-    with TritonClient(triton_server.grpc_target, timeout_s=0.5) as client, pytest.raises(TritonTimeout):
-        client.infer("slow_echo", slow_inputs(sleep_ms=1500))
-    with TritonClient(triton_server.grpc_target, timeout_s=5) as client:
+            await client.infer("slow_echo", slow_inputs(SLOW_CALL_MS))
+        assert time.monotonic() - started < timeout_s + MARGIN_S
+    with TritonClient(triton_server.grpc_target, timeout_s=timeout_s) as client:
+        client.model_metadata("slow_echo")
+        started = time.monotonic()
+        with pytest.raises(TritonTimeout):
+            client.infer("slow_echo", slow_inputs(SLOW_CALL_MS))
+        assert time.monotonic() - started < timeout_s + MARGIN_S
+    # The calls given up were cancelled at Triton too: the model's instances are free again.
+    with TritonClient(triton_server.grpc_target, timeout_s=HANG_DEADLINE_S) as client:
         np.testing.assert_array_equal(client.infer("slow_echo", slow_inputs(sleep_ms=10)), [[1.0, 1.0]])
 
 
 async def test_a_call_s_own_timeout_replaces_the_client_deadline(triton_server):
-    async with AsyncTritonClient(triton_server.grpc_target, timeout_s=30) as client:
+    """The client's deadline (120 s) is far longer than the model's 60 s; the call's own 0.3 s wins."""
+    call_timeout_s = 0.3
+    async with AsyncTritonClient(triton_server.grpc_target, timeout_s=120) as client:
         await client.model_metadata("slow_echo")
         started = time.monotonic()
         with pytest.raises(TritonTimeout):
-            await client.infer("slow_echo", slow_inputs(sleep_ms=1500), timeout_s=0.3)
-        assert time.monotonic() - started < 1.0
-    with TritonClient(triton_server.grpc_target, timeout_s=30) as client, pytest.raises(TritonTimeout):
-        client.infer("slow_echo", slow_inputs(sleep_ms=1500), timeout_s=0.3)
+            await client.infer("slow_echo", slow_inputs(SLOW_CALL_MS), timeout_s=call_timeout_s)
+        assert time.monotonic() - started < call_timeout_s + MARGIN_S
+    with TritonClient(triton_server.grpc_target, timeout_s=120) as client:
+        client.model_metadata("slow_echo")
+        started = time.monotonic()
+        with pytest.raises(TritonTimeout):
+            client.infer("slow_echo", slow_inputs(SLOW_CALL_MS), timeout_s=call_timeout_s)
+        assert time.monotonic() - started < call_timeout_s + MARGIN_S
+
+
+def pending_requests(triton_server, model: str) -> float:
+    """Requests Triton holds in `model`'s queue, not yet executing (its metrics endpoint)."""
+    url = f"http://{triton_server.address}:{triton_server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:  # loopback: the test's own Triton
+        text = response.read().decode()
+    prefix = f'nv_inference_pending_request_count{{model="{model}",'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
 async def test_bulk_work_queued_at_triton_yields_to_a_small_request(triton_server):
@@ -191,12 +240,21 @@ async def test_bulk_work_queued_at_triton_yields_to_a_small_request(triton_serve
 
         # Both instances busy; the second far longer, so the next batch forms on the first alone.
         running = [asyncio.ensure_future(call("busy-long", PRIORITY_BULK, 32, 256))]
-        await asyncio.sleep(0.05)  # its own batch, not merged with the next
+        # Each busy call in a batch of its own: sent 50 ms apart, 25 times minilm's batching window
+        # (max_queue_delay 2 ms). If they were merged anyway, one instance would stay free and take
+        # the queued calls, and the wait for the queue below fails, saying so.
+        await asyncio.sleep(0.05)
         running.append(asyncio.ensure_future(call("busy-short", PRIORITY_BULK, 8, 256)))
         await asyncio.sleep(0.05)
         # 80 rows queued: the next batch can take 64 of them.
         queued = [asyncio.ensure_future(call(f"queued{i}", PRIORITY_BULK, 8, 32)) for i in range(10)]
-        await asyncio.sleep(0.05)
+        # The small request is sent once Triton holds more bulk rows waiting than one batch takes
+        # (9 of the 8-row calls), which also shows that both instances are busy.
+        await until(
+            lambda: pending_requests(triton_server, "minilm") >= 9 or any(task.done() for task in queued),
+            "80 bulk rows waiting at Triton",
+        )
+        assert not any(task.done() for task in queued), "an instance was free: the busy calls merged"
         await call("small", PRIORITY_INTERACTIVE, 1, 10)
         await asyncio.gather(*running, *queued)
     bulk_after_small = len(finished) - 1 - finished.index("small")
@@ -207,34 +265,43 @@ async def test_triton_killed_mid_call_fails_fast_with_a_clear_error(tmp_path):
     """SIGKILL Triton while an async and a sync call wait on a slow model: both end with
     TritonUnavailable (connection lost, reconnects refused) long before their deadline."""
     server = start_triton(tmp_path, [TEST_MODEL_REPOSITORY], name="triton-killed")
+    timeout_s = 40.0
+    # "Long before the deadline": within half of it, which leaves 20 s for a busy machine to
+    # notice the lost connection; the model would answer only after the deadline.
+    fails_within_s = timeout_s / 2
     try:
-        async_client = AsyncTritonClient(server.grpc_target, timeout_s=20, retries=3)
-        sync_client = TritonClient(server.grpc_target, timeout_s=20, retries=3)
+        async_client = AsyncTritonClient(server.grpc_target, timeout_s=timeout_s, retries=3)
+        sync_client = TritonClient(server.grpc_target, timeout_s=timeout_s, retries=3)
         await async_client.model_metadata("slow_echo")
         sync_client.model_metadata("slow_echo")
+        sleep_ms = int(timeout_s * 2 * 1000)
+        sync_started, async_started = tmp_path / "sync-started", tmp_path / "async-started"
 
         sync_outcome: list[BaseException] = []
 
         def sync_call() -> None:
             try:
-                sync_client.infer("slow_echo", slow_inputs(sleep_ms=15_000))
+                sync_client.infer("slow_echo", slow_inputs(sleep_ms, started=sync_started))
             except BaseException as error:  # handed over to the test's thread
                 sync_outcome.append(error)
 
         sync_thread = threading.Thread(target=sync_call)
         sync_thread.start()
-        async_call = asyncio.ensure_future(async_client.infer("slow_echo", slow_inputs(sleep_ms=15_000)))
-        await asyncio.sleep(1.0)  # both calls now sit in the model's execute()
+        async_call = asyncio.ensure_future(
+            async_client.infer("slow_echo", slow_inputs(sleep_ms, started=async_started))
+        )
+        # Both calls are inside the model's execute() (each on one of its two instances).
+        await until(lambda: sync_started.exists() and async_started.exists(), "both calls in the model")
         assert not async_call.done() and sync_thread.is_alive()
 
         server.kill()
         killed = time.monotonic()
         with pytest.raises(TritonUnavailable, match=f"Triton at {server.grpc_target}: ModelInfer"):
-            await asyncio.wait_for(async_call, timeout=10)
-        await asyncio.to_thread(sync_thread.join, 10)
+            await asyncio.wait_for(async_call, timeout=fails_within_s)
+        await asyncio.to_thread(sync_thread.join, fails_within_s)
         assert not sync_thread.is_alive()
         assert len(sync_outcome) == 1 and isinstance(sync_outcome[0], TritonUnavailable), sync_outcome
-        assert time.monotonic() - killed < 5
+        assert time.monotonic() - killed < fails_within_s
 
         # Later calls keep failing the same clear way, and quickly.
         with pytest.raises(TritonUnavailable):
