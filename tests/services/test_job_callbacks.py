@@ -13,7 +13,6 @@ import json
 import socket
 import ssl
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -102,7 +101,8 @@ class Receiver:
     statuses: list[int] = field(default_factory=list)
     received: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
     server_names: list[str | None] = field(default_factory=list)  # SNI of each TLS handshake
-    delay_s: float = 0.0
+    # Set: each POST is read, then answered only once this event is set (a receiver that hangs).
+    answer_when: threading.Event | None = None
     redirect_to: str = ""
 
     def url(self, host: str = "127.0.0.1", path: str = "/hook", scheme: str = "http") -> str:
@@ -114,8 +114,8 @@ def serve(state: Receiver, tls: ssl.SSLContext | None = None) -> Iterator[Receiv
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             state.received.append((self.path, dict(self.headers), body))
-            if state.delay_s:
-                time.sleep(state.delay_s)
+            if state.answer_when is not None:
+                state.answer_when.wait(timeout=60)  # bounded, so that the server can always stop
             status = state.statuses.pop(0) if state.statuses else 200
             self.send_response(status)
             if 300 <= status < 400:
@@ -368,13 +368,19 @@ def test_a_refused_connection_is_retried(alpha, allow_loopback):
 
 
 def test_a_slow_receiver_times_out_and_is_retried(alpha, receiver, allow_loopback, monkeypatch):
-    monkeypatch.setattr(job_callbacks, "CALLBACK_TIMEOUT_S", 0.2)
-    receiver.delay_s = 1.0
+    """The receiver takes the POST and does not answer until the delivery has given up, so nothing
+    but the read timeout can have ended it (no wall-clock bound needed)."""
+    monkeypatch.setattr(job_callbacks, "CALLBACK_TIMEOUT_S", 0.5)
+    receiver.answer_when = threading.Event()
     job = finished_job(alpha, receiver.url())
-    started = time.monotonic()
-    with pytest.raises(CallbackRetry):
-        job_callback_deliver(job_id=job.pk)
-    assert time.monotonic() - started < receiver.delay_s
+    try:
+        with pytest.raises(CallbackRetry, match="Read timed out"):
+            job_callback_deliver(job_id=job.pk)
+    finally:
+        receiver.answer_when.set()
+    job = delivered(job)
+    assert job.callback_delivered_at is None and "Read timed out" in job.callback_error
+    assert job.callback_attempts == 1
 
 
 def test_redirects_are_not_followed(alpha, receiver, allow_loopback):
