@@ -8,14 +8,19 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from django.conf import settings
 
 from embeddings.services.job_callbacks import SIGNATURE_HEADER, callback_signature_valid
+from embeddings.services.job_leases import chunk_runs
+from embeddings.services.job_store import JobStore
+from embeddings.services.redis_clients import redis_sync
 from embeddings.triton.server import free_port
 from tests import worker_stack
-from tests.processes import manage
+from tests.processes import manage, process_group_paused
 from tests.worker_stack import job_usage, texts
 
 job_stack = worker_stack.job_stack
@@ -37,15 +42,40 @@ def _latency() -> dict[str, int]:
     return {} if latency is None else {"latency_ms_total": latency}
 
 
+def chunk_starts_ms(job: dict) -> dict[int, int]:
+    """When each chunk of the job last started embedding (Redis's clock, ms), as its lease recorded."""
+    store = JobStore(redis_sync(), job["public_id"], ttl_s=3600)
+    return chunk_runs(store).started_ms
+
+
+def created_ms(job: dict) -> int:
+    """The job row's created_at (sqlite holds it as naive UTC) in ms, on the clock Redis reads too."""
+    return round(datetime.fromisoformat(job["created_at"]).replace(tzinfo=UTC).timestamp() * 1000)
+
+
 def test_a_small_job_is_not_stuck_behind_a_big_one(job_stack, start_worker):
-    """Fair share: one worker process; tenant alpha's 100-chunk job first, then beta's 2-chunk job."""
+    """Fair share: one worker process; tenant alpha's 100-chunk job first, then beta's 2-chunk job.
+
+    The bound is derived from the design, not from timing: when the small job is queued, the big
+    one has at most JOB_CHUNKS_IN_FLIGHT chunks in the broker, and the successors they hand out
+    queue behind the small job's chunks. So between the small job's submission and the start of
+    its last chunk, at most that many big chunks start (one more if one started and ended while
+    the small job was being committed); without fair share it would be most of the 100."""
     _, log = start_worker()
     big, small = job_stack.submit([("alpha", texts("big", 400)), ("beta", texts("small", 8))])
     small_job = job_stack.wait(small, {"completed"}, [log])
-    big_job = job_stack.job(big)
-    assert big_job["status"] == "running" and big_job["completed"] < 200, big_job
     big_job = job_stack.wait(big, {"completed"}, [log])
     assert big_job["finished_at"] > small_job["finished_at"] and big_job["completed"] == 400
+    small_starts = chunk_starts_ms(small_job)
+    assert sorted(small_starts) == [0, 1]
+    big_starts = chunk_starts_ms(big_job)
+    assert sorted(big_starts) == list(range(100))
+    waited_for = [
+        chunk
+        for chunk, started in big_starts.items()
+        if created_ms(small_job) <= started <= max(small_starts.values())
+    ]
+    assert len(waited_for) <= settings.JOB_CHUNKS_IN_FLIGHT + 1, sorted(waited_for)
 
 
 def test_triton_down_fails_the_job_after_retries(job_stack, start_worker):
@@ -93,21 +123,32 @@ def test_a_chunk_that_cannot_be_embedded_fails_without_being_retried(job_stack, 
 
 
 def test_cancel_stops_a_running_job(job_stack, start_worker):
-    _, log = start_worker()
+    """Cancelled while the worker is paused (SIGSTOP) mid-job: however fast the machine, the job
+    cannot finish before the cancel lands; resumed, it ends cancelled with no more chunks written."""
+    worker, log = start_worker()
     (job_id,) = job_stack.submit([("alpha", texts("cancel", 400))])
-    deadline = time.monotonic() + 60
-    while job_stack.job(job_id)["completed"] < 8 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60  # against hanging only
+    while job_stack.job(job_id)["completed"] < 8:
+        assert time.monotonic() < deadline, job_stack.job(job_id)
         time.sleep(0.05)
-    manage(
-        job_stack.env,
-        "shell",
-        "-c",
-        "from embeddings.models import EmbeddingJob\n"
-        "from embeddings.services.jobs import job_cancel\n"
-        f"job_cancel(job=EmbeddingJob.objects.get(pk={job_id}))",
-    )
+    with process_group_paused(worker):
+        paused = job_stack.job(job_id)
+        assert paused["status"] == "running" and 8 <= paused["completed"] < 400, paused
+        manage(
+            job_stack.env,
+            "shell",
+            "-c",
+            "from embeddings.models import EmbeddingJob\n"
+            "from embeddings.services.jobs import job_cancel\n"
+            f"job_cancel(job=EmbeddingJob.objects.get(pk={job_id}))",
+        )
+        assert job_stack.job(job_id)["status"] == "cancelling"
     job = job_stack.wait(job_id, {"cancelled"}, [log], timeout_s=30)
-    assert 8 <= job["completed"] < 400 and job["finished_at"] is not None
+    # No chunk started after the cancel: at most the one in progress when paused was written (the
+    # row's count mirrors Redis after each chunk, so that one may be missing from `paused`).
+    chunk_size = int(job_stack.env["JOB_CHUNK_SIZE"])
+    assert paused["completed"] <= job["completed"] <= paused["completed"] + chunk_size, (paused, job)
+    assert job["finished_at"] is not None
 
 
 def test_job_tasks_are_registered_and_scheduled():
