@@ -5,8 +5,6 @@ job that a real Celery worker runs (the worker publishes every event; this test 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 from collections.abc import Iterator
 
 import httpx2
@@ -17,7 +15,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from embeddings.consumers import CLOSE_NORMAL, CLOSE_NOT_FOUND, CLOSE_UNAUTHORIZED, SUBPROTOCOL
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import manage
+from tests.processes import manage, process_group_paused
 
 MODEL = "all-MiniLM-L6-v2"
 CHUNK_SIZE = 4
@@ -66,22 +64,11 @@ def messages_until_closed(websocket: ClientConnection) -> tuple[list[dict], int 
     return messages, websocket.close_code
 
 
-@contextlib.contextmanager
-def worker_paused(stack: JobStack) -> Iterator[None]:
-    """The Celery worker stopped (SIGSTOP), so a job stays queued until the block ends."""
-    assert stack.worker is not None and stack.worker.poll() is None
-    os.killpg(stack.worker.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.killpg(stack.worker.pid, signal.SIGCONT)
-
-
 def test_a_watcher_sees_the_worker_progress_then_a_normal_close(job_stack):
     """Connected (by header) before the worker starts the job: the queued state at once, then the
     worker's own events with counts going up, the finished job last, then close 1000."""
     with contextlib.ExitStack() as cleanup:
-        with worker_paused(job_stack):
+        with process_group_paused(job_stack.worker):
             job_id = submit(job_stack, TEXTS)
             websocket = cleanup.enter_context(
                 connect(ws_url(job_stack, job_id), additional_headers=job_stack.headers)

@@ -113,10 +113,16 @@ def test_a_kill_in_the_middle_of_a_request_leaves_nothing(tmp_path):
     server = start_triton(tmp_path, [TEST_MODEL_REPOSITORY])
     outcome: list[BaseException] = []
 
+    started = tmp_path / "slow_echo-started"
+
     def slow_call() -> None:
         try:
             with TritonClient(server.grpc_target, timeout_s=120, retries=0) as client:
-                inputs = {"sleep_ms": np.array([60_000], np.int64), "value": np.ones((1, 2), np.float32)}
+                inputs = {
+                    "sleep_ms": np.array([60_000], np.int64),
+                    "value": np.ones((1, 2), np.float32),
+                    "started_path": np.array([str(started).encode()], dtype=object),
+                }
                 client.infer("slow_echo", inputs)
         except BaseException as error:  # handed over to the test's thread
             outcome.append(error)
@@ -125,8 +131,11 @@ def test_a_kill_in_the_middle_of_a_request_leaves_nothing(tmp_path):
     try:
         pgid, _, regions = running(server)
         caller.start()
-        time.sleep(1.0)  # the call now sits in slow_echo's execute(), in a stub
-        assert caller.is_alive()
+        # The call sits in slow_echo's execute(), in a stub, once the model has made this file.
+        deadline = time.monotonic() + 60  # against hanging, not a timing
+        while not started.exists():
+            assert caller.is_alive() and time.monotonic() < deadline, outcome
+            time.sleep(0.05)
         server.kill()  # SIGKILL tritonserver, then the launcher ends the rest
     finally:
         server.stop()
