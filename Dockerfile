@@ -7,4 +7,8 @@ RUN pip install --no-cache-dir -r requirements.txt -r requirements-export.txt -r
  && pip install --no-cache-dir --no-deps -r requirements-nodeps.txt
 COPY . .
 RUN python protos/generate.py
+# Static files collected into the image (WhiteNoise serves them; no volume). DEBUG only for this
+# step: settings refuse to load without a secret, which a build must not hold.
+ENV DJANGO_STATIC_ROOT=/app/staticfiles
+RUN DJANGO_DEBUG=1 python manage.py collectstatic --noinput
 EXPOSE 8080

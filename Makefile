@@ -38,7 +38,7 @@ bench-quota: setup
 bench-jobs: setup
 	$(PY) bench/jobs.py $(BENCH_ARGS)
 
-setup: .run/.system-packages .run/secret_key $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated
+setup: .run/.system-packages .run/secret_key $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated .run/.collected-static
 
 # This checkout's Django secret key, random, made once and never overwritten (O_EXCL): settings read it
 # when DJANGO_SECRET_KEY is unset, so `make run`, `make test` and manage.py commands share one key
@@ -77,6 +77,13 @@ $(MODEL_ONNX): $(VENV)/.installed embeddings/services/model_export.py | .run/sec
 	mkdir -p .run
 	$(PY) manage.py migrate --noinput
 	$(PY) manage.py register_local_model
+	touch $@
+
+# The admin's, Swagger UI's and ReDoc's files into STATIC_ROOT (.run/static), where WhiteNoise serves
+# them: content-hashed names and gzip + Brotli copies. Outside DEBUG pages name the hashed files, so
+# nothing draws without this. Redone when the packages (which carry most of them) or our own change.
+.run/.collected-static: $(VENV)/.installed $(PROTOCOL) $(shell find embeddings -path '*/static/*' -type f) | .run/secret_key
+	$(PY) manage.py collectstatic --noinput
 	touch $@
 
 lint: $(VENV)/.installed

@@ -181,6 +181,8 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    # Before staticfiles: `runserver` serves static files through WhiteNoise too, as uvicorn does.
+    "whitenoise.runserver_nostatic",
     "django.contrib.staticfiles",
     "channels",
     "rest_framework",
@@ -194,6 +196,8 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "embeddings.api.middleware.ArrivalTimeMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    # Static files (admin, Swagger UI, ReDoc) in every mode; answers before sessions and the rest.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -264,7 +268,16 @@ TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
 STATIC_URL = "static/"
-STATIC_ROOT = BASE_DIR / ".run" / "static"
+# `manage.py collectstatic` (run by `make setup` and the image build) writes here; WhiteNoise serves
+# it. The image sets /app/staticfiles, outside any volume.
+STATIC_ROOT = Path(env_str("DJANGO_STATIC_ROOT", str(BASE_DIR / ".run" / "static")))
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    # Collected files get a content hash in their name (cached for a year, immutable) and gzip and
+    # Brotli siblings WhiteNoise picks by Accept-Encoding. Outside DEBUG pages name the hashed files,
+    # so collectstatic must have run; DEBUG serves the apps' files as they are.
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
+}
 
 LOGGING = {
     "version": 1,

@@ -1,4 +1,5 @@
-"""The admin in a real browser: Debian's headless Chromium driven by Playwright against a live server.
+"""The admin and the API docs in a real browser: Debian's headless Chromium driven by Playwright
+against a live server (the docs and the admin's stylesheet: uvicorn as `make run` starts it).
 
 Setup installs `chromium` (Makefile SYSTEM_PACKAGES) and Playwright (requirements-test.txt); we use
 the system browser, never Playwright's own downloads. If the browser cannot start, the test fails
@@ -12,6 +13,7 @@ import re
 import shutil
 from collections.abc import Iterator
 
+import httpx2
 import pytest
 from django.contrib.auth.models import User
 from django.urls import reverse
@@ -21,6 +23,8 @@ from embeddings.models import UsageBucket
 from embeddings.services.keys import api_key_create
 from embeddings.services.tenants import tenant_create
 from embeddings.services.usage_reports import utc_day_start
+from tests.api.conftest import LiveServer, live_uvicorn
+from tests.processes import REPO_ROOT, manage
 
 BROWSER_TIMEOUT_MS = 20_000
 FULL_KEY = re.compile(r"emb_[a-z0-9]{12}_[A-Za-z0-9_-]{20,100}")
@@ -165,3 +169,130 @@ def test_repeated_wrong_passwords_lock_the_login(
     _log_in(page, live_server)
     assert "Too many failed logins" in page.content()
     assert "/admin/login/" in page.url
+
+
+# --- What a person sees, served by uvicorn as `make run` starts it ---------------------------------
+# Screenshots land here for a person to look at after a run (`.run/` is never committed).
+SCREENSHOTS_DIR = REPO_ROOT / ".run" / "screenshots"
+HTTP_METHODS = {"get", "put", "post", "delete", "patch", "head", "options", "trace"}
+# Colours only the stylesheets give: unstyled, each of these elements is transparent.
+ADMIN_HEADER_BACKGROUND = "rgb(65, 118, 144)"  # Django admin's --header-bg (#417690)
+SWAGGER_METHOD_BACKGROUNDS = {"POST": "rgb(73, 204, 144)", "GET": "rgb(97, 175, 254)"}
+
+
+@pytest.fixture(scope="module")
+def docs_server(triton_server, redis_server, tmp_path_factory) -> Iterator[LiveServer]:
+    """uvicorn as `make run` starts it: DEBUG off, static files from what `make setup` collected
+    (served by WhiteNoise, no test helper in between), and a superuser in its database."""
+    with live_uvicorn(
+        workdir=tmp_path_factory.mktemp("docs_server"),
+        triton_target=triton_server.grpc_target,
+        redis_url=redis_server.url,
+        workers=1,
+        env={"DJANGO_DEBUG": "0"},
+    ) as server:
+        manage(
+            {**server.env, "DJANGO_SUPERUSER_PASSWORD": "a-long-password"},
+            "createsuperuser", "--noinput", "--username", "root", "--email", "root@example.com",
+        )  # fmt: skip
+        yield server
+
+
+@pytest.fixture
+def static_responses(browser_page) -> list:
+    """Every /static/ response the page gets from here on."""
+    responses: list = []
+    browser_page.on("response", lambda response: "/static/" in response.url and responses.append(response))
+    return responses
+
+
+def assert_static_served(responses: list) -> None:
+    """Each file the page asked for came back, by its content-hashed name, cacheable for a year."""
+    assert responses, "the page loaded no static file"
+    for response in responses:
+        assert response.status == 200, f"{response.url}: {response.status}"
+        cache_control = response.headers.get("cache-control", "")
+        assert "immutable" in cache_control and "max-age=315360000" in cache_control, (
+            f"{response.url}: {cache_control!r}"
+        )
+
+
+def save_screenshot(page, name: str) -> None:
+    SCREENSHOTS_DIR.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS_DIR / f"{name}.png"), full_page=False)
+
+
+def schema_operations(server: LiveServer) -> dict[tuple[str, str], str]:
+    """(METHOD, path) -> operationId of every operation the served schema describes."""
+    schema = httpx2.get(f"{server.base_url}/api/schema/?format=json", timeout=30).json()
+    return {
+        (method.upper(), path): operation["operationId"]
+        for path, operations in schema["paths"].items()
+        for method, operation in operations.items()
+        if method in HTTP_METHODS
+    }
+
+
+def test_swagger_ui_lists_every_operation(docs_server, browser_page, static_responses):
+    page = browser_page
+    expected = schema_operations(docs_server)
+    page.goto(f"{docs_server.base_url}/explorer/")
+    blocks = page.locator(".opblock")
+    blocks.first.wait_for()  # drawn by swagger-ui-bundle.js once it has fetched the schema
+    shown = blocks.evaluate_all(
+        """blocks => blocks.map(block => [
+            block.querySelector('.opblock-summary-method').innerText,
+            block.querySelector('.opblock-summary-path').dataset.path,
+        ])"""
+    )
+    assert sorted(map(tuple, shown)) == sorted(expected)
+    # Styled as Swagger UI's stylesheet says: each method's coloured badge.
+    for method, colour in SWAGGER_METHOD_BACKGROUNDS.items():
+        badge = page.locator(f".opblock-{method.lower()} .opblock-summary-method").first
+        assert badge.evaluate("element => getComputedStyle(element).backgroundColor") == colour
+    assert page.locator(".info .title").inner_text().startswith("embedsite")
+    save_screenshot(page, "swagger-ui")
+    assert_static_served(static_responses)
+
+
+def test_redoc_draws_its_menu(docs_server, browser_page, static_responses):
+    page = browser_page
+    expected = schema_operations(docs_server)
+    page.goto(f"{docs_server.base_url}/redoc/")
+    menu = page.locator(".menu-content")
+    menu.locator('li[data-item-id^="tag/"]').first.wait_for()  # drawn by redoc.standalone.js
+    assert menu.bounding_box()["width"] > 150  # laid out as ReDoc's side menu, not bare HTML
+    # One entry per operation ("tag/<tag>/operation/<operationId>"), under its visible tag.
+    item_ids = menu.locator('li[data-item-id*="/operation/"]').evaluate_all(
+        "items => items.map(item => item.dataset.itemId)"
+    )
+    assert sorted(item_id.rsplit("/", 1)[1] for item_id in item_ids) == sorted(expected.values())
+    tags = {item_id.split("/")[1] for item_id in item_ids}
+    for tag in tags:
+        assert menu.locator(f'li[data-item-id="tag/{tag}"]').is_visible()
+    save_screenshot(page, "redoc")
+    assert_static_served(static_responses)
+
+
+def test_the_admin_is_styled_by_its_stylesheet(docs_server, browser_page, static_responses):
+    page = browser_page
+    page.goto(f"{docs_server.base_url}/admin/")
+    assert "/admin/login/" in page.url
+    save_screenshot(page, "admin-login")
+    page.fill("#id_username", "root")
+    page.fill("#id_password", "a-long-password")
+    page.click("input[type=submit]")
+    page.wait_for_url(f"{docs_server.base_url}/admin/")
+    header = page.locator("#header")
+    assert header.evaluate("element => getComputedStyle(element).backgroundColor") == ADMIN_HEADER_BACKGROUND
+    # The app list is laid out as the admin's CSS lays it out: a module table, not a bare list.
+    tenants = page.locator("#content-main .app-embeddings .model-tenant")
+    assert tenants.is_visible()
+    assert (
+        page.locator("#content-main .module").first.evaluate(
+            "element => getComputedStyle(element).backgroundColor"
+        )
+        != "rgba(0, 0, 0, 0)"
+    )
+    save_screenshot(page, "admin-index")
+    assert_static_served(static_responses)
