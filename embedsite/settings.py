@@ -175,6 +175,35 @@ SECRET_KEY_FALLBACKS = [
 ]
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 
+# --- HTTPS in production (README "Production settings"; `manage.py check --deploy` is clean with them)
+# Behind a TLS-terminating proxy (ingress, load balancer) requests arrive as plain HTTP: believe its
+# X-Forwarded-Proto. Only where the proxy sets that header on every request (a client's own is
+# overwritten), else a client could claim https.
+SECURE_PROXY_SSL_HEADER = (
+    ("HTTP_X_FORWARDED_PROTO", "https") if env_bool("DJANGO_SECURE_PROXY_SSL_HEADER", False) else None
+)
+# Browsers reach the admin and the docs over https: plain-http requests are redirected there and
+# the session and CSRF cookies never travel without TLS. The API paths (their lean stack, asgi.py)
+# are not redirected: a probe or a client on plain http inside the cluster keeps working.
+HTTPS = env_bool("DJANGO_HTTPS", False)
+SECURE_SSL_REDIRECT = env_bool("DJANGO_SECURE_SSL_REDIRECT", HTTPS)
+SESSION_COOKIE_SECURE = HTTPS
+CSRF_COOKIE_SECURE = HTTPS
+# HSTS: browsers that once saw the header refuse plain http to this host for that long. One year by
+# default once DJANGO_HTTPS is on (roll out with a small value first if unsure). The two flags below
+# only reach this host's own subdomains; being preloaded still takes a submission to hstspreload.org.
+SECURE_HSTS_SECONDS = env_int("DJANGO_SECURE_HSTS_SECONDS", 365 * 24 * 3600 if HTTPS else 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", True)
+SECURE_HSTS_PRELOAD = env_bool("DJANGO_SECURE_HSTS_PRELOAD", True)
+# Origins (scheme://host[:port]) whose form posts the admin accepts besides its own host, e.g. the
+# public https origin in front of a proxy that rewrites Host. Django refuses one without a scheme.
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
+for origin in CSRF_TRUSTED_ORIGINS:
+    if urlsplit(origin).scheme not in {"http", "https"} or not urlsplit(origin).netloc:
+        raise ImproperlyConfigured(
+            f"DJANGO_CSRF_TRUSTED_ORIGINS: {origin!r} is not an origin like https://embeddings.example.com"
+        )
+
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",
