@@ -7,4 +7,8 @@ RUN pip install --no-cache-dir -r requirements.txt -r requirements-export.txt -r
  && pip install --no-cache-dir --no-deps -r requirements-nodeps.txt
 COPY . .
 RUN python protos/generate.py
+# The model is exported into the image, so the service's tokenizer and catalogue entry and Triton's
+# model.onnx (copied out by compose's `export` and Kubernetes' init container) come from one build.
+# Only the export runs in debug (its settings need no secret); nothing of it stays in the image.
+RUN HF_HUB_OFFLINE=1 DJANGO_DEBUG=1 python manage.py export_model
 EXPOSE 8080
