@@ -184,3 +184,15 @@ def test_the_settings_accept_the_compose_environment(tmp_path: Path, profile: st
         if "PROMETHEUS_MULTIPROC_DIR" in environment:
             environment["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path / "prometheus")
         settings_check_deploy(environment)
+
+
+def test_the_readme_deploy_section_documents_every_deployment_variable() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    deploy_section = readme.split("\n## Deploy\n", 1)[1].split("\n## ", 1)[0]
+    kubernetes = REPO_ROOT / "deploy" / "kubernetes" / "base"
+    variables = set(read_env_file(ENV_EXAMPLE))
+    variables |= set(read_env_file(kubernetes / "config.env")) | set(
+        read_env_file(kubernetes / "secret.env.example")
+    )
+    undocumented = sorted(name for name in variables if f"`{name}`" not in deploy_section)
+    assert undocumented == []
