@@ -11,4 +11,8 @@ RUN python protos/generate.py
 # step: settings refuse to load without a secret, which a build must not hold.
 ENV DJANGO_STATIC_ROOT=/app/staticfiles
 RUN DJANGO_DEBUG=1 python manage.py collectstatic --noinput
+# The model is exported into the image, so the service's tokenizer and catalogue entry and Triton's
+# model.onnx (copied out by compose's `export` and Kubernetes' init container) come from one build.
+# Only the export runs in debug (its settings need no secret); nothing of it stays in the image.
+RUN HF_HUB_OFFLINE=1 DJANGO_DEBUG=1 python manage.py export_model
 EXPOSE 8080

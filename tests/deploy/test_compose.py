@@ -1,0 +1,198 @@
+"""docker-compose.yml and .env.example, resolved by Docker Compose v2 itself (`config`, no engine)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.deploy.env_files import (
+    generated_secret,
+    read_env_file,
+    seconds,
+    settings_check_deploy,
+    write_env_file,
+)
+from tests.processes import REPO_ROOT
+
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+ENV_EXAMPLE = REPO_ROOT / ".env.example"
+# make setup puts the binary beside the interpreter (Makefile: $(COMPOSE)).
+COMPOSE_BINARY = Path(sys.executable).parent / "docker-compose"
+SECRETS = ("DJANGO_SECRET_KEY", "POSTGRES_PASSWORD")
+APP_SERVICES = {"export", "migrate", "web", "worker", "beat"}
+
+
+def compose_config(tmp_path: Path, **overrides: str) -> subprocess.CompletedProcess:
+    """`docker-compose config --format json` on the repository's file, with .env.example's values
+    (secrets filled in as an operator would) and `overrides`, in an otherwise empty environment."""
+    if not COMPOSE_BINARY.exists():
+        pytest.fail(f"{COMPOSE_BINARY} is missing: `make setup` installs it", pytrace=False)
+    values = read_env_file(ENV_EXAMPLE) | {name: generated_secret() for name in SECRETS} | overrides
+    env_file = write_env_file(tmp_path / "compose.env", values)
+    return subprocess.run(
+        [
+            *(str(COMPOSE_BINARY), "--project-directory", str(REPO_ROOT), "--file", str(COMPOSE_FILE)),
+            *("--env-file", str(env_file), "config", "--format", "json"),
+        ],
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def resolved(tmp_path: Path, **overrides: str) -> dict:
+    done = compose_config(tmp_path, **overrides)
+    assert done.returncode == 0, done.stderr
+    return orjson.loads(done.stdout)
+
+
+@pytest.fixture
+def gpu_stack(tmp_path: Path) -> dict:
+    return resolved(tmp_path)
+
+
+@pytest.fixture
+def cpu_stack(tmp_path: Path) -> dict:
+    return resolved(tmp_path, COMPOSE_PROFILES="cpu")
+
+
+def test_the_default_profile_runs_the_whole_stack_on_a_gpu(gpu_stack: dict) -> None:
+    services = gpu_stack["services"]
+    assert set(services) == {"postgres", "redis", "triton", *APP_SERVICES}
+    triton = services["triton"]
+    assert triton["image"].startswith("nvcr.io/nvidia/tritonserver:")
+    assert "--model-config-name=gpu" in triton["command"]
+    devices = triton["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"] and devices[0]["driver"] == "nvidia"
+
+
+def test_the_cpu_profile_runs_triton_on_the_cpu_config_under_the_same_name(cpu_stack: dict) -> None:
+    services = cpu_stack["services"]
+    assert set(services) == {"postgres", "redis", "triton-cpu", *APP_SERVICES}
+    triton = services["triton-cpu"]
+    assert "--model-config-name=cpu" in triton["command"]
+    assert "devices" not in triton.get("deploy", {}).get("resources", {}).get("reservations", {})
+    # The app reaches whichever Triton runs as `triton`.
+    assert triton["networks"]["default"]["aliases"] == ["triton"]
+    assert services["web"]["environment"]["TRITON_SERVER_URL"] == "triton"
+    assert (REPO_ROOT / "model_repository" / "minilm" / "configs" / "cpu.pbtxt").is_file()
+
+
+@pytest.mark.parametrize("secret", SECRETS)
+def test_compose_refuses_to_start_without_each_secret(tmp_path: Path, secret: str) -> None:
+    done = compose_config(tmp_path, **{secret: ""})
+    assert done.returncode != 0
+    assert f"required variable {secret} is missing a value" in done.stderr
+
+
+def test_secrets_come_only_from_the_environment(tmp_path: Path) -> None:
+    secret_key, password = generated_secret(), generated_secret()
+    stack = resolved(tmp_path, DJANGO_SECRET_KEY=secret_key, POSTGRES_PASSWORD=password)
+    for name in APP_SERVICES:
+        environment = stack["services"][name]["environment"]
+        assert environment["DJANGO_SECRET_KEY"] == secret_key
+        assert environment["DATABASE_URL"] == f"postgres://embedsite:{password}@postgres:5432/embedsite"
+    assert stack["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"] == password
+    example = read_env_file(ENV_EXAMPLE)
+    assert all(example[name] == "" for name in (*SECRETS, "API_KEY_HMAC_SECRET"))
+
+
+def test_every_variable_compose_reads_is_in_env_example_and_each_there_is_read() -> None:
+    read_by_compose = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)", COMPOSE_FILE.read_text()))
+    # COMPOSE_PROFILES is read by compose itself, not interpolated.
+    in_example = set(read_env_file(ENV_EXAMPLE)) - {"COMPOSE_PROFILES"}
+    assert read_by_compose - in_example == set(), "missing from .env.example"
+    assert in_example - read_by_compose == set(), "in .env.example but never read"
+
+
+def test_services_start_in_order_on_healthy_dependencies(gpu_stack: dict) -> None:
+    services = gpu_stack["services"]
+
+    def waits_for(service: str) -> dict[str, str]:
+        return {name: dep["condition"] for name, dep in services[service]["depends_on"].items()}
+
+    assert waits_for("migrate") == {
+        "postgres": "service_healthy",
+        "export": "service_completed_successfully",
+    }
+    assert waits_for("triton") == {"export": "service_completed_successfully"}
+    for app in ("web", "worker", "beat"):
+        assert waits_for(app)["migrate"] == "service_completed_successfully"
+        assert waits_for(app)["redis"] == "service_healthy"
+    assert waits_for("web")["triton"] == "service_healthy"
+    assert services["postgres"]["healthcheck"]["test"][1] == "pg_isready"
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert "--appendonly" in services["redis"]["command"]
+    assert {volume["source"] for volume in services["postgres"]["volumes"]} == {"postgres"}
+    assert {volume["source"] for volume in services["redis"]["volumes"]} == {"redis"}
+    assert "migrate --noinput" in " ".join(services["migrate"]["command"])
+    assert "export_model --if-missing" in " ".join(services["export"]["command"])
+
+
+def test_web_serves_on_8080_with_a_readiness_healthcheck_and_a_grace_period_above_its_drain(
+    gpu_stack: dict,
+) -> None:
+    web = gpu_stack["services"]["web"]
+    assert web["command"] == ["python", "manage.py", "serve", "--host", "0.0.0.0", "--port", "8080"]
+    assert "http://localhost:8080/ready" in " ".join(web["healthcheck"]["test"])
+    environment = web["environment"]
+    drain_and_finish = float(environment["SHUTDOWN_DRAIN_S"]) + float(environment["SHUTDOWN_TIMEOUT_S"])
+    assert seconds(web["stop_grace_period"]) > drain_and_finish
+    # The healthcheck asks for localhost, so it must be an allowed host.
+    assert "localhost" in environment["DJANGO_ALLOWED_HOSTS"].split(",")
+
+
+def test_replicas_processes_and_concurrency_come_from_the_environment(tmp_path: Path) -> None:
+    stack = resolved(
+        tmp_path,
+        WEB_REPLICAS="3",
+        WEB_PORTS="8080-8082",
+        WEB_CONCURRENCY="5",
+        WORKER_REPLICAS="4",
+        CELERY_CONCURRENCY="7",
+    )
+    web, worker = stack["services"]["web"], stack["services"]["worker"]
+    assert web["deploy"]["replicas"] == 3
+    assert web["ports"][0]["published"] == "8080-8082"
+    assert web["environment"]["WEB_CONCURRENCY"] == "5"
+    assert worker["deploy"]["replicas"] == 4
+    assert "--concurrency=7" in worker["command"]
+
+
+def test_exactly_one_beat(tmp_path: Path) -> None:
+    stack = resolved(tmp_path, WORKER_REPLICAS="4", WEB_REPLICAS="3", WEB_PORTS="8080-8082")
+    running_beat = [
+        name for name, service in stack["services"].items() if "beat" in (service.get("command") or [])
+    ]
+    assert running_beat == ["beat"]
+    assert stack["services"]["beat"]["deploy"]["replicas"] == 1
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_the_settings_accept_the_compose_environment(tmp_path: Path, profile: str) -> None:
+    stack = resolved(tmp_path, COMPOSE_PROFILES=profile)
+    # In the container /run/prometheus is a tmpfs, there from the start: here a directory stands in.
+    (tmp_path / "prometheus").mkdir()
+    for name in ("web", "worker"):
+        environment = stack["services"][name]["environment"]
+        if "PROMETHEUS_MULTIPROC_DIR" in environment:
+            environment["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path / "prometheus")
+        settings_check_deploy(environment)
+
+
+def test_the_readme_deploy_section_documents_every_deployment_variable() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    deploy_section = readme.split("\n## Deploy\n", 1)[1].split("\n## ", 1)[0]
+    kubernetes = REPO_ROOT / "deploy" / "kubernetes" / "base"
+    variables = set(read_env_file(ENV_EXAMPLE))
+    variables |= set(read_env_file(kubernetes / "config.env")) | set(
+        read_env_file(kubernetes / "secret.env.example")
+    )
+    undocumented = sorted(name for name in variables if f"`{name}`" not in deploy_section)
+    assert undocumented == []

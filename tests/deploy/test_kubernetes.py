@@ -1,0 +1,242 @@
+"""deploy/kubernetes: rendered by kustomize (kubectl's) and checked against Kubernetes' schemas, offline."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.env_files import generated_secret, read_env_file, settings_check_deploy, write_env_file
+from tests.processes import REPO_ROOT
+
+KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"
+BASE = KUBERNETES_DIR / "base"
+KUBECTL = Path(sys.executable).parent / "kubectl"
+# The oldest Kubernetes release still maintained upstream, and the newest the validator knows.
+KUBERNETES_VERSIONS = ("1.33.0", kubernetes_validate.latest_version())
+
+
+def kustomize(directory: Path) -> subprocess.CompletedProcess:
+    if not KUBECTL.exists():
+        pytest.fail(
+            f"{KUBECTL} is missing: `make setup` installs it (requirements-deploy.txt)", pytrace=False
+        )
+    return subprocess.run(
+        [str(KUBECTL), "kustomize", str(directory)],
+        env={"PATH": "/usr/bin:/bin", "HOME": str(directory)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def operator_copy(tmp_path: Path) -> Path:
+    """The manifests as an operator has them: a copy with secret.env filled in from the example."""
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(KUBERNETES_DIR, copy, ignore=shutil.ignore_patterns("secret.env"))
+    example = read_env_file(BASE / "secret.env.example")
+    write_env_file(copy / "base" / "secret.env", example | {"DJANGO_SECRET_KEY": generated_secret()})
+    return copy
+
+
+def rendered(directory: Path) -> list[dict]:
+    done = kustomize(directory)
+    assert done.returncode == 0, done.stderr
+    return [document for document in yaml.safe_load_all(done.stdout) if document]
+
+
+def by_kind(documents: list[dict], kind: str) -> dict[str, dict]:
+    return {doc["metadata"]["name"]: doc for doc in documents if doc["kind"] == kind}
+
+
+def containers(workload: dict) -> list[dict]:
+    pod = workload["spec"]["template"]["spec"]
+    return pod.get("initContainers", []) + pod["containers"]
+
+
+def config_of(documents: list[dict]) -> dict[str, str]:
+    (config_map,) = by_kind(documents, "ConfigMap").values()
+    return config_map["data"]
+
+
+@pytest.fixture
+def manifests(tmp_path: Path) -> Path:
+    return operator_copy(tmp_path)
+
+
+@pytest.fixture
+def base(manifests: Path) -> list[dict]:
+    return rendered(manifests / "base")
+
+
+@pytest.fixture
+def cpu_overlay(manifests: Path) -> list[dict]:
+    return rendered(manifests / "overlays" / "cpu")
+
+
+def test_every_manifest_is_valid_kubernetes(base: list[dict], cpu_overlay: list[dict]) -> None:
+    problems = []
+    for version in KUBERNETES_VERSIONS:
+        for document in base + cpu_overlay:
+            try:
+                kubernetes_validate.validate(document, version, strict=True)
+            except kubernetes_validate.ValidationError as error:
+                where = "/".join(str(part) for part in error.path)
+                problems.append(
+                    f"{version} {document['kind']}/{document['metadata']['name']} {where}: {error.message}"
+                )
+    assert problems == []
+
+
+def test_the_validator_refuses_a_misspelt_field(base: list[dict]) -> None:
+    web = by_kind(base, "Deployment")["embedsite-web"]
+    web["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"httpGet": {"path": "/ready"}}
+    with pytest.raises(kubernetes_validate.ValidationError, match="readinesProbe"):
+        kubernetes_validate.validate(web, KUBERNETES_VERSIONS[0], strict=True)
+
+
+def test_nothing_renders_without_the_operators_secret_env(manifests: Path) -> None:
+    copy = manifests
+    (copy / "base" / "secret.env").unlink()
+    done = kustomize(copy / "base")
+    assert done.returncode != 0
+    assert "secret.env" in done.stderr
+
+
+def test_the_pieces_the_issue_names_are_all_there(base: list[dict]) -> None:
+    kinds = {(doc["kind"], doc["metadata"]["name"].rsplit("-", 1)[0]) for doc in base}
+    for expected in [
+        ("Deployment", "embedsite"),  # names end -web, -worker, -beat, -triton (cut above)
+        ("Service", "embedsite"),
+        ("HorizontalPodAutoscaler", "embedsite"),
+        ("PodDisruptionBudget", "embedsite"),
+        ("Job", "embedsite"),
+        ("ConfigMap", "embedsite-config"),
+        ("Secret", "embedsite-secrets"),
+    ]:
+        assert expected in kinds
+    assert set(by_kind(base, "Deployment")) == {
+        "embedsite-web",
+        "embedsite-worker",
+        "embedsite-beat",
+        "embedsite-triton",
+    }
+    assert set(by_kind(base, "Service")) == {"embedsite-web", "embedsite-triton"}
+    assert all(doc["metadata"].get("namespace") == "embedsite" for doc in base if doc["kind"] != "Namespace")
+
+
+def test_every_reference_resolves(base: list[dict]) -> None:
+    config_maps, secrets = by_kind(base, "ConfigMap"), by_kind(base, "Secret")
+    deployments = by_kind(base, "Deployment")
+    workloads = [*deployments.values(), *by_kind(base, "Job").values()]
+    for workload in workloads:
+        for container in containers(workload):
+            if not container["image"].startswith("embedsite:"):
+                continue
+            # Every embedsite container gets the settings and the secrets, under their generated names.
+            sources = {
+                next(iter(source)): next(iter(source.values()))["name"] for source in container["envFrom"]
+            }
+            assert sources["configMapRef"] in config_maps
+            assert sources["secretRef"] in secrets
+
+    def pods_selected(selector: dict[str, str]) -> list[str]:
+        return [
+            name
+            for name, deployment in deployments.items()
+            if selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+        ]
+
+    for name, service in by_kind(base, "Service").items():
+        assert pods_selected(service["spec"]["selector"]) == [name]
+        pod_ports = {port["name"] for c in containers(deployments[name]) for port in c.get("ports", [])}
+        assert {port["targetPort"] for port in service["spec"]["ports"]} <= pod_ports
+    (autoscaler,) = by_kind(base, "HorizontalPodAutoscaler").values()
+    assert autoscaler["spec"]["scaleTargetRef"]["name"] in deployments
+    (budget,) = by_kind(base, "PodDisruptionBudget").values()
+    assert pods_selected(budget["spec"]["selector"]["matchLabels"]) == ["embedsite-web"]
+    for deployment in deployments.values():
+        assert pods_selected(deployment["spec"]["selector"]["matchLabels"]) == [
+            deployment["metadata"]["name"]
+        ]
+
+
+def test_web_probes_health_and_readiness_and_outlasts_its_drain(base: list[dict]) -> None:
+    config = config_of(base)
+    web = by_kind(base, "Deployment")["embedsite-web"]
+    (container,) = web["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["python", "manage.py", "serve", "--host", "0.0.0.0", "--port", "8080"]
+    assert container["ports"] == [{"name": "http", "containerPort": 8080}]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    allowed_hosts = config["DJANGO_ALLOWED_HOSTS"].split(",")
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["port"] == "http"
+        headers = {header["name"]: header["value"] for header in container[probe]["httpGet"]["httpHeaders"]}
+        assert headers["Host"] in allowed_hosts
+    drain_and_finish = float(config["SHUTDOWN_DRAIN_S"]) + float(config["SHUTDOWN_TIMEOUT_S"])
+    assert web["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain_and_finish
+    assert web["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_one_beat_replaced_never_doubled_and_workers_sized_from_the_config(base: list[dict]) -> None:
+    deployments = by_kind(base, "Deployment")
+    beat = deployments["embedsite-beat"]
+    assert beat["spec"]["replicas"] == 1
+    assert beat["spec"]["strategy"] == {"type": "Recreate"}
+    assert "beat" in beat["spec"]["template"]["spec"]["containers"][0]["command"]
+    worker = deployments["embedsite-worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--concurrency=$(CELERY_CONCURRENCY)" in worker["command"]
+    assert int(config_of(base)["CELERY_CONCURRENCY"]) >= 1
+    (job,) = by_kind(base, "Job").values()
+    assert "migrate --noinput" in " ".join(job["spec"]["template"]["spec"]["containers"][0]["command"])
+
+
+def test_every_container_requests_cpu_and_memory(base: list[dict], cpu_overlay: list[dict]) -> None:
+    for document in base + cpu_overlay:
+        if document["kind"] in {"Deployment", "Job"}:
+            for container in containers(document):
+                assert {"cpu", "memory"} <= set(container["resources"]["requests"]), container["name"]
+
+
+def test_triton_gets_a_gpu_and_a_headless_service_the_app_is_pointed_at(base: list[dict]) -> None:
+    triton = by_kind(base, "Deployment")["embedsite-triton"]
+    server = next(c for c in triton["spec"]["template"]["spec"]["containers"] if c["name"] == "triton")
+    assert server["image"].startswith("nvcr.io/nvidia/tritonserver:")
+    assert "--model-config-name=gpu" in server["command"]
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    service = by_kind(base, "Service")["embedsite-triton"]
+    assert service["spec"]["clusterIP"] == "None"
+    config = config_of(base)
+    assert config["TRITON_SERVER_URL"] == service["metadata"]["name"]
+    grpc = next(port for port in service["spec"]["ports"] if port["name"] == "grpc")
+    assert grpc["port"] == int(config["TRITON_SERVER_GRPC_PORT"])
+
+
+def test_the_cpu_overlay_asks_for_no_gpu_and_sizes_the_limits_for_cpu(cpu_overlay: list[dict]) -> None:
+    assert "nvidia.com/gpu" not in yaml.safe_dump_all(cpu_overlay)
+    triton = by_kind(cpu_overlay, "Deployment")["embedsite-triton"]
+    server = next(c for c in triton["spec"]["template"]["spec"]["containers"] if c["name"] == "triton")
+    assert "--model-config-name=cpu" in server["command"]
+    config = config_of(cpu_overlay)
+    assert int(config["MAX_BATCH_TOKENS"]) <= 2048 <= int(config["MAX_TOKENS_IN_FLIGHT"])
+    assert config["SEQUENCE_LENGTH_BUCKETS"]
+
+
+def test_secrets_live_only_in_the_operators_secret_env(base: list[dict]) -> None:
+    (secret,) = by_kind(base, "Secret").values()
+    secret_names = set(read_env_file(BASE / "secret.env.example"))
+    assert set(secret["data"]) == secret_names
+    assert secret_names.isdisjoint(config_of(base))
+    assert read_env_file(BASE / "secret.env.example")["DJANGO_SECRET_KEY"] == ""
+
+
+def test_the_settings_accept_the_kubernetes_environment(manifests: Path) -> None:
+    base_dir = manifests / "base"
+    environment = read_env_file(base_dir / "config.env") | read_env_file(base_dir / "secret.env")
+    settings_check_deploy(environment)
