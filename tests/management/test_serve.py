@@ -110,6 +110,7 @@ class Attempt:
     path: str
     batch: int | None
     keep_alive: bool
+    client: int | None = None
     started_at: float = field(default_factory=time.monotonic)
     reused: bool = False  # sent on a connection that had already carried a request
     sent_at: float | None = None  # the whole request written
@@ -176,7 +177,7 @@ class Load:
         sock, sent = None, 0
         while True:
             batch = (index + sent * CLIENTS) % len(BATCHES)
-            attempt = Attempt("/v1/embeddings", batch, keep_alive)
+            attempt = Attempt("/v1/embeddings", batch, keep_alive, client=index)
             request = http_request(
                 "POST", attempt.path, api_key=self.api_key, body=embeddings_body(batch), keep_alive=keep_alive
             )
@@ -224,16 +225,16 @@ def test_sigterm_under_steady_load_loses_no_accepted_request(triton_server, redi
     ) as server:
         load = Load(server_address(server), server.api_key)
         load.start()
-        # Steady: every client has been answered twice; then wait for a moment with requests in flight.
+        # Steady: every client has been answered three times; then a moment with requests in flight.
         deadline = time.monotonic() + HANG_S
         while True:
             assert time.monotonic() < deadline, "the load never got going"
             attempts = load.snapshot()
-            answered = [a for a in attempts if a.batch is not None and a.answer is not None]
+            answered = [a.client for a in attempts if a.batch is not None and a.answer is not None]
             in_flight = [
                 a for a in attempts if a.sent_at is not None and a.answer is None and a.batch is not None
             ]
-            if len(answered) >= 2 * CLIENTS and len(in_flight) >= 2:
+            if min(answered.count(client) for client in range(CLIENTS)) >= 3 and len(in_flight) >= 2:
                 break
             time.sleep(0.001)
         signalled_at = time.monotonic()
@@ -252,7 +253,7 @@ def test_sigterm_under_steady_load_loses_no_accepted_request(triton_server, redi
     lost = [a for a in before if a.answer is None or a.answer.status != 200]
     assert lost == [], f"{len(lost)} accepted requests lost: {lost[:3]}\n{log[-3000:]}"
     assert all(embeddings_correct(a.answer, a.batch, reference) for a in before)
-    assert len(in_flight_at_signal) >= 2
+    assert in_flight_at_signal, "the signal found nothing in flight"
     # Every later one: answered the same way, or never accepted (refused, or the connection ended
     # before a single byte of an answer: nothing half done).
     answered_after = [a for a in after if a.answer is not None]
@@ -263,17 +264,16 @@ def test_sigterm_under_steady_load_loses_no_accepted_request(triton_server, redi
     assert all(a.refused or a.ended_after == 0 for a in unanswered_after), unanswered_after
     # While draining, requests were still served, and /ready said 503 to take the process out.
     readiness = [a for a in attempts if a.path == "/ready" and a.answer is not None]
-    assert {a.answer.status for a in readiness if a.sent_at < signalled_at} == {200}
-    draining_ready = [a for a in readiness if a.answer.status == 503]
-    assert draining_ready and all(json.loads(a.answer.body)["failed"] == ["shutdown"] for a in draining_ready)
-    first_503_at = min(a.answered_at for a in draining_ready)
+    shutting_down = [a for a in readiness if json.loads(a.answer.body).get("failed") == ["shutdown"]]
+    assert shutting_down and all(a.answer.status == 503 and a.sent_at > signalled_at for a in shutting_down)
+    first_503_at = min(a.answered_at for a in shutting_down)
     assert any(a.sent_at > first_503_at for a in answered_after), "nothing was served while draining"
-    # A kept-alive connection is closed by the server's answer once it is shutting down.
-    assert all(
-        a.answer.headers.get("connection", "").lower() == "close"
-        for a in answered_after
-        if a.sent_at > first_503_at
-    )
+    # Every kept-alive connection was closed by an answer while draining, so its client reconnected.
+    kept_alive = {a.client for a in embeddings if a.keep_alive}
+    closed_by_answer = {
+        a.client for a in answered_after if a.keep_alive and a.answer.headers.get("connection") == "close"
+    }
+    assert closed_by_answer == kept_alive
     # Refused, but only once the drain was over (never earlier: load can only delay it); both
     # workers drained.
     refused = [a for a in attempts if a.refused]
@@ -354,7 +354,6 @@ def test_requests_in_flight_finish_after_sigterm_until_the_timeout(triton_server
         server.process.wait(timeout=HANG_S)
         exited_at = time.monotonic()
         log = server.log_path.read_text()
-    assert answered_at < signalled_at + timeout_s or answered_at < cut_at
     assert cut.status == 503, (cut, log[-2000:])
     assert json.loads(cut.body)["error"]["code"] == "shutting_down"
     assert cut_at - signalled_at >= timeout_s
