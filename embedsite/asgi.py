@@ -8,6 +8,8 @@ full stack. The lean handler also reads the body itself, under size limits and t
 (embeddings/api/intake.py), where Django would read any body for as long as it takes.
 """
 
+import asyncio
+import contextlib
 import os
 from contextvars import ContextVar
 
@@ -23,9 +25,9 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path, re_path  # noqa: E402
 
-from embeddings import metrics  # noqa: E402
+from embeddings import lifecycle, metrics  # noqa: E402
 from embeddings.api import intake  # noqa: E402
-from embeddings.api.errors import json_error_response  # noqa: E402
+from embeddings.api.errors import ShuttingDown, json_error_response  # noqa: E402
 from embeddings.consumers import JobProgressConsumer, UnknownRouteConsumer  # noqa: E402
 
 # The limits and declared length of the request being handled, for read_body (which Django calls
@@ -80,7 +82,22 @@ api_asgi_app = LeanASGIHandler()
 
 async def http_router(scope, receive, send):
     app = api_asgi_app if scope["path"].startswith(settings.API_PATH_PREFIXES) else django_asgi_app
-    await app(scope, receive, send)
+    if lifecycle.shutting_down():
+        send = lifecycle.connection_closing(send)
+    try:
+        await app(scope, receive, send)
+    except asyncio.CancelledError:
+        # uvicorn cancels what still runs SHUTDOWN_TIMEOUT_S after SIGTERM (embedsite/server.py): say
+        # so, retryably, rather than its bare 500. Once the response has begun (send refuses a second
+        # start), the connection just ends.
+        if not lifecycle.shutting_down():
+            raise
+        response = json_error_response(ShuttingDown())
+        response["X-Content-Type-Options"] = "nosniff"
+        with contextlib.suppress(RuntimeError):
+            await api_asgi_app.send_response(response, send)
+            return
+        raise
 
 
 # No origin check: WebSockets authenticate with an API key the client sends, never a cookie, so a

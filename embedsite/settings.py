@@ -323,6 +323,14 @@ LOGGING = {
 SERVER_HOST = env_str("SERVER_HOST", "127.0.0.1")
 SERVER_PORT = env_int("SERVER_PORT", 8080, minimum=1)
 SERVER_WORKERS = env_int("SERVER_WORKERS", 1, minimum=1)
+# Worker processes of `manage.py serve` (and runstack): WEB_CONCURRENCY, the name uvicorn and most
+# platforms use, else SERVER_WORKERS.
+WEB_CONCURRENCY = env_int("WEB_CONCURRENCY", SERVER_WORKERS, minimum=1)
+# Graceful shutdown of `manage.py serve` (README "Graceful shutdown"): on SIGTERM /ready answers 503
+# for SHUTDOWN_DRAIN_S while everything is still served (load balancers take the process out of
+# rotation), then no new connection is accepted and requests in flight get SHUTDOWN_TIMEOUT_S more.
+SHUTDOWN_DRAIN_S = env_float("SHUTDOWN_DRAIN_S", 0.0, minimum=0)
+SHUTDOWN_TIMEOUT_S = env_float("SHUTDOWN_TIMEOUT_S", 20.0, minimum=0)
 
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["embeddings.api.rendering.OrjsonRenderer"],

@@ -57,8 +57,8 @@ def job_stack_running(*, triton_server, redis_server, workdir: Path, chunk_size:
     worker_log = workdir / "worker.log"
     with server_log.open("wb") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "embedsite.asgi:application", "--host", "127.0.0.1",
-             "--port", str(port), "--ws", "websockets-sansio", "--no-access-log"],
+            [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--workers", "1"],
             cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip

@@ -25,6 +25,7 @@ ApiError (500 server_error)
 ├── UpstreamUnavailable (503 model_unavailable)       Triton down or the model not ready
 ├── QuotaUnavailable (503 quota_unavailable)          quotas cannot be checked (Redis down, fail closed)
 ├── JobQueueUnavailable (503 queue_unavailable)       the job queue (broker) refused a job, which was undone
+├── ShuttingDown (503 shutting_down)                  still unfinished SHUTDOWN_TIMEOUT_S after SIGTERM
 └── UpstreamTimeout (504 model_timeout)               Triton or the request missed its deadline
 """
 
@@ -222,6 +223,17 @@ class JobQueueUnavailable(ApiError):
 
     def __init__(self, message: str | None = None, **kwargs: Any) -> None:
         super().__init__(message, headers={"Retry-After": "1", **kwargs.pop("headers", {})}, **kwargs)
+
+
+class ShuttingDown(ApiError):
+    status = 503
+    type = "server_error"
+    code = "shutting_down"
+    default_message = "The server shut down before the request finished; retry it."
+
+    def __init__(self, message: str | None = None, **kwargs: Any) -> None:
+        headers = {"Retry-After": "1", "Connection": "close", **kwargs.pop("headers", {})}
+        super().__init__(message, headers=headers, **kwargs)
 
 
 class UpstreamUnavailable(ApiError):

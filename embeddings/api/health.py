@@ -3,7 +3,8 @@
 /health says the process answers. /ready says this process can serve embeddings now: Triton is
 ready, the default model is ready in Triton, the database answers, and Redis answers (unless
 READY_CHECK_REDIS is off). Every check runs concurrently under READY_CHECK_TIMEOUT_S, so /ready
-answers within about that long whatever is down.
+answers within about that long whatever is down. A process shutting down (SIGTERM, embedsite/server.py)
+answers 503 at once, while it still serves everything else for SHUTDOWN_DRAIN_S.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
+from embeddings import lifecycle
 from embeddings.services import catalog
 from embeddings.services.inference import triton_async_client
 from embeddings.services.redis_clients import redis_async
@@ -100,11 +102,20 @@ async def _run_check(name: str, check: Callable[[], Awaitable[None]]) -> str:
 
 async def ready(request: HttpRequest) -> JsonResponse:
     """200 {"status": "ready", "checks": {...}}, or 503 with the failed checks named."""
+    if lifecycle.shutting_down():
+        # No check run: whatever they say, load balancers must stop sending here.
+        return _readiness_response(
+            "shutting down", {"shutdown": "this process is shutting down (SIGTERM)"}, ["shutdown"]
+        )
     checks = readiness_checks()
     outcomes = await asyncio.gather(*(_run_check(name, check) for name, check in checks.items()))
     results = dict(zip(checks, outcomes, strict=True))
     failed = [name for name, outcome in results.items() if outcome != "ok"]
-    body: dict[str, object] = {"status": "unavailable" if failed else "ready", "checks": results}
+    return _readiness_response("unavailable" if failed else "ready", results, failed)
+
+
+def _readiness_response(status: str, checks: dict[str, str], failed: list[str]) -> JsonResponse:
+    body: dict[str, object] = {"status": status, "checks": checks}
     if failed:
         body["failed"] = failed
     response = JsonResponse(body, status=503 if failed else 200)

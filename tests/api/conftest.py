@@ -99,7 +99,7 @@ class LiveServer:
 def live_uvicorn(
     *, workdir: Path, triton_target: str, redis_url: str, workers: int = 2, env: dict[str, str] | None = None
 ) -> Iterator[LiveServer]:
-    """uvicorn serving embedsite.asgi as runstack does, with its own sqlite database (migrated, the
+    """`manage.py serve` as runstack runs it, with its own sqlite database (migrated, the
     local model registered, tenant `live` with a key) and the given settings in `env`; stopped on exit.
 
     PROMETHEUS_MULTIPROC_DIR is set as runstack sets it, so /metrics sums the workers.
@@ -128,9 +128,8 @@ def live_uvicorn(
     log = log_path.open("wb")
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "uvicorn", "embedsite.asgi:application",
+            sys.executable, "manage.py", "serve",
             "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
-            "--loop", "uvloop", "--http", "httptools", "--ws", "websockets-sansio", "--no-access-log",
         ],
         cwd=REPO_ROOT, env=process_env, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True, preexec_fn=die_with_parent,
@@ -156,7 +155,7 @@ def live_uvicorn(
 def uvicorn_server(
     triton_server, redis_server, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
-    """`uvicorn --workers 2` as in production (runstack), backed by the test Triton and Redis."""
+    """`manage.py serve --workers 2` as in production (runstack), backed by the test Triton and Redis."""
     with live_uvicorn(
         workdir=tmp_path_factory.mktemp("uvicorn_server"),
         triton_target=triton_server.grpc_target,

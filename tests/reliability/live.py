@@ -59,8 +59,8 @@ class LiveApi:
     def start(self, timeout_s: float = 120) -> None:
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "embedsite.asgi:application", "--host", "127.0.0.1",
-                 "--port", str(self.port), "--no-access-log"],
+                [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--workers", "1"],
                 cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=die_with_parent,
             )  # fmt: skip

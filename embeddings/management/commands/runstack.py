@@ -1,5 +1,5 @@
-"""Run the whole local service: Redis, Celery (worker, beat), Triton, then the ASGI server (uvicorn);
-Ctrl-C stops all."""
+"""Run the whole local service: Redis, Celery (worker, beat), Triton, then the ASGI server (`manage.py
+serve`); Ctrl-C stops all."""
 
 import os
 import signal
@@ -65,7 +65,7 @@ class Command(BaseCommand):
     )
 
     def add_arguments(self, parser):
-        parser.add_argument("--workers", type=int, default=settings.SERVER_WORKERS)
+        parser.add_argument("--workers", type=int, default=settings.WEB_CONCURRENCY)
         parser.add_argument("--host", default=settings.SERVER_HOST)
         parser.add_argument("--port", type=int, default=settings.SERVER_PORT)
 
@@ -96,10 +96,10 @@ class Command(BaseCommand):
             web_env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(fresh_prometheus_dir())}
             web = subprocess.Popen(
                 [
-                    sys.executable, "-m", "uvicorn", "embedsite.asgi:application",
+                    sys.executable, "manage.py", "serve",
                     "--host", host, "--port", str(port), "--workers", str(workers),
-                    "--loop", "uvloop", "--http", "httptools", "--ws", "websockets-sansio", "--no-access-log",
                 ],
+                cwd=settings.BASE_DIR,
                 env=web_env,
                 start_new_session=True,
                 preexec_fn=die_with_parent,
@@ -142,7 +142,8 @@ class Command(BaseCommand):
         except (TritonServerError, RedisServerError) as error:
             raise CommandError(str(error)) from error
         finally:
-            stop_process(web)
+            # It drains, then lets requests in flight finish (README "Graceful shutdown").
+            stop_process(web, timeout_s=settings.SHUTDOWN_DRAIN_S + settings.SHUTDOWN_TIMEOUT_S + 15)
             # Beat first (it only sends); the worker finishes the fold it is running (warm shutdown).
             stop_process(celery.get("beat"))
             stop_process(celery.get("worker"), timeout_s=30)

@@ -1,0 +1,136 @@
+"""The web server as shipped (`manage.py serve`): uvicorn with our flags, draining before it stops.
+
+SIGTERM (or Ctrl-C) starts the shutdown, in every worker process:
+1. drain, for `drain_s`: /ready answers 503 while everything else is served as before, so load
+   balancers and Kubernetes take the process out of rotation before it stops accepting;
+2. uvicorn's own graceful shutdown: the listening socket is closed (new connections are refused),
+   idle keep-alive connections are closed, requests in flight get `timeout_s` to finish (then they
+   are cancelled), the ASGI lifespan shuts down, the process exits.
+
+Only step 1 is ours. uvicorn 0.54 has no hook for it, so `DrainingServer` delays its exit handler, and
+the supervisor of several workers is uvicorn's own with that server in each worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from types import FrameType
+
+import uvicorn
+from prometheus_client import multiprocess as prometheus_multiprocess
+from uvicorn.config import STARTUP_FAILURE
+from uvicorn.supervisors import multiprocess
+
+from embeddings import lifecycle
+
+APPLICATION = "embedsite.asgi:application"
+
+logger = logging.getLogger("uvicorn.error")
+
+
+class ServerConfig(uvicorn.Config):
+    """uvicorn's configuration with the shipped flags and the drain, which travels with it to each
+    worker process."""
+
+    def __init__(self, *, host: str, port: int, workers: int, drain_s: float, timeout_s: float):
+        super().__init__(
+            APPLICATION,
+            host=host,
+            port=port,
+            workers=workers,
+            loop="uvloop",
+            http="httptools",
+            ws="websockets-sansio",
+            access_log=False,
+            timeout_graceful_shutdown=timeout_s,
+        )
+        self.shutdown_drain_s = drain_s
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose first SIGTERM/SIGINT marks the process as shutting down (/ready: 503)
+    and reaches uvicorn's own handler only `drain_s` later. During the drain a repeated SIGTERM
+    changes nothing (systemd or a process-group kill may deliver it twice), a SIGINT ends the drain at
+    once (Ctrl-C twice: stop now; a third forces uvicorn's exit)."""
+
+    config: ServerConfig
+    clock = staticmethod(time.monotonic)
+
+    def __init__(self, config: ServerConfig) -> None:
+        super().__init__(config)
+        self.drain_ends_at: float | None = None
+        self.drain_signal: int | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        lifecycle.shutdown_begin()
+        if self.drain_ends_at is None and not self.should_exit and self.config.shutdown_drain_s > 0:
+            self.drain_ends_at = self.clock() + self.config.shutdown_drain_s
+            self.drain_signal = sig
+            logger.info("Draining for %g s: /ready answers 503", self.config.shutdown_drain_s)
+            return
+        if self.drain_signal is not None and not self.should_exit and sig == signal.SIGTERM:
+            return
+        self.drain_signal = None
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_signal is not None and self.clock() >= self.drain_ends_at:
+            drained, self.drain_signal = self.drain_signal, None
+            # uvicorn's handler, as if the signal came now: it also re-raises it once stopped.
+            super().handle_exit(drained, None)
+        return await super().on_tick(counter)
+
+
+class DrainingWorkerProcess(multiprocess.Process):
+    """One worker process of uvicorn's supervisor, running a DrainingServer."""
+
+    @property
+    def server(self) -> uvicorn.Server:
+        if self._server is None:
+            self._server = DrainingServer(config=self.config)
+        return self._server
+
+
+class Supervisor(multiprocess.Multiprocess):
+    """uvicorn's supervisor of several workers, which also closes its own copy of the listening socket
+    when told to stop: the socket then closes once the last worker has stopped accepting, and new
+    connections are refused at once instead of queueing, unanswered, until this process exits."""
+
+    def handle_term(self) -> None:
+        self._close_listening_sockets()
+        super().handle_term()
+
+    def handle_int(self) -> None:
+        self._close_listening_sockets()
+        super().handle_int()
+
+    def _close_listening_sockets(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+def serve(*, host: str, port: int, workers: int, drain_s: float, timeout_s: float) -> None:
+    """Serve embedsite until SIGTERM/SIGINT, then drain and shut down gracefully (module docstring)."""
+    config = ServerConfig(host=host, port=port, workers=workers, drain_s=drain_s, timeout_s=timeout_s)
+    if workers == 1:
+        config.load_app()
+        server = DrainingServer(config=config)
+        # uvicorn re-raises a SIGINT once it has stopped; uvicorn.run() swallows it too.
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+        if not server.started:
+            sys.exit(STARTUP_FAILURE)
+        return
+    # uvicorn's supervisor makes its workers from this module-level name; it has no other hook. Only
+    # this process (which does nothing else) sees the change; tests/management/test_serve.py checks
+    # that every worker drains.
+    multiprocess.Process = DrainingWorkerProcess
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # This process only supervises: the live gauges Django made it load (zeros) are no worker's.
+        prometheus_multiprocess.mark_process_dead(os.getpid())
+    Supervisor(config, sockets=[config.bind_socket()]).run()
