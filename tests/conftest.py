@@ -10,6 +10,7 @@ from django.conf import settings
 
 from embeddings.services.local_redis import RedisServer
 from embeddings.triton.server import TritonServer, free_port
+from tests.database_backend import is_postgresql, run_databases
 
 TESTS_DIR = Path(__file__).resolve().parent
 TEST_MODEL_REPOSITORY = TESTS_DIR / "triton_models"
@@ -63,6 +64,21 @@ def service_triton(triton_server: TritonServer, settings) -> Iterator[TritonServ
     reset_clients()
     yield triton_server
     reset_clients()
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings) -> None:
+    """pytest-django's hook before it creates the test database: this run's PostgreSQL (if the
+    run is on PostgreSQL, tests/database_backend.py) is started first."""
+    run_databases().ensure_started()
+
+
+@pytest.fixture
+def postgresql_only() -> None:
+    """For races only PostgreSQL has (row locks under READ COMMITTED): skipped on SQLite, which
+    serialises every write."""
+    if not is_postgresql():
+        pytest.skip("a PostgreSQL race: this run is on SQLite (--database sqlite)")
 
 
 @pytest.fixture(scope="session")
