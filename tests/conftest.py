@@ -73,6 +73,18 @@ def django_db_modify_db_settings(django_db_modify_db_settings) -> None:
     run_databases().ensure_started()
 
 
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup) -> Iterator[None]:
+    """pytest-django's test database, and at the end, before it is dropped, the sessions that
+    threads left open on it ended (asgiref's executors keep theirs; PostgreSQL will not drop a
+    database in use)."""
+    yield
+    from django.db import connections
+
+    connections.close_all()
+    run_databases().end_sessions(connections["default"].settings_dict["NAME"])
+
+
 @pytest.fixture
 def postgresql_only() -> None:
     """For races only PostgreSQL has (row locks under READ COMMITTED): skipped on SQLite, which

@@ -62,6 +62,10 @@ class RunDatabases:
         name = re.sub(r"[^a-z0-9]+", "_", workdir.name.lower()).strip("_")[:40]
         return self.server.create_database(f"stack_{next(self._numbers)}_{name}")
 
+    def end_sessions(self, database: str) -> None:
+        if self.server is not None and self._started:
+            self.server.end_sessions(database)
+
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()

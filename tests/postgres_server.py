@@ -125,6 +125,17 @@ class PostgresServer:
             connection.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         return self.url(name)
 
+    def end_sessions(self, database: str) -> None:
+        """Disconnect every session on `database` (before it is dropped)."""
+        import psycopg
+
+        with psycopg.connect(self.url("postgres"), autocommit=True) as connection:
+            connection.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = %s AND pid <> pg_backend_pid()",
+                (database,),
+            )
+
     def log_tail(self) -> str:
         with contextlib.suppress(OSError):
             return self.log_path.read_text(errors="replace")[-4000:]
