@@ -24,7 +24,9 @@ test: setup
 # Run again on SQLite, the embedded default (`make run`): the tests that use the database in process
 # (services, admin pages, the browser) and the stacks shaped as `make run` runs them, uvicorn and a
 # Celery worker sharing one SQLite file (tests/management/test_runstack.py is on SQLite in both runs).
-SQLITE_TESTS ?= tests/services tests/admin tests/test_tasks.py tests/api/test_jobs_end_to_end.py
+# tests/services/test_embedding.py is left out: Triton only, no database (70 s saved).
+SQLITE_TESTS ?= tests/services tests/admin tests/test_tasks.py tests/api/test_jobs_end_to_end.py \
+	--ignore=tests/services/test_embedding.py
 
 ## bench: client vs raw ONNX Runtime benchmark (table on stdout, JSON in bench/results/)
 bench: setup
