@@ -18,9 +18,17 @@ COMPOSE := $(VENV)/bin/docker-compose
 run: setup
 	$(PY) manage.py runstack
 
-## test: set everything up, then run the whole test suite (CI runs this)
+## test: set everything up, then run the whole test suite on PostgreSQL and the database tests on SQLite (CI runs this)
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --database postgresql $(PYTEST_ARGS)
+	$(PY) -m pytest --database sqlite $(SQLITE_TESTS) $(PYTEST_ARGS)
+
+# Run again on SQLite, the embedded default (`make run`): the tests that use the database in process
+# (services, admin pages, the browser) and the stacks shaped as `make run` runs them, uvicorn and a
+# Celery worker sharing one SQLite file (tests/management/test_runstack.py is on SQLite in both runs).
+# tests/services/test_embedding.py is left out: Triton only, no database (70 s saved).
+SQLITE_TESTS ?= tests/services tests/admin tests/test_tasks.py tests/api/test_jobs_end_to_end.py \
+	--ignore=tests/services/test_embedding.py
 
 ## bench: client vs raw ONNX Runtime benchmark (table on stdout, JSON in bench/results/)
 bench: setup
@@ -51,8 +59,9 @@ setup: .run/.system-packages .run/secret_key $(VENV)/.installed $(PROTOCOL) $(MO
 	$(PYTHON) -c 'import os, secrets; fd = os.open("$@", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600); os.write(fd, secrets.token_urlsafe(64).encode()); os.close(fd)'
 
 # Debian packages the stack runs: redis-server (quotas, usage, Celery's broker); chromium for the
-# admin's browser test (tests/admin/test_browser.py drives it headless with Playwright).
-SYSTEM_PACKAGES := redis-server chromium
+# admin's browser test (tests/admin/test_browser.py drives it headless with Playwright); postgresql,
+# whose binaries the tests run a throwaway cluster of their own with (its service is never used).
+SYSTEM_PACKAGES := redis-server chromium postgresql
 .run/.system-packages: Makefile
 	mkdir -p .run
 	dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES))

@@ -4,8 +4,9 @@ import ipaddress
 import os
 from datetime import timedelta
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
+import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -71,25 +72,26 @@ def env_networks(name: str) -> tuple[str, ...]:
     return networks
 
 
-def database_from_url(url: str) -> dict:
-    """Parse `postgres://user:password@host:port/name` (or `sqlite:///path`) into Django's format."""
-    parts = urlsplit(url)
-    if parts.scheme in {"postgres", "postgresql", "pgsql"}:
-        if not parts.path.strip("/"):
-            raise ImproperlyConfigured("DATABASE_URL needs a database name")
-        return {
-            "ENGINE": "django.db.backends.postgresql",
-            "NAME": unquote(parts.path.lstrip("/")),
-            "USER": unquote(parts.username or ""),
-            "PASSWORD": unquote(parts.password or ""),
-            "HOST": parts.hostname or "",
-            "PORT": str(parts.port or ""),
-            "CONN_MAX_AGE": env_int("DATABASE_CONN_MAX_AGE", 0, minimum=0),
-        }
-    if parts.scheme == "sqlite":
-        # sqlite:////abs/path.db is absolute, sqlite:///rel.db relative (as dj-database-url reads them).
-        return {"ENGINE": "django.db.backends.sqlite3", "NAME": unquote(parts.path[1:]) or ":memory:"}
-    raise ImproperlyConfigured(f"DATABASE_URL scheme {parts.scheme!r} is not supported (postgres, sqlite)")
+# The drivers installed (psycopg 3, the stdlib's sqlite3): other schemes dj-database-url knows would
+# fail later, at the first query, with a less useful message.
+DATABASE_SCHEMES = {"postgres", "postgresql", "pgsql", "sqlite"}
+
+
+def database_from_url(url: str, *, conn_max_age: int = 0, conn_health_checks: bool = False) -> dict:
+    """`postgres://user:password@host:port/name?sslmode=require` (query options go to the driver) or
+    `sqlite:///path`, in Django's format (dj-database-url)."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in DATABASE_SCHEMES:
+        raise ImproperlyConfigured(
+            f"DATABASE_URL scheme {scheme!r} is not supported ({', '.join(sorted(DATABASE_SCHEMES))})"
+        )
+    try:
+        config = dj_database_url.parse(url, conn_max_age=conn_max_age, conn_health_checks=conn_health_checks)
+    except ValueError as error:
+        raise ImproperlyConfigured(f"DATABASE_URL cannot be read: {error}") from None
+    if config["ENGINE"] != "django.db.backends.sqlite3" and not config.get("NAME"):
+        raise ImproperlyConfigured("DATABASE_URL needs a database name")
+    return config
 
 
 def triton_grpc_target(url: str, default_port: int) -> str:
@@ -289,7 +291,13 @@ TEMPLATES = [
 ]
 
 DATABASES = {
-    "default": database_from_url(env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / '.run' / 'db.sqlite3'}"))
+    "default": database_from_url(
+        env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / '.run' / 'db.sqlite3'}"),
+        # Seconds a connection is kept for the next request (0: closed after each); README: Databases.
+        conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 0, minimum=0),
+        # A kept connection is tested before a request reuses it (a restarted database, a dropped link).
+        conn_health_checks=env_bool("DATABASE_CONN_HEALTH_CHECKS", False),
+    )
 }
 
 LANGUAGE_CODE = "en-us"

@@ -10,6 +10,7 @@ from django.conf import settings
 
 from embeddings.services.local_redis import RedisServer
 from embeddings.triton.server import TritonServer, free_port
+from tests.database_backend import is_postgresql, run_databases
 
 TESTS_DIR = Path(__file__).resolve().parent
 TEST_MODEL_REPOSITORY = TESTS_DIR / "triton_models"
@@ -63,6 +64,33 @@ def service_triton(triton_server: TritonServer, settings) -> Iterator[TritonServ
     reset_clients()
     yield triton_server
     reset_clients()
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings) -> None:
+    """pytest-django's hook before it creates the test database: this run's PostgreSQL (if the
+    run is on PostgreSQL, tests/database_backend.py) is started first."""
+    run_databases().ensure_started()
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup) -> Iterator[None]:
+    """pytest-django's test database, and at the end, before it is dropped, the sessions that
+    threads left open on it ended (asgiref's executors keep theirs; PostgreSQL will not drop a
+    database in use)."""
+    yield
+    from django.db import connections
+
+    connections.close_all()
+    run_databases().end_sessions(connections["default"].settings_dict["NAME"])
+
+
+@pytest.fixture
+def postgresql_only() -> None:
+    """For races only PostgreSQL has (row locks under READ COMMITTED): skipped on SQLite, which
+    serialises every write."""
+    if not is_postgresql():
+        pytest.skip("a PostgreSQL race: this run is on SQLite (--database sqlite)")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """A whole jobs stack for end-to-end tests: uvicorn serving the API and a real Celery worker
-(real Triton, real Redis, one sqlite file shared by both), with a tenant and its API key."""
+(real Triton, real Redis, one database shared by both, on the run's backend), with a tenant and its
+API key."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from embeddings.management.commands.runstack import start_celery
 from embeddings.triton.server import die_with_parent, free_port
+from tests.database_backend import fresh_database_url
 from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
 
 
@@ -41,7 +43,7 @@ def job_stack_running(*, triton_server, redis_server, workdir: Path, chunk_size:
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-        "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
+        "DATABASE_URL": fresh_database_url(workdir),
         "TRITON_SERVER_URL": triton_server.grpc_target,
         "REDIS_URL": redis_server.url,
         "CELERY_BROKER_URL": redis_server.url,

@@ -49,8 +49,12 @@ def chunk_starts_ms(job: dict) -> dict[int, int]:
 
 
 def created_ms(job: dict) -> int:
-    """The job row's created_at (sqlite holds it as naive UTC) in ms, on the clock Redis reads too."""
-    return round(datetime.fromisoformat(job["created_at"]).replace(tzinfo=UTC).timestamp() * 1000)
+    """The job row's created_at in ms, on the clock Redis reads too (SQLite holds it as naive UTC
+    text, PostgreSQL as a timestamp with time zone)."""
+    created = job["created_at"]
+    if isinstance(created, str):
+        created = datetime.fromisoformat(created).replace(tzinfo=UTC)
+    return round(created.timestamp() * 1000)
 
 
 def test_a_small_job_is_not_stuck_behind_a_big_one(job_stack, start_worker):

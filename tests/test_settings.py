@@ -1,6 +1,7 @@
 """Settings read from the environment: seed variable names, loud failures on bad values, and the
 secret key (required and strong outside DEBUG, from the environment or a file)."""
 
+import json
 import os
 import shutil
 import stat
@@ -79,12 +80,62 @@ def test_database_url():
         "u",
         "p@ss",
         "db",
-        "5433",
+        5433,
         "embed",
     )
+    assert (config["CONN_MAX_AGE"], config["CONN_HEALTH_CHECKS"]) == (0, False)
     assert database_from_url("sqlite:////tmp/x.db")["NAME"] == "/tmp/x.db"
-    with pytest.raises(ImproperlyConfigured):
-        database_from_url("mysql://x/y")
+
+
+def test_database_url_keeps_query_options_and_connection_settings():
+    """Query options reach the driver (libpq's sslmode, a CA file, connect_timeout): the old
+    hand-written parser dropped them, so `?sslmode=require` silently connected without TLS."""
+    config = database_from_url(
+        "postgresql://app@db.internal/embedsite?sslmode=verify-full&sslrootcert=/ca.pem&connect_timeout=5",
+        conn_max_age=60,
+        conn_health_checks=True,
+    )
+    assert config["OPTIONS"] == {"sslmode": "verify-full", "sslrootcert": "/ca.pem", "connect_timeout": 5}
+    assert (config["CONN_MAX_AGE"], config["CONN_HEALTH_CHECKS"]) == (60, True)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("mysql://x/y", "scheme 'mysql' is not supported"),
+        ("db.example:5432/embedsite", "scheme '' is not supported"),
+        ("postgres://u@db:5432/", "needs a database name"),
+        ("postgres://u@db:notaport/embed", "cannot be read"),
+    ],
+)
+def test_database_url_refuses_what_it_cannot_serve(url, message):
+    with pytest.raises(ImproperlyConfigured, match=message):
+        database_from_url(url)
+
+
+def test_database_settings_from_the_environment(project_copy: Path):
+    """DATABASE_URL, DATABASE_CONN_MAX_AGE and DATABASE_CONN_HEALTH_CHECKS as settings load them,
+    and a bad value refused at startup."""
+    code = (
+        "import django; django.setup(); from django.conf import settings; import json; "
+        "print(json.dumps(settings.DATABASES['default'], default=str))"
+    )
+    done = load_settings(
+        project_copy,
+        code,
+        DJANGO_DEBUG="1",
+        DATABASE_URL="postgres://app:pw@127.0.0.1:6543/site?sslmode=require",
+        DATABASE_CONN_MAX_AGE="30",
+        DATABASE_CONN_HEALTH_CHECKS="true",
+    )
+    assert done.returncode == 0, done.stderr
+    database = json.loads(done.stdout.splitlines()[-1])
+    assert database["ENGINE"] == "django.db.backends.postgresql"
+    assert database["OPTIONS"] == {"sslmode": "require"}
+    assert (database["CONN_MAX_AGE"], database["CONN_HEALTH_CHECKS"]) == (30, True)
+    refused = load_settings(project_copy, code, DJANGO_DEBUG="1", DATABASE_CONN_MAX_AGE="-1")
+    assert refused.returncode != 0
+    assert "DATABASE_CONN_MAX_AGE must be at least 0" in refused.stderr
 
 
 # --- The secret key: refused when missing or weak outside DEBUG ----------------------------------

@@ -1,11 +1,9 @@
 """Celery tasks run by a real `celery -A embedsite worker` (and beat), started as runstack starts
-them, against the test Redis and a sqlite database file shared with the test."""
+them, against the test Redis and a database shared with the test (on the run's backend)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sqlite3
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +14,7 @@ from celery import Celery
 
 from embeddings.management.commands.runstack import start_celery
 from embeddings.services.usage import UsageEvent, usage_record_sync
+from tests.database_backend import database_rows, fresh_database_url
 from tests.processes import manage, stop_process_group
 
 FOLD_TASK = "embeddings.tasks.usage_fold_task"
@@ -23,40 +22,39 @@ FOLD_TASK = "embeddings.tasks.usage_fold_task"
 
 @dataclass
 class StackDatabase:
-    path: Path
+    url: str
     env: dict[str, str]
     tenant_id: int
     run_dir: Path
 
     def totals(self, model: str) -> tuple[int, int]:
         """(requests, tokens) folded for this model so far."""
-        with contextlib.closing(sqlite3.connect(self.path, timeout=10)) as connection:
-            row = connection.execute(
-                "SELECT COALESCE(SUM(requests), 0), COALESCE(SUM(tokens), 0) "
-                "FROM embeddings_usagebucket WHERE model = ?",
-                (model,),
-            ).fetchone()
-        return row[0], row[1]
+        (row,) = database_rows(
+            self.url,
+            "SELECT COALESCE(SUM(requests), 0) AS requests, COALESCE(SUM(tokens), 0) AS tokens "
+            "FROM embeddings_usagebucket WHERE model = %s",
+            model,
+        )
+        return int(row["requests"]), int(row["tokens"])
 
 
 @pytest.fixture(scope="module")
 def stack_database(redis_server, tmp_path_factory) -> StackDatabase:
-    """A migrated sqlite file with one tenant; the environment that points a process at it."""
+    """A migrated database with one tenant; the environment that points a process at it."""
     workdir = tmp_path_factory.mktemp("celery")
-    path = workdir / "db.sqlite3"
+    url = fresh_database_url(workdir)
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-        "DATABASE_URL": f"sqlite:///{path}",
+        "DATABASE_URL": url,
         "REDIS_URL": redis_server.url,
         "CELERY_BROKER_URL": redis_server.url,
         "EMBEDSITE_RUN_DIR": str(workdir),
     }
     manage(env, "migrate", "--noinput")
     manage(env, "create_tenant", "--name", "Worker", "--slug", "worker")
-    with contextlib.closing(sqlite3.connect(path)) as connection:
-        (tenant_id,) = connection.execute("SELECT id FROM embeddings_tenant WHERE slug = 'worker'").fetchone()
-    return StackDatabase(path, env, tenant_id, workdir)
+    (tenant,) = database_rows(url, "SELECT id FROM embeddings_tenant WHERE slug = %s", "worker")
+    return StackDatabase(url, env, tenant["id"], workdir)
 
 
 @pytest.fixture

@@ -1,14 +1,12 @@
 """Jobs run by real `celery -A embedsite worker` processes (started as runstack starts them) against
-the test Redis, the test Triton and a sqlite database file shared with the test; jobs are submitted
-by `manage.py shell` against that file, as the web process would. Shared by tests/test_job_tasks.py
+the test Redis, the test Triton and a database shared with the test (on the run's backend); jobs are
+submitted by `manage.py shell` against it, as the web process would. Shared by tests/test_job_tasks.py
 and tests/reliability/test_worker_recovery.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import sqlite3
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +17,7 @@ import pytest
 from embeddings.management.commands.runstack import start_celery
 from embeddings.services.redis_clients import redis_sync
 from embeddings.services.usage import LIVE_USAGE_KEY
+from tests.database_backend import database_rows, fresh_database_url
 from tests.processes import manage, stop_process_group
 
 SUBMIT = """
@@ -52,13 +51,13 @@ print(json.dumps([stored.shape[0], float(np.abs(stored - expected.vectors).max()
 
 @dataclass
 class JobStack:
-    path: Path
+    workdir: Path
     env: dict[str, str]
 
     def shell(self, script: str, **env: str) -> str:
         """The last line `manage.py shell` prints running `script`, which goes in a file: one
         command-line argument holds at most 128 KiB on Linux, less than a job of long texts."""
-        path = self.path.with_name(f"script-{time.monotonic_ns()}.py")
+        path = self.workdir / f"script-{time.monotonic_ns()}.py"
         path.write_text(script)
         command = f"exec(open({str(path)!r}).read())"
         return manage({**self.env, **env}, "shell", "-c", command).splitlines()[-1]
@@ -71,12 +70,10 @@ class JobStack:
         return json.loads(self.shell(COMPARE.format(job_id=job_id)))
 
     def job(self, job_id: int) -> dict:
-        with contextlib.closing(sqlite3.connect(self.path, timeout=10)) as connection:
-            connection.row_factory = sqlite3.Row
-            row = connection.execute(
-                "SELECT * FROM embeddings_embeddingjob WHERE id = ?", (job_id,)
-            ).fetchone()
-        return dict(row)
+        (row,) = database_rows(
+            self.env["DATABASE_URL"], "SELECT * FROM embeddings_embeddingjob WHERE id = %s", job_id
+        )
+        return row
 
     def wait(self, job_id: int, statuses: set[str], logs: list[Path], timeout_s: float = 120) -> dict:
         """Until the job reaches one of `statuses` (a deadline against hanging, not a timing)."""
@@ -93,11 +90,10 @@ class JobStack:
 @pytest.fixture(scope="module")
 def job_stack(redis_server, triton_server, tmp_path_factory) -> JobStack:
     workdir = tmp_path_factory.mktemp("jobs")
-    path = workdir / "db.sqlite3"
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-        "DATABASE_URL": f"sqlite:///{path}",
+        "DATABASE_URL": fresh_database_url(workdir),
         "REDIS_URL": redis_server.url,
         "CELERY_BROKER_URL": redis_server.url,
         "TRITON_SERVER_URL": triton_server.grpc_target,
@@ -109,7 +105,7 @@ def job_stack(redis_server, triton_server, tmp_path_factory) -> JobStack:
     manage(env, "register_local_model")
     for slug in ("alpha", "beta"):
         manage(env, "create_tenant", "--name", slug.title(), "--slug", slug)
-    return JobStack(path, env)
+    return JobStack(workdir, env)
 
 
 @pytest.fixture

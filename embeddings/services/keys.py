@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import re
 import secrets
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -35,17 +37,38 @@ def parse_api_key(key: str) -> tuple[str, str] | None:
     return (match["public_id"], match["secret"]) if match else None
 
 
+# Public ids drawn before giving up: at 36^12 ids a second draw is already all but never needed.
+PUBLIC_ID_ATTEMPTS = 5
+
+
+def new_public_id() -> str:
+    return "".join(secrets.choice(PUBLIC_ID_ALPHABET) for _ in range(PUBLIC_ID_LENGTH))
+
+
 def api_key_create(*, tenant: Tenant, name: str, expires_at: datetime | None = None) -> tuple[ApiKey, str]:
-    """A new key for `tenant`; the full key is returned once here and never stored."""
+    """A new key for `tenant`; the full key is returned once here and never stored.
+
+    The unique public id is claimed by the INSERT itself, not by a look-up first (a concurrent
+    creation could take the id in between), inside a savepoint: on PostgreSQL a failed INSERT would
+    otherwise abort the caller's transaction (the admin saves inside one).
+    """
     secret = secrets.token_urlsafe(SECRET_BYTES)
-    while True:
-        public_id = "".join(secrets.choice(PUBLIC_ID_ALPHABET) for _ in range(PUBLIC_ID_LENGTH))
-        if not ApiKey.objects.filter(public_id=public_id).exists():
-            break
-    api_key = ApiKey.objects.create(
-        tenant=tenant, name=name, public_id=public_id, secret_hash=_secret_hash(secret), expires_at=expires_at
-    )
-    return api_key, f"{KEY_PREFIX}{public_id}_{secret}"
+    for attempt in itertools.count(1):
+        public_id = new_public_id()
+        try:
+            with transaction.atomic():
+                api_key = ApiKey.objects.create(
+                    tenant=tenant,
+                    name=name,
+                    public_id=public_id,
+                    secret_hash=_secret_hash(secret),
+                    expires_at=expires_at,
+                )
+        except IntegrityError:
+            if attempt >= PUBLIC_ID_ATTEMPTS or not ApiKey.objects.filter(public_id=public_id).exists():
+                raise  # not the public id: another constraint, reported as it is
+        else:
+            return api_key, f"{KEY_PREFIX}{public_id}_{secret}"
 
 
 def api_key_revoke(*, api_key: ApiKey, now: datetime | None = None) -> ApiKey:

@@ -224,7 +224,9 @@ def _add_counters_to_buckets(counters: Counters) -> tuple[int, int]:
         target = merged.setdefault(bucket, dict.fromkeys(COUNTER_METRICS, 0))
         for metric, amount in metrics.items():
             target[metric] += amount
-    for bucket, metrics in merged.items():
+    # One order for every fold: two folds updating the same rows lock them alike, never crosswise
+    # (a deadlock PostgreSQL would break by failing one of them).
+    for bucket, metrics in sorted(merged.items(), key=lambda item: _bucket_order(item[0])):
         lookup = {
             "tenant_id": bucket.tenant_id,
             "api_key_id": bucket.api_key_id,
@@ -237,8 +239,30 @@ def _add_counters_to_buckets(counters: Counters) -> tuple[int, int]:
             **{metric: F(metric) + amount for metric, amount in additions.items()}
         )
         if not updated:
-            UsageBucket.objects.create(**lookup, **additions)
+            _bucket_create_or_add(lookup, additions)
     return len(merged), dropped
+
+
+def _bucket_order(bucket: BucketKey) -> tuple:
+    return (bucket.tenant_id, bucket.api_key_id or 0, bucket.model, bucket.endpoint, bucket.hour_epoch)
+
+
+def _bucket_create_or_add(lookup: dict, additions: dict[str, int]) -> None:
+    """Create the bucket row, or add to it if a concurrent fold created it first.
+
+    Under PostgreSQL's READ COMMITTED the other fold's uncommitted row is invisible to the UPDATE
+    before, and this INSERT waits for that fold, then fails on the unique constraint: the savepoint
+    keeps this fold's transaction usable, and the UPDATE now sees the committed row.
+    """
+    try:
+        with transaction.atomic():
+            UsageBucket.objects.create(**lookup, **additions)
+    except IntegrityError:
+        updated = UsageBucket.objects.filter(**lookup).update(
+            **{metric: F(metric) + amount for metric, amount in additions.items()}
+        )
+        if not updated:
+            raise
 
 
 def _forget_batch(client: redis.Redis, batch_id: str) -> None:
@@ -264,6 +288,10 @@ def _fold_batch(client: redis.Redis, batch_id: str) -> tuple[int, int]:
             fold.rows = rows
             fold.save(update_fields=["rows"])
     except IntegrityError:
+        # Only a committed UsageFold of this batch means it was counted: anything else keeps the
+        # batch in Redis for the next fold.
+        if not UsageFold.objects.filter(batch_id=batch_id).exists():
+            raise
         logger.info("usage fold: batch %s was folded by another fold meanwhile", batch_id)
         rows, dropped = 0, 0
     _forget_batch(client, batch_id)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import csv
 import io
 import re
+import threading
+import warnings
 from datetime import timedelta
 
+import httpx2
 import pytest
 from django.db import connection
+from django.db.models import Sum
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
@@ -185,7 +189,7 @@ def usage_rows(alpha, beta):
 
 
 def csv_rows(response) -> list[dict]:
-    body = b"".join(response.streaming_content).decode()
+    body = b"".join(response).decode()  # the admin's async pieces, read as a sync client would
     return list(csv.DictReader(io.StringIO(body)))
 
 
@@ -253,3 +257,79 @@ def test_csv_needs_permission_to_view_usage(client, usage_rows):
 def test_tenant_add_page_has_quotas_and_no_usage(admin_client):
     page = admin_client.get(reverse("admin:embeddings_tenant_add")).content.decode()
     assert 'name="tokens_per_month"' in page and 'id="tenant-usage"' not in page
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_csv_streamed_over_asgi_is_one_snapshot_while_a_fold_commits(
+    alpha, service_redis, monkeypatch, postgresql_only
+):
+    """The CSV as the admin serves it under uvicorn (the ASGI app, autocommit: the queryset is read
+    through a PostgreSQL server-side cursor in chunks of 2,000, sent in pieces as it is read): more
+    rows than a chunk, every one once, and a usage fold that commits while the CSV is half written
+    changes none of its rows."""
+    from asgiref.sync import sync_to_async
+    from django.contrib.auth.models import User
+    from django.test import Client
+
+    from embeddings import admin as embeddings_admin
+    from embeddings.services.usage import UsageEvent, usage_fold, usage_record_sync
+    from embedsite.asgi import application
+
+    @sync_to_async
+    def prepare() -> str:
+        start = utc_day_start(timezone.now()) - timedelta(hours=3000)
+        UsageBucket.objects.bulk_create(
+            UsageBucket(
+                tenant=alpha, model="m", endpoint="embeddings", hour=start + timedelta(hours=n), tokens=1
+            )
+            for n in range(2500)
+        )
+        admin_user = User.objects.create_superuser("csvadmin", "csv@example.com", "a-long-password")
+        browser = Client()
+        browser.force_login(admin_user)
+        return browser.cookies["sessionid"].value
+
+    session = await prepare()
+    latest = await UsageBucket.objects.order_by("-hour").afirst()
+    original_rows = embeddings_admin.usage_csv_rows
+    folded = []
+
+    def fold_and_close():
+        try:
+            folded.append(usage_fold())
+        finally:
+            connection.close()
+
+    def rows_with_a_fold_half_way(queryset):
+        for index, row in enumerate(original_rows(queryset)):
+            if index == 2100:  # the second chunk is fetched after the fold
+                # Every row's tokens +1000, committed by a fold in its own thread and connection.
+                for bucket in UsageBucket.objects.order_by("hour").values_list("hour", flat=True)[2050:]:
+                    at = bucket.timestamp()
+                    usage_record_sync(
+                        UsageEvent(alpha.pk, None, "m", "embeddings", "succeeded", 1, 1000, 1, at)
+                    )
+                fold = threading.Thread(target=lambda: folded.append(usage_fold()))
+                fold.start()
+                fold.join(timeout=60)
+            yield row
+
+    monkeypatch.setattr(embeddings_admin, "usage_csv_rows", rows_with_a_fold_half_way)
+    transport = httpx2.ASGITransport(app=application)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with httpx2.AsyncClient(
+            transport=transport, base_url="http://testserver", cookies={"sessionid": session}
+        ) as http:
+            response = await http.get(reverse("admin:embeddings_usagebucket_csv"), timeout=120)
+    # Django warns when it must read a whole sync iterator into memory first (not streamed).
+    assert not [warning for warning in caught if "consume synchronous iterators" in str(warning.message)]
+    assert response.status_code == 200, response.text[:500]
+    assert folded and folded[0].buckets == 450
+    rows = list(csv.DictReader(io.StringIO(response.text)))
+    assert len(rows) == 2500 and len({row["hour_utc"] for row in rows}) == 2500
+    assert {row["tokens"] for row in rows} == {"1"}  # the snapshot from before the fold
+    assert latest.hour.strftime("%Y-%m-%dT%H:%M:%SZ") in {row["hour_utc"] for row in rows}
+    total = await UsageBucket.objects.aaggregate(tokens=Sum("tokens"))
+    assert total["tokens"] == 2500 + 450 * 1000
+    await sync_to_async(lambda: connection.close())()

@@ -21,6 +21,7 @@ from embeddings.services.keys import api_key_create
 from embeddings.services.tenants import tenant_create
 from embeddings.triton.server import die_with_parent, free_port
 from tests.api.raw_http import RawHttp
+from tests.database_backend import fresh_database_url
 from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
 
 
@@ -80,7 +81,7 @@ async def client(api_setup) -> AsyncIterator[httpx2.AsyncClient]:
 
 @dataclass
 class LiveServer:
-    """uvicorn with several worker processes, its own sqlite database and a tenant's key."""
+    """uvicorn with several worker processes, its own database and a tenant's key."""
 
     base_url: str
     api_key: str
@@ -99,7 +100,8 @@ class LiveServer:
 def live_uvicorn(
     *, workdir: Path, triton_target: str, redis_url: str, workers: int = 2, env: dict[str, str] | None = None
 ) -> Iterator[LiveServer]:
-    """`manage.py serve` as runstack runs it, with its own sqlite database (migrated, the
+    """`manage.py serve` as runstack runs it, with its own database on the run's backend
+    (tests/database_backend.py: migrated, the
     local model registered, tenant `live` with a key) and the given settings in `env`; stopped on exit.
 
     PROMETHEUS_MULTIPROC_DIR is set as runstack sets it, so /metrics sums the workers.
@@ -110,7 +112,7 @@ def live_uvicorn(
     server_env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-        "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
+        "DATABASE_URL": fresh_database_url(workdir),
         "TRITON_SERVER_URL": triton_target,
         "SERVER_PORT": str(port),
         "REDIS_URL": redis_url,

@@ -1,5 +1,5 @@
 """A job's whole life on a real stack: uvicorn serving the API and a real Celery worker embedding the
-chunks (real Triton, real Redis, one sqlite file shared by both), then downloads in every format,
+chunks (real Triton, real Redis, one database shared by both), then downloads in every format,
 equal to the synchronous /v1/embeddings of the same inputs."""
 
 from __future__ import annotations

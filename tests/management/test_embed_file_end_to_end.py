@@ -1,5 +1,5 @@
 """`manage.py embed_file` run as a user runs it, in a subprocess, against a real stack (uvicorn, a
-Celery worker, Triton, Redis, one sqlite file): the vectors it writes equal the synchronous
+Celery worker, Triton, Redis, one database): the vectors it writes equal the synchronous
 /v1/embeddings of the same texts, JSONL ids come back in order, a bad key fails cleanly, and a
 real SIGINT (Ctrl-C) cancels a running job, or stops a download, leaving no file behind."""
 

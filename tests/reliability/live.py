@@ -17,16 +17,17 @@ import httpx2
 import pytest
 
 from embeddings.triton.server import die_with_parent, free_port
+from tests.database_backend import fresh_database_url
 from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
 
 
 def site_prepared(workdir: Path, **settings_env: str) -> tuple[dict[str, str], str]:
-    """A fresh sqlite database in `workdir` with the local model and tenant `faults` (generous
+    """A fresh database (on the run's backend) with the local model and tenant `faults` (generous
     quotas, so every request goes through Redis) and its key; (the servers' environment, key)."""
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-        "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
+        "DATABASE_URL": fresh_database_url(workdir),
         "EMBEDSITE_RUN_DIR": str(workdir),
         **settings_env,
     }

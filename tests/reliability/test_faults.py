@@ -6,11 +6,9 @@ the server and from the latencies it measured before the fault."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import closing
 from pathlib import Path
 
 import httpx2
@@ -22,6 +20,7 @@ from embeddings.services.local_redis import RedisServer
 from embeddings.triton.client import channel_options
 from embeddings.triton.server import free_port
 from tests.conftest import start_triton
+from tests.database_backend import database_rows
 from tests.processes import manage
 from tests.reliability.live import Answer, LiveApi, Load, site_prepared
 
@@ -219,7 +218,6 @@ def test_uvicorn_killed_mid_upload_leaves_nothing(tmp_path, own_redis, triton_se
             yield body[offset : offset + piece]
             time.sleep(0.01)
 
-    database = tmp_path / "db.sqlite3"
     store = redis.Redis.from_url(own_redis.url)
     try:
         api.start()
@@ -231,8 +229,9 @@ def test_uvicorn_killed_mid_upload_leaves_nothing(tmp_path, own_redis, triton_se
                 timeout=60,
             )
         assert killed_after and api.process.returncode is not None
-        with closing(sqlite3.connect(database)) as connection:
-            assert connection.execute("SELECT COUNT(*) FROM embeddings_embeddingjob").fetchone() == (0,)
+        assert database_rows(env["DATABASE_URL"], "SELECT COUNT(*) AS jobs FROM embeddings_embeddingjob") == [
+            {"jobs": 0}
+        ]
         assert store.keys("job:*") == [] and store.keys("jobs:*") == []
         assert json.loads(manage(env, "shell", "-c", QUOTA_TOKENS_USED).splitlines()[-1]) == 0
 
@@ -243,14 +242,13 @@ def test_uvicorn_killed_mid_upload_leaves_nothing(tmp_path, own_redis, triton_se
         assert reply.status_code == 202, reply.text
         job = reply.json()
         assert job["status"] == "queued" and job["counts"]["total"] == 30_000
-        with closing(sqlite3.connect(database)) as connection:
-            rows = connection.execute(
-                "SELECT public_id, reserved_tokens FROM embeddings_embeddingjob"
-            ).fetchall()
-        assert [public_id for public_id, _ in rows] == [job["id"]]
+        rows = database_rows(
+            env["DATABASE_URL"], "SELECT public_id, reserved_tokens FROM embeddings_embeddingjob"
+        )
+        assert [row["public_id"] for row in rows] == [job["id"]]
         assert {name.decode().split(":")[1] for name in store.keys("job:*")} == {f"{{{job['id']}}}"}
         used = json.loads(manage(env, "shell", "-c", QUOTA_TOKENS_USED).splitlines()[-1])
-        assert used == rows[0][1] > 0
+        assert used == rows[0]["reserved_tokens"] > 0
         print(
             f"\nuvicorn killed after {killed_after[0]:,} of {len(body):,} bytes of an upload: nothing left; "
             f"restarted, it answered the same upload 202 in {served_s:.1f} s (start included)"

@@ -9,9 +9,10 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
+from django.db import transaction
 from django.utils import timezone
 
-from embeddings.models import EmbeddingJob
+from embeddings.models import EmbeddingJob, Tenant
 from embeddings.services import jobs
 from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
 from embeddings.services.errors import InvalidRequest, JobConflict, LimitExceeded, QuotaExceeded
@@ -36,6 +37,7 @@ from embeddings.services.jobs import (
 from embeddings.services.quotas import quota_status_sync
 from embeddings.services.redis_clients import redis_sync
 from tests.api import conftest as api_fixtures
+from tests.database_backend import wait_for_lock_waiters
 
 # Triton, an emptied Redis, the local model and two tenants with a key each.
 api_setup = api_fixtures.api_setup
@@ -374,3 +376,42 @@ def test_a_chunk_that_cannot_be_embedded_fails_alone(api_setup, small_chunks, se
     job.refresh_from_db()
     assert (job.status, job.completed, job.failed, job.error_code) == ("failed", 18, 5, "embedding_failed")
     assert "answered wrongly" in job.error_message
+
+
+def test_the_same_idempotency_key_submitted_concurrently_makes_one_job(api_setup, postgresql_only):
+    """Submission A has inserted its job and waits at its commit (the deferred check of its tenant
+    foreign key waits for our lock on the tenant row); B, with the same Idempotency-Key, finds no
+    job yet, inserts and waits for A on the unique key. Once A commits, B's INSERT fails: B answers
+    with A's job and takes back what it had reserved and stored."""
+    alpha, model = api_setup["alpha"], api_setup["model"]
+    alpha.tenant.tokens_per_month = 1_000_000
+    alpha.tenant.save()
+    spec = JobSpec(model=model, texts=["one text", "and another"])
+    outcomes: dict[str, object] = {}
+
+    def submit(name: str):
+        from django.db import connection
+
+        try:
+            outcomes[name] = job_create(
+                tenant_id=alpha.tenant.pk, api_key_id=None, spec=spec, idempotency_key="same", fingerprint="f"
+            )
+        except Exception as error:
+            outcomes[name] = error
+        finally:
+            connection.close()
+
+    first, second = (threading.Thread(target=submit, args=(name,)) for name in ("a", "b"))
+    with transaction.atomic():
+        Tenant.objects.select_for_update().get(pk=alpha.tenant.pk)
+        first.start()
+        wait_for_lock_waiters(1)
+        second.start()
+        wait_for_lock_waiters(2)
+    first.join(timeout=60)
+    second.join(timeout=60)
+    (job, created), (answered, created_again) = outcomes["a"], outcomes["b"]
+    assert created and not created_again and answered.pk == job.pk
+    assert EmbeddingJob.objects.filter(tenant=alpha.tenant).count() == 1
+    assert {key.decode().split(":")[1] for key in redis_sync().keys("job:*")} == {f"{{{job.public_id}}}"}
+    assert quota_status_sync(alpha.tenant.pk)["tenant"]["tokens_per_month"]["used"] == job.reserved_tokens

@@ -5,12 +5,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+import threading
 from datetime import timedelta
 
 import pytest
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from embeddings.models import ApiKey
+from embeddings.services import keys
 from embeddings.services.keys import (
     api_key_create,
     api_key_for_secret,
@@ -19,6 +22,7 @@ from embeddings.services.keys import (
     parse_api_key,
 )
 from embeddings.services.tenants import tenant_create
+from tests.database_backend import wait_for_lock_waiters
 
 FULL_KEY = re.compile(r"^emb_(?P<public_id>[a-z0-9]{12})_(?P<secret>[A-Za-z0-9_-]{43})$")
 
@@ -186,3 +190,60 @@ def test_touch_leaves_other_keys_alone(alpha, beta):
 
     beta_key.refresh_from_db()
     assert beta_key.last_used_at is None
+
+
+@pytest.fixture
+def public_ids(monkeypatch):
+    """The public ids api_key_create draws, in order: a test makes them collide."""
+    queue: list[str] = []
+    monkeypatch.setattr(keys, "new_public_id", lambda: queue.pop(0))
+    return queue
+
+
+def test_a_taken_public_id_is_drawn_again_inside_the_callers_transaction(alpha, public_ids):
+    """The admin creates keys inside its own transaction: a collision must not break it (on
+    PostgreSQL a failed INSERT outside a savepoint aborts the whole transaction)."""
+    public_ids.extend(["takenid00001", "takenid00001", "freshid00002"])
+    api_key_create(tenant=alpha, name="first")
+    with transaction.atomic():
+        second, full_key = api_key_create(tenant=alpha, name="second")
+        assert ApiKey.objects.filter(tenant=alpha).count() == 2
+    assert second.public_id == "freshid00002" and full_key.startswith("emb_freshid00002_")
+    assert api_key_for_secret(key=full_key) == second
+
+
+def test_a_public_id_that_keeps_colliding_is_an_error_not_a_loop(alpha, public_ids):
+    public_ids.extend(["takenid00001"] * (1 + keys.PUBLIC_ID_ATTEMPTS))
+    api_key_create(tenant=alpha, name="first")
+    with pytest.raises(IntegrityError):
+        api_key_create(tenant=alpha, name="second")
+    assert public_ids == []
+
+
+def test_two_creations_racing_for_one_public_id_both_get_a_key(transactional_db, public_ids, postgresql_only):
+    """Creation B draws the public id that creation A has inserted but not committed: B's INSERT
+    waits for A, then fails on the unique id (a look-up first would have found nothing), and B
+    draws again instead of failing."""
+    tenant = tenant_create(name="Racing")
+    public_ids.extend(["racingid0001", "racingid0002"])
+    outcome: list = []
+
+    def create_b():
+        from django.db import connection
+
+        try:
+            outcome.append(api_key_create(tenant=tenant, name="b"))
+        except Exception as error:
+            outcome.append(error)
+        finally:
+            connection.close()
+
+    creation_b = threading.Thread(target=create_b)
+    with transaction.atomic():
+        key_a = ApiKey.objects.create(tenant=tenant, name="a", public_id="racingid0001", secret_hash="x")
+        creation_b.start()
+        wait_for_lock_waiters(1)
+    creation_b.join(timeout=60)
+    [(key_b, full_key)] = outcome
+    assert key_b.public_id == "racingid0002" and key_a.public_id == "racingid0001"
+    assert api_key_for_secret(key=full_key) == key_b

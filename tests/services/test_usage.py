@@ -6,6 +6,7 @@ import threading
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.db import transaction
 from django.db.models import Sum
 from django.utils import timezone
 
@@ -21,6 +22,7 @@ from embeddings.services.usage import (
     usage_fold,
     usage_record_sync,
 )
+from tests.database_backend import wait_for_lock_waiters
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -281,3 +283,60 @@ def test_reading_usage_while_a_fold_commits_counts_it_once(tenants, monkeypatch)
         ("minilm", 3),
         ("other|model", 1),
     ]
+
+
+def test_two_folds_of_different_batches_racing_on_a_new_bucket_lose_nothing(
+    tenants, monkeypatch, postgresql_only
+):
+    """Two folds started together each claim a batch of their own, and both batches count the same
+    bucket row, which does not exist yet. Fold A has inserted it and waits (a row it updates next is
+    locked); fold B's UPDATE cannot see A's uncommitted row, so B inserts too and waits for A. When A
+    commits, B's INSERT fails on the unique constraint: B must add to A's row, not drop its batch."""
+    alpha = tenants["alpha"].pk
+    usage_record_sync(UsageEvent(alpha, None, "b-model", "openai", "succeeded", 1, 1, 1, HOUR))
+    usage_fold()  # the row fold A updates second, and the test locks
+    usage_record_sync(UsageEvent(alpha, None, "a-model", "openai", "succeeded", 2, 20, 3, HOUR))
+    usage_record_sync(UsageEvent(alpha, None, "b-model", "openai", "succeeded", 1, 1, 1, HOUR))
+
+    claim = usage._claim_live_counters
+    both_started = threading.Barrier(2)
+    a_waits = threading.Event()
+
+    def claim_in_order(client):
+        # Both folds have looked for left-over batches (none) before either claims: A first, then
+        # B once A waits inside its transaction and more usage was recorded.
+        both_started.wait(timeout=30)
+        if threading.current_thread().name == "fold-b":
+            assert a_waits.wait(timeout=60)
+        return claim(client)
+
+    monkeypatch.setattr(usage, "_claim_live_counters", claim_in_order)
+    errors = []
+
+    def fold():
+        from django.db import connection
+
+        try:
+            usage_fold()
+        except Exception as error:
+            errors.append(error)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=fold, name=name) for name in ("fold-a", "fold-b")]
+    with transaction.atomic():
+        UsageBucket.objects.select_for_update().get(model="b-model")
+        threads[0].start()
+        threads[1].start()
+        wait_for_lock_waiters(1)  # A: the new a-model row inserted, the b-model row locked by us
+        usage_record_sync(UsageEvent(alpha, None, "a-model", "openai", "succeeded", 5, 50, 7, HOUR))
+        a_waits.set()
+        wait_for_lock_waiters(2)  # B: inserting the a-model row too, behind A
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors
+    assert database_totals(model="a-model")["inputs"] == 7
+    assert database_totals(model="a-model")["requests"] == 2
+    assert database_totals(model="b-model")["requests"] == 2
+    assert UsageBucket.objects.filter(model="a-model").count() == 1
+    assert redis_is_empty()

@@ -1,0 +1,168 @@
+"""The database the tests run on: `--database postgresql` (the default: a real PostgreSQL the run
+starts itself) or `--database sqlite` (the embedded default of `make run`), and a fresh database of
+that kind for each live stack (uvicorn, Celery workers) a test starts.
+
+A pytest plugin (pyproject's addopts load it with `-p`): it must choose DATABASE_URL before
+pytest-django imports the settings, earlier than any conftest is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from embeddings.triton.server import free_port
+from tests.postgres_server import PostgresServer
+
+POSTGRESQL, SQLITE = "postgresql", "sqlite"
+# The database pytest-django creates its test database (test_embedsite) beside.
+MAIN_DATABASE = "embedsite"
+
+
+class RunDatabases:
+    """The run's backend; for PostgreSQL its server, started at the first test that needs it."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.server: PostgresServer | None = None
+        self._started = False
+        self._lock = threading.Lock()
+        self._numbers = itertools.count(1)
+        if backend == POSTGRESQL:
+            self.server = PostgresServer(port=free_port())
+
+    @property
+    def url(self) -> str | None:
+        """DATABASE_URL of the test process itself; None: the settings' default, SQLite (never
+        opened: pytest-django's SQLite test database lives in memory)."""
+        return None if self.server is None else self.server.url(MAIN_DATABASE)
+
+    def ensure_started(self) -> None:
+        with self._lock:
+            if self.server is not None and not self._started:
+                self.server.start()
+                self.server.wait_until_ready()
+                self.server.create_database(MAIN_DATABASE)
+                self._started = True
+
+    def fresh_url(self, workdir: Path) -> str:
+        """A new, empty database for one stack: a file in `workdir`, or a database on the server."""
+        if self.server is None:
+            return f"sqlite:///{workdir / 'db.sqlite3'}"
+        self.ensure_started()
+        name = re.sub(r"[^a-z0-9]+", "_", workdir.name.lower()).strip("_")[:40]
+        return self.server.create_database(f"stack_{next(self._numbers)}_{name}")
+
+    def end_sessions(self, database: str) -> None:
+        if self.server is not None and self._started:
+            self.server.end_sessions(database)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+_databases: RunDatabases | None = None
+
+
+def run_databases() -> RunDatabases:
+    assert _databases is not None, "tests.database_backend is not loaded (pyproject addopts: -p)"
+    return _databases
+
+
+def fresh_database_url(workdir: Path) -> str:
+    """DATABASE_URL of a new, empty database on this run's backend, for a stack a test starts."""
+    return run_databases().fresh_url(workdir)
+
+
+def is_postgresql() -> bool:
+    return run_databases().backend == POSTGRESQL
+
+
+def database_rows(url: str, query: str, *params: Any) -> list[dict[str, Any]]:
+    """Rows of `query` (placeholders `%s`) read straight from the database at `url`, outside Django:
+    what a stack's processes have committed, seen by the test."""
+    if url.startswith("sqlite:///"):
+        with contextlib.closing(sqlite3.connect(url.removeprefix("sqlite:///"), timeout=10)) as connection:
+            connection.row_factory = sqlite3.Row
+            return [dict(row) for row in connection.execute(query.replace("%s", "?"), params)]
+    import psycopg
+    from psycopg.rows import dict_row
+
+    with psycopg.connect(url, row_factory=dict_row, autocommit=True) as connection:
+        return connection.execute(query, params).fetchall()
+
+
+def database_execute(url: str, query: str, *params: Any) -> None:
+    """Run one statement (placeholders `%s`) on the database at `url`, committed."""
+    if url.startswith("sqlite:///"):
+        with contextlib.closing(sqlite3.connect(url.removeprefix("sqlite:///"), timeout=10)) as connection:
+            connection.execute(query.replace("%s", "?"), params)
+            connection.commit()
+        return
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute(query, params)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--database",
+        choices=(POSTGRESQL, SQLITE),
+        default=os.environ.get("EMBEDSITE_TEST_DATABASE", POSTGRESQL),
+        help="run the tests on a PostgreSQL they start (default) or on SQLite, the embedded default "
+        "(environment: EMBEDSITE_TEST_DATABASE)",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> None:
+    """Before pytest-django loads the settings: DATABASE_URL names this run's backend (the server
+    itself starts only when a test needs a database)."""
+    global _databases
+    _databases = RunDatabases(early_config.known_args_namespace.database)
+    if _databases.url is None:
+        os.environ.pop("DATABASE_URL", None)
+    else:
+        os.environ["DATABASE_URL"] = _databases.url
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    backend = run_databases().backend
+    return f"database: {backend}" + (
+        " (a PostgreSQL cluster of the run's own)" if backend == POSTGRESQL else ""
+    )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _databases is not None:
+        _databases.stop()
+
+
+def wait_for_lock_waiters(count: int, timeout_s: float = 60.0) -> None:
+    """Until `count` PostgreSQL sessions wait for a lock (another transaction's row or tuple): how a
+    concurrency test knows each racing transaction has reached the point it races at. The timeout is
+    a deadline against hanging, not a timing."""
+    from django.db import connection
+
+    deadline = time.monotonic() + timeout_s
+    waiting = 0
+    while time.monotonic() < deadline:
+        with connection.cursor() as cursor:
+            # pg_locks reads the lock manager live (pg_stat_activity would be one snapshot per transaction).
+            cursor.execute("SELECT COUNT(DISTINCT pid) FROM pg_locks WHERE NOT granted")
+            (waiting,) = cursor.fetchone()
+        if waiting >= count:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{waiting} session(s) wait for a lock after {timeout_s:g} s, not {count}")
