@@ -77,3 +77,22 @@ def process_group_paused(process: subprocess.Popen) -> Iterator[None]:
         yield
     finally:
         os.killpg(process.pid, signal.SIGCONT)
+
+
+def ctrl_c_as_in_a_terminal() -> None:
+    """preexec_fn: SIGINT back to its default in the child. A shell starts background jobs (and CI
+    runners often start tests) with SIGINT ignored, and a Python started that way installs no
+    KeyboardInterrupt handler, so a test's SIGINT would do nothing; a terminal's foreground process
+    has it at its default, which is what a user's Ctrl-C reaches."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def ctrl_c_raises_keyboard_interrupt() -> Iterator[None]:
+    """In this (main) thread, SIGINT raises KeyboardInterrupt for the block, as in an interactive
+    Python, even where the test run was started with SIGINT ignored (see ctrl_c_as_in_a_terminal)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

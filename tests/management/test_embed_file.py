@@ -19,6 +19,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from embeddings.management.commands import embed_file
+from tests.processes import ctrl_c_raises_keyboard_interrupt
 
 KEY = "emb_test_secret"
 RESULTS = bytes(range(256)) * 20_000  # ~5 MB: several download blocks
@@ -326,7 +327,10 @@ def test_ctrl_c_during_the_download_leaves_no_file_and_does_not_cancel(api, text
     interrupter = threading.Thread(target=interrupt_once_downloading)
     interrupter.start()
     try:
-        with pytest.raises(CommandError, match="interrupted: download stopped") as raised:
+        with (
+            ctrl_c_raises_keyboard_interrupt(),
+            pytest.raises(CommandError, match="interrupted: download stopped") as raised,
+        ):
             run(
                 str(texts),
                 "--model",

@@ -23,7 +23,7 @@ import orjson
 import pytest
 
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import REPO_ROOT
+from tests.processes import REPO_ROOT, ctrl_c_as_in_a_terminal
 
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = [f"line {i} of the corpus: {'some more words ' * (i % 3)}about vectors" for i in range(10)]
@@ -164,7 +164,7 @@ def embed_file_running(stack_url: str, api_key: str, env: dict, input: Path, out
         [sys.executable, "manage.py", "embed_file", str(input), "--model", MODEL, "--out", str(out),
          "--url", stack_url, "--key", api_key, "--poll-interval", "0.2"],
         cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_as_in_a_terminal,
     )  # fmt: skip
     try:
         yield process, StderrLines(process)
