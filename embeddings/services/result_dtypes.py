@@ -2,10 +2,10 @@
 
 float16 halves a job's result bytes. It keeps 11 significant bits: each stored value is within
 2^-11 (about 4.9e-4) of the float32 value relative to it (values below 2^-14, about 6.1e-5, keep
-an absolute error of at most 2^-25), so the cosine of a stored vector with its float32 original
-stays above 0.9999998 in theory (for unit vectors) (README: "Result precision"; measured in
-tests/api/test_result_dtypes_end_to_end.py). Values beyond ±65504 cannot be stored at all: such a
-chunk is refused (ResultOutOfRange) rather than stored as infinity.
+an absolute error of at most 2^-25), so the cosine of a stored unit vector with its float32
+original stays above 0.9999998 (README, "Result precision"; measured on real sentences in
+tests/api/test_jobs_end_to_end.py). Values beyond ±65504 cannot be stored at all: such a chunk is
+refused (ResultOutOfRange) rather than stored as infinity.
 """
 
 from __future__ import annotations
