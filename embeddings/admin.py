@@ -442,9 +442,10 @@ class EmbeddingModelAdmin(admin.ModelAdmin):
         "triton_version",
         "dimensions",
         "max_tokens",
+        "result_dtype",
         "enabled",
     )
-    list_filter = ("enabled", "triton_model")
+    list_filter = ("enabled", "triton_model", "result_dtype")
     search_fields = ("name", "triton_model")
     readonly_fields = ("created_at",)
 

@@ -7,6 +7,8 @@ from datetime import datetime
 from django.db import models
 from django.utils import timezone
 
+from embeddings.services.result_dtypes import DEFAULT_RESULT_DTYPE, RESULT_DTYPE_CHOICES
+
 
 class EmbeddingModel(models.Model):
     """A model clients can name, and the Triton model behind it."""
@@ -31,6 +33,13 @@ class EmbeddingModel(models.Model):
     )
     owned_by = models.CharField(max_length=100, default="embedsite")
     enabled = models.BooleanField(default=True)
+    result_dtype = models.CharField(
+        max_length=10,
+        choices=RESULT_DTYPE_CHOICES,
+        default=DEFAULT_RESULT_DTYPE,
+        help_text="How its jobs' results are stored unless a job asks otherwise: float16 takes half "
+        "the job store's memory (cosine >= 0.9999 to float32); downloads are float32 either way",
+    )
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -215,6 +224,12 @@ class EmbeddingJob(models.Model):
     chunk_size = models.PositiveIntegerField(default=0)
     chunks = models.PositiveIntegerField(default=0)
     dims = models.PositiveIntegerField(default=0, help_text="Width of the stored vectors")
+    result_dtype = models.CharField(
+        max_length=10,
+        choices=RESULT_DTYPE_CHOICES,
+        default=DEFAULT_RESULT_DTYPE,
+        help_text="How the stored vectors are encoded (the request's, else the model's)",
+    )
     has_ids = models.BooleanField(default=False, help_text="The upload gave ids, kept in results")
     # Progress, mirrored from Redis.
     completed = models.PositiveIntegerField(default=0)

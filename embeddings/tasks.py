@@ -17,6 +17,7 @@ from embeddings.services.jobs import (
     job_expire_due,
     job_watchdog,
 )
+from embeddings.services.result_dtypes import ResultOutOfRange
 from embeddings.services.usage import usage_fold
 from embeddings.tokenization import TokenizationError
 from embeddings.triton import TritonInvalidInput, TritonModelError, TritonTimeout, TritonUnavailable
@@ -40,8 +41,16 @@ def usage_fold_task() -> dict[str, int]:
 # would fail the same way again.
 CHUNK_RETRYABLE = (TritonUnavailable, TritonTimeout)
 # Failures the same inputs would meet again: the chunk's inputs count failed and the job goes on
-# (re-running it, as a stalled chunk would be, could only fail again).
-CHUNK_FAILURES = (TritonModelError, TritonInvalidInput, TokenizationError, InvalidRequest, LimitExceeded)
+# (re-running it, as a stalled chunk would be, could only fail again); a vector float16 storage
+# cannot hold among them.
+CHUNK_FAILURES = (
+    TritonModelError,
+    TritonInvalidInput,
+    TokenizationError,
+    InvalidRequest,
+    LimitExceeded,
+    ResultOutOfRange,
+)
 
 
 def chunk_retry_countdown(retries: int) -> float:

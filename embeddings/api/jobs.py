@@ -101,6 +101,9 @@ def request_fingerprint(model: EmbeddingModel, options: dict, inputs: JobInputs)
         "metadata": options.get("metadata") or {},
         "callback_url": options.get("callback_url") or "",
     }
+    # Only when asked for: fingerprints of requests without it stay as they were.
+    if options.get("result_dtype"):
+        canonical["result_dtype"] = options["result_dtype"]
     digest = hashlib.sha256(orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS))
     digest.update(orjson.dumps(inputs.texts))
     digest.update(orjson.dumps(inputs.ids))
@@ -257,6 +260,7 @@ JOB_EXAMPLE = {
     "metadata": {"corpus": "wiki-2026-11"},
     "encoding_format": "float",
     "dimensions": None,
+    "result_dtype": "float32",
 }
 JOB_ID_PARAMETER = OpenApiParameter(
     "job_id", OpenApiTypes.STR, OpenApiParameter.PATH, description="The job's id."
@@ -385,6 +389,7 @@ class JobListCreateView(ApiView):
             normalize=options["normalize"],
             metadata=options.get("metadata") or {},
             callback_url=options.get("callback_url") or "",
+            result_dtype=options.get("result_dtype"),
         )
         fingerprint = request_fingerprint(model, options, inputs) if key else ""
         body, created, location = await _create(

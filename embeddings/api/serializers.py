@@ -13,6 +13,7 @@ from rest_framework import serializers
 
 from embeddings.services.callback_targets import CallbackTargetError
 from embeddings.services.job_callbacks import callback_target_check
+from embeddings.services.result_dtypes import RESULT_DTYPES
 
 INPUT_HELP = (
     "A string, an array of strings, an array of token ids, or an array of arrays of token ids "
@@ -453,6 +454,14 @@ class JobOptions(serializers.Serializer):
         min_value=1, required=False, allow_null=True, help_text="Keep the first N dimensions, re-normalised."
     )
     normalize = StrictBooleanField(default=True, help_text="Unit-length vectors.")
+    result_dtype = serializers.ChoiceField(
+        choices=list(RESULT_DTYPES),
+        required=False,
+        allow_null=True,
+        help_text="How the results are stored while they wait for download: `float16` takes half the "
+        "memory, each value within 2^-11 of float32 relative to it (cosine to float32 above 0.9999). "
+        "Downloads are float32 either way. Default: the model's setting (float32 unless set).",
+    )
     metadata = MetadataField(required=False)
     callback_url = serializers.URLField(
         required=False,
@@ -538,6 +547,9 @@ class JobObjectSerializer(serializers.Serializer):
     metadata = serializers.DictField(child=serializers.CharField())
     encoding_format = serializers.CharField()
     dimensions = serializers.IntegerField(allow_null=True)
+    result_dtype = serializers.ChoiceField(
+        choices=list(RESULT_DTYPES), help_text="How the results are stored; downloads are float32"
+    )
 
 
 class JobListSerializer(serializers.Serializer):

@@ -4,7 +4,8 @@ Keys (the `{job id}` hash tag keeps one job's keys on one Redis Cluster slot):
 
     job:{<id>}:in:<chunk>    orjson list of the chunk's texts (written at submission)
     job:{<id>}:ids:<chunk>   orjson list of the client's ids for those texts (JSONL uploads)
-    job:{<id>}:out:<chunk>   the chunk's vectors: rows x dims little-endian float32 bytes
+    job:{<id>}:out:<chunk>   the chunk's vectors: rows x dims little-endian float32 bytes, or
+                             float16 for a job stored as float16 (services/result_dtypes.py)
     job:{<id>}:done          set of finished chunk numbers: what makes a redelivered chunk a no-op
     job:{<id>}:progress      hash: completed, failed (inputs), tokens, chunks_done
     job:{<id>}:cancel        present once the job is cancelled
@@ -23,6 +24,7 @@ import numpy as np
 import orjson
 import redis
 
+from embeddings.services.result_dtypes import DEFAULT_RESULT_DTYPE, result_decode, result_encode
 from embeddings.services.usage import LIVE_USAGE_KEY
 
 # KEYS: done set, result key, progress hash, and optionally the live usage hash.
@@ -58,10 +60,13 @@ class JobProgress:
 class JobStore:
     """One job's data in Redis (blocking client: Celery workers and the download views' threads)."""
 
-    def __init__(self, client: redis.Redis, job_id: str, *, ttl_s: int) -> None:
+    def __init__(
+        self, client: redis.Redis, job_id: str, *, ttl_s: int, result_dtype: str = DEFAULT_RESULT_DTYPE
+    ) -> None:
         self.client = client
         self.job_id = job_id
         self.ttl_s = int(ttl_s)
+        self.result_dtype = result_dtype
         self._finish_chunk = client.register_script(_FINISH_CHUNK)
 
     def key(self, kind: str, chunk: int | None = None) -> str:
@@ -97,9 +102,10 @@ class JobStore:
     def finish_chunk(
         self, chunk: int, vectors: np.ndarray, *, tokens: int, usage: dict[str, int] | None = None
     ) -> bool:
-        """Write a chunk's vectors and count them (and its usage increments), once; False if the
-        chunk was already finished."""
-        payload = np.ascontiguousarray(vectors, dtype="<f4").tobytes()
+        """Write a chunk's vectors (in the job's result dtype) and count them (and its usage
+        increments), once; False if the chunk was already finished. Raises ResultOutOfRange, before
+        anything is written, for a value the result dtype cannot hold."""
+        payload = result_encode(vectors, self.result_dtype)
         return self._finish(
             chunk, payload, rows=len(vectors), tokens=tokens, counter="completed", usage=usage
         )
@@ -140,9 +146,10 @@ class JobStore:
         return bool(self.client.exists(self.key("cancel")))
 
     def chunk_result(self, chunk: int, dims: int) -> np.ndarray | None:
-        """A finished chunk's vectors (rows x dims float32); None if it has none (failed, expired)."""
+        """A finished chunk's vectors (rows x dims float32, whatever the result dtype); None if it
+        has none (failed, expired)."""
         raw = self.client.get(self.key("out", chunk))
-        return None if raw is None else np.frombuffer(raw, dtype="<f4").reshape(-1, dims)
+        return None if raw is None else result_decode(raw, self.result_dtype, dims)
 
     def iter_results(
         self, chunks: int, dims: int, *, first: int = 0

@@ -80,6 +80,7 @@ from embeddings.services.quotas import (
     quota_reserve_sync,
 )
 from embeddings.services.redis_clients import redis_sync
+from embeddings.services.result_dtypes import RESULT_DTYPES
 from embeddings.services.usage import UsageEvent, usage_increments
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,8 @@ class JobSpec:
     normalize: bool = True
     metadata: dict = field(default_factory=dict)
     callback_url: str = ""
+    # How the results are stored (services/result_dtypes.py); None: the model's result_dtype.
+    result_dtype: str | None = None
 
 
 # --- Redis -----------------------------------------------------------------------------------------
@@ -131,7 +134,9 @@ class JobSpec:
 
 def job_store(job: EmbeddingJob) -> JobStore:
     """The job's data in Redis; kept a day past expires_at at most (expiry deletes it first)."""
-    return JobStore(redis_sync(), job.public_id, ttl_s=settings.JOB_RESULT_TTL_S + 86400)
+    return JobStore(
+        redis_sync(), job.public_id, ttl_s=settings.JOB_RESULT_TTL_S + 86400, result_dtype=job.result_dtype
+    )
 
 
 def _engine_keys(store: JobStore) -> list[str]:
@@ -173,6 +178,10 @@ def _validate(spec: JobSpec, tenant: Tenant, api_key: ApiKey | None) -> None:
         raise InvalidRequest("ids and input must have the same length", param="input")
     if spec.encoding_format not in ENCODING_FORMATS:
         raise InvalidRequest("encoding_format must be 'float' or 'base64'", param="encoding_format")
+    if spec.result_dtype is not None and spec.result_dtype not in RESULT_DTYPES:
+        raise InvalidRequest(
+            f"result_dtype must be one of {', '.join(map(repr, RESULT_DTYPES))}", param="result_dtype"
+        )
     if spec.dimensions is not None:
         if spec.dimensions < 1:
             raise InvalidRequest("dimensions must be at least 1", param="dimensions")
@@ -318,6 +327,7 @@ def job_create(
         chunk_size=size,
         chunks=chunks,
         dims=spec.dimensions or model.dimensions,
+        result_dtype=spec.result_dtype or model.result_dtype,
         has_ids=spec.ids is not None,
         reserved_tokens=estimate,
         created_at=now,
@@ -439,6 +449,7 @@ def job_object(job: EmbeddingJob) -> dict:
         "metadata": job.metadata,
         "encoding_format": job.encoding_format,
         "dimensions": job.dims,
+        "result_dtype": job.result_dtype,
     }
 
 

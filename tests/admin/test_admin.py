@@ -246,9 +246,14 @@ def test_register_local_model_is_idempotent(settings, tmp_path):
     )
     assert "minilm" in model.aliases
 
+    model.result_dtype = "float16"  # an operator's choice, which registering again keeps
+    model.save(update_fields=["result_dtype"])
     write_export(tmp_path, max_tokens=512)  # a re-export updates the row, never duplicates it
     call_command("register_local_model", stdout=io.StringIO())
-    assert EmbeddingModel.objects.get().max_tokens == 512
+    assert (EmbeddingModel.objects.get().max_tokens, EmbeddingModel.objects.get().result_dtype) == (
+        512,
+        "float16",
+    )
 
 
 def test_register_local_model_without_an_export_fails_clearly(settings, tmp_path):
@@ -282,3 +287,41 @@ def test_create_tenant_twice_fails_clearly():
     call_command("create_tenant", "--name", "Acme", stdout=io.StringIO())
     with pytest.raises(CommandError, match="Cannot create tenant"):
         call_command("create_tenant", "--name", "Acme", stdout=io.StringIO())
+
+
+def test_a_models_result_dtype_is_set_and_filtered_in_the_admin(admin_client):
+    model = EmbeddingModel.objects.create(
+        name="minilm-admin", triton_model="minilm", dimensions=384, max_tokens=256
+    )
+    assert model.result_dtype == "float32"
+    change = reverse("admin:embeddings_embeddingmodel_change", args=[model.pk])
+    page = admin_client.get(change)
+    assert page.status_code == 200
+    assert '<option value="float16">' in page.content.decode()
+    form = {
+        "name": model.name,
+        "aliases": "[]",
+        "triton_model": "minilm",
+        "triton_version": "",
+        "dimensions": "384",
+        "max_tokens": "256",
+        "prompts": "{}",
+        "default_prompt_name": "",
+        "owned_by": "embedsite",
+        "enabled": "on",
+        "created_at_0": "2026-11-23",
+        "created_at_1": "12:00:00",
+    }
+    refused = admin_client.post(change, {**form, "result_dtype": "float64"})
+    assert refused.status_code == 200 and "result_dtype" in refused.context["adminform"].form.errors
+    saved = admin_client.post(change, {**form, "result_dtype": "float16"})
+    assert saved.status_code == 302, saved.content.decode()[:2000]
+    model.refresh_from_db()
+    assert model.result_dtype == "float16"
+    changelist = reverse("admin:embeddings_embeddingmodel_changelist")
+    halves = admin_client.get(changelist, {"result_dtype__exact": "float16"})
+    assert [found.name for found in halves.context["cl"].result_list] == ["minilm-admin"]
+    assert (
+        admin_client.get(changelist, {"result_dtype__exact": "float32"}).context["cl"].result_list.count()
+        == 0
+    )

@@ -14,6 +14,7 @@ from asgiref.sync import sync_to_async
 from django.utils import timezone
 
 from embeddings.models import EmbeddingJob
+from embeddings.services.catalog import embedding_model_cache_clear
 from embeddings.services.jobs import job_chunk_run, job_expire_due
 from embeddings.services.quotas import quota_status_sync
 from embeddings.services.redis_clients import redis_sync
@@ -93,6 +94,29 @@ async def test_submit_a_text_file_one_input_a_line(client, alpha):
     assert job["metadata"] == {"k": "v"}
 
 
+async def test_result_dtype_is_the_requests_else_the_models(client, alpha, model):
+    default = await submit(client, alpha)
+    assert default.status_code == 202, default.text
+    assert default.json()["result_dtype"] == "float32"
+    asked = await submit(client, alpha, job_body(result_dtype="float16"))
+    assert asked.status_code == 202, asked.text
+    assert asked.json()["result_dtype"] == "float16"
+    as_form_field = await upload(client, alpha, b"one\ntwo\n", result_dtype="float16")
+    assert as_form_field.status_code == 202, as_form_field.text
+    assert as_form_field.json()["result_dtype"] == "float16"
+    model.result_dtype = "float16"
+    await sync_to_async(model.save)(update_fields=["result_dtype"])
+    embedding_model_cache_clear()  # a change applies within MODEL_CACHE_SECONDS; here at once
+    by_model = await submit(client, alpha)
+    assert by_model.json()["result_dtype"] == "float16"
+    # null is "not asked": the model's setting.
+    assert (await submit(client, alpha, job_body(result_dtype=None))).json()["result_dtype"] == "float16"
+    overridden = await submit(client, alpha, job_body(result_dtype="float32"))
+    assert overridden.json()["result_dtype"] == "float32"
+    read = await client.get(f"/v1/jobs/{by_model.json()['id']}", headers=alpha.headers)
+    assert read.json()["result_dtype"] == "float16"
+
+
 async def test_submit_a_jsonl_file_with_ids(client, alpha):
     lines = b'{"id": "a", "text": "one"}\n{"id": 7, "text": "two"}\n'
     for content_type in ("application/jsonl", "application/octet-stream"):
@@ -112,6 +136,12 @@ async def test_submit_a_jsonl_file_with_ids(client, alpha):
         (job_body(encoding_format="binary"), "encoding_format"),
         (job_body(dimensions=0), "dimensions"),
         (job_body(normalize="maybe"), "normalize"),
+        (job_body(result_dtype="float64"), "result_dtype"),
+        (job_body(result_dtype="FLOAT16"), "result_dtype"),
+        (job_body(result_dtype=16), "result_dtype"),
+        (job_body(result_dtype=["float16"]), "result_dtype"),
+        (job_body(result_dtype={"dtype": "float16"}), "result_dtype"),
+        (job_body(result_dtype=True), "result_dtype"),
         (job_body(metadata={f"k{i}": "v" for i in range(17)}), "metadata"),
         (job_body(metadata={"k": 1}), "metadata"),
         (job_body(metadata={"k" * 65: "v"}), "metadata"),
@@ -197,6 +227,7 @@ async def test_an_upload_without_a_file_part_or_with_bad_fields_is_422(client, a
     assert_error(no_file, 422, param="file")
     assert_error(await upload(client, alpha, b"a\n", metadata="{not json"), 422, param="metadata")
     assert_error(await upload(client, alpha, b"a\n", encoding_format="hex"), 422, param="encoding_format")
+    assert_error(await upload(client, alpha, b"a\n", result_dtype="half"), 422, param="result_dtype")
     assert await stored_nothing()
 
 
@@ -231,6 +262,7 @@ async def test_the_same_idempotency_key_and_request_answer_the_same_job(client, 
         job_body(dimensions=32),
         job_body(encoding_format="base64"),
         job_body(normalize=False),
+        job_body(result_dtype="float16"),
         job_body(metadata={"a": "b"}),
         job_body(callback_url="https://93.184.215.14/hook"),  # a public literal: no lookup, never sent
     ],

@@ -1,6 +1,7 @@
 """A job's whole life on a real stack: uvicorn serving the API and a real Celery worker embedding the
 chunks (real Triton, real Redis, one database shared by both), then downloads in every format,
-equal to the synchronous /v1/embeddings of the same inputs."""
+equal to the synchronous /v1/embeddings of the same inputs; results stored as float16, within
+their documented precision of float32 on real sentences."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import httpx2
 import numpy as np
 import orjson
 import pytest
+import redis
 
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import process_group_paused
+from tests.processes import manage, process_group_paused
 
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = [f"document number {i}: {'a longer text ' * (i % 4)}about embeddings" for i in range(10)]
@@ -138,3 +140,136 @@ def test_an_uploaded_jsonl_keeps_its_ids_and_options(http, job_stack):
     page = http.get(f"/v1/jobs/{job['id']}/results?format=json&offset=8&limit=5&encoding_format=float").json()
     assert [r["id"] for r in page["data"]] == ["doc-8", "doc-9"] and page["has_more"] is False
     np.testing.assert_allclose(np.array([r["embedding"] for r in page["data"]]), expected[8:], atol=2e-5)
+
+
+# Real sentences of every kind a corpus holds: short, long, numbers, code, other scripts, emoji.
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Embeddings map text to vectors so that similar meanings lie close together.",
+    "Paris is the capital and most populous city of France.",
+    "The mitochondria is the powerhouse of the cell.",
+    "Please reset my password; I can no longer log in to my account.",
+    "Revenue grew 12.5% year over year, to $4.2 billion in Q3 2026.",
+    "def add(a, b): return a + b",
+    "SELECT name, email FROM users WHERE created_at > '2026-01-01';",
+    "She sells sea shells by the sea shore.",
+    "A transformer encoder attends to every token of its input at once.",
+    "Der schnelle braune Fuchs springt über den faulen Hund.",
+    "東京は日本の首都です。",
+    "I love this product 😍 — five stars, would buy again!",
+    "The patient presented with a persistent cough and mild fever for three days.",
+    "Ok.",
+    "Water boils at 100 degrees Celsius at sea level.",
+    "The court ruled that the contract was void because it lacked consideration.",
+    "How do I convert a PDF to a Word document without losing the formatting?",
+    "In 1969, Apollo 11 landed the first humans on the Moon.",
+    "Machine learning models can inherit the biases present in their training data. " * 6,
+    "Shipping is free on orders over fifty euros within the European Union.",
+    "The recipe calls for two cups of flour, one egg and a pinch of salt.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "Error 503: the service is temporarily unavailable, please retry later.",
+]
+# float16 rounds each value to 11 significant bits: within 2^-11 of it, relative (README, "Result
+# precision"); below 2^-14 its subnormal spacing's half, 2^-25, absolute.
+FLOAT16_RELATIVE_ERROR = 2.0**-11
+# How far two inference runs of the same inputs may differ (batched differently by Triton).
+INFERENCE_NOISE = 2e-5
+
+
+def cosines(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    dot = np.sum(first.astype(np.float64) * second, axis=1)
+    return dot / (np.linalg.norm(first.astype(np.float64), axis=1) * np.linalg.norm(second, axis=1))
+
+
+def downloads(http: httpx2.Client, job_id: str) -> dict[str, np.ndarray]:
+    """The job's vectors as each download format returns them (all float32)."""
+    npy = http.get(f"/v1/jobs/{job_id}/results?format=npy")
+    assert npy.status_code == 200 and int(npy.headers["content-length"]) == len(npy.content), npy.text
+    vectors = {"npy": np.load(io.BytesIO(npy.content))}
+    assert vectors["npy"].dtype == np.dtype("<f4")
+    for encoding in ("float", "base64"):
+        body = http.get(f"/v1/jobs/{job_id}/results?format=jsonl&encoding_format={encoding}").content
+        vectors[f"jsonl-{encoding}"] = jsonl_vectors(body, encoding=encoding)[1]
+    page = http.get(f"/v1/jobs/{job_id}/results?format=json&limit=1000").json()
+    vectors["json"] = np.array([record["embedding"] for record in page["data"]], dtype=np.float32)
+    return vectors
+
+
+def stored_result_bytes(stack: JobStack, job_id: str) -> int:
+    client = redis.Redis.from_url(stack.env.get("JOB_STORE_URL") or stack.env["REDIS_URL"])
+    try:
+        return sum(client.strlen(key) for key in client.scan_iter(f"job:{{{job_id}}}:out:*"))
+    finally:
+        client.close()
+
+
+def test_float16_results_are_float32_downloads_within_the_documented_precision(http, job_stack):
+    """The same real sentences stored as float32 and as float16 (asked by the job, or set on the
+    model), through uvicorn and a Celery worker: float16 keeps half the bytes in the job store and
+    comes back as float32 in every format, each value within 2^-11 relative, cosine >= 0.9999."""
+    # A second catalog name for the same Triton model, whose jobs store float16 by default.
+    manage(
+        job_stack.env, "shell", "-c",
+        "from embeddings.models import EmbeddingModel as M; m = M.objects.get(name='all-MiniLM-L6-v2'); "
+        "m.pk = None; m.name = 'minilm-half'; m.aliases = []; m.result_dtype = 'float16'; m.save()",
+    )  # fmt: skip
+    # The server reads its catalog every MODEL_CACHE_SECONDS: the new model answers within that.
+    deadline = time.monotonic() + 60
+    while (
+        by_model := http.post("/v1/jobs", json={"model": "minilm-half", "input": SENTENCES})
+    ).status_code == 404:
+        assert time.monotonic() < deadline, by_model.text
+        time.sleep(0.5)
+    assert by_model.status_code == 202 and by_model.json()["result_dtype"] == "float16", by_model.text
+    jobs = {"float16 by model": by_model.json()["id"]}
+    submissions = {
+        "float32": {"model": MODEL, "result_dtype": "float32"},
+        # The model's own setting, overridden by the job.
+        "float32 asked of the float16 model": {"model": "minilm-half", "result_dtype": "float32"},
+    }
+    for name, options in submissions.items():
+        submitted = http.post("/v1/jobs", json={"input": SENTENCES, **options})
+        assert submitted.status_code == 202, submitted.text
+        jobs[name] = submitted.json()["id"]
+    # Asked as a form field of an upload.
+    lines = b"".join(orjson.dumps({"id": str(i), "text": text}) + b"\n" for i, text in enumerate(SENTENCES))
+    uploaded = http.post(
+        "/v1/jobs",
+        files={"file": ("corpus.jsonl", lines, "application/jsonl")},
+        data={"model": MODEL, "result_dtype": "float16"},
+    )
+    assert uploaded.status_code == 202, uploaded.text
+    jobs["float16"] = uploaded.json()["id"]
+
+    results = {}
+    for name, job_id in jobs.items():
+        job = finished(http, job_stack, job_id)
+        assert job["status"] == "completed", job
+        results[name] = downloads(http, job_id)
+        bytes_per_value = 4 if name.startswith("float32") else 2
+        assert job["result_dtype"] == ("float32" if bytes_per_value == 4 else "float16")
+        assert stored_result_bytes(job_stack, job_id) == len(SENTENCES) * 384 * bytes_per_value, name
+
+    figures = {}
+    reference = results["float32"]["npy"]
+    for half in ("float16", "float16 by model"):
+        stored = results[half]["npy"]
+        # What was stored is float16 (every value one), and every format returns it as float32.
+        np.testing.assert_array_equal(stored.astype(np.float16).astype(np.float32), stored)
+        for fmt, vectors in results[half].items():
+            np.testing.assert_array_equal(vectors, stored, err_msg=fmt)
+        # Against the float32 job: float16's rounding, plus what two inference runs of the same
+        # inputs may differ by (INFERENCE_NOISE, as the other tests here allow).
+        error = np.abs(stored - reference)
+        bound = np.abs(reference) * FLOAT16_RELATIVE_ERROR + INFERENCE_NOISE
+        assert np.all(error <= bound), (half, float((error - bound).max()))
+        cosine = cosines(stored, reference)
+        assert cosine.min() >= 0.9999, (half, cosine.min())
+        normal = np.abs(reference) >= 2.0**-14
+        figures[half] = {
+            "min cosine": float(cosine.min()),
+            "max abs error": float(error.max()),
+            "max relative error": float((error[normal] / np.abs(reference[normal])).max()),
+            "max |value|": float(np.abs(reference).max()),
+        }
+    print("float16 against float32 on", len(SENTENCES), "sentences:", figures)

@@ -172,11 +172,14 @@ def test_jsonl_output_and_the_key_from_the_environment(api, texts, tmp_path, mon
         api.url,
         "--encoding-format",
         "base64",
+        "--result-dtype",
+        "float16",
         "--poll-interval",
         "0.01",
     )
     assert api.requests[-1][1] == "/v1/jobs/job_fake/results?format=jsonl&encoding_format=base64"
     assert b'name="encoding_format"\r\n\r\nbase64\r\n' in api.requests[0][3]
+    assert b'name="result_dtype"\r\n\r\nfloat16\r\n' in api.requests[0][3]
     assert out.read_bytes() == RESULTS
 
 
@@ -186,6 +189,7 @@ def test_jsonl_output_and_the_key_from_the_environment(api, texts, tmp_path, mon
         (["--out", "vectors.csv"], "--out must end in .npy or .jsonl"),
         (["--out", "vectors.npy", "--encoding-format", "base64"], "--encoding-format applies to .jsonl"),
         (["--out", "vectors.npy", "--poll-interval", "0"], "--poll-interval must be positive"),
+        (["--out", "vectors.npy", "--result-dtype", "float64"], "invalid choice: 'float64'"),
         (["--out", "missing-dir/vectors.npy"], "is not a directory"),
     ],
 )

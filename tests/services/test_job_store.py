@@ -9,6 +9,7 @@ import pytest
 
 from embeddings.services.job_store import JobProgress, JobStore
 from embeddings.services.redis_clients import redis_sync
+from embeddings.services.result_dtypes import ResultOutOfRange
 
 DIMS = 4
 
@@ -103,3 +104,19 @@ def test_usage_is_counted_with_the_chunk_and_only_once(store):
     assert store.fail_chunk(1, rows=3, usage={"1|2|3600|jobs|failed|minilm": 1}) is True
     counted = {field.decode(): int(amount) for field, amount in redis_sync().hgetall(LIVE_USAGE_KEY).items()}
     assert counted == {**usage, "1|2|3600|jobs|failed|minilm": 1}
+
+
+def test_a_float16_store_keeps_half_the_bytes_and_reads_float32(service_redis):
+    half = JobStore(redis_sync(), "job_half", ttl_s=60, result_dtype="float16")
+    written = vectors(3) / 7  # values float16 rounds
+    assert half.finish_chunk(0, written, tokens=3) is True
+    raw = redis_sync().get(half.key("out", 0))
+    assert raw == written.astype("<f2").tobytes() and len(raw) == 3 * DIMS * 2
+    read = half.chunk_result(0, DIMS)
+    assert read.dtype == np.dtype("<f4")
+    np.testing.assert_array_equal(read, written.astype(np.float16).astype(np.float32))
+    # A value float16 cannot hold is refused before anything is written or counted.
+    with pytest.raises(ResultOutOfRange):
+        half.finish_chunk(1, vectors(1) * 1e5, tokens=1)
+    assert not half.is_chunk_done(1) and redis_sync().exists(half.key("out", 1)) == 0
+    assert half.progress() == JobProgress(completed=3, tokens=3, chunks_done=1)

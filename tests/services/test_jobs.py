@@ -3,6 +3,7 @@ Celery worker runs them in tests/test_job_tasks.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from datetime import timedelta
@@ -415,3 +416,81 @@ def test_the_same_idempotency_key_submitted_concurrently_makes_one_job(api_setup
     assert EmbeddingJob.objects.filter(tenant=alpha.tenant).count() == 1
     assert {key.decode().split(":")[1] for key in redis_sync().keys("job:*")} == {f"{{{job.public_id}}}"}
     assert quota_status_sync(alpha.tenant.pk)["tenant"]["tokens_per_month"]["used"] == job.reserved_tokens
+
+
+# --- Result storage dtype (services/result_dtypes.py) --------------------------------------------
+
+
+def test_results_are_stored_as_the_job_asks_else_as_its_model_says(api_setup, small_chunks):
+    alpha, model = api_setup["alpha"], api_setup["model"]
+    as_float32, _ = job_create(
+        tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=TEXTS)
+    )
+    asked, _ = job_create(
+        tenant_id=alpha.tenant.pk,
+        api_key_id=None,
+        spec=JobSpec(model=model, texts=TEXTS, result_dtype="float16"),
+    )
+    model.result_dtype = "float16"
+    model.save(update_fields=["result_dtype"])
+    by_model, _ = job_create(
+        tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=TEXTS)
+    )
+    overridden, _ = job_create(
+        tenant_id=alpha.tenant.pk,
+        api_key_id=None,
+        spec=JobSpec(model=model, texts=TEXTS, result_dtype="float32"),
+    )
+    jobs_made = {"float32": as_float32, "asked": asked, "by_model": by_model, "overridden": overridden}
+    dtypes = {name: EmbeddingJob.objects.get(pk=job.pk).result_dtype for name, job in jobs_made.items()}
+    assert dtypes == {
+        "float32": "float32",
+        "asked": "float16",
+        "by_model": "float16",
+        "overridden": "float32",
+    }
+    assert job_object(by_model)["result_dtype"] == "float16"
+    # The job keeps its dtype when the model's setting changes later: its stored bytes stay readable.
+    model.result_dtype = "float32"
+    model.save(update_fields=["result_dtype"])
+    for job in jobs_made.values():
+        run_all_chunks(job)
+    redis = redis_sync()
+    for name, job in jobs_made.items():
+        job.refresh_from_db()
+        stored = sum(redis.strlen(job_store(job).key("out", chunk)) for chunk in range(job.chunks))
+        assert stored == job.total * job.dims * (2 if dtypes[name] == "float16" else 4), name
+    full, half = stored_vectors(as_float32), stored_vectors(by_model)
+    assert full.dtype == half.dtype == np.float32
+    np.testing.assert_array_equal(half, full.astype(np.float16).astype(np.float32))
+
+
+def test_an_unknown_result_dtype_is_refused_with_nothing_stored(api_setup):
+    alpha = api_setup["alpha"]
+    spec = JobSpec(model=api_setup["model"], texts=["a"], result_dtype="float64")
+    with pytest.raises(InvalidRequest) as refused:
+        job_create(tenant_id=alpha.tenant.pk, api_key_id=None, spec=spec)
+    assert refused.value.param == "result_dtype" and "'float32', 'float16'" in refused.value.message
+    assert EmbeddingJob.objects.count() == 0 and redis_sync().keys("job:*") == []
+
+
+def test_a_vector_float16_cannot_hold_fails_its_chunk_not_the_worker(api_setup, small_chunks, monkeypatch):
+    """Unnormalised vectors beyond ±65504 (the model here is faked: MiniLM's never are): the chunk
+    is refused before anything is written, and the Celery task counts its inputs failed at once."""
+    from embeddings.tasks import job_chunk_task
+
+    alpha = api_setup["alpha"]
+    spec = JobSpec(model=api_setup["model"], texts=TEXTS[:5], normalize=False, result_dtype="float16")
+    job, _ = job_create(tenant_id=alpha.tenant.pk, api_key_id=None, spec=spec)
+    real = jobs.embeddings_create_sync
+
+    def huge(**arguments):
+        result = real(**arguments)
+        return dataclasses.replace(result, vectors=result.vectors * 1e6)
+
+    monkeypatch.setattr(jobs, "embeddings_create_sync", huge)
+    job_chunk_task.apply(args=[job.pk, 0])
+    job.refresh_from_db()
+    assert (job.status, job.completed, job.failed, job.error_code) == ("failed", 0, 5, "embedding_failed")
+    assert "beyond float16's range" in job.error_message and "result_dtype float32" in job.error_message
+    assert redis_sync().exists(job_store(job).key("out", 0)) == 0

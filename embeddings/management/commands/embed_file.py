@@ -13,6 +13,7 @@ from typing import TextIO
 from django.core.management.base import BaseCommand, CommandError
 
 from embeddings.jobs_client import FINISHED_STATUSES, JobsApiError, JobsClient
+from embeddings.services.result_dtypes import RESULT_DTYPES
 
 RESULT_FORMATS = {".npy": "npy", ".jsonl": "jsonl"}
 BAR_WIDTH = 30
@@ -185,9 +186,18 @@ class Command(BaseCommand):
         )
         parser.add_argument("--key", default=None, help="API key (default $EMBEDSITE_API_KEY)")
         parser.add_argument("--encoding-format", choices=["float", "base64"], default=None)
+        parser.add_argument(
+            "--result-dtype",
+            choices=list(RESULT_DTYPES),
+            default=None,
+            help="how the server stores the results until downloaded (float16: half the memory); "
+            "default: the model's setting. The download is float32 either way",
+        )
         parser.add_argument("--poll-interval", type=float, default=1.0, help="seconds between polls")
 
-    def handle(self, *args, input, model, out, url, key, encoding_format, poll_interval, **options):
+    def handle(
+        self, *args, input, model, out, url, key, encoding_format, result_dtype, poll_interval, **options
+    ):
         key = key or os.environ.get("EMBEDSITE_API_KEY", "")
         if not key:
             raise CommandError("No API key: pass --key or set EMBEDSITE_API_KEY")
@@ -204,7 +214,9 @@ class Command(BaseCommand):
             raise CommandError(f"{out.parent} is not a directory")
         client = JobsClient(url, key)
         try:
-            job = self._submit(client, input, model=model, encoding_format=encoding_format)
+            job = self._submit(
+                client, input, model=model, encoding_format=encoding_format, result_dtype=result_dtype
+            )
             self.stderr.write(f"job {job['id']}: {job['counts']['total']} inputs")
             job = self._wait(client, job, poll_interval)
             if job["status"] != "completed":
@@ -216,8 +228,17 @@ class Command(BaseCommand):
             raise CommandError(str(error)) from error
         self.stderr.write(f"wrote {job['counts']['completed']} vectors ({written} bytes) to {out}")
 
-    def _submit(self, client: JobsClient, input: Path, *, model: str, encoding_format: str | None) -> dict:
-        options = {"encoding_format": encoding_format} if encoding_format else None
+    def _submit(
+        self,
+        client: JobsClient,
+        input: Path,
+        *,
+        model: str,
+        encoding_format: str | None,
+        result_dtype: str | None,
+    ) -> dict:
+        asked = {"encoding_format": encoding_format, "result_dtype": result_dtype}
+        options = {name: value for name, value in asked.items() if value} or None
         try:
             return client.submit_file(input, model=model, options=options)
         except KeyboardInterrupt:

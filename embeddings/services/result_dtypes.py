@@ -1,0 +1,63 @@
+"""How a job's vectors are stored in the job store: float32 (default) or float16, always read back as float32.
+
+float16 halves a job's result bytes. It keeps 11 significant bits: each stored value is within
+2^-11 (about 4.9e-4) of the float32 value relative to it (values below 2^-14, about 6.1e-5, keep
+an absolute error of at most 2^-25), so the cosine of a stored unit vector with its float32
+original stays above 0.9999998 (README, "Result precision"; measured on real sentences in
+tests/api/test_jobs_end_to_end.py). Values beyond ±65504 cannot be stored at all: such a chunk is
+refused (ResultOutOfRange) rather than stored as infinity.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FLOAT32 = "float32"
+FLOAT16 = "float16"
+DEFAULT_RESULT_DTYPE = FLOAT32
+# The names clients and admins use, and each one's little-endian storage dtype.
+RESULT_DTYPES: dict[str, np.dtype] = {FLOAT32: np.dtype("<f4"), FLOAT16: np.dtype("<f2")}
+RESULT_DTYPE_CHOICES = [(name, name) for name in RESULT_DTYPES]
+# What every download returns, whatever the storage.
+RETURNED_DTYPE = RESULT_DTYPES[FLOAT32]
+
+
+class ResultOutOfRange(ValueError):
+    """A vector value that the job's storage dtype cannot hold (beyond float16's ±65504)."""
+
+
+def result_storage_dtype(name: str) -> np.dtype:
+    try:
+        return RESULT_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown result dtype {name!r}; one of {', '.join(RESULT_DTYPES)}") from None
+
+
+def result_bytes_per_value(name: str) -> int:
+    """Bytes one stored vector component takes (4 for float32, 2 for float16): what a job's
+    results cost in the job store is inputs x dimensions x this."""
+    return result_storage_dtype(name).itemsize
+
+
+def result_encode(vectors: np.ndarray, name: str) -> bytes:
+    """The vectors as stored: rows x dims little-endian values of the dtype `name`, C order."""
+    dtype = result_storage_dtype(name)
+    source = np.asarray(vectors, dtype=np.float32)
+    with np.errstate(over="ignore"):  # an overflow is found and refused just below
+        stored = np.ascontiguousarray(source, dtype=dtype)
+    if dtype != RETURNED_DTYPE:
+        overflowed = np.isinf(stored) & np.isfinite(source)
+        if overflowed.any():
+            value = float(source[overflowed].flat[0])
+            limit = float(np.finfo(dtype).max)
+            raise ResultOutOfRange(
+                f"a vector value ({value:g}) is beyond {name}'s range (±{limit:g}); "
+                f"submit the job with result_dtype {FLOAT32}"
+            )
+    return stored.tobytes()
+
+
+def result_decode(raw: bytes, name: str, dims: int) -> np.ndarray:
+    """Stored bytes back as a rows x dims float32 array (exact: every float16 is a float32)."""
+    stored = np.frombuffer(raw, dtype=result_storage_dtype(name)).reshape(-1, dims)
+    return stored if stored.dtype == RETURNED_DTYPE else stored.astype(RETURNED_DTYPE)
