@@ -13,7 +13,9 @@ import httpx2
 import numpy as np
 import orjson
 import pytest
+from redis import Redis
 
+from tests.database_backend import database_execute
 from tests.job_stack import JobStack, job_stack_running
 from tests.processes import process_group_paused
 
@@ -138,3 +140,40 @@ def test_an_uploaded_jsonl_keeps_its_ids_and_options(http, job_stack):
     page = http.get(f"/v1/jobs/{job['id']}/results?format=json&offset=8&limit=5&encoding_format=float").json()
     assert [r["id"] for r in page["data"]] == ["doc-8", "doc-9"] and page["has_more"] is False
     np.testing.assert_allclose(np.array([r["embedding"] for r in page["data"]]), expected[8:], atol=2e-5)
+
+
+def test_job_storage_budget_on_the_real_stack(http, job_stack, redis_server):
+    """Through uvicorn and a worker: a job holds its bytes from submission, gives its inputs' back
+    when it ends, a job that does not fit is refused with nothing stored, and delete frees all."""
+
+    def held() -> int:
+        return http.get("/v1/usage").json()["job_storage"]["used_bytes"]
+
+    # The earlier tests' jobs in this stack hold bytes too: room for 60 kB more.
+    before = held()
+    tenant = "UPDATE embeddings_tenant SET job_storage_budget_bytes = %s WHERE slug = 'jobs'"
+    database_execute(job_stack.env["DATABASE_URL"], tenant, before + 60_000)
+    try:
+        with process_group_paused(job_stack.worker):
+            submitted = http.post("/v1/jobs", json={"model": MODEL, "input": TEXTS})
+            assert submitted.status_code == 202, submitted.text
+            at_submission = held() - before
+        job = finished(http, job_stack, submitted.json()["id"])
+        assert job["status"] == "completed", job
+        redis = Redis.from_url(redis_server.url)
+        job_keys = [key.decode() for key in redis.keys(f"job:{{{job['id']}}}:*")]
+        assert [key for key in job_keys if ":in:" in key] == [] and any(":out:" in key for key in job_keys)
+        storage = http.get("/v1/usage").json()["job_storage"]
+        # 10 inputs x 384 dimensions x 4 bytes of results stay; the inputs' bytes came back.
+        assert 10 * 384 * 4 < storage["used_bytes"] - before < at_submission
+        assert storage["budget_bytes"] == before + 60_000
+
+        too_big = http.post("/v1/jobs", json={"model": MODEL, "input": TEXTS * 5})
+        assert too_big.status_code == 413, too_big.text
+        assert too_big.json()["error"]["code"] == "job_storage_budget_exceeded"
+        assert http.get("/v1/jobs").json()["data"][0]["id"] == job["id"]
+
+        assert http.delete(f"/v1/jobs/{job['id']}").status_code == 200
+        assert held() == before
+    finally:
+        database_execute(job_stack.env["DATABASE_URL"], tenant, None)
