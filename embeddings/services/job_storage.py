@@ -20,7 +20,8 @@ fit. Giving bytes back is one conditional UPDATE or DELETE of the job's row (exa
     job_storage_admit      at submission, before the inputs are stored
     job_storage_settle     the job ended (services/jobs.py job_finalize): its inputs were deleted,
                            it holds its ids and the results it wrote
-    job_storage_release    cancelled before it started writing, deleted, expired: nothing held
+    job_storage_release    its data deleted (the job deleted or expired, a submission undone):
+                           nothing held
     job_storage_sweep      (beat, with the expiry) holds of submissions that died before their
                            job row was saved
 """
