@@ -27,6 +27,7 @@ from django.utils.html import format_html
 from embeddings.admin_charts import daily_bar_chart
 from embeddings.models import ApiKey, EmbeddingModel, QuotaLimits, Tenant, UsageBucket
 from embeddings.services.encryption import SecretUndecryptable
+from embeddings.services.job_storage import size_text, tenant_job_storage
 from embeddings.services.keys import api_key_create, api_key_revoke
 from embeddings.services.tenants import (
     tenant_deactivate,
@@ -150,7 +151,7 @@ class TenantAdmin(admin.ModelAdmin):
     search_fields = ("name", "slug")
     prepopulated_fields = {"slug": ("name",)}
     filter_horizontal = ("allowed_models",)
-    readonly_fields = ("created_at", "add_key_link", "webhook_secret_status")
+    readonly_fields = ("created_at", "add_key_link", "webhook_secret_status", "job_storage_held")
     fieldsets = (
         (
             None,
@@ -168,6 +169,14 @@ class TenantAdmin(admin.ModelAdmin):
             },
         ),
         ("Quotas", {"fields": QuotaLimits.QUOTA_FIELDS, "description": TENANT_QUOTAS_HELP}),
+        (
+            "Job storage",
+            {
+                "fields": ("job_storage_budget_bytes", "job_storage_held"),
+                "description": "What this tenant's jobs hold in the job store (inputs until a job ends, "
+                "results until they expire). A job that would not fit the budget is refused at submission.",
+            },
+        ),
     )
     inlines = (ApiKeyInline,)
     actions = ("deactivate_tenants", "rotate_webhook_secrets", "rotate_webhook_secrets_now")
@@ -252,6 +261,17 @@ class TenantAdmin(admin.ModelAdmin):
             return "Save the tenant first."
         url = reverse("admin:embeddings_apikey_add") + f"?tenant={tenant.pk}"
         return format_html('<a href="{}">Create an API key for this tenant</a>', url)
+
+    @admin.display(description="stored now")
+    def job_storage_held(self, tenant: Tenant) -> str:
+        if tenant.pk is None:
+            return "-"
+        storage = tenant_job_storage(tenant=tenant)
+        percent = 100 * storage.used_bytes / storage.budget_bytes if storage.budget_bytes else 100.0
+        return (
+            f"{size_text(storage.used_bytes)} ({storage.used_bytes:,} bytes) of "
+            f"{size_text(storage.budget_bytes)}: {percent:.1f}% of the budget"
+        )
 
     @admin.display(description="webhook secret")
     def webhook_secret_status(self, tenant: Tenant) -> str:

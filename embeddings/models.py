@@ -101,6 +101,13 @@ class Tenant(QuotaLimits):
     webhook_secret_created_at = models.DateTimeField(null=True, blank=True, editable=False)
     webhook_previous_secret_encrypted = models.TextField(blank=True, editable=False)
     webhook_previous_secret_expires_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # Bytes its jobs may hold in the job store at once (services/job_storage.py).
+    job_storage_budget_bytes = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        help_text="Bytes this tenant's jobs may hold in the job store at once. "
+        "Blank: JOB_STORAGE_TENANT_BUDGET_BYTES",
+    )
 
     class Meta:
         ordering = ["name"]
@@ -265,3 +272,25 @@ class EmbeddingJob(models.Model):
     @property
     def is_finished(self) -> bool:
         return self.status in self.FINISHED
+
+
+class JobStorageHold(models.Model):
+    """The bytes one job holds in the job store, as admission counted them (services/job_storage.py).
+
+    Made before the job's inputs are stored, lowered when they are freed, deleted with the job's
+    data: a tenant's stored bytes are the sum of its holds, and everyone's the sum of all.
+    """
+
+    public_id = models.CharField(max_length=40, unique=True, help_text="The job's")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="job_storage_holds")
+    stored_bytes = models.PositiveBigIntegerField(help_text="Held now")
+    input_bytes = models.PositiveBigIntegerField(help_text="The inputs' part, freed when the job ends")
+    kept_bytes = models.PositiveBigIntegerField(help_text="Ids and bookkeeping, kept until expiry")
+    result_bytes = models.PositiveBigIntegerField(help_text="The results' part if every input succeeds")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "stored_bytes"])]
+
+    def __str__(self) -> str:
+        return f"{self.public_id}: {self.stored_bytes} bytes"

@@ -9,6 +9,7 @@ from django.conf import settings
 
 from embeddings.services.errors import InvalidRequest, LimitExceeded
 from embeddings.services.job_callbacks import CallbackRetry, job_callback_deliver
+from embeddings.services.job_storage import job_storage_sweep
 from embeddings.services.jobs import (
     job_chunk_fail,
     job_chunk_give_up,
@@ -84,8 +85,11 @@ def job_chunk_task(self, job_id: int, chunk: int) -> None:
 
 @shared_task(acks_late=True, reject_on_worker_lost=True)
 def job_expire_task() -> int:
-    """Expire jobs past expires_at (beat, every JOB_EXPIRE_INTERVAL_S)."""
-    return job_expire_due()
+    """Expire jobs past expires_at and give back the bytes of submissions that died half way (beat,
+    every JOB_EXPIRE_INTERVAL_S). Idempotent: an expired job is skipped, a released hold is gone."""
+    expired = job_expire_due()
+    job_storage_sweep()
+    return expired
 
 
 @shared_task(acks_late=True, reject_on_worker_lost=True)

@@ -522,6 +522,13 @@ JOB_WATCHDOG_INTERVAL_S = env_float("JOB_WATCHDOG_INTERVAL_S", 15.0, minimum=0.1
 # harmless duplicate, so keep it above the usual queue wait.
 JOB_STALL_S = env_float("JOB_STALL_S", 120.0, minimum=1.0)
 JOB_EXPIRE_INTERVAL_S = env_float("JOB_EXPIRE_INTERVAL_S", 300.0, minimum=0.1)
+# Admission by bytes (embeddings/services/job_storage.py; README "Sizing the job store"): a job is
+# refused at submission when what it would hold in the job store (inputs + inputs x dimensions x
+# bytes per value) does not fit its tenant's budget (Tenant.job_storage_budget_bytes, else this
+# default) or the global one. Keep the global budget x 1.25 (Redis's allocator rounding) under
+# the job store's maxmemory.
+JOB_STORAGE_TENANT_BUDGET_BYTES = env_int("JOB_STORAGE_TENANT_BUDGET_BYTES", 1 << 30, minimum=0)
+JOB_STORAGE_GLOBAL_BUDGET_BYTES = env_int("JOB_STORAGE_GLOBAL_BUDGET_BYTES", 1536 << 20, minimum=0)
 
 # --- Channel layer: job progress to WebSocket watchers (WS /ws/v1/jobs/<id>) ---------------------
 # On the same Redis under its own key prefix; web processes and Celery workers must share it.

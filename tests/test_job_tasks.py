@@ -29,10 +29,11 @@ start_worker = worker_stack.start_worker
 
 def test_worker_completes_a_job_with_the_synchronous_vectors(job_stack, start_worker):
     _, log = start_worker()
-    (job_id,) = job_stack.submit([("alpha", texts("alpha", 30))])
+    inputs = texts("alpha", 30)
+    (job_id,) = job_stack.submit([("alpha", inputs)])
     job = job_stack.wait(job_id, {"completed", "failed"}, [log])
     assert (job["status"], job["completed"], job["failed"], job["total"]) == ("completed", 30, 0, 30)
-    rows, max_difference, tokens = job_stack.compare(job_id)
+    rows, max_difference, tokens = job_stack.compare(job_id, inputs)
     assert rows == 30 and max_difference < 1e-5 and job["prompt_tokens"] == tokens
     assert job_usage() == {"requests": 8, "succeeded": 8, "inputs": 30, "tokens": tokens, **_latency()}
 

@@ -17,11 +17,15 @@ ApiError (500 server_error)
 │   └── JobNotFinished (409 job_not_finished)          results asked for before the job finished
 ├── JobExpired (410 job_expired)                      a job's results, expired or deleted
 ├── PayloadTooLarge (413 payload_too_large)           body, inputs or tokens over a limit
+│   └── JobLargerThanStorageBudget (413 job_storage_budget_exceeded)  a job larger than a whole
+│                                                     job storage budget: it can never fit
 ├── UnsupportedMediaType (415 unsupported_media_type) a body that is not JSON, or not UTF-8
 ├── ValidationFailed (422 invalid_request_error)      well-formed JSON with wrong fields
 ├── RateLimited (429 rate_limit_exceeded)             overloaded, or a rate limit (type "requests" or
 │   │                                                 "tokens"); carries Retry-After
 │   └── InsufficientQuota (429 insufficient_quota)    the daily or monthly token budget is spent
+│       └── StorageBudgetFull (429 job_storage_budget_exceeded)  a job's bytes do not fit what its
+│                                                     tenant's (or the global) job storage budget has free
 ├── UpstreamUnavailable (503 model_unavailable)       Triton down or the model not ready
 ├── QuotaUnavailable (503 quota_unavailable)          quotas cannot be checked (Redis down, fail closed)
 ├── JobQueueUnavailable (503 queue_unavailable)       the job queue (broker) refused a job, which was undone
@@ -47,6 +51,7 @@ from embeddings.services.errors import (
     Overloaded,
     QuotaExceeded,
     ServiceError,
+    StorageBudgetExceeded,
 )
 from embeddings.services.errors import JobQueueUnavailable as JobQueueFailed
 from embeddings.services.errors import QuotaUnavailable as QuotaStoreFailed
@@ -205,6 +210,18 @@ class InsufficientQuota(RateLimited):
     default_message = "You exceeded your current quota of tokens; it resets at the start of the next period."
 
 
+class StorageBudgetFull(InsufficientQuota):
+    code = "job_storage_budget_exceeded"
+    default_message = "The job does not fit the job storage budget's free bytes now."
+    # Bytes come back as jobs end (their inputs), are deleted or expire: minutes to days.
+    retry_after_s = 60
+
+
+class JobLargerThanStorageBudget(PayloadTooLarge):
+    code = "job_storage_budget_exceeded"
+    default_message = "The job is larger than the whole job storage budget; split it into smaller jobs."
+
+
 class QuotaUnavailable(ApiError):
     status = 503
     type = "server_error"
@@ -311,6 +328,12 @@ def as_api_error(exc: Exception) -> ApiError:
         )
     if isinstance(exc, QuotaStoreFailed):
         return QuotaUnavailable(exc.message)
+    if isinstance(exc, StorageBudgetExceeded):
+        if exc.fits_when_empty:
+            return StorageBudgetFull(
+                exc.message, param=exc.param, retry_after_s=StorageBudgetFull.retry_after_s
+            )
+        return JobLargerThanStorageBudget(exc.message, param=exc.param)
     if isinstance(exc, JobConflict):
         return IdempotencyKeyReused(exc.message, param=exc.param)
     if isinstance(exc, JobQueueFailed):

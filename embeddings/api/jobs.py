@@ -285,7 +285,8 @@ class JobListCreateView(ApiView):
             "A JSON body with `input` (an array of texts), or a multipart/form-data upload with a "
             '`file` part (one text a line, or JSONL `{"id", "text"}` lines whose ids come back '
             "with the results) and the options as form fields (`metadata` as a JSON object). "
-            "Tokens for the whole job are reserved against your quotas now. "
+            "Tokens for the whole job are reserved against your quotas now, and the bytes it will hold "
+            "(inputs, and inputs x dimensions x 4 of results) against your job storage budget. "
             "An `Idempotency-Key` header makes retries safe: the same key with the same request "
             "answers the job it created (200), with another request 409."
         ),
@@ -311,7 +312,8 @@ class JobListCreateView(ApiView):
                 "The Idempotency-Key was used with a different request", IdempotencyKeyReused()
             ),
             413: _error_response(
-                "More inputs than your max per job, a line or the upload too long",
+                "More inputs than your max per job, a line or the upload too long, or a job larger than "
+                "your whole job storage budget (job_storage_budget_exceeded)",
                 PayloadTooLarge("more than 1000000 inputs (at line 1000001)", param="file"),
             ),
             415: _error_response(
@@ -328,7 +330,8 @@ class JobListCreateView(ApiView):
                 ValidationFailed("metadata: may have at most 16 pairs", param="metadata"),
             ),
             429: _error_response(
-                "The job's tokens do not fit your budget, or too many jobs running at once",
+                "The job's tokens do not fit your budget, its bytes do not fit what your job storage "
+                "budget has free (job_storage_budget_exceeded), or too many jobs running at once",
                 InsufficientQuota(
                     "You exceeded this tenant's quota of tokens per month: limit 1000000, used 990000, "
                     "requested 312000. It resets in 190h0m0s."

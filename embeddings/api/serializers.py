@@ -350,6 +350,12 @@ class UsageRowSerializer(UsageCountersSerializer):
     )
 
 
+class JobStorageSerializer(serializers.Serializer):
+    used_bytes = serializers.IntegerField(help_text="Bytes your jobs hold in the job store now")
+    budget_bytes = serializers.IntegerField(help_text="Bytes your jobs may hold at once")
+    available_bytes = serializers.IntegerField(help_text="budget_bytes - used_bytes (at least 0)")
+
+
 class UsageResponse(serializers.Serializer):
     object = serializers.CharField(default="usage")
     start = serializers.DateTimeField()
@@ -363,6 +369,10 @@ class UsageResponse(serializers.Serializer):
     quota = serializers.JSONField(
         allow_null=True,
         help_text="Limits and current windows of your tenant and this key; null if unreadable",
+    )
+    job_storage = JobStorageSerializer(
+        help_text="Your jobs' inputs and results held in the job store, against your budget: a job "
+        "that would not fit is refused (429 or 413 job_storage_budget_exceeded)"
     )
 
 

@@ -16,7 +16,8 @@ from embeddings.api.authentication import ApiPrincipal
 from embeddings.api.base import ApiView
 from embeddings.api.errors import NotFound, ValidationFailed
 from embeddings.api.views import AUTH_ERRORS, _error_response, validated
-from embeddings.models import ApiKey
+from embeddings.models import ApiKey, Tenant
+from embeddings.services.job_storage import TenantJobStorage, tenant_job_storage
 from embeddings.services.quotas import quota_status_sync
 from embeddings.services.usage import TenantUsage, usage_for_tenant
 
@@ -116,8 +117,9 @@ def _key_of_tenant(*, tenant_id: int, public_id: str) -> int:
 @sync_to_async
 def _tenant_usage(
     *, principal: ApiPrincipal, start: datetime, end: datetime, group_by: str, key: str | None
-) -> tuple[TenantUsage, dict | None]:
-    """The usage report and the quota state (None when Redis cannot be read), in one thread hop.
+) -> tuple[TenantUsage, dict | None, TenantJobStorage]:
+    """The usage report, the quota state (None when Redis cannot be read) and the job storage held,
+    in one thread hop.
 
     The quota state is read with the limits as they are in the database now (not as cached with
     the key), so a limit just changed in the admin shows at once.
@@ -132,7 +134,8 @@ def _tenant_usage(
     except RedisError as error:
         logger.warning("usage: quota state unreadable: %s", error)
         quota = None
-    return report, quota
+    storage = tenant_job_storage(tenant=Tenant.objects.get(pk=tenant_id))
+    return report, quota, storage
 
 
 def _iso(moment: datetime) -> str:
@@ -169,6 +172,7 @@ USAGE_EXAMPLE = {
         },
         "key": None,
     },
+    "job_storage": {"used_bytes": 412000000, "budget_bytes": 1073741824, "available_bytes": 661741824},
 }  # fmt: skip
 
 
@@ -183,6 +187,7 @@ class UsageView(ApiView):
             "in [start, end), grouped by UTC `day`, `model` or `key`, with totals and the current "
             "state of your quotas. Counted per request as it happens: counters not yet folded into "
             "the database are included (`includes_unfolded`), so numbers are up to date. "
+            "`job_storage`: the bytes your jobs hold in the job store now, against your budget. "
             "Ranges of at most 366 days."
         ),
         parameters=[s.UsageQuery],
@@ -207,7 +212,7 @@ class UsageView(ApiView):
         query = validated(s.UsageQuery, request.query_params.dict())
         params = {name: value for name, value in query.items() if value != ""}
         start, end = usage_range(params, datetime.now(UTC))
-        usage, quota = await _tenant_usage(
+        usage, quota, storage = await _tenant_usage(
             principal=request.user, start=start, end=end, group_by=params["group_by"], key=params.get("key")
         )
         return Response(
@@ -220,5 +225,6 @@ class UsageView(ApiView):
                 "totals": counters_json(usage.totals),
                 "data": rows_json(usage, params["group_by"]),
                 "quota": quota,
+                "job_storage": storage.as_dict(),
             }
         )

@@ -7,6 +7,7 @@ ServiceError
 ├── InferenceTimeout    (504) the request's inference missed its deadline (EMBEDDING_TIMEOUT_S)
 ├── QuotaExceeded       (429) a tenant's or key's rate limit or budget (embeddings.services.quotas)
 ├── QuotaUnavailable    (503) the quota store (Redis) failed and QUOTA_REDIS_FAILURE is "closed"
+├── StorageBudgetExceeded (413/429) a job's bytes over its tenant's or the global job storage budget
 ├── JobConflict         (409) an Idempotency-Key reused for a different job request
 └── JobQueueUnavailable (503) the job queue (broker) refused a submission, which was undone
 Tokenisation errors (embeddings.tokenization) and Triton errors (embeddings.triton.errors) are
@@ -63,6 +64,19 @@ class QuotaExceeded(ServiceError):
 
 class QuotaUnavailable(ServiceError):
     pass
+
+
+class StorageBudgetExceeded(ServiceError):
+    """A job would hold more bytes in the job store than a budget has room for (services/job_storage.py).
+
+    `budget` is "tenant" or "global"; `fits_when_empty` says whether the job could ever fit (it
+    is not larger than the budget itself), so waiting or deleting jobs can help.
+    """
+
+    def __init__(self, message: str, *, budget: str, fits_when_empty: bool) -> None:
+        super().__init__(message, param="input")
+        self.budget = budget
+        self.fits_when_empty = fits_when_empty
 
 
 class JobConflict(ServiceError):

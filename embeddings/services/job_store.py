@@ -2,7 +2,8 @@
 
 Keys (the `{job id}` hash tag keeps one job's keys on one Redis Cluster slot):
 
-    job:{<id>}:in:<chunk>    orjson list of the chunk's texts (written at submission)
+    job:{<id>}:in:<chunk>    orjson list of the chunk's texts (written at submission, deleted
+                             when the job ends: services/jobs.py job_finalize)
     job:{<id>}:ids:<chunk>   orjson list of the client's ids for those texts (JSONL uploads)
     job:{<id>}:out:<chunk>   the chunk's vectors: rows x dims little-endian float32 bytes, or
                              float16 for a job stored as float16 (services/result_dtypes.py)
@@ -50,6 +51,33 @@ return 1
 
 
 @dataclass(frozen=True)
+class EncodedInputs:
+    """A job's inputs as they will be stored: one payload per chunk (and its ids'), so their
+    bytes are known exactly before anything is written (embeddings.services.job_storage)."""
+
+    texts: list[bytes]
+    ids: list[bytes] | None = None
+
+    @property
+    def text_bytes(self) -> int:
+        return sum(map(len, self.texts))
+
+    @property
+    def id_bytes(self) -> int:
+        return sum(map(len, self.ids or ()))
+
+
+def inputs_encode(
+    chunks: Sequence[Sequence[str]], ids: Sequence[Sequence[str]] | None = None
+) -> EncodedInputs:
+    """Each chunk's texts (and ids) as the orjson lists put_inputs stores."""
+    return EncodedInputs(
+        texts=[orjson.dumps(list(texts)) for texts in chunks],
+        ids=None if ids is None else [orjson.dumps(list(chunk_ids)) for chunk_ids in ids],
+    )
+
+
+@dataclass(frozen=True)
 class JobProgress:
     completed: int = 0
     failed: int = 0
@@ -77,13 +105,23 @@ class JobStore:
 
     def put_inputs(self, chunks: Sequence[Sequence[str]], ids: Sequence[Sequence[str]] | None = None) -> int:
         """Store every chunk's texts (and ids); returns the number of chunks."""
+        return self.put_encoded_inputs(inputs_encode(chunks, ids))
+
+    def put_encoded_inputs(self, inputs: EncodedInputs) -> int:
+        """Store every chunk's encoded texts (and ids); returns the number of chunks."""
         pipeline = self.client.pipeline(transaction=False)
-        for number, texts in enumerate(chunks):
-            pipeline.set(self.key("in", number), orjson.dumps(list(texts)), ex=self.ttl_s)
-            if ids is not None:
-                pipeline.set(self.key("ids", number), orjson.dumps(list(ids[number])), ex=self.ttl_s)
+        for number, texts in enumerate(inputs.texts):
+            pipeline.set(self.key("in", number), texts, ex=self.ttl_s)
+            if inputs.ids is not None:
+                pipeline.set(self.key("ids", number), inputs.ids[number], ex=self.ttl_s)
         pipeline.execute()
-        return len(chunks)
+        return len(inputs.texts)
+
+    def delete_inputs(self, chunks: int) -> None:
+        """Remove the chunks' texts once none will run again (the ids stay: results name them)."""
+        names = [self.key("in", chunk) for chunk in range(chunks)]
+        for start in range(0, len(names), 1000):
+            self.client.delete(*names[start : start + 1000])
 
     def chunk_inputs(self, chunk: int) -> list[str] | None:
         """The chunk's texts; None once they are gone (expired or deleted)."""

@@ -3,21 +3,24 @@
 A job's inputs and results live in Redis (embeddings.services.job_store), its state in the
 EmbeddingJob row. Life of a job:
 
-    job_create     validate, idempotency, max concurrent jobs, reserve the whole job's tokens
-                   (an upper bound), store the inputs, save the row, and after the commit hand out
-                   the first JOB_CHUNKS_IN_FLIGHT chunks to the broker.
+    job_create     validate, idempotency, max concurrent jobs, admit its bytes against the job
+                   storage budgets (embeddings.services.job_storage), reserve the whole job's
+                   tokens (an upper bound), store the inputs, save the row, and after the commit
+                   hand out the first JOB_CHUNKS_IN_FLIGHT chunks to the broker.
     job_chunk_run  (a Celery task per chunk) embed one chunk under a lease its heartbeat keeps
                    alive (embeddings.services.job_leases), write it and count its usage once
                    (one script: JobStore.finish_chunk), mirror progress, and hand out exactly
                    one successor chunk.
     job_finalize   exactly once: completed | failed | cancelled, counts, tokens settled against
-                   the reservation (the unused rest refunded), event published, callback enqueued.
+                   the reservation (the unused rest refunded), inputs deleted (their bytes given
+                   back), event published, callback enqueued.
     job_watchdog   (beat, every JOB_WATCHDOG_INTERVAL_S) re-sends a chunk whose lease lapsed (its
                    worker died mid-chunk) and one handed out JOB_STALL_S ago that never started
                    (its message lost), hands out the successor a dead worker did not, finalises
                    what is done: a lost worker's job resumes within about JOB_CHUNK_LEASE_S +
                    JOB_WATCHDOG_INTERVAL_S.
-    job_expire_due (beat) jobs past expires_at become expired and their Redis data goes.
+    job_expire_due (beat) jobs past expires_at become expired and their Redis data goes (and
+                   the bytes they held).
 
 Fair share: a job never has more than JOB_CHUNKS_IN_FLIGHT chunks in the broker. Each finished
 chunk hands out one successor, taken from the job's Redis counter `next`, and only once per chunk
@@ -71,7 +74,13 @@ from embeddings.services.job_leases import (
     lease_keys,
     live_leases,
 )
-from embeddings.services.job_store import JobStore
+from embeddings.services.job_storage import (
+    job_storage_admit,
+    job_storage_need,
+    job_storage_release,
+    job_storage_settle,
+)
+from embeddings.services.job_store import JobStore, inputs_encode
 from embeddings.services.quotas import (
     QuotaHolder,
     QuotaLimitValues,
@@ -146,9 +155,12 @@ def _engine_keys(store: JobStore) -> list[str]:
 
 
 def _delete_data(job: EmbeddingJob) -> None:
+    """Delete the job's Redis data, then give back the bytes it held (a failure in between leaves
+    them held: counted too much until the sweep, never too little)."""
     store = job_store(job)
     store.delete(job.chunks)
     store.client.delete(*_engine_keys(store))
+    job_storage_release(public_id=job.public_id)
 
 
 def _script(client: redis.Redis, source: str):
@@ -293,8 +305,10 @@ def job_create(
     """Submit a job; (job, created). The same idempotency key and fingerprint return the existing
     job (created False); the key with another fingerprint raises JobConflict.
 
-    Raises InvalidRequest, LimitExceeded, QuotaExceeded (429), JobConflict (409), JobQueueUnavailable
-    (503: the broker refused the first chunks; nothing is left behind) and RedisError. Not to be
+    Raises InvalidRequest, LimitExceeded, QuotaExceeded (429), StorageBudgetExceeded (413 or 429:
+    the job's bytes do not fit a job storage budget; nothing was stored), JobConflict (409),
+    JobQueueUnavailable (503: the broker refused the first chunks; nothing is left behind) and
+    RedisError. Not to be
     called inside a transaction: the concurrent-jobs count is exact only when the row commits under
     the submission lock.
     """
@@ -335,18 +349,21 @@ def job_create(
     )
     limited = tenant.max_concurrent_jobs is not None or (api_key is not None and api_key.max_concurrent_jobs)
     store = job_store(job)
+    # Encoded once, before any lock: their exact stored size is what admission counts.
+    text_chunks = [spec.texts[start : start + size] for start in range(0, job.total, size)]
+    id_chunks = None
+    if spec.ids is not None:
+        id_chunks = [[str(i) for i in spec.ids[start : start + size]] for start in range(0, job.total, size)]
+    inputs = inputs_encode(text_chunks, id_chunks)
+    need = job_storage_need(inputs=inputs, rows=job.total, dims=job.dims, result_dtype=job.result_dtype)
     reservation: Reservation | None = None
     with _SubmitLock(tenant_id, needed=bool(limited)):
         _check_concurrent(tenant, api_key)
-        reservation = _reserve(subject, estimate)
+        # StorageBudgetExceeded here leaves nothing behind: no bytes held, no tokens reserved.
+        job_storage_admit(tenant=tenant, public_id=job.public_id, need=need)
         try:
-            text_chunks = [spec.texts[start : start + size] for start in range(0, job.total, size)]
-            id_chunks = None
-            if spec.ids is not None:
-                id_chunks = [
-                    [str(i) for i in spec.ids[start : start + size]] for start in range(0, job.total, size)
-                ]
-            store.put_inputs(text_chunks, id_chunks)
+            reservation = _reserve(subject, estimate)
+            store.put_encoded_inputs(inputs)
             if reservation is not None and reservation.counters:
                 keys = [c.key for c in reservation.counters if c.window.kind == "tokens"]
                 store.client.set(store.key("reservation"), orjson.dumps(keys), ex=store.ttl_s)
@@ -367,7 +384,8 @@ def job_create(
 
 
 def _undo(job: EmbeddingJob, reservation: Reservation | None) -> None:
-    """Take back a submission that failed part way: its row, Redis data and reserved tokens."""
+    """Take back a submission that failed part way: its row, Redis data, held bytes and reserved
+    tokens."""
     try:
         if job.pk is not None:
             EmbeddingJob.objects.filter(pk=job.pk).delete()
@@ -687,6 +705,7 @@ def job_finalize(*, job_id: int, status: str, publish: bool = True) -> bool:
     )
     if not won:
         return False
+    _free_inputs(job, store, progress.completed)
     job.refresh_from_db()
     if status == Status.FAILED and not job.error_code:
         job.error_code, job.error_message = "embedding_failed", "Some inputs could not be embedded"
@@ -699,6 +718,17 @@ def job_finalize(*, job_id: int, status: str, publish: bool = True) -> bool:
         except Exception as error:  # the job is done either way; the callback is best effort
             logger.warning("could not enqueue the callback of job %s: %s", job.public_id, error)
     return True
+
+
+def _free_inputs(job: EmbeddingJob, store: JobStore, completed: int) -> None:
+    """No chunk of an ended job runs again: its texts go now (ids and results stay until expiry) and
+    it holds only what it keeps. A failure here leaves them stored and counted until expiry."""
+    try:
+        store.delete_inputs(job.chunks)
+    except redis.RedisError as error:
+        logger.warning("job %s: inputs not freed (they expire with the job): %s", job.public_id, error)
+        return
+    job_storage_settle(public_id=job.public_id, completed=completed, total=job.total)
 
 
 def _settle(job: EmbeddingJob, store: JobStore, used_tokens: int) -> None:

@@ -17,11 +17,25 @@ WEBHOOK_SECRET_PREFIX = "whsec_"
 WEBHOOK_SECRET_BYTES = 32
 
 
-def tenant_create(*, name: str, slug: str | None = None, allow_all_models: bool = True) -> Tenant:
+def tenant_create(
+    *,
+    name: str,
+    slug: str | None = None,
+    allow_all_models: bool = True,
+    job_storage_budget_bytes: int | None = None,
+) -> Tenant:
+    """A new tenant; job_storage_budget_bytes None: JOB_STORAGE_TENANT_BUDGET_BYTES."""
     slug = slug or slugify(name)
     if not slug:
         raise ValueError(f"cannot make a slug from {name!r}; pass one")
-    return Tenant.objects.create(name=name, slug=slug, allow_all_models=allow_all_models)
+    if job_storage_budget_bytes is not None and job_storage_budget_bytes < 0:
+        raise ValueError(f"job storage budget must be at least 0 bytes, not {job_storage_budget_bytes}")
+    return Tenant.objects.create(
+        name=name,
+        slug=slug,
+        allow_all_models=allow_all_models,
+        job_storage_budget_bytes=job_storage_budget_bytes,
+    )
 
 
 def tenant_deactivate(*, tenant: Tenant) -> Tenant:

@@ -15,6 +15,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from embeddings.models import ApiKey, EmbeddingModel, Tenant
+from embeddings.services.job_storage import StorageNeed, job_storage_admit
 from embeddings.services.keys import api_key_create, api_key_for_secret, api_key_revoke, parse_api_key
 from embeddings.services.tenants import tenant_create
 
@@ -325,3 +326,27 @@ def test_a_models_result_dtype_is_set_and_filtered_in_the_admin(admin_client):
         admin_client.get(changelist, {"result_dtype__exact": "float32"}).context["cl"].result_list.count()
         == 0
     )
+
+
+def test_tenant_page_shows_its_job_storage_against_its_budget(admin_client, alpha, beta, settings):
+    settings.JOB_STORAGE_TENANT_BUDGET_BYTES = 4 << 20
+    need = StorageNeed(input_bytes=600_000, kept_bytes=48_576, result_bytes=400_000)
+    job_storage_admit(tenant=alpha, public_id="job_alphaholds0000000000000", need=need)
+    job_storage_admit(tenant=beta, public_id="job_betaholds00000000000000", need=need)
+    job_storage_admit(tenant=beta, public_id="job_betaholdsmore0000000000", need=need)
+
+    page = admin_client.get(reverse("admin:embeddings_tenant_change", args=[alpha.pk])).content.decode()
+
+    assert "1.0 MiB (1,048,576 bytes) of 4.0 MiB: 25.0% of the budget" in page
+    assert 'name="job_storage_budget_bytes"' in page
+
+
+def test_create_tenant_sets_a_job_storage_budget():
+    call_command(
+        "create_tenant", "--name", "Big", "--job-storage-budget-bytes", "8589934592", stdout=io.StringIO()
+    )
+    call_command("create_tenant", "--name", "Default", stdout=io.StringIO())
+    assert Tenant.objects.get(slug="big").job_storage_budget_bytes == 8 << 30
+    assert Tenant.objects.get(slug="default").job_storage_budget_bytes is None
+    with pytest.raises(CommandError, match="at least 0 bytes"):
+        call_command("create_tenant", "--name", "Negative", "--job-storage-budget-bytes", "-1")

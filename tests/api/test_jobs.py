@@ -412,3 +412,49 @@ async def test_a_job_over_the_token_budget_is_429_and_creates_nothing(client, al
     assert "retry-after" in response.headers
     assert await sync_to_async(EmbeddingJob.objects.count)() == 0
     assert not list(redis_sync().scan_iter("job:*"))
+
+
+# --- Job storage budget (embeddings/services/job_storage.py) --------------------------------------
+
+
+@sync_to_async
+def set_job_storage_budget(tenant, budget_bytes: int | None) -> None:
+    tenant.job_storage_budget_bytes = budget_bytes
+    tenant.save(update_fields=["job_storage_budget_bytes"])
+
+
+async def job_storage_of(client, tenant) -> dict:
+    response = await client.get("/v1/usage", headers=tenant.headers)
+    assert response.status_code == 200, response.text
+    return response.json()["job_storage"]
+
+
+async def test_a_job_over_the_job_storage_budget_is_refused_and_usage_shows_the_bytes(client, alpha, beta):
+    # Larger than the whole budget: it can never fit (413).
+    await set_job_storage_budget(alpha.tenant, 1000)
+    error = assert_error(await submit(client, alpha), 413, "job_storage_budget_exceeded", "input")
+    assert "this tenant's job storage budget is 1000 bytes" in error["message"]
+    assert await stored_nothing()
+    assert await job_storage_of(client, alpha) == {
+        "used_bytes": 0,
+        "budget_bytes": 1000,
+        "available_bytes": 1000,
+    }
+
+    # Room for one such job: the second does not fit now (429, retry once bytes come back).
+    await set_job_storage_budget(alpha.tenant, 10_000)
+    first = await submit(client, alpha)
+    assert first.status_code == 202, first.text
+    storage = await job_storage_of(client, alpha)
+    assert storage["budget_bytes"] == 10_000 and 5_000 < storage["used_bytes"] <= 10_000
+    assert storage["available_bytes"] == 10_000 - storage["used_bytes"]
+    second = await submit(client, alpha)
+    error = assert_error(second, 429, "job_storage_budget_exceeded", "input")
+    assert error["type"] == "insufficient_quota" and second.headers["retry-after"] == "60"
+    # Another tenant has its own budget.
+    assert (await submit(client, beta)).status_code == 202
+    # Deleting the job gives its bytes back at once.
+    deleted = await client.delete(f"/v1/jobs/{first.json()['id']}", headers=alpha.headers)
+    assert deleted.status_code == 200, deleted.text
+    assert (await job_storage_of(client, alpha))["used_bytes"] == 0
+    assert (await submit(client, alpha)).status_code == 202

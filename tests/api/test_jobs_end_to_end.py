@@ -16,6 +16,7 @@ import orjson
 import pytest
 import redis
 
+from tests.database_backend import database_execute
 from tests.job_stack import JobStack, job_stack_running
 from tests.processes import manage, process_group_paused
 
@@ -273,3 +274,40 @@ def test_float16_results_are_float32_downloads_within_the_documented_precision(h
             "max |value|": float(np.abs(reference).max()),
         }
     print("float16 against float32 on", len(SENTENCES), "sentences:", figures)
+
+
+def test_job_storage_budget_on_the_real_stack(http, job_stack, redis_server):
+    """Through uvicorn and a worker: a job holds its bytes from submission, gives its inputs' back
+    when it ends, a job that does not fit is refused with nothing stored, and delete frees all."""
+
+    def held() -> int:
+        return http.get("/v1/usage").json()["job_storage"]["used_bytes"]
+
+    # The earlier tests' jobs in this stack hold bytes too: room for 60 kB more.
+    before = held()
+    tenant = "UPDATE embeddings_tenant SET job_storage_budget_bytes = %s WHERE slug = 'jobs'"
+    database_execute(job_stack.env["DATABASE_URL"], tenant, before + 60_000)
+    try:
+        with process_group_paused(job_stack.worker):
+            submitted = http.post("/v1/jobs", json={"model": MODEL, "input": TEXTS})
+            assert submitted.status_code == 202, submitted.text
+            at_submission = held() - before
+        job = finished(http, job_stack, submitted.json()["id"])
+        assert job["status"] == "completed", job
+        store = redis.Redis.from_url(redis_server.url)
+        job_keys = [key.decode() for key in store.keys(f"job:{{{job['id']}}}:*")]
+        assert [key for key in job_keys if ":in:" in key] == [] and any(":out:" in key for key in job_keys)
+        storage = http.get("/v1/usage").json()["job_storage"]
+        # 10 inputs x 384 dimensions x 4 bytes of results stay; the inputs' bytes came back.
+        assert 10 * 384 * 4 < storage["used_bytes"] - before < at_submission
+        assert storage["budget_bytes"] == before + 60_000
+
+        too_big = http.post("/v1/jobs", json={"model": MODEL, "input": TEXTS * 5})
+        assert too_big.status_code == 413, too_big.text
+        assert too_big.json()["error"]["code"] == "job_storage_budget_exceeded"
+        assert http.get("/v1/jobs").json()["data"][0]["id"] == job["id"]
+
+        assert http.delete(f"/v1/jobs/{job['id']}").status_code == 200
+        assert held() == before
+    finally:
+        database_execute(job_stack.env["DATABASE_URL"], tenant, None)

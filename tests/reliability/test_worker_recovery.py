@@ -119,7 +119,7 @@ def test_a_worker_killed_mid_chunk_is_replaced_within_the_lease(job_stack, start
     total = chunk_size * chunks
     assert (job["status"], job["completed"], job["failed"], job["total"]) == ("completed", total, 0, total)
     # Every result exactly once: the vectors are the synchronous ones, usage counted once per chunk.
-    rows, max_difference, tokens = job_stack.compare(job_id)
+    rows, max_difference, tokens = job_stack.compare(job_id, inputs)
     assert rows == total and max_difference < 1e-5 and job["prompt_tokens"] == tokens
     usage = job_usage()
     assert (usage["requests"], usage["succeeded"], usage["inputs"], usage["tokens"]) == (
@@ -178,10 +178,11 @@ def test_a_chunk_longer_than_many_leases_is_not_resent_while_its_worker_lives(jo
     _, second_log = start_worker(**env)
     _, beat_log = start_worker("beat", JOB_WATCHDOG_INTERVAL_S=str(interval_s))
     logs = [first_log, second_log, beat_log]
-    (job_id,) = job_stack.submit([("beta", long_texts("long", count))], JOB_CHUNK_SIZE=str(count))
+    inputs = long_texts("long", count)
+    (job_id,) = job_stack.submit([("beta", inputs)], JOB_CHUNK_SIZE=str(count))
     job = job_stack.wait(job_id, {"completed", "failed"}, logs, timeout_s=180)
     assert (job["status"], job["completed"], job["chunks"]) == ("completed", count, 1)
-    rows, max_difference, tokens = job_stack.compare(job_id)
+    rows, max_difference, tokens = job_stack.compare(job_id, inputs)
     assert rows == count and max_difference < 1e-5 and job["prompt_tokens"] == tokens
 
     runs = chunk_runs(job_store_of(job_stack, job_id))

@@ -87,7 +87,7 @@ def test_a_job_spanning_a_worker_restart_completes_exactly_once(job_stack, servi
 
     total = chunk_size * chunks
     assert (job["status"], job["completed"], job["failed"], job["total"]) == ("completed", total, 0, total)
-    rows, max_difference, tokens = job_stack.compare(job_id)
+    rows, max_difference, tokens = job_stack.compare(job_id, inputs)
     assert rows == total and max_difference < 1e-5 and job["prompt_tokens"] == tokens
     usage = job_usage()
     assert (usage["requests"], usage["succeeded"], usage["inputs"], usage["tokens"]) == (

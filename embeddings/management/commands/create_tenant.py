@@ -8,19 +8,30 @@ from embeddings.services.tenants import quota_limits_update, tenant_create
 
 
 class Command(BaseCommand):
-    help = "Create a tenant: create_tenant --name 'Acme' [--slug acme] [--requests-per-minute 60 ...]"
+    help = (
+        "Create a tenant: create_tenant --name 'Acme' [--slug acme] [--requests-per-minute 60 ...] "
+        "[--job-storage-budget-bytes 2147483648]"
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("--name", required=True)
         parser.add_argument("--slug", default=None)
         for field in Tenant.QUOTA_FIELDS:
             parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=None, dest=field)
+        parser.add_argument(
+            "--job-storage-budget-bytes",
+            type=int,
+            default=None,
+            help="Bytes its jobs may hold in the job store at once; default JOB_STORAGE_TENANT_BUDGET_BYTES",
+        )
 
-    def handle(self, *args, name, slug, **options):
+    def handle(self, *args, name, slug, job_storage_budget_bytes, **options):
         limits = {field: options[field] for field in Tenant.QUOTA_FIELDS if options[field] is not None}
         try:
             with transaction.atomic():
-                tenant = tenant_create(name=name, slug=slug)
+                tenant = tenant_create(
+                    name=name, slug=slug, job_storage_budget_bytes=job_storage_budget_bytes
+                )
                 if limits:
                     quota_limits_update(owner=tenant, limits=limits)
         except (IntegrityError, ValueError) as error:
