@@ -1,15 +1,18 @@
 """Asynchronous embedding jobs: submission, the chunk engine the Celery tasks run, and the job's life.
 
-A job's inputs and results live in Redis (embeddings.services.job_store), its state in the
-EmbeddingJob row. Life of a job:
+A job's inputs, results and progress live in the job store (JOB_STORE_URL,
+embeddings.services.job_store), its state in the EmbeddingJob row; its quota reservation and usage
+in the critical Redis (REDIS_URL). Life of a job:
 
     job_create     validate, idempotency, max concurrent jobs, reserve the whole job's tokens
                    (an upper bound), store the inputs, save the row, and after the commit hand out
                    the first JOB_CHUNKS_IN_FLIGHT chunks to the broker.
     job_chunk_run  (a Celery task per chunk) embed one chunk under a lease its heartbeat keeps
-                   alive (embeddings.services.job_leases), write it and count its usage once
-                   (one script: JobStore.finish_chunk), mirror progress, and hand out exactly
-                   one successor chunk.
+                   alive (embeddings.services.job_leases), write it with its usage increments
+                   (one script: JobStore.finish_chunk), count that usage in the critical Redis
+                   (once per chunk: usage_count_once), mirror progress, and hand out exactly one
+                   successor chunk. A redelivered chunk counts what a dead worker wrote but did
+                   not count; so does the job's end, for every chunk.
     job_finalize   exactly once: completed | failed | cancelled, counts, tokens settled against
                    the reservation (the unused rest refunded), event published, callback enqueued.
     job_watchdog   (beat, every JOB_WATCHDOG_INTERVAL_S) re-sends a chunk whose lease lapsed (its
@@ -44,7 +47,6 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-import orjson
 import redis
 from celery import current_app
 from django.conf import settings
@@ -79,8 +81,8 @@ from embeddings.services.quotas import (
     quota_release_sync,
     quota_reserve_sync,
 )
-from embeddings.services.redis_clients import redis_sync
-from embeddings.services.usage import UsageEvent, usage_increments
+from embeddings.services.redis_clients import redis_job_store, redis_sync
+from embeddings.services.usage import UsageEvent, usage_count_once, usage_increments
 
 logger = logging.getLogger(__name__)
 
@@ -130,20 +132,38 @@ class JobSpec:
 
 
 def job_store(job: EmbeddingJob) -> JobStore:
-    """The job's data in Redis; kept a day past expires_at at most (expiry deletes it first)."""
-    return JobStore(redis_sync(), job.public_id, ttl_s=settings.JOB_RESULT_TTL_S + 86400)
+    """The job's data in the job store; kept a day past expires_at at most (expiry deletes it first)."""
+    return JobStore(redis_job_store(), job.public_id, ttl_s=settings.JOB_RESULT_TTL_S + 86400)
 
 
 def _engine_keys(store: JobStore) -> list[str]:
-    """The engine's own keys beside JobStore's (same hash tag)."""
-    kinds = ("next", "handoff", "reservation", "settled", "event")
+    """The engine's own keys beside JobStore's (same hash tag, in the job store)."""
+    kinds = ("next", "handoff", "reservation", "event")
     return [store.key(kind) for kind in kinds] + lease_keys(store)
+
+
+def _settled_key(store: JobStore) -> str:
+    """The reservation's settled marker: in the critical Redis, beside the counters it refunds."""
+    return store.key("settled")
 
 
 def _delete_data(job: EmbeddingJob) -> None:
     store = job_store(job)
+    _count_usage(store)
     store.delete(job.chunks)
     store.client.delete(*_engine_keys(store))
+    redis_sync().delete(_settled_key(store))
+
+
+def _count_usage(store: JobStore, chunk: int | None = None) -> None:
+    """Count in the critical Redis the usage of finished chunks (one, or all of the job's) that is
+    not counted yet, then forget it in the job store. Each chunk counts once however often this
+    runs (usage_count_once keeps a marker per chunk), so a worker that died between writing a
+    chunk and counting it leaves its usage to the next call, not lost and not doubled."""
+    pending = store.uncounted_usage(chunk)
+    for number, increments in pending.items():
+        usage_count_once(owner=store.job_id, unit=number, increments=increments, ttl_s=store.ttl_s)
+    store.forget_usage(list(pending))
 
 
 def _script(client: redis.Redis, source: str):
@@ -339,7 +359,7 @@ def job_create(
             store.put_inputs(text_chunks, id_chunks)
             if reservation is not None and reservation.counters:
                 keys = [c.key for c in reservation.counters if c.window.kind == "tokens"]
-                store.client.set(store.key("reservation"), orjson.dumps(keys), ex=store.ttl_s)
+                store.put_reservation(keys)
             with transaction.atomic():
                 job.save(force_insert=True)
                 transaction.on_commit(lambda: _dispatch(job))
@@ -551,9 +571,12 @@ def job_chunk_run(*, job_id: int, chunk: int) -> None:
     again, and hands out no second successor.
     """
     job = EmbeddingJob.objects.select_related("model").filter(pk=job_id).first()
-    if job is None or job.status not in ACTIVE:
+    if job is None:
         return
     store = job_store(job)
+    if job.status not in ACTIVE:
+        _count_usage(store, chunk)  # written by a worker that died before counting it
+        return
     if job.status == Status.CANCELLING or store.is_cancelled():
         _finish_cancelled(job)
         return
@@ -574,6 +597,8 @@ def job_chunk_run(*, job_id: int, chunk: int) -> None:
                 return
             usage = _usage(job, "succeeded", len(texts), result.total_tokens, started)
             store.finish_chunk(chunk, result.vectors, tokens=result.total_tokens, usage=usage)
+        # Also when the chunk was done before: its first run may have died before counting.
+        _count_usage(store, chunk)
         _after_chunk(job, store, chunk)
 
 
@@ -586,7 +611,7 @@ def job_chunk_retry_scheduled(*, job_id: int, chunk: int, delay_s: float) -> Non
 
 
 def _usage(job: EmbeddingJob, outcome: str, inputs: int, tokens: int, started: float) -> dict[str, int]:
-    """A chunk's usage increments, counted by the script that finishes it (exactly once with it)."""
+    """A chunk's usage increments, kept with its result and counted once (_count_usage)."""
     return usage_increments(
         UsageEvent(
             tenant_id=job.tenant_id,
@@ -626,6 +651,7 @@ def job_chunk_fail(*, job_id: int, chunk: int, code: str, message: str) -> None:
     store = job_store(job)
     rows = _chunk_rows(job)[chunk]
     store.fail_chunk(chunk, rows=rows, usage=_usage(job, "failed", 0, 0, time.perf_counter()))
+    _count_usage(store, chunk)
     _after_chunk(job, store, chunk)
 
 
@@ -662,6 +688,9 @@ def job_finalize(*, job_id: int, status: str, publish: bool = True) -> bool:
     if job is None or job.status not in ACTIVE:
         return False
     store = job_store(job)
+    # Every chunk's usage counted before the job ends (a dead worker's included): after the end a
+    # redelivered chunk may find the job gone.
+    _count_usage(store)
     progress = store.progress()
     if status == Status.COMPLETED and progress.failed:
         status = Status.FAILED
@@ -691,12 +720,12 @@ def job_finalize(*, job_id: int, status: str, publish: bool = True) -> bool:
 
 
 def _settle(job: EmbeddingJob, store: JobStore, used_tokens: int) -> None:
-    """Give back what the reservation held beyond the tokens used, once (a marker in the script)."""
-    raw = store.client.get(store.key("reservation"))
-    keys = orjson.loads(raw) if raw else []
+    """Give back what the reservation held beyond the tokens used, once (a marker in the script,
+    run on the critical Redis that holds the token counters)."""
+    keys = store.reservation()
     refund = max(0, job.reserved_tokens - used_tokens)
     if keys and refund:
-        _script(store.client, _SETTLE_ONCE)(keys=[store.key("settled"), *keys], args=[store.ttl_s, refund])
+        _script(redis_sync(), _SETTLE_ONCE)(keys=[_settled_key(store), *keys], args=[store.ttl_s, refund])
 
 
 # --- Watchdog ------------------------------------------------------------------------------------
