@@ -91,7 +91,7 @@ class JobStore:
         try:
             pipeline.execute()
         except redis.exceptions.RedisError as error:
-            if str(error).startswith("OOM"):
+            if isinstance(error, redis.exceptions.OutOfMemoryError):
                 raise JobStoreUnavailable(
                     "The job store is full, so the job was not submitted; retry later."
                 ) from error
