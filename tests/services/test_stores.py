@@ -42,7 +42,10 @@ HOUR = 1_767_225_600  # 2026-01-01 00:00 UTC
 # Small enough to fill in a moment; the critical Redis's is left as runstack sets it.
 JOB_STORE_MAXMEMORY_MB = 8
 CHUNK_BYTES = 1024 * 1024
-SMALLEST_CHUNK_BYTES = 256
+# A job larger than what a full job store has left, whatever Redis's own buffers take (Redis
+# counts a request's arguments against maxmemory while it runs, so a small write may still fit).
+BIG_JOB_TEXTS = ["y" * 64 * 1024] * 64
+FILLER_KEYS = b"job:{job_filler_"
 
 
 def point_service_at(settings, critical_url: str, job_store_url: str) -> None:
@@ -114,22 +117,22 @@ def test_runstack_runs_both_roles_bounded_without_eviction_and_with_an_append_on
         local_redis_servers()
 
 
-def fill_job_store() -> int:
-    """Store chunks until the job store refuses even a small one (maxmemory, noeviction): 1 MiB
-    chunks, then smaller ones into what is left. Returns the bytes stored."""
-    client = redis_job_store()
+def fill_job_store(client: redis.Redis, maxmemory_mb: int) -> int:
+    """Store 1 MiB chunks until the job store refuses one (maxmemory, noeviction); the bytes stored.
+    Every key it writes starts with FILLER_KEYS."""
     stored = 0
-    chunk_bytes = CHUNK_BYTES
-    for number in range(JOB_STORE_MAXMEMORY_MB * 64):  # a bound against a server that never refuses
+    for number in range(maxmemory_mb * 4):  # a bound against a server that never refuses
         try:
-            JobStore(client, f"job_filler_{number}", ttl_s=600).put_inputs([["x" * chunk_bytes]])
-            stored += chunk_bytes
+            JobStore(client, f"job_filler_{number}", ttl_s=600).put_inputs([["x" * CHUNK_BYTES]])
+            stored += CHUNK_BYTES
         except JobStoreUnavailable as refused:
             assert "full" in str(refused)
-            if chunk_bytes <= SMALLEST_CHUNK_BYTES:
-                return stored
-            chunk_bytes //= 8
-    pytest.fail(f"the job store took {stored} bytes with maxmemory {JOB_STORE_MAXMEMORY_MB} MiB")
+            return stored
+    pytest.fail(f"the job store took {stored} bytes with maxmemory {maxmemory_mb} MiB")
+
+
+def job_keys_besides_the_filler(client: redis.Redis) -> list[bytes]:
+    return [key for key in client.scan_iter("job:*") if not key.startswith(FILLER_KEYS)]
 
 
 def broker_round_trip(url: str) -> dict:
@@ -152,17 +155,15 @@ def test_a_full_job_store_leaves_quota_checks_and_the_broker_unaffected(local_st
     tenant.requests_per_minute, tenant.tokens_per_day = 2, 1_000_000
     tenant.save()
     model = embedding_model_register_local(repository=Path(settings.TRITON_MODEL_REPOSITORY))
-    stored = fill_job_store()
-    # Refused near its maxmemory, not long before (Redis's own use and the requests' buffers take
+    stored = fill_job_store(redis_job_store(), JOB_STORE_MAXMEMORY_MB)
+    # Refused near its maxmemory, not long before (Redis's own use and the request's buffers take
     # the rest).
     assert JOB_STORE_MAXMEMORY_MB * CHUNK_BYTES // 2 <= stored <= JOB_STORE_MAXMEMORY_MB * CHUNK_BYTES
     # A job submitted now is refused whole: no row, no data, its reserved tokens given back.
     with pytest.raises(JobStoreUnavailable):
-        job_create(tenant_id=tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=["a", "b"]))
+        job_create(tenant_id=tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=BIG_JOB_TEXTS))
     assert EmbeddingJob.objects.count() == 0
-    assert [
-        key for key in redis_job_store().scan_iter("job:*") if not key.startswith(b"job:{job_filler")
-    ] == []
+    assert job_keys_besides_the_filler(redis_job_store()) == []
     assert quota_status_sync(tenant.pk)["tenant"]["tokens_per_day"]["used"] == 0
     # The request path's quota check (async, lean client) and the workers' (sync) still count and
     # still refuse, in a minute of their own (two ahead: the submission's request is not in it).
