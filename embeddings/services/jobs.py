@@ -381,7 +381,12 @@ def _undo(job: EmbeddingJob, reservation: Reservation | None) -> None:
     try:
         if job.pk is not None:
             EmbeddingJob.objects.filter(pk=job.pk).delete()
-        _delete_data(job)
+        try:
+            _delete_data(job)
+        except redis.RedisError as error:
+            # The job store is down (what failed the submission, often): the caller's error says
+            # so, and whatever got in expires with the job's TTL.
+            logger.warning("job %s: data not deleted after a failed submission: %s", job.public_id, error)
     finally:
         _refund(reservation)
 

@@ -177,6 +177,19 @@ def test_a_full_job_store_leaves_quota_checks_and_the_broker_unaffected(local_st
     assert broker_round_trip(settings.CELERY_BROKER_URL) == {"job": 1, "chunk": 2}
 
 
+def test_a_job_store_that_does_not_answer_refuses_a_job_whole(local_stores, settings):
+    tenant = tenant_create(name="Alpha")
+    tenant.tokens_per_day = 1_000_000
+    tenant.save()
+    model = embedding_model_register_local(repository=Path(settings.TRITON_MODEL_REPOSITORY))
+    settings.JOB_STORE_URL = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    reset_redis_clients()
+    with pytest.raises(JobStoreUnavailable, match="does not answer"):
+        job_create(tenant_id=tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=["a", "b"]))
+    assert EmbeddingJob.objects.count() == 0
+    assert quota_status_sync(tenant.pk)["tenant"]["tokens_per_day"]["used"] == 0
+
+
 def wait_until_written(server: RedisServer) -> None:
     """Until Redis has written its append-only buffer to the file (it fsyncs every second; a killed
     process loses nothing the kernel holds, only a machine crash would lose that last second)."""
