@@ -12,7 +12,7 @@ in the critical Redis (REDIS_URL). Life of a job:
                    (one script: JobStore.finish_chunk), count that usage in the critical Redis
                    (once per chunk: usage_count_once), mirror progress, and hand out exactly one
                    successor chunk. A redelivered chunk counts what a dead worker wrote but did
-                   not count; so does the job's end, for every chunk.
+                   not count; so do the watchdog and the job's end, for every chunk.
     job_finalize   exactly once: completed | failed | cancelled, counts, tokens settled against
                    the reservation (the unused rest refunded), event published, callback enqueued.
     job_watchdog   (beat, every JOB_WATCHDOG_INTERVAL_S) re-sends a chunk whose lease lapsed (its
@@ -741,8 +741,9 @@ def job_watchdog(*, stall_s: float | None = None) -> int:
     whose chunks are all finished, or that was cancelled and has no chunk running; re-send the
     chunks whose worker died (lease lapsed) or whose message was lost (handed out JOB_STALL_S ago,
     never started); hand out the successors dead workers did not, and a fresh window to a job with
-    nothing in flight. Chunk tasks are idempotent, so a re-send is harmless even when the original
-    turns up after all. Returns how many jobs it acted on."""
+    nothing in flight; count the usage of chunks whose worker died before counting it. Chunk tasks
+    are idempotent, so a re-send is harmless even when the original turns up after all. Returns
+    how many jobs it acted on."""
     stall_s = settings.JOB_STALL_S if stall_s is None else stall_s
     touched = 0
     for job in EmbeddingJob.objects.select_related("model").filter(status__in=ACTIVE).iterator():
@@ -755,6 +756,7 @@ def job_watchdog(*, stall_s: float | None = None) -> int:
 
 def _watch(job: EmbeddingJob, stall_s: float) -> bool:
     store = job_store(job)
+    _count_usage(store)  # chunks whose worker died between writing and counting: counted now
     if job.status == Status.CANCELLING or store.is_cancelled():
         # A running chunk stops at its next check and ends the job; otherwise nothing would.
         return live_leases(store) == 0 and job_finalize(job_id=job.pk, status=Status.CANCELLED)

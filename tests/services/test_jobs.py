@@ -434,6 +434,21 @@ def test_a_job_ending_before_the_redelivery_counts_the_dead_workers_chunk(
     assert (totals["requests"], totals["inputs"], totals["tokens"]) == (2, 10, job.prompt_tokens)
 
 
+def test_the_watchdog_counts_a_dead_workers_chunk_while_the_job_runs(
+    api_setup, small_chunks, sent_chunks, monkeypatch
+):
+    job = _submit(api_setup)
+    with monkeypatch.context() as patch, pytest.raises(WorkerDied):
+        patch.setattr(jobs, "usage_count_once", _die)
+        job_chunk_run(job_id=job.pk, chunk=0)
+    assert _job_usage_totals() == {}
+    job_watchdog()
+    job_watchdog()
+    assert _job_usage_totals()["inputs"] == 5 and job_store(job).uncounted_usage() == {}
+    job.refresh_from_db()
+    assert job.status == "running"
+
+
 def test_a_retry_waiting_out_its_backoff_is_not_stalled(api_setup, small_chunks, sent_chunks):
     job = _submit(api_setup)
     job_chunk_retry_scheduled(job_id=job.pk, chunk=0, delay_s=60)
