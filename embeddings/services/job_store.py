@@ -18,8 +18,8 @@ A chunk's result, its entry in `done`, the progress counters and its usage incre
 Celery redelivering) neither writes twice nor counts twice. The usage counters themselves live in
 the critical Redis, another server: no script spans both, so the increments wait in `uncounted`
 until they are counted there, once per chunk (a marker per chunk beside the counters), and are
-forgotten only after that: a worker dying in between leaves them to the chunk's redelivery or to
-the job's end (embeddings.services.jobs), never lost and never counted twice.
+forgotten only after that: a worker dying in between leaves them to the chunk's redelivery, the
+watchdog or the job's end (embeddings.services.jobs), never lost and never counted twice.
 """
 
 from __future__ import annotations

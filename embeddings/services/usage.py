@@ -92,7 +92,7 @@ def usage_increments(event: UsageEvent) -> dict[str, int]:
 
 # Counts one unit's increments (a job's chunk) once. KEYS: the owner's marker bitmap, the live hash.
 # ARGV: the unit's bit, ttl seconds, then field/amount pairs. A bitmap: one bit per chunk (a
-# million-input job's marker is a few kilobytes) for as long as the increments may be offered again.
+# million-input job's marker is 600 bytes) for as long as the increments may be offered again.
 _COUNT_ONCE_SCRIPT = """
 if redis.call('SETBIT', KEYS[1], ARGV[1], 1) == 1 then
     return 0
