@@ -15,6 +15,10 @@ COMPOSE := $(VENV)/bin/docker-compose
 .PHONY: run test setup bench bench-api bench-quota bench-jobs lint clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
+# Two local Redis servers, as deployments run them (README "Job store and critical Redis"): job data
+# on its own port cannot fill the Redis that quotas, usage and the broker need. Set JOB_STORE_URL
+# empty to run one server for both roles.
+run: export JOB_STORE_URL ?= redis://127.0.0.1:6391/0
 run: setup
 	$(PY) manage.py runstack
 

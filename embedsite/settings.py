@@ -454,7 +454,7 @@ RUN_DIR = Path(env_str("EMBEDSITE_RUN_DIR", str(BASE_DIR / ".run")))
 # --- Readiness (/ready) ------------------------------------------------------------------------
 # Each check (Triton, the default model, the database, Redis) gets at most this long.
 READY_CHECK_TIMEOUT_S = env_float("READY_CHECK_TIMEOUT_S", 2.0, minimum=0.05)
-# Quotas, usage and jobs live in Redis: /ready requires it unless this is off.
+# Quotas, usage and jobs live in Redis: /ready requires it (and the job store) unless this is off.
 READY_CHECK_REDIS = env_bool("READY_CHECK_REDIS", True)
 
 # --- Redis: quotas, usage counters, Celery's broker ----------------------------------------------
@@ -467,6 +467,16 @@ RUNSTACK_STARTS_REDIS = env_bool("RUNSTACK_STARTS_REDIS", True)
 REDIS_TIMEOUT_S = env_float("REDIS_TIMEOUT_S", 1.0, minimum=0.01)
 # Connections per process's event loop; more concurrent commands wait for one (REDIS_TIMEOUT_S).
 REDIS_MAX_CONNECTIONS = env_int("REDIS_MAX_CONNECTIONS", 64, minimum=1)
+# The job store: jobs' inputs, results and progress (README "Job store and critical Redis"), kept
+# apart from REDIS_URL (the critical Redis: quotas, usage counters, broker, channel layer) so job
+# data filling it cannot refuse a quota check. Empty: the same Redis as REDIS_URL.
+JOB_STORE_URL = env_str("JOB_STORE_URL", "")
+# A chunk's inputs or results are up to megabytes: a longer timeout than the critical Redis's.
+JOB_STORE_TIMEOUT_S = env_float("JOB_STORE_TIMEOUT_S", 5.0, minimum=0.01)
+# maxmemory (MiB) of the Redis servers `runstack` starts (both with noeviction: a full Redis refuses
+# writes instead of dropping keys); one server holding both roles gets the sum.
+RUNSTACK_REDIS_MAXMEMORY_MB = env_int("RUNSTACK_REDIS_MAXMEMORY_MB", 256, minimum=1)
+RUNSTACK_JOB_STORE_MAXMEMORY_MB = env_int("RUNSTACK_JOB_STORE_MAXMEMORY_MB", 2048, minimum=1)
 
 # --- Quotas and usage ----------------------------------------------------------------------------
 QUOTAS_ENABLED = env_bool("QUOTAS_ENABLED", True)

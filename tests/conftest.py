@@ -103,13 +103,26 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
 
 
+@pytest.fixture(scope="session")
+def job_store_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A second redis-server: the job store, apart from the critical Redis as deployments run it."""
+    data_dir = tmp_path_factory.mktemp("redis-jobs")
+    with RedisServer(
+        port=free_port(), data_dir=data_dir, persistent=False, log_path=data_dir / "redis.log"
+    ) as server:
+        yield server
+
+
 @pytest.fixture
-def service_redis(redis_server: RedisServer, settings) -> Iterator[RedisServer]:
-    """Point the service's Redis clients (Celery's broker, the channel layer) at the test Redis, emptied
-    first."""
-    from embeddings.services.redis_clients import redis_sync, reset_redis_clients
+def service_redis(
+    redis_server: RedisServer, job_store_server: RedisServer, settings
+) -> Iterator[RedisServer]:
+    """Point the service's Redis clients (Celery's broker, the channel layer) at the test Redis, and
+    the job store at the second one (JOB_STORE_URL), both emptied first."""
+    from embeddings.services.redis_clients import redis_job_store, redis_sync, reset_redis_clients
 
     settings.REDIS_URL = redis_server.url
+    settings.JOB_STORE_URL = job_store_server.url
     settings.CELERY_BROKER_URL = redis_server.url
     # Job progress events (job_events.py) go to the test Redis too, never a developer's own.
     settings.CHANNEL_LAYERS = {
@@ -120,6 +133,7 @@ def service_redis(redis_server: RedisServer, settings) -> Iterator[RedisServer]:
     }
     reset_redis_clients()
     redis_sync().flushdb()
+    redis_job_store().flushdb()
     yield redis_server
     reset_redis_clients()
 

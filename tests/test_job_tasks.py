@@ -17,7 +17,7 @@ from django.conf import settings
 from embeddings.services.job_callbacks import SIGNATURE_HEADER, callback_signature_valid
 from embeddings.services.job_leases import chunk_runs
 from embeddings.services.job_store import JobStore
-from embeddings.services.redis_clients import redis_sync
+from embeddings.services.redis_clients import redis_job_store
 from embeddings.triton.server import free_port
 from tests import worker_stack
 from tests.processes import manage, process_group_paused
@@ -45,7 +45,7 @@ def _latency() -> dict[str, int]:
 
 def chunk_starts_ms(job: dict) -> dict[int, int]:
     """When each chunk of the job last started embedding (Redis's clock, ms), as its lease recorded."""
-    store = JobStore(redis_sync(), job["public_id"], ttl_s=3600)
+    store = JobStore(redis_job_store(), job["public_id"], ttl_s=3600)
     return chunk_runs(store).started_ms
 
 

@@ -1,5 +1,6 @@
 """Jobs run by real `celery -A embedsite worker` processes (started as runstack starts them) against
-the test Redis, the test Triton and a database shared with the test (on the run's backend); jobs are
+the test Redis servers (the critical one and the job store, two servers as deployed), the test
+Triton and a database shared with the test (on the run's backend); jobs are
 submitted by `manage.py shell` against it, as the web process would. Shared by tests/test_job_tasks.py
 and tests/reliability/test_worker_recovery.py."""
 
@@ -89,7 +90,7 @@ class JobStack:
 
 
 @pytest.fixture(scope="module")
-def job_stack(redis_server, triton_server, tmp_path_factory) -> JobStack:
+def job_stack(redis_server, job_store_server, triton_server, tmp_path_factory) -> JobStack:
     workdir = tmp_path_factory.mktemp("jobs")
     env = {
         **os.environ,
@@ -97,6 +98,7 @@ def job_stack(redis_server, triton_server, tmp_path_factory) -> JobStack:
         "DATABASE_URL": fresh_database_url(workdir),
         "REDIS_URL": redis_server.url,
         "CELERY_BROKER_URL": redis_server.url,
+        "JOB_STORE_URL": job_store_server.url,
         "TRITON_SERVER_URL": triton_server.grpc_target,
         "EMBEDSITE_RUN_DIR": str(workdir),
         "JOB_CHUNK_SIZE": "4",

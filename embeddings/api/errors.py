@@ -29,6 +29,7 @@ ApiError (500 server_error)
 ├── UpstreamUnavailable (503 model_unavailable)       Triton down or the model not ready
 ├── QuotaUnavailable (503 quota_unavailable)          quotas cannot be checked (Redis down, fail closed)
 ├── JobQueueUnavailable (503 queue_unavailable)       the job queue (broker) refused a job, which was undone
+├── JobStoreUnavailable (503 job_store_unavailable)   the job store is full or down; the job was undone
 ├── ShuttingDown (503 shutting_down)                  still unfinished SHUTDOWN_TIMEOUT_S after SIGTERM
 └── UpstreamTimeout (504 model_timeout)               Triton or the request missed its deadline
 """
@@ -54,6 +55,7 @@ from embeddings.services.errors import (
     StorageBudgetExceeded,
 )
 from embeddings.services.errors import JobQueueUnavailable as JobQueueFailed
+from embeddings.services.errors import JobStoreUnavailable as JobStoreFailed
 from embeddings.services.errors import QuotaUnavailable as QuotaStoreFailed
 from embeddings.tokenization import InputTooLong, TokenizationError
 from embeddings.triton.errors import (
@@ -242,6 +244,16 @@ class JobQueueUnavailable(ApiError):
         super().__init__(message, headers={"Retry-After": "1", **kwargs.pop("headers", {})}, **kwargs)
 
 
+class JobStoreUnavailable(ApiError):
+    status = 503
+    type = "server_error"
+    code = "job_store_unavailable"
+    default_message = "The job store cannot take the job now, so it was not submitted; retry later."
+
+    def __init__(self, message: str | None = None, **kwargs: Any) -> None:
+        super().__init__(message, headers={"Retry-After": "30", **kwargs.pop("headers", {})}, **kwargs)
+
+
 class ShuttingDown(ApiError):
     status = 503
     type = "server_error"
@@ -338,6 +350,8 @@ def as_api_error(exc: Exception) -> ApiError:
         return IdempotencyKeyReused(exc.message, param=exc.param)
     if isinstance(exc, JobQueueFailed):
         return JobQueueUnavailable(exc.message)
+    if isinstance(exc, JobStoreFailed):
+        return JobStoreUnavailable(exc.message)
     if isinstance(exc, InvalidRequest | ServiceError):
         return ValidationFailed(exc.message, param=exc.param)
     if isinstance(exc, TritonUnavailable):

@@ -1,10 +1,11 @@
 """Liveness (/health) and readiness (/ready) for load balancers and orchestrators; no API key.
 
 /health says the process answers. /ready says this process can serve embeddings now: Triton is
-ready, the default model is ready in Triton, the database answers, and Redis answers (unless
-READY_CHECK_REDIS is off). Every check runs concurrently under READY_CHECK_TIMEOUT_S, so /ready
-answers within about that long whatever is down. A process shutting down (SIGTERM, embedsite/server.py)
-answers 503 at once, while it still serves everything else for SHUTDOWN_DRAIN_S.
+ready, the default model is ready in Triton, the database answers, and both Redis roles answer:
+the critical Redis and the job store (unless READY_CHECK_REDIS is off). Every check runs
+concurrently under READY_CHECK_TIMEOUT_S, so /ready answers within about that long whatever is
+down. A process shutting down (SIGTERM, embedsite/server.py) answers 503 at once, while it still
+serves everything else for SHUTDOWN_DRAIN_S.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from embeddings import lifecycle
 from embeddings.services import catalog
 from embeddings.services.inference import triton_async_client
-from embeddings.services.redis_clients import redis_async
+from embeddings.services.redis_clients import redis_async, redis_job_store
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +78,17 @@ async def check_redis() -> None:
     await redis_async().ping()
 
 
+async def check_job_store() -> None:
+    # The blocking client on a pool thread (its PING bounded by JOB_STORE_TIMEOUT_S): not the
+    # request's thread, which a stuck job store must not hold.
+    await sync_to_async(redis_job_store().ping, thread_sensitive=False)()
+
+
 def readiness_checks() -> dict[str, Callable[[], Awaitable[None]]]:
     checks = {"triton": check_triton, "model": check_model, "database": check_database}
     if settings.REDIS_URL and settings.READY_CHECK_REDIS:
         checks["redis"] = check_redis
+        checks["job_store"] = check_job_store
     return checks
 
 

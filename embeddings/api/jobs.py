@@ -29,8 +29,11 @@ from embeddings.api.errors import (
     InsufficientQuota,
     JobExpired,
     JobNotFinished,
+    JobQueueUnavailable,
+    JobStoreUnavailable,
     NotFound,
     PayloadTooLarge,
+    QuotaUnavailable,
     RateLimited,
     UnsupportedMediaType,
     ValidationFailed,
@@ -340,7 +343,13 @@ class JobListCreateView(ApiView):
                     "This tenant already runs 2 jobs, its max_concurrent_jobs.", limit_type="requests"
                 ),
             ),
-            503: ERRORS[503],
+            503: _error_response(
+                "Not submitted, nothing kept: quotas cannot be checked (Redis down), the job queue "
+                "refused it, or the job store is full or down. Retry after the Retry-After header's seconds.",
+                QuotaUnavailable(),
+                JobQueueUnavailable(),
+                JobStoreUnavailable("The job store is full, so the job was not submitted; retry later."),
+            ),
         },
         examples=[
             OpenApiExample(

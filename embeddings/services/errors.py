@@ -9,7 +9,8 @@ ServiceError
 ├── QuotaUnavailable    (503) the quota store (Redis) failed and QUOTA_REDIS_FAILURE is "closed"
 ├── StorageBudgetExceeded (413/429) a job's bytes over its tenant's or the global job storage budget
 ├── JobConflict         (409) an Idempotency-Key reused for a different job request
-└── JobQueueUnavailable (503) the job queue (broker) refused a submission, which was undone
+├── JobQueueUnavailable (503) the job queue (broker) refused a submission, which was undone
+└── JobStoreUnavailable (503) the job store (JOB_STORE_URL) refused a job's inputs, or is down
 Tokenisation errors (embeddings.tokenization) and Triton errors (embeddings.triton.errors) are
 separate trees, mapped by the same API handler.
 """
@@ -85,3 +86,7 @@ class JobConflict(ServiceError):
 
 class JobQueueUnavailable(ServiceError):
     """The broker refused a job's first chunks; the submission was undone (503)."""
+
+
+class JobStoreUnavailable(ServiceError):
+    """The job store refused a job's inputs (full) or did not answer; the submission was undone (503)."""

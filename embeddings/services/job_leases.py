@@ -1,8 +1,9 @@
 """Where each chunk of a job is: handed out, running under a lease its worker keeps alive, finished;
 and what the watchdog reads to re-send the chunks a dead worker left behind.
 
-Keys beside JobStore's (same `{job id}` hash tag), every time in milliseconds of Redis's own clock
-(TIME inside the scripts), so workers on other machines need no synchronised clocks:
+Keys beside JobStore's in the job store (same `{job id}` hash tag), every time in milliseconds of
+the job store's own clock (TIME inside the scripts), so workers on other machines need no
+synchronised clocks:
 
     job:{<id>}:sent      hash chunk -> when it was handed out (to the broker), or when its retry
                          is due; removed once the chunk is finished and has handed out its successor
@@ -291,7 +292,7 @@ class ChunkLease:
         self._stop.set()
         if self._thread is not None:
             # Joined before the release, so a late renewal cannot bring the lease back.
-            self._thread.join(timeout=settings.REDIS_TIMEOUT_S * 3 + 1)
+            self._thread.join(timeout=settings.JOB_STORE_TIMEOUT_S * 3 + 1)
         store = self.store
         keys = [store.key(kind) for kind in ("lease", "sent", "done", "handoff")]
         try:

@@ -1,4 +1,5 @@
-"""A job's inputs and results in Redis: chunked, kept for the job's TTL, written once, read as a stream.
+"""A job's inputs and results in the job store (JOB_STORE_URL): chunked, kept for the job's TTL,
+written once, read as a stream.
 
 Keys (the `{job id}` hash tag keeps one job's keys on one Redis Cluster slot):
 
@@ -9,11 +10,18 @@ Keys (the `{job id}` hash tag keeps one job's keys on one Redis Cluster slot):
                              float16 for a job stored as float16 (services/result_dtypes.py)
     job:{<id>}:done          set of finished chunk numbers: what makes a redelivered chunk a no-op
     job:{<id>}:progress      hash: completed, failed (inputs), tokens, chunks_done
+    job:{<id>}:uncounted     hash chunk -> orjson of its usage increments, until the critical Redis
+                             has counted them (embeddings.services.usage.usage_count_once)
+    job:{<id>}:reservation   orjson list of the quota counters the job's tokens were reserved on
     job:{<id>}:cancel        present once the job is cancelled
 
-A chunk's result, its entry in `done`, the progress counters and its usage counters are written by
-one Lua script, so a chunk that runs twice (a worker killed after writing, Celery redelivering)
-neither writes twice nor counts twice, and a worker killed right after it cannot lose its usage.
+A chunk's result, its entry in `done`, the progress counters and its usage increments (in
+`uncounted`) are written by one script, so a chunk that runs twice (a worker killed after writing,
+Celery redelivering) neither writes twice nor counts twice. The usage counters themselves live in
+the critical Redis, another server: no script spans both, so the increments wait in `uncounted`
+until they are counted there, once per chunk (a marker per chunk beside the counters), and are
+forgotten only after that: a worker dying in between leaves them to the chunk's redelivery, the
+watchdog or the job's end (embeddings.services.jobs), never lost and never counted twice.
 """
 
 from __future__ import annotations
@@ -25,12 +33,12 @@ import numpy as np
 import orjson
 import redis
 
+from embeddings.services.errors import JobStoreUnavailable
 from embeddings.services.result_dtypes import DEFAULT_RESULT_DTYPE, result_decode, result_encode
-from embeddings.services.usage import LIVE_USAGE_KEY
 
-# KEYS: done set, result key, progress hash, and optionally the live usage hash.
-# ARGV: chunk number, payload, ttl seconds, rows, tokens, counter ("completed" or "failed"), then
-# usage field/amount pairs (embeddings.services.usage): counted with the chunk, never apart from it.
+# KEYS: done set, result key, progress hash, uncounted usage hash.
+# ARGV: chunk number, payload, ttl seconds, rows, tokens, counter ("completed" or "failed"), the
+# chunk's usage increments (orjson; empty: none), kept until the critical Redis has counted them.
 _FINISH_CHUNK = """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
     return 0
@@ -43,8 +51,9 @@ redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[5])
 redis.call('HINCRBY', KEYS[3], 'chunks_done', 1)
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
-for k = 7, #ARGV, 2 do
-    redis.call('HINCRBY', KEYS[4], ARGV[k], ARGV[k + 1])
+if ARGV[7] ~= '' then
+    redis.call('HSET', KEYS[4], ARGV[1], ARGV[7])
+    redis.call('EXPIRE', KEYS[4], ARGV[3])
 end
 return 1
 """
@@ -108,13 +117,24 @@ class JobStore:
         return self.put_encoded_inputs(inputs_encode(chunks, ids))
 
     def put_encoded_inputs(self, inputs: EncodedInputs) -> int:
-        """Store every chunk's encoded texts (and ids); returns the number of chunks."""
+        """Store every chunk's encoded texts (and ids); returns the number of chunks. Raises
+        JobStoreUnavailable when the job store refuses them (full: noeviction) or cannot be reached;
+        the caller deletes what got in."""
         pipeline = self.client.pipeline(transaction=False)
         for number, texts in enumerate(inputs.texts):
             pipeline.set(self.key("in", number), texts, ex=self.ttl_s)
             if inputs.ids is not None:
                 pipeline.set(self.key("ids", number), inputs.ids[number], ex=self.ttl_s)
-        pipeline.execute()
+        try:
+            pipeline.execute()
+        except redis.exceptions.RedisError as error:
+            if isinstance(error, redis.exceptions.OutOfMemoryError):
+                raise JobStoreUnavailable(
+                    "The job store is full, so the job was not submitted; retry later."
+                ) from error
+            raise JobStoreUnavailable(
+                "The job store does not answer, so the job was not submitted; retry shortly."
+            ) from error
         return len(inputs.texts)
 
     def delete_inputs(self, chunks: int) -> None:
@@ -122,6 +142,18 @@ class JobStore:
         names = [self.key("in", chunk) for chunk in range(chunks)]
         for start in range(0, len(names), 1000):
             self.client.delete(*names[start : start + 1000])
+
+    def put_reservation(self, counter_keys: Sequence[str]) -> None:
+        """Remember which quota counters (in the critical Redis) the job's tokens were reserved on,
+        to refund its unused tokens at the end."""
+        try:
+            self.client.set(self.key("reservation"), orjson.dumps(list(counter_keys)), ex=self.ttl_s)
+        except redis.exceptions.RedisError as error:
+            raise JobStoreUnavailable("The job store cannot take the job now; retry later.") from error
+
+    def reservation(self) -> list[str]:
+        raw = self.client.get(self.key("reservation"))
+        return orjson.loads(raw) if raw else []
 
     def chunk_inputs(self, chunk: int) -> list[str] | None:
         """The chunk's texts; None once they are gone (expired or deleted)."""
@@ -140,17 +172,17 @@ class JobStore:
     def finish_chunk(
         self, chunk: int, vectors: np.ndarray, *, tokens: int, usage: dict[str, int] | None = None
     ) -> bool:
-        """Write a chunk's vectors (in the job's result dtype) and count them (and its usage
-        increments), once; False if the chunk was already finished. Raises ResultOutOfRange, before
-        anything is written, for a value the result dtype cannot hold."""
+        """Write a chunk's vectors (in the job's result dtype) and count them, and keep its usage
+        increments to be counted, once; False if the chunk was already finished. Raises
+        ResultOutOfRange, before anything is written, for a value the result dtype cannot hold."""
         payload = result_encode(vectors, self.result_dtype)
         return self._finish(
             chunk, payload, rows=len(vectors), tokens=tokens, counter="completed", usage=usage
         )
 
     def fail_chunk(self, chunk: int, *, rows: int, usage: dict[str, int] | None = None) -> bool:
-        """Count a chunk's inputs as failed (and its usage increments), once; False if the chunk was
-        already finished."""
+        """Count a chunk's inputs as failed (and keep its usage increments), once; False if the
+        chunk was already finished."""
         return self._finish(chunk, b"", rows=rows, tokens=0, counter="failed", usage=usage)
 
     def _finish(
@@ -163,13 +195,25 @@ class JobStore:
         counter: str,
         usage: dict[str, int] | None,
     ) -> bool:
-        keys = [self.key("done"), self.key("out", chunk), self.key("progress")]
-        args: list = [chunk, payload, self.ttl_s, rows, tokens, counter]
-        if usage:
-            keys.append(LIVE_USAGE_KEY)
-            for field, amount in usage.items():
-                args += [field, amount]
+        keys = [self.key("done"), self.key("out", chunk), self.key("progress"), self.key("uncounted")]
+        increments = orjson.dumps(usage) if usage else b""
+        args = [chunk, payload, self.ttl_s, rows, tokens, counter, increments]
         return self._finish_chunk(keys=keys, args=args) == 1
+
+    def uncounted_usage(self, chunk: int | None = None) -> dict[int, dict[str, int]]:
+        """Usage increments of finished chunks not yet counted (one chunk's, or all of them)."""
+        if chunk is not None:
+            raw = self.client.hget(self.key("uncounted"), chunk)
+            return {} if raw is None else {chunk: orjson.loads(raw)}
+        return {
+            int(number): orjson.loads(raw)
+            for number, raw in self.client.hgetall(self.key("uncounted")).items()
+        }
+
+    def forget_usage(self, chunks: Sequence[int]) -> None:
+        """Drop increments the critical Redis has counted."""
+        if chunks:
+            self.client.hdel(self.key("uncounted"), *chunks)
 
     def progress(self) -> JobProgress:
         values = self.client.hgetall(self.key("progress"))
@@ -198,7 +242,7 @@ class JobStore:
 
     def delete(self, chunks: int) -> None:
         """Remove everything the job stored (inputs, ids, results, counters)."""
-        names = [self.key(kind) for kind in ("done", "progress", "cancel")]
+        names = [self.key(kind) for kind in ("done", "progress", "uncounted", "cancel")]
         for chunk in range(chunks):
             names += [self.key(kind, chunk) for kind in ("in", "ids", "out")]
         for start in range(0, len(names), 1000):

@@ -1,16 +1,19 @@
 """Asynchronous embedding jobs: submission, the chunk engine the Celery tasks run, and the job's life.
 
-A job's inputs and results live in Redis (embeddings.services.job_store), its state in the
-EmbeddingJob row. Life of a job:
+A job's inputs, results and progress live in the job store (JOB_STORE_URL,
+embeddings.services.job_store), its state in the EmbeddingJob row; its quota reservation and usage
+in the critical Redis (REDIS_URL). Life of a job:
 
     job_create     validate, idempotency, max concurrent jobs, admit its bytes against the job
                    storage budgets (embeddings.services.job_storage), reserve the whole job's
                    tokens (an upper bound), store the inputs, save the row, and after the commit
                    hand out the first JOB_CHUNKS_IN_FLIGHT chunks to the broker.
     job_chunk_run  (a Celery task per chunk) embed one chunk under a lease its heartbeat keeps
-                   alive (embeddings.services.job_leases), write it and count its usage once
-                   (one script: JobStore.finish_chunk), mirror progress, and hand out exactly
-                   one successor chunk.
+                   alive (embeddings.services.job_leases), write it with its usage increments
+                   (one script: JobStore.finish_chunk), count that usage in the critical Redis
+                   (once per chunk: usage_count_once), mirror progress, and hand out exactly one
+                   successor chunk. A redelivered chunk counts what a dead worker wrote but did
+                   not count; so do the watchdog and the job's end, for every chunk.
     job_finalize   exactly once: completed | failed | cancelled, counts, tokens settled against
                    the reservation (the unused rest refunded), inputs deleted (their bytes given
                    back), event published, callback enqueued.
@@ -47,7 +50,6 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-import orjson
 import redis
 from celery import current_app
 from django.conf import settings
@@ -88,9 +90,9 @@ from embeddings.services.quotas import (
     quota_release_sync,
     quota_reserve_sync,
 )
-from embeddings.services.redis_clients import redis_sync
+from embeddings.services.redis_clients import redis_job_store, redis_sync
 from embeddings.services.result_dtypes import RESULT_DTYPES
-from embeddings.services.usage import UsageEvent, usage_increments
+from embeddings.services.usage import UsageEvent, usage_count_once, usage_increments
 
 logger = logging.getLogger(__name__)
 
@@ -142,25 +144,46 @@ class JobSpec:
 
 
 def job_store(job: EmbeddingJob) -> JobStore:
-    """The job's data in Redis; kept a day past expires_at at most (expiry deletes it first)."""
+    """The job's data in the job store; kept a day past expires_at at most (expiry deletes it first)."""
     return JobStore(
-        redis_sync(), job.public_id, ttl_s=settings.JOB_RESULT_TTL_S + 86400, result_dtype=job.result_dtype
+        redis_job_store(),
+        job.public_id,
+        ttl_s=settings.JOB_RESULT_TTL_S + 86400,
+        result_dtype=job.result_dtype,
     )
 
 
 def _engine_keys(store: JobStore) -> list[str]:
-    """The engine's own keys beside JobStore's (same hash tag)."""
-    kinds = ("next", "handoff", "reservation", "settled", "event")
+    """The engine's own keys beside JobStore's (same hash tag, in the job store)."""
+    kinds = ("next", "handoff", "reservation", "event")
     return [store.key(kind) for kind in kinds] + lease_keys(store)
+
+
+def _settled_key(store: JobStore) -> str:
+    """The reservation's settled marker: in the critical Redis, beside the counters it refunds."""
+    return store.key("settled")
 
 
 def _delete_data(job: EmbeddingJob) -> None:
     """Delete the job's Redis data, then give back the bytes it held (a failure in between leaves
     them held: counted too much until the sweep, never too little)."""
     store = job_store(job)
+    _count_usage(store)
     store.delete(job.chunks)
     store.client.delete(*_engine_keys(store))
+    redis_sync().delete(_settled_key(store))
     job_storage_release(public_id=job.public_id)
+
+
+def _count_usage(store: JobStore, chunk: int | None = None) -> None:
+    """Count in the critical Redis the usage of finished chunks (one, or all of the job's) that is
+    not counted yet, then forget it in the job store. Each chunk counts once however often this
+    runs (usage_count_once keeps a marker per chunk), so a worker that died between writing a
+    chunk and counting it leaves its usage to the next call, not lost and not doubled."""
+    pending = store.uncounted_usage(chunk)
+    for number, increments in pending.items():
+        usage_count_once(owner=store.job_id, unit=number, increments=increments, ttl_s=store.ttl_s)
+    store.forget_usage(list(pending))
 
 
 def _script(client: redis.Redis, source: str):
@@ -366,7 +389,7 @@ def job_create(
             store.put_encoded_inputs(inputs)
             if reservation is not None and reservation.counters:
                 keys = [c.key for c in reservation.counters if c.window.kind == "tokens"]
-                store.client.set(store.key("reservation"), orjson.dumps(keys), ex=store.ttl_s)
+                store.put_reservation(keys)
             with transaction.atomic():
                 job.save(force_insert=True)
                 transaction.on_commit(lambda: _dispatch(job))
@@ -389,7 +412,12 @@ def _undo(job: EmbeddingJob, reservation: Reservation | None) -> None:
     try:
         if job.pk is not None:
             EmbeddingJob.objects.filter(pk=job.pk).delete()
-        _delete_data(job)
+        try:
+            _delete_data(job)
+        except redis.RedisError as error:
+            # The job store is down (what failed the submission, often): the caller's error says
+            # so, and whatever got in expires with the job's TTL.
+            logger.warning("job %s: data not deleted after a failed submission: %s", job.public_id, error)
     finally:
         _refund(reservation)
 
@@ -580,9 +608,12 @@ def job_chunk_run(*, job_id: int, chunk: int) -> None:
     again, and hands out no second successor.
     """
     job = EmbeddingJob.objects.select_related("model").filter(pk=job_id).first()
-    if job is None or job.status not in ACTIVE:
+    if job is None:
         return
     store = job_store(job)
+    if job.status not in ACTIVE:
+        _count_usage(store, chunk)  # written by a worker that died before counting it
+        return
     if job.status == Status.CANCELLING or store.is_cancelled():
         _finish_cancelled(job)
         return
@@ -603,6 +634,8 @@ def job_chunk_run(*, job_id: int, chunk: int) -> None:
                 return
             usage = _usage(job, "succeeded", len(texts), result.total_tokens, started)
             store.finish_chunk(chunk, result.vectors, tokens=result.total_tokens, usage=usage)
+        # Also when the chunk was done before: its first run may have died before counting.
+        _count_usage(store, chunk)
         _after_chunk(job, store, chunk)
 
 
@@ -615,7 +648,7 @@ def job_chunk_retry_scheduled(*, job_id: int, chunk: int, delay_s: float) -> Non
 
 
 def _usage(job: EmbeddingJob, outcome: str, inputs: int, tokens: int, started: float) -> dict[str, int]:
-    """A chunk's usage increments, counted by the script that finishes it (exactly once with it)."""
+    """A chunk's usage increments, kept with its result and counted once (_count_usage)."""
     return usage_increments(
         UsageEvent(
             tenant_id=job.tenant_id,
@@ -655,6 +688,7 @@ def job_chunk_fail(*, job_id: int, chunk: int, code: str, message: str) -> None:
     store = job_store(job)
     rows = _chunk_rows(job)[chunk]
     store.fail_chunk(chunk, rows=rows, usage=_usage(job, "failed", 0, 0, time.perf_counter()))
+    _count_usage(store, chunk)
     _after_chunk(job, store, chunk)
 
 
@@ -691,6 +725,9 @@ def job_finalize(*, job_id: int, status: str, publish: bool = True) -> bool:
     if job is None or job.status not in ACTIVE:
         return False
     store = job_store(job)
+    # Every chunk's usage counted before the job ends (a dead worker's included): after the end a
+    # redelivered chunk may find the job gone.
+    _count_usage(store)
     progress = store.progress()
     if status == Status.COMPLETED and progress.failed:
         status = Status.FAILED
@@ -732,12 +769,12 @@ def _free_inputs(job: EmbeddingJob, store: JobStore, completed: int) -> None:
 
 
 def _settle(job: EmbeddingJob, store: JobStore, used_tokens: int) -> None:
-    """Give back what the reservation held beyond the tokens used, once (a marker in the script)."""
-    raw = store.client.get(store.key("reservation"))
-    keys = orjson.loads(raw) if raw else []
+    """Give back what the reservation held beyond the tokens used, once (a marker in the script,
+    run on the critical Redis that holds the token counters)."""
+    keys = store.reservation()
     refund = max(0, job.reserved_tokens - used_tokens)
     if keys and refund:
-        _script(store.client, _SETTLE_ONCE)(keys=[store.key("settled"), *keys], args=[store.ttl_s, refund])
+        _script(redis_sync(), _SETTLE_ONCE)(keys=[_settled_key(store), *keys], args=[store.ttl_s, refund])
 
 
 # --- Watchdog ------------------------------------------------------------------------------------
@@ -748,8 +785,9 @@ def job_watchdog(*, stall_s: float | None = None) -> int:
     whose chunks are all finished, or that was cancelled and has no chunk running; re-send the
     chunks whose worker died (lease lapsed) or whose message was lost (handed out JOB_STALL_S ago,
     never started); hand out the successors dead workers did not, and a fresh window to a job with
-    nothing in flight. Chunk tasks are idempotent, so a re-send is harmless even when the original
-    turns up after all. Returns how many jobs it acted on."""
+    nothing in flight; count the usage of chunks whose worker died before counting it. Chunk tasks
+    are idempotent, so a re-send is harmless even when the original turns up after all. Returns
+    how many jobs it acted on."""
     stall_s = settings.JOB_STALL_S if stall_s is None else stall_s
     touched = 0
     for job in EmbeddingJob.objects.select_related("model").filter(status__in=ACTIVE).iterator():
@@ -762,6 +800,7 @@ def job_watchdog(*, stall_s: float | None = None) -> int:
 
 def _watch(job: EmbeddingJob, stall_s: float) -> bool:
     store = job_store(job)
+    _count_usage(store)  # chunks whose worker died between writing and counting: counted now
     if job.status == Status.CANCELLING or store.is_cancelled():
         # A running chunk stops at its next check and ends the job; otherwise nothing would.
         return live_leases(store) == 0 and job_finalize(job_id=job.pk, status=Status.CANCELLED)

@@ -22,15 +22,27 @@ class RedisServerError(RuntimeError):
 class RedisServer:
     """One redis-server on a loopback port with its own data directory.
 
-    persistent: append-only file in the data directory (the local stack keeps quotas and usage
-    across restarts); off for tests, which want a clean, fast server.
+    persistent: append-only file in the data directory, written at once and fsynced every second
+    (the local stack keeps quotas and unfolded usage across restarts; a crash loses at most the
+    last second); off for tests, which want a clean, fast server.
+    maxmemory_mb: the memory it may use, with noeviction: past it, writes are refused (the caller
+    gets an error) instead of keys silently evicted, quota windows and usage counters among them.
     """
 
-    def __init__(self, *, port: int, data_dir: Path, persistent: bool = True, log_path: Path | None = None):
+    def __init__(
+        self,
+        *,
+        port: int,
+        data_dir: Path,
+        persistent: bool = True,
+        log_path: Path | None = None,
+        maxmemory_mb: int | None = None,
+    ):
         self.port = port
         self.data_dir = Path(data_dir)
         self.persistent = persistent
         self.log_path = log_path
+        self.maxmemory_mb = maxmemory_mb
         self.process: subprocess.Popen | None = None
 
     @property
@@ -47,8 +59,12 @@ class RedisServer:
             "--protected-mode", "yes",
             "--save", "",
             "--appendonly", "yes" if self.persistent else "no",
+            "--appendfsync", "everysec",
+            "--maxmemory-policy", "noeviction",
             "--logfile", str(self.log_path or ""),
         ]  # fmt: skip
+        if self.maxmemory_mb is not None:
+            args += ["--maxmemory", f"{self.maxmemory_mb}mb"]
         return args
 
     def start(self) -> None:
@@ -122,13 +138,42 @@ class RedisServer:
         self.stop()
 
 
-def local_redis_server() -> RedisServer:
-    """The Redis that REDIS_URL names on this machine, with its data in RUN_DIR/redis."""
-    parts = urlsplit(settings.REDIS_URL)
+def _local_port(url: str, setting: str) -> int:
+    parts = urlsplit(url)
     if parts.hostname not in {"127.0.0.1", "localhost"}:
-        raise RedisServerError(f"REDIS_URL points at {parts.hostname}: that Redis is not ours to start")
-    return RedisServer(
-        port=parts.port or 6379,
-        data_dir=Path(settings.RUN_DIR) / "redis",
-        log_path=Path(settings.RUN_DIR) / "redis.log",
-    )
+        raise RedisServerError(f"{setting} points at {parts.hostname}: that Redis is not ours to start")
+    return parts.port or 6379
+
+
+def local_redis_servers() -> dict[str, RedisServer]:
+    """The Redis servers `runstack` starts on this machine, by role: "critical" on REDIS_URL's port
+    (data in RUN_DIR/redis, RUNSTACK_REDIS_MAXMEMORY_MB) and, where JOB_STORE_URL names another
+    port, "job store" there (RUN_DIR/redis-jobs, RUNSTACK_JOB_STORE_MAXMEMORY_MB). Both keep an
+    append-only file: the job store's keeps running jobs' inputs and progress across a restart. One
+    server holding both roles gets both budgets."""
+    run_dir = Path(settings.RUN_DIR)
+    critical_port = _local_port(settings.REDIS_URL, "REDIS_URL")
+    job_store_port = _local_port(settings.JOB_STORE_URL, "JOB_STORE_URL") if settings.JOB_STORE_URL else None
+    if job_store_port in (None, critical_port):
+        return {
+            "critical and job store": RedisServer(
+                port=critical_port,
+                data_dir=run_dir / "redis",
+                log_path=run_dir / "redis.log",
+                maxmemory_mb=settings.RUNSTACK_REDIS_MAXMEMORY_MB + settings.RUNSTACK_JOB_STORE_MAXMEMORY_MB,
+            )
+        }
+    return {
+        "critical": RedisServer(
+            port=critical_port,
+            data_dir=run_dir / "redis",
+            log_path=run_dir / "redis.log",
+            maxmemory_mb=settings.RUNSTACK_REDIS_MAXMEMORY_MB,
+        ),
+        "job store": RedisServer(
+            port=job_store_port,
+            data_dir=run_dir / "redis-jobs",
+            log_path=run_dir / "redis-jobs.log",
+            maxmemory_mb=settings.RUNSTACK_JOB_STORE_MAXMEMORY_MB,
+        ),
+    }

@@ -1,7 +1,10 @@
 """The process's Redis clients, configured from settings (one place): async for the web, sync for Celery.
 
-Every command has REDIS_TIMEOUT_S to connect and to answer, so a stuck Redis fails a request
-instead of hanging it. Callers turn `redis.exceptions.RedisError` into their own errors.
+Two roles, two connections: the critical Redis (REDIS_URL: quotas, usage counters; the broker and
+the channel layer connect to it on their own) and the job store (JOB_STORE_URL, by default the same
+server: jobs' inputs, results and progress), so a full job store cannot refuse a quota check.
+Every command has REDIS_TIMEOUT_S (JOB_STORE_TIMEOUT_S) to connect and to answer, so a stuck Redis
+fails a request instead of hanging it. Callers turn `redis.exceptions.RedisError` into their own errors.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from django.conf import settings
 
 _lock = threading.Lock()
 _sync_client: redis.Redis | None = None
+_job_store_client: redis.Redis | None = None
 # redis.asyncio connections belong to the event loop that opened them: one client per loop.
 _async_clients: dict[asyncio.AbstractEventLoop, redis.asyncio.Redis] = {}
 
 
-def _options() -> dict:
-    timeout = settings.REDIS_TIMEOUT_S
+def _options(timeout: float | None = None) -> dict:
+    timeout = settings.REDIS_TIMEOUT_S if timeout is None else timeout
     return {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
@@ -37,6 +41,22 @@ def redis_sync() -> redis.Redis:
         if _sync_client is None:
             _sync_client = redis.Redis.from_url(settings.REDIS_URL, **_options())
         return _sync_client
+
+
+def job_store_url() -> str:
+    return settings.JOB_STORE_URL or settings.REDIS_URL
+
+
+def redis_job_store() -> redis.Redis:
+    """The job store's blocking client (Celery workers, submissions and downloads in threads): its
+    own pool even when it names the critical Redis's server."""
+    global _job_store_client
+    with _lock:
+        if _job_store_client is None:
+            _job_store_client = redis.Redis.from_url(
+                job_store_url(), **_options(settings.JOB_STORE_TIMEOUT_S)
+            )
+        return _job_store_client
 
 
 def redis_async() -> redis.asyncio.Redis:
@@ -61,11 +81,12 @@ def redis_async() -> redis.asyncio.Redis:
 
 def reset_redis_clients() -> None:
     """Forget the clients (settings changed, e.g. in tests); their connections are left to be collected."""
-    global _sync_client
+    global _sync_client, _job_store_client
     with _lock:
-        if _sync_client is not None:
-            _sync_client.close()
-        _sync_client = None
+        for client in (_sync_client, _job_store_client):
+            if client is not None:
+                client.close()
+        _sync_client = _job_store_client = None
         _async_clients.clear()
         _lean_clients.clear()
 

@@ -1,8 +1,9 @@
 """Usage accounting: every request counted in Redis on the hot path, folded into UsageBucket rows.
 
 Hot path: `usage_increments(event)` gives the HINCRBYs of one request (or job chunk) on the hash
-LIVE_USAGE_KEY; the scripts that settle a request's quota (services/quotas.py) and finish a job's
-chunk (services/job_store.py) apply them in the same round trip. Each hash field is
+LIVE_USAGE_KEY; the script that settles a request's quota (services/quotas.py) applies them in the
+same round trip. A job chunk's are kept with its result in the job store (services/job_store.py)
+and counted here by `usage_count_once`, once per chunk however often it is offered. Each hash field is
 one counter of one bucket: "<tenant>|<key or empty>|<hour epoch>|<endpoint>|<metric>|<model>"
 (the model last, so a "|" in a model's name cannot shift the other parts). Metrics are the
 UsageBucket counter fields: requests, succeeded, rejected, failed, inputs, tokens, latency_ms_total.
@@ -87,6 +88,34 @@ def usage_increments(event: UsageEvent) -> dict[str, int]:
         for metric, amount in counters.items()
         if amount
     }
+
+
+# Counts one unit's increments (a job's chunk) once. KEYS: the owner's marker bitmap, the live hash.
+# ARGV: the unit's bit, ttl seconds, then field/amount pairs. A bitmap: one bit per chunk (a
+# million-input job's marker is 600 bytes) for as long as the increments may be offered again.
+_COUNT_ONCE_SCRIPT = """
+if redis.call('SETBIT', KEYS[1], ARGV[1], 1) == 1 then
+    return 0
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+for k = 3, #ARGV, 2 do
+    redis.call('HINCRBY', KEYS[2], ARGV[k], ARGV[k + 1])
+end
+return 1
+"""
+COUNTED_PREFIX = "usage:counted:"
+
+
+def usage_count_once(*, owner: str, unit: int, increments: dict[str, int], ttl_s: int) -> bool:
+    """Add `increments` to the live counters unless unit `unit` of `owner` (a job's chunk) was
+    counted before; True if counted now. The marker and the counters change in one script, so
+    a crash leaves both or neither. The marker lives ttl_s: offer no unit again after that."""
+    args: list = [unit, int(ttl_s)]
+    for field, amount in increments.items():
+        args += [field, amount]
+    client = redis_sync()
+    counted = client.eval(_COUNT_ONCE_SCRIPT, 2, f"{COUNTED_PREFIX}{{{owner}}}", LIVE_USAGE_KEY, *args)
+    return counted == 1
 
 
 def usage_record_sync(event: UsageEvent) -> None:

@@ -20,7 +20,7 @@ async def test_ready_when_everything_answers(client):
     assert response.status_code == 200, response.text
     assert response.json() == {
         "status": "ready",
-        "checks": {"triton": "ok", "model": "ok", "database": "ok", "redis": "ok"},
+        "checks": {"triton": "ok", "model": "ok", "database": "ok", "redis": "ok", "job_store": "ok"},
     }
     assert response.headers["cache-control"] == "no-store"
 
@@ -79,13 +79,25 @@ async def test_a_hanging_check_times_out(client, settings, monkeypatch):
 
 async def test_redis_is_checked_unless_disabled(client, settings):
     settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"
+    settings.JOB_STORE_URL = ""  # the default: the job store on REDIS_URL's server
     reset_redis_clients()
     settings.READY_CHECK_REDIS = False
-    assert "redis" not in (await client.get("/ready")).json()["checks"]
+    assert {"redis", "job_store"}.isdisjoint((await client.get("/ready")).json()["checks"])
     settings.READY_CHECK_REDIS = True
     settings.READY_CHECK_TIMEOUT_S = 1.0
     started = time.monotonic()
     response = await client.get("/ready")
     assert time.monotonic() - started < 3
     assert response.status_code == 503
-    assert response.json()["failed"] == ["redis"]
+    # Both roles on the one server that is down: both named.
+    assert response.json()["failed"] == ["redis", "job_store"]
+
+
+async def test_the_job_store_is_checked_apart_from_the_critical_redis(client, settings):
+    settings.JOB_STORE_URL = f"redis://127.0.0.1:{free_port()}/0"
+    reset_redis_clients()
+    response = await client.get("/ready")
+    assert response.status_code == 503
+    body = response.json()
+    assert body["failed"] == ["job_store"] and body["checks"]["redis"] == "ok"
+    assert body["checks"]["job_store"] == "failed: ConnectionError"

@@ -17,7 +17,7 @@ from embeddings.models import EmbeddingJob
 from embeddings.services.catalog import embedding_model_cache_clear
 from embeddings.services.jobs import job_chunk_run, job_expire_due
 from embeddings.services.quotas import quota_status_sync
-from embeddings.services.redis_clients import redis_sync
+from embeddings.services.redis_clients import redis_job_store
 
 MODEL = "all-MiniLM-L6-v2"
 
@@ -48,8 +48,8 @@ async def upload(client, tenant, content: bytes, content_type="text/plain", file
 
 @sync_to_async
 def stored_nothing() -> bool:
-    """No job row and no job key in Redis."""
-    return EmbeddingJob.objects.count() == 0 and not list(redis_sync().scan_iter("job:*"))
+    """No job row and no job key in the job store."""
+    return EmbeddingJob.objects.count() == 0 and not list(redis_job_store().scan_iter("job:*"))
 
 
 def assert_error(response, status: int, code: str | None = None, param: str | None = None) -> dict:
@@ -361,11 +361,11 @@ async def tokens_used_today(tenant) -> int:
 
 async def test_delete_removes_the_job_and_its_data(client, alpha):
     job_id = (await submit(client, alpha)).json()["id"]
-    assert list(redis_sync().scan_iter(f"job:{{{job_id}}}:*"))
+    assert list(redis_job_store().scan_iter(f"job:{{{job_id}}}:*"))
     deleted = await client.delete(f"/v1/jobs/{job_id}", headers=alpha.headers)
     assert deleted.status_code == 200, deleted.text
     assert deleted.json() == {"id": job_id, "object": "embedding.job.deleted", "deleted": True}
-    assert not list(redis_sync().scan_iter(f"job:{{{job_id}}}:*"))
+    assert not list(redis_job_store().scan_iter(f"job:{{{job_id}}}:*"))
     # The row goes too (services.jobs.job_delete): the job is unknown from then on.
     for method, path in [
         ("GET", f"/v1/jobs/{job_id}"),
@@ -411,7 +411,7 @@ async def test_a_job_over_the_token_budget_is_429_and_creates_nothing(client, al
     assert_error(response, 429, "insufficient_quota")
     assert "retry-after" in response.headers
     assert await sync_to_async(EmbeddingJob.objects.count)() == 0
-    assert not list(redis_sync().scan_iter("job:*"))
+    assert not list(redis_job_store().scan_iter("job:*"))
 
 
 # --- Job storage budget (embeddings/services/job_storage.py) --------------------------------------

@@ -276,7 +276,7 @@ def test_float16_results_are_float32_downloads_within_the_documented_precision(h
     print("float16 against float32 on", len(SENTENCES), "sentences:", figures)
 
 
-def test_job_storage_budget_on_the_real_stack(http, job_stack, redis_server):
+def test_job_storage_budget_on_the_real_stack(http, job_stack):
     """Through uvicorn and a worker: a job holds its bytes from submission, gives its inputs' back
     when it ends, a job that does not fit is refused with nothing stored, and delete frees all."""
 
@@ -294,7 +294,7 @@ def test_job_storage_budget_on_the_real_stack(http, job_stack, redis_server):
             at_submission = held() - before
         job = finished(http, job_stack, submitted.json()["id"])
         assert job["status"] == "completed", job
-        store = redis.Redis.from_url(redis_server.url)
+        store = redis.Redis.from_url(job_stack.env.get("JOB_STORE_URL") or job_stack.env["REDIS_URL"])
         job_keys = [key.decode() for key in store.keys(f"job:{{{job['id']}}}:*")]
         assert [key for key in job_keys if ":in:" in key] == [] and any(":out:" in key for key in job_keys)
         storage = http.get("/v1/usage").json()["job_storage"]

@@ -64,7 +64,7 @@ def cpu_stack(tmp_path: Path) -> dict:
 
 def test_the_default_profile_runs_the_whole_stack_on_a_gpu(gpu_stack: dict) -> None:
     services = gpu_stack["services"]
-    assert set(services) == {"postgres", "redis", "triton", *APP_SERVICES}
+    assert set(services) == {"postgres", "redis", "redis-jobs", "triton", *APP_SERVICES}
     triton = services["triton"]
     assert triton["image"].startswith("nvcr.io/nvidia/tritonserver:")
     assert "--model-config-name=gpu" in triton["command"]
@@ -74,7 +74,7 @@ def test_the_default_profile_runs_the_whole_stack_on_a_gpu(gpu_stack: dict) -> N
 
 def test_the_cpu_profile_runs_triton_on_the_cpu_config_under_the_same_name(cpu_stack: dict) -> None:
     services = cpu_stack["services"]
-    assert set(services) == {"postgres", "redis", "triton-cpu", *APP_SERVICES}
+    assert set(services) == {"postgres", "redis", "redis-jobs", "triton-cpu", *APP_SERVICES}
     triton = services["triton-cpu"]
     assert "--model-config-name=cpu" in triton["command"]
     assert "devices" not in triton.get("deploy", {}).get("resources", {}).get("reservations", {})
@@ -124,15 +124,43 @@ def test_services_start_in_order_on_healthy_dependencies(gpu_stack: dict) -> Non
     assert waits_for("triton") == {"export": "service_completed_successfully"}
     for app in ("web", "worker", "beat"):
         assert waits_for(app)["migrate"] == "service_completed_successfully"
-        assert waits_for(app)["redis"] == "service_healthy"
+        assert waits_for(app)["redis"] == waits_for(app)["redis-jobs"] == "service_healthy"
     assert waits_for("web")["triton"] == "service_healthy"
     assert services["postgres"]["healthcheck"]["test"][1] == "pg_isready"
-    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
-    assert "--appendonly" in services["redis"]["command"]
+    for redis_service in ("redis", "redis-jobs"):
+        assert services[redis_service]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+        assert {volume["source"] for volume in services[redis_service]["volumes"]} == {redis_service}
     assert {volume["source"] for volume in services["postgres"]["volumes"]} == {"postgres"}
-    assert {volume["source"] for volume in services["redis"]["volumes"]} == {"redis"}
     assert "migrate --noinput" in " ".join(services["migrate"]["command"])
     assert "export_model --if-missing" in " ".join(services["export"]["command"])
+
+
+def redis_options(command: list[str]) -> dict[str, str]:
+    """`redis-server --name value ...` as {name: value}."""
+    assert command[0] == "redis-server"
+    names, values = command[1::2], command[2::2]
+    assert all(name.startswith("--") for name in names) and len(names) == len(values)
+    return {name[2:]: value for name, value in zip(names, values, strict=True)}
+
+
+def test_the_critical_redis_and_the_job_store_are_two_bounded_servers(tmp_path: Path) -> None:
+    stack = resolved(tmp_path, REDIS_MAXMEMORY="300mb", JOB_STORE_MAXMEMORY="12gb")
+    services = stack["services"]
+    critical, job_store = (redis_options(services[name]["command"]) for name in ("redis", "redis-jobs"))
+    # Full, each refuses writes (noeviction): no quota window or unfolded usage silently evicted.
+    # The critical one's append-only file keeps unfolded usage across a restart (lost: 1 s at most).
+    durable = {"appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction"}
+    assert critical == {**durable, "maxmemory": "300mb"}
+    assert job_store == {**durable, "maxmemory": "12gb"}
+    for app in APP_SERVICES:
+        environment = services[app]["environment"]
+        assert environment["REDIS_URL"] == "redis://redis:6379/0"
+        assert environment["JOB_STORE_URL"] == "redis://redis-jobs:6379/0"
+    defaults = resolved(tmp_path)["services"]
+    assert (
+        redis_options(defaults["redis"]["command"])["maxmemory"]
+        == read_env_file(ENV_EXAMPLE)["REDIS_MAXMEMORY"]
+    )
 
 
 def test_web_serves_on_8080_with_a_readiness_healthcheck_and_a_grace_period_above_its_drain(

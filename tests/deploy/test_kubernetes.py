@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
@@ -240,3 +241,10 @@ def test_the_settings_accept_the_kubernetes_environment(manifests: Path) -> None
     base_dir = manifests / "base"
     environment = read_env_file(base_dir / "config.env") | read_env_file(base_dir / "secret.env")
     settings_check_deploy(environment)
+
+
+def test_the_critical_redis_and_the_job_store_are_two_servers_in_the_secret(base: list[dict]) -> None:
+    (secret,) = by_kind(base, "Secret").values()
+    assert {"REDIS_URL", "JOB_STORE_URL"} <= set(secret["data"])
+    example = read_env_file(BASE / "secret.env.example")
+    assert urlsplit(example["REDIS_URL"]).hostname != urlsplit(example["JOB_STORE_URL"]).hostname

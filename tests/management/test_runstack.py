@@ -41,6 +41,8 @@ def test_when_triton_dies_runstack_stops_everything_and_leaves_no_stub(tmp_path)
         "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
         "EMBEDSITE_RUN_DIR": str(tmp_path),
         "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+        # As `make run` sets it: the job store on a Redis server of its own.
+        "JOB_STORE_URL": f"redis://127.0.0.1:{free_port()}/0",
         "SERVER_PORT": str(port),
         "TRITON_SERVER_URL": "127.0.0.1",
         "TRITON_SERVER_GRPC_PORT": str(free_port()),
@@ -67,6 +69,7 @@ def test_when_triton_dies_runstack_stops_everything_and_leaves_no_stub(tmp_path)
             timeout_s=START_DEADLINE_S,
         )
         started = children_of(runstack.pid)
+        assert list(started.values()).count("redis-server") == 2  # the critical Redis and the job store
         [triton] = [pid for pid, name in started.items() if name == "tritonserver"]
         stubs = stubs_of(triton)
         regions = shared_memory_regions([triton, *stubs])
@@ -82,7 +85,7 @@ def test_when_triton_dies_runstack_stops_everything_and_leaves_no_stub(tmp_path)
     assert "Triton exited unexpectedly" in output and "Stopped." in output, output[-3000:]
     wait_until_no_live_member(triton)
     assert [name for name in regions if Path("/dev/shm", name).exists()] == []
-    # Redis, the Celery worker and beat, uvicorn: each its own group, none left.
+    # Both Redis, the Celery worker and beat, uvicorn: each its own group, none left.
     for pid, name in started.items():
         live = {member: state for member, state in group_processes(pid).items() if state != "Z"}
         assert live == {}, f"{name} ({pid}) left: {live}"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from embeddings.services.job_leases import chunk_runs
 from embeddings.services.job_store import JobStore
-from embeddings.services.redis_clients import redis_sync
+from embeddings.services.redis_clients import redis_job_store
 from tests import worker_stack
 from tests.processes import manage
 from tests.worker_stack import JobStack, job_usage
@@ -58,11 +58,12 @@ def seconds_per_text(stack: JobStack, count: int = 8) -> float:
 
 
 def job_store_of(stack: JobStack, job_id: int) -> JobStore:
-    return JobStore(redis_sync(), stack.job(job_id)["public_id"], ttl_s=3600)
+    return JobStore(redis_job_store(), stack.job(job_id)["public_id"], ttl_s=3600)
 
 
 def redis_now_ms() -> int:
-    seconds, microseconds = redis_sync().time()
+    """The job store's clock, which leases are timed by."""
+    seconds, microseconds = redis_job_store().time()
     return seconds * 1000 + microseconds // 1000
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from embeddings.services.job_results import iter_jsonl, iter_npy, json_page, npy_header
 from embeddings.services.job_store import JobStore
-from embeddings.services.redis_clients import redis_sync
+from embeddings.services.redis_clients import redis_job_store
 
 DIMS = 3
 CHUNK_ROWS = [2, 2, 1]  # five inputs in three chunks; chunk 1 failed
@@ -19,7 +19,7 @@ CHUNK_ROWS = [2, 2, 1]  # five inputs in three chunks; chunk 1 failed
 
 @pytest.fixture
 def store(service_redis) -> JobStore:
-    store = JobStore(redis_sync(), "job_results", ttl_s=600)
+    store = JobStore(redis_job_store(), "job_results", ttl_s=600)
     store.put_inputs([["a", "b"], ["c", "d"], ["e"]], ids=[["id-a", "id-b"], ["id-c", "id-d"], ["id-e"]])
     store.finish_chunk(0, expected_rows(0, 2), tokens=4)
     store.fail_chunk(1, rows=2)

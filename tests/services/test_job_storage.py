@@ -36,7 +36,7 @@ from embeddings.services.jobs import (
     job_store,
 )
 from embeddings.services.quotas import quota_status_sync
-from embeddings.services.redis_clients import redis_sync
+from embeddings.services.redis_clients import redis_job_store
 from tests.api import conftest as api_fixtures
 from tests.database_backend import wait_for_lock_waiters
 
@@ -65,12 +65,12 @@ def need_of(
 
 def job_keys(job: EmbeddingJob | None = None) -> list[str]:
     pattern = "job:*" if job is None else f"job:{{{job.public_id}}}:*"
-    return sorted(key.decode() for key in redis_sync().keys(pattern))
+    return sorted(key.decode() for key in redis_job_store().keys(pattern))
 
 
 def redis_memory_usage(keys: list[str]) -> int:
     """Redis's own count of the keys' bytes (SAMPLES 0: every element of a set or hash)."""
-    client = redis_sync()
+    client = redis_job_store()
     return sum(client.memory_usage(key, samples=0) for key in keys)
 
 

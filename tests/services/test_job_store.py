@@ -1,4 +1,4 @@
-"""A job's data in the real Redis: chunks in and out, exactly-once finishing, streaming, cancel, delete."""
+"""The job store on a real Redis of its own: chunks in and out, counted once, streamed, cancelled, deleted."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from embeddings.services.job_store import JobProgress, JobStore
-from embeddings.services.redis_clients import redis_sync
+from embeddings.services.redis_clients import redis_job_store
 from embeddings.services.result_dtypes import ResultOutOfRange
 
 DIMS = 4
@@ -16,7 +16,7 @@ DIMS = 4
 
 @pytest.fixture
 def store(service_redis) -> JobStore:
-    return JobStore(redis_sync(), "job_abc123", ttl_s=600)
+    return JobStore(redis_job_store(), "job_abc123", ttl_s=600)
 
 
 def vectors(rows: int, start: float = 0.0) -> np.ndarray:
@@ -30,7 +30,7 @@ def test_inputs_round_trip_with_ids(store):
     assert store.chunk_inputs(1) == ["c"]
     assert store.chunk_ids(1) == ["id-3"]
     assert store.chunk_inputs(2) is None
-    assert 590 < redis_sync().ttl(store.key("in", 0)) <= 600
+    assert 590 < redis_job_store().ttl(store.key("in", 0)) <= 600
 
 
 def test_a_chunk_is_finished_and_counted_once(store):
@@ -72,7 +72,7 @@ def test_results_stream_in_order_and_little_endian(store):
     np.testing.assert_array_equal(streamed[0][1], vectors(2))
     np.testing.assert_array_equal(streamed[1][1], vectors(1, start=50))
     assert streamed[2][1] is None
-    raw = redis_sync().get(store.key("out", 0))
+    raw = redis_job_store().get(store.key("out", 0))
     assert raw == vectors(2).astype("<f4").tobytes()
 
 
@@ -83,34 +83,75 @@ def test_cancel_and_delete(store):
     store.cancel()
     assert store.is_cancelled()
     store.delete(2)
-    assert redis_sync().keys("job:{job_abc123}:*") == []
+    assert redis_job_store().keys("job:{job_abc123}:*") == []
     assert store.progress() == JobProgress()
 
 
 def test_jobs_do_not_share_keys(service_redis):
-    first = JobStore(redis_sync(), "job_one", ttl_s=60)
-    second = JobStore(redis_sync(), "job_two", ttl_s=60)
+    first = JobStore(redis_job_store(), "job_one", ttl_s=60)
+    second = JobStore(redis_job_store(), "job_two", ttl_s=60)
     first.finish_chunk(0, vectors(1), tokens=1)
     assert second.progress() == JobProgress()
     assert not second.is_chunk_done(0)
 
 
-def test_usage_is_counted_with_the_chunk_and_only_once(store):
-    from embeddings.services.usage import LIVE_USAGE_KEY
-
+def test_usage_is_kept_with_the_chunk_once_until_forgotten(store):
     usage = {"1|2|3600|jobs|tokens|minilm": 7, "1|2|3600|jobs|requests|minilm": 1}
     assert store.finish_chunk(0, vectors(2), tokens=7, usage=usage) is True
-    assert store.finish_chunk(0, vectors(2), tokens=7, usage=usage) is False
+    # A redelivered chunk (its usage measured again, other latency) keeps the first run's.
+    assert (
+        store.finish_chunk(0, vectors(2), tokens=7, usage={**usage, "1|2|3600|jobs|tokens|minilm": 9})
+        is False
+    )
     assert store.fail_chunk(1, rows=3, usage={"1|2|3600|jobs|failed|minilm": 1}) is True
+    assert store.finish_chunk(2, vectors(1), tokens=1) is True  # no usage: nothing kept
+    assert store.uncounted_usage(0) == {0: usage}
+    assert store.uncounted_usage() == {0: usage, 1: {"1|2|3600|jobs|failed|minilm": 1}}
+    store.forget_usage([0])
+    assert store.uncounted_usage(0) == {} and list(store.uncounted_usage()) == [1]
+    assert 590 < redis_job_store().ttl(store.key("uncounted")) <= 600
+
+
+def test_usage_counts_once_per_chunk_in_the_critical_redis(store):
+    from embeddings.services.redis_clients import redis_sync
+    from embeddings.services.usage import LIVE_USAGE_KEY, usage_count_once
+
+    usage = {"1|2|3600|jobs|tokens|minilm": 7, "1|2|3600|jobs|requests|minilm": 1}
+    offered = [usage_count_once(owner=store.job_id, unit=0, increments=usage, ttl_s=600) for _ in range(3)]
+    assert offered == [True, False, False]
+    assert usage_count_once(owner=store.job_id, unit=5, increments=usage, ttl_s=600) is True
+    # Another job's chunk 0 is another unit.
+    assert usage_count_once(owner="job_other", unit=0, increments=usage, ttl_s=600) is True
     counted = {field.decode(): int(amount) for field, amount in redis_sync().hgetall(LIVE_USAGE_KEY).items()}
-    assert counted == {**usage, "1|2|3600|jobs|failed|minilm": 1}
+    assert counted == {field: 3 * amount for field, amount in usage.items()}
+    # Counters and markers are in the critical Redis only; the job store holds job data.
+    assert not redis_job_store().exists(LIVE_USAGE_KEY)
+    assert 590 < redis_sync().ttl(f"usage:counted:{{{store.job_id}}}") <= 600
+
+
+def test_concurrent_offers_of_one_chunk_count_once(store):
+    from embeddings.services.redis_clients import redis_sync
+    from embeddings.services.usage import LIVE_USAGE_KEY, usage_count_once
+
+    results: list[bool] = []
+
+    def offer() -> None:
+        results.append(usage_count_once(owner=store.job_id, unit=7, increments={"f": 2}, ttl_s=60))
+
+    threads = [threading.Thread(target=offer) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results.count(True) == 1
+    assert redis_sync().hget(LIVE_USAGE_KEY, "f") == b"2"
 
 
 def test_a_float16_store_keeps_half_the_bytes_and_reads_float32(service_redis):
-    half = JobStore(redis_sync(), "job_half", ttl_s=60, result_dtype="float16")
+    half = JobStore(redis_job_store(), "job_half", ttl_s=60, result_dtype="float16")
     written = vectors(3) / 7  # values float16 rounds
     assert half.finish_chunk(0, written, tokens=3) is True
-    raw = redis_sync().get(half.key("out", 0))
+    raw = redis_job_store().get(half.key("out", 0))
     assert raw == written.astype("<f2").tobytes() and len(raw) == 3 * DIMS * 2
     read = half.chunk_result(0, DIMS)
     assert read.dtype == np.dtype("<f4")
@@ -118,5 +159,5 @@ def test_a_float16_store_keeps_half_the_bytes_and_reads_float32(service_redis):
     # A value float16 cannot hold is refused before anything is written or counted.
     with pytest.raises(ResultOutOfRange):
         half.finish_chunk(1, vectors(1) * 1e5, tokens=1)
-    assert not half.is_chunk_done(1) and redis_sync().exists(half.key("out", 1)) == 0
+    assert not half.is_chunk_done(1) and redis_job_store().exists(half.key("out", 1)) == 0
     assert half.progress() == JobProgress(completed=3, tokens=3, chunks_done=1)

@@ -18,6 +18,7 @@ from embeddings.services import jobs
 from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
 from embeddings.services.errors import InvalidRequest, JobConflict, LimitExceeded, QuotaExceeded
 from embeddings.services.job_leases import ChunkLease, chunk_runs, live_leases
+from embeddings.services.job_store import JobStore
 from embeddings.services.jobs import (
     JobSpec,
     job_cancel,
@@ -36,7 +37,8 @@ from embeddings.services.jobs import (
     jobs_for_tenant,
 )
 from embeddings.services.quotas import quota_status_sync
-from embeddings.services.redis_clients import redis_sync
+from embeddings.services.redis_clients import redis_job_store, redis_sync
+from embeddings.services.usage import LIVE_USAGE_KEY, counters_from_hash
 from tests.api import conftest as api_fixtures
 from tests.database_backend import wait_for_lock_waiters
 
@@ -144,7 +146,7 @@ def test_refusals_leave_nothing_behind(api_setup, settings):
         tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=["a"] * 5)
     )
     assert EmbeddingJob.objects.count() == 1
-    assert {key.decode().split(":")[1] for key in redis_sync().keys("job:*")} == {f"{{{job.public_id}}}"}
+    assert {key.decode().split(":")[1] for key in redis_job_store().keys("job:*")} == {f"{{{job.public_id}}}"}
 
 
 def test_budget_too_small_is_insufficient_quota_and_creates_nothing(api_setup):
@@ -155,7 +157,7 @@ def test_budget_too_small_is_insufficient_quota_and_creates_nothing(api_setup):
     with pytest.raises(QuotaExceeded) as refused:
         job_create(tenant_id=alpha.tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=texts))
     assert refused.value.reason == "insufficient_quota"
-    assert EmbeddingJob.objects.count() == 0 and redis_sync().keys("job:*") == []
+    assert EmbeddingJob.objects.count() == 0 and redis_job_store().keys("job:*") == []
     assert quota_status_sync(alpha.tenant.pk)["tenant"]["tokens_per_day"]["used"] == 0
 
 
@@ -229,7 +231,7 @@ def test_expiry_deletes_the_data_and_shows_in_the_job(api_setup, small_chunks):
     assert job_expire_due(now=timezone.now() + timedelta(days=8)) == 1
     job.refresh_from_db()
     assert job.status == "expired" and job_object(job)["status"] == "expired"
-    assert redis_sync().keys("job:*") == []
+    assert redis_job_store().keys("job:*") == []
 
 
 def test_delete_removes_results_and_row(api_setup, small_chunks):
@@ -240,7 +242,7 @@ def test_delete_removes_results_and_row(api_setup, small_chunks):
     run_all_chunks(job)
     job_delete(job=job)
     assert job_for_tenant(tenant_id=alpha.tenant.pk, public_id=job.public_id) is None
-    assert redis_sync().keys("job:*") == []
+    assert redis_job_store().keys("job:*") == []
 
 
 def test_refreshed_mirrors_progress(api_setup, small_chunks):
@@ -267,7 +269,7 @@ def sent_chunks(monkeypatch) -> list[tuple[int, int]]:
 
 
 def _redis_ms() -> int:
-    seconds, microseconds = redis_sync().time()
+    seconds, microseconds = redis_job_store().time()  # leases are timed by the job store's clock
     return seconds * 1000 + microseconds // 1000
 
 
@@ -360,6 +362,94 @@ def test_watchdog_finalises_a_finished_job_and_a_cancelled_one(api_setup, small_
     assert cancelled.status == "cancelled" and cancelled.finished_at is not None
 
 
+class WorkerDied(Exception):
+    """Stands for a worker killed at that point (the chunk's message then comes back)."""
+
+
+def _die(*args, **kwargs):
+    raise WorkerDied
+
+
+def _job_usage_totals() -> dict[str, int]:
+    """The critical Redis's live usage counters of endpoint "jobs", summed over buckets."""
+    counters, _ = counters_from_hash(redis_sync().hgetall(LIVE_USAGE_KEY))
+    totals: dict[str, int] = {}
+    for bucket, metrics in counters.items():
+        if bucket.endpoint == "jobs":
+            for metric, amount in metrics.items():
+                totals[metric] = totals.get(metric, 0) + amount
+    return {metric: amount for metric, amount in totals.items() if amount}
+
+
+def test_a_chunk_redelivered_after_its_result_was_written_counts_usage_once(
+    api_setup, small_chunks, sent_chunks, monkeypatch
+):
+    """The result goes to the job store and the usage to the critical Redis, two servers: wherever
+    a worker dies between the two, the chunk's usage is counted once, by its redelivery or by the
+    job's end."""
+    job = _submit(api_setup)  # 23 inputs: chunks of 5, 5, 5, 5, 3
+    store = job_store(job)
+    # Chunk 0's worker dies after writing its result, before counting its usage.
+    with monkeypatch.context() as patch, pytest.raises(WorkerDied):
+        patch.setattr(jobs, "usage_count_once", _die)
+        job_chunk_run(job_id=job.pk, chunk=0)
+    assert store.is_chunk_done(0) and list(store.uncounted_usage()) == [0]
+    assert _job_usage_totals() == {}
+    # Redelivered (acks_late), twice: counted once, without embedding again.
+    with monkeypatch.context() as patch:
+        patch.setattr(jobs, "embeddings_create_sync", _die)
+        job_chunk_run(job_id=job.pk, chunk=0)
+        once = _job_usage_totals()
+        assert (once["requests"], once["succeeded"], once["inputs"]) == (1, 1, 5) and once["tokens"] > 0
+        job_chunk_run(job_id=job.pk, chunk=0)
+    assert _job_usage_totals() == once and store.uncounted_usage() == {}
+    # Chunk 1's worker dies after counting, before forgetting the increments in the job store.
+    with monkeypatch.context() as patch, pytest.raises(WorkerDied):
+        patch.setattr(JobStore, "forget_usage", _die)
+        job_chunk_run(job_id=job.pk, chunk=1)
+    assert list(store.uncounted_usage()) == [1] and _job_usage_totals()["requests"] == 2
+    # The rest of the job; its end counts whatever is still pending (chunk 1's, counted already).
+    for chunk in (2, 3, 4):
+        job_chunk_run(job_id=job.pk, chunk=chunk)
+    job.refresh_from_db()
+    assert job.status == "completed" and store.uncounted_usage() == {}
+    job_chunk_run(job_id=job.pk, chunk=1)  # its message, redelivered after the end
+    totals = _job_usage_totals()
+    assert (totals["requests"], totals["succeeded"], totals["inputs"]) == (job.chunks, job.chunks, 23)
+    assert totals["tokens"] == job.prompt_tokens == store.progress().tokens
+
+
+def test_a_job_ending_before_the_redelivery_counts_the_dead_workers_chunk(
+    api_setup, small_chunks, sent_chunks, monkeypatch
+):
+    job = _submit(api_setup, TEXTS[:10])  # two chunks
+    with monkeypatch.context() as patch, pytest.raises(WorkerDied):
+        patch.setattr(jobs, "usage_count_once", _die)
+        job_chunk_run(job_id=job.pk, chunk=0)
+    job_chunk_run(job_id=job.pk, chunk=1)  # the last chunk ends the job, counting chunk 0 too
+    job.refresh_from_db()
+    assert job.status == "completed"
+    assert _job_usage_totals()["inputs"] == 10
+    job_chunk_run(job_id=job.pk, chunk=0)
+    totals = _job_usage_totals()
+    assert (totals["requests"], totals["inputs"], totals["tokens"]) == (2, 10, job.prompt_tokens)
+
+
+def test_the_watchdog_counts_a_dead_workers_chunk_while_the_job_runs(
+    api_setup, small_chunks, sent_chunks, monkeypatch
+):
+    job = _submit(api_setup)
+    with monkeypatch.context() as patch, pytest.raises(WorkerDied):
+        patch.setattr(jobs, "usage_count_once", _die)
+        job_chunk_run(job_id=job.pk, chunk=0)
+    assert _job_usage_totals() == {}
+    job_watchdog()
+    job_watchdog()
+    assert _job_usage_totals()["inputs"] == 5 and job_store(job).uncounted_usage() == {}
+    job.refresh_from_db()
+    assert job.status == "running"
+
+
 def test_a_retry_waiting_out_its_backoff_is_not_stalled(api_setup, small_chunks, sent_chunks):
     job = _submit(api_setup)
     job_chunk_retry_scheduled(job_id=job.pk, chunk=0, delay_s=60)
@@ -414,7 +504,7 @@ def test_the_same_idempotency_key_submitted_concurrently_makes_one_job(api_setup
     (job, created), (answered, created_again) = outcomes["a"], outcomes["b"]
     assert created and not created_again and answered.pk == job.pk
     assert EmbeddingJob.objects.filter(tenant=alpha.tenant).count() == 1
-    assert {key.decode().split(":")[1] for key in redis_sync().keys("job:*")} == {f"{{{job.public_id}}}"}
+    assert {key.decode().split(":")[1] for key in redis_job_store().keys("job:*")} == {f"{{{job.public_id}}}"}
     assert quota_status_sync(alpha.tenant.pk)["tenant"]["tokens_per_month"]["used"] == job.reserved_tokens
 
 

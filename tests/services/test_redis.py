@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from embeddings.services.local_redis import RedisServer
-from embeddings.services.redis_clients import redis_async, redis_sync, reset_redis_clients
+from embeddings.services.redis_clients import redis_async, redis_job_store, redis_sync, reset_redis_clients
 from embeddings.triton.server import free_port
 
 
@@ -25,6 +25,19 @@ async def test_async_client_is_per_event_loop(service_redis):
     await client.set("answer", 42)
     assert await client.get("answer") == b"42"
     assert redis_async() is client
+
+
+def test_the_job_store_client_follows_job_store_url_else_redis_url(service_redis, job_store_server, settings):
+    redis_job_store().set("where", "job store")
+    assert redis.Redis.from_url(job_store_server.url).get("where") == b"job store"
+    assert redis_sync().get("where") is None
+    options = redis_job_store().connection_pool.connection_kwargs
+    assert options["socket_timeout"] == options["socket_connect_timeout"] == settings.JOB_STORE_TIMEOUT_S
+    settings.JOB_STORE_URL = ""
+    reset_redis_clients()
+    redis_job_store().set("where", "shared")
+    assert redis_sync().get("where") == b"shared"
+    assert redis_job_store() is not redis_sync()  # its own pool and timeouts all the same
 
 
 def test_a_stopped_redis_fails_fast(tmp_path, settings):

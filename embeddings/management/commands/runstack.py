@@ -1,5 +1,5 @@
-"""Run the whole local service: Redis, Celery (worker, beat), Triton, then the ASGI server (`manage.py
-serve`); Ctrl-C stops all."""
+"""Run the whole local service: Redis (the critical one and the job store), Celery (worker, beat),
+Triton, then the ASGI server (`manage.py serve`); Ctrl-C stops all."""
 
 import os
 import signal
@@ -11,7 +11,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from embeddings.services.local_redis import RedisServerError, local_redis_server
+from embeddings.services.local_redis import RedisServerError, local_redis_servers
 from embeddings.services.local_triton import local_triton_server
 from embeddings.triton.server import TritonServerError, die_with_parent
 
@@ -75,15 +75,18 @@ class Command(BaseCommand):
             signal.signal(signum, lambda *_: stop.set())
         triton_log = settings.RUN_DIR / "triton.log"
         triton = local_triton_server(log_path=triton_log)
-        redis_server = local_redis_server() if settings.RUNSTACK_STARTS_REDIS else None
+        redis_servers = local_redis_servers() if settings.RUNSTACK_STARTS_REDIS else {}
         web = None
         celery: dict[str, subprocess.Popen] = {}
         celery_logs = {role: settings.RUN_DIR / f"celery-{role}.log" for role in ("worker", "beat")}
         try:
-            if redis_server is not None:
+            for role, redis_server in redis_servers.items():
                 redis_server.start()
                 redis_server.wait_until_ready()
-                self.stdout.write(f"Redis ready: {redis_server.url} (data: {redis_server.data_dir})")
+                self.stdout.write(
+                    f"Redis ({role}) ready: {redis_server.url} (data: {redis_server.data_dir}, "
+                    f"maxmemory {redis_server.maxmemory_mb} MiB, noeviction)"
+                )
             settings.RUN_DIR.mkdir(parents=True, exist_ok=True)
             for role, log_path in celery_logs.items():
                 celery[role] = start_celery(role, log_path)
@@ -129,8 +132,9 @@ class Command(BaseCommand):
                     # Its backend stubs (hundreds of MB each) end first, before the rest winds down.
                     triton.stop()
                     raise CommandError(f"Triton exited unexpectedly; see {triton_log}")
-                if redis_server is not None and redis_server.process.poll() is not None:
-                    raise CommandError(f"Redis exited unexpectedly; see {redis_server.log_path}")
+                for role, redis_server in redis_servers.items():
+                    if redis_server.process.poll() is not None:
+                        raise CommandError(f"Redis ({role}) exited unexpectedly; see {redis_server.log_path}")
                 if web.poll() is not None:
                     raise CommandError(f"The web server exited with status {web.returncode}")
                 for role, process in celery.items():
@@ -148,6 +152,6 @@ class Command(BaseCommand):
             stop_process(celery.get("beat"))
             stop_process(celery.get("worker"), timeout_s=30)
             triton.stop()
-            if redis_server is not None:
+            for redis_server in redis_servers.values():
                 redis_server.stop()  # last: the others may still write to it while stopping
             self.stdout.write("Stopped.")
