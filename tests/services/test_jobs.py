@@ -545,7 +545,7 @@ def test_results_are_stored_as_the_job_asks_else_as_its_model_says(api_setup, sm
     model.save(update_fields=["result_dtype"])
     for job in jobs_made.values():
         run_all_chunks(job)
-    redis = redis_sync()
+    redis = redis_job_store()
     for name, job in jobs_made.items():
         job.refresh_from_db()
         stored = sum(redis.strlen(job_store(job).key("out", chunk)) for chunk in range(job.chunks))
@@ -561,7 +561,7 @@ def test_an_unknown_result_dtype_is_refused_with_nothing_stored(api_setup):
     with pytest.raises(InvalidRequest) as refused:
         job_create(tenant_id=alpha.tenant.pk, api_key_id=None, spec=spec)
     assert refused.value.param == "result_dtype" and "'float32', 'float16'" in refused.value.message
-    assert EmbeddingJob.objects.count() == 0 and redis_sync().keys("job:*") == []
+    assert EmbeddingJob.objects.count() == 0 and redis_job_store().keys("job:*") == []
 
 
 def test_a_vector_float16_cannot_hold_fails_its_chunk_not_the_worker(api_setup, small_chunks, monkeypatch):
@@ -583,4 +583,4 @@ def test_a_vector_float16_cannot_hold_fails_its_chunk_not_the_worker(api_setup, 
     job.refresh_from_db()
     assert (job.status, job.completed, job.failed, job.error_code) == ("failed", 0, 5, "embedding_failed")
     assert "beyond float16's range" in job.error_message and "result_dtype float32" in job.error_message
-    assert redis_sync().exists(job_store(job).key("out", 0)) == 0
+    assert redis_job_store().exists(job_store(job).key("out", 0)) == 0
