@@ -302,7 +302,9 @@ def test_job_storage_budget_on_the_real_stack(http, job_stack):
         assert 10 * 384 * 4 < storage["used_bytes"] - before < at_submission
         assert storage["budget_bytes"] == before + 60_000
 
-        too_big = http.post("/v1/jobs", json={"model": MODEL, "input": TEXTS * 5})
+        # More inputs than the whole budget holds in results alone (384 x 4 bytes each): never fits.
+        too_many = (before + 60_000) // (384 * 4) + 1
+        too_big = http.post("/v1/jobs", json={"model": MODEL, "input": (TEXTS * too_many)[:too_many]})
         assert too_big.status_code == 413, too_big.text
         assert too_big.json()["error"]["code"] == "job_storage_budget_exceeded"
         assert http.get("/v1/jobs").json()["data"][0]["id"] == job["id"]
