@@ -390,7 +390,8 @@ METADATA_MAX_VALUE_CHARS = 512
         "additionalProperties": {"type": "string", "maxLength": METADATA_MAX_VALUE_CHARS},
         "maxProperties": METADATA_MAX_PAIRS,
         "description": f"Up to {METADATA_MAX_PAIRS} string pairs of your own, returned with the job "
-        f"(keys up to {METADATA_MAX_KEY_CHARS} characters, values up to {METADATA_MAX_VALUE_CHARS}).",
+        f"(keys up to {METADATA_MAX_KEY_CHARS} characters, values up to {METADATA_MAX_VALUE_CHARS}; "
+        "no NUL character).",
         "example": {"corpus": "wiki-2026-11"},
     }
 )
@@ -400,6 +401,8 @@ class MetadataField(serializers.Field):
         "too_many": f"may have at most {METADATA_MAX_PAIRS} pairs",
         "key_too_long": f"keys may have at most {METADATA_MAX_KEY_CHARS} characters",
         "value_too_long": f"values may have at most {METADATA_MAX_VALUE_CHARS} characters",
+        # PostgreSQL's jsonb cannot hold U+0000 (it would fail the insert, a 500).
+        "null_character": "keys and values may not contain the NUL character (U+0000)",
     }
 
     def to_internal_value(self, data: object) -> dict[str, str]:
@@ -413,6 +416,8 @@ class MetadataField(serializers.Field):
             self.fail("key_too_long")
         if any(len(value) > METADATA_MAX_VALUE_CHARS for value in data.values()):
             self.fail("value_too_long")
+        if any("\x00" in text for pair in data.items() for text in pair):
+            self.fail("null_character")
         return data
 
     def to_representation(self, value):

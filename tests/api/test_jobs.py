@@ -146,6 +146,8 @@ async def test_submit_a_jsonl_file_with_ids(client, alpha):
         (job_body(metadata={"k": 1}), "metadata"),
         (job_body(metadata={"k" * 65: "v"}), "metadata"),
         (job_body(metadata={"k": "v" * 513}), "metadata"),
+        (job_body(metadata={"k": "before\x00after"}), "metadata"),
+        (job_body(metadata={"\x00": "v"}), "metadata"),
         (job_body(metadata=["k", "v"]), "metadata"),
         (job_body(callback_url="ftp://example.com/done"), "callback_url"),
         (job_body(callback_url="not a url"), "callback_url"),
