@@ -39,6 +39,12 @@ from pathlib import Path
 PYTHON_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
+# Our python-based backends: <name>/model.py, served by the Python backend to every model whose
+# config says `backend: "<name>"`.
+PYTHON_BASED_BACKENDS_DIR = Path(__file__).resolve().parent / "backends"
+PYTHON_BACKEND_LIBRARY = "libtriton_python.so"
+
+
 class TritonServerError(RuntimeError):
     """Triton could not be found, started, or did not become ready."""
 
@@ -71,6 +77,21 @@ class TritonDistribution:
             if not path.exists():
                 raise TritonServerError(f"The nvidia-pytriton wheel is incomplete: {path} is missing")
         return found
+
+
+def _copy_if_changed(source: Path, target: Path) -> None:
+    """Copy `source` to `target` unless `target` is a regular file with the same bytes already
+    (a copy, not a link: Triton follows neither out of its backend directory)."""
+    unchanged = (
+        target.is_file()
+        and not target.is_symlink()
+        and target.stat().st_size == source.stat().st_size
+        and target.read_bytes() == source.read_bytes()
+    )
+    if unchanged:
+        return
+    target.unlink(missing_ok=True)
+    shutil.copy2(source, target)
 
 
 def free_port() -> int:
@@ -245,20 +266,28 @@ class TritonServer:
         return f"http://{self.address}:{self.http_port}"
 
     def _prepare_backends(self, dist: TritonDistribution) -> Path:
-        """A backend directory holding the Python backend with this interpreter's stub beside it."""
+        """A backend directory holding the Python backend with this interpreter's stub beside it, and
+        our python-based backends (`embedsite_onnx`) served through it."""
         backends = self.run_dir / "triton_backends"
         python_dir = backends / "python"
         python_dir.mkdir(parents=True, exist_ok=True)
         for source in dist.python_backend_dir.iterdir():
-            if source.name == "__pycache__":
+            if source.name in ("__pycache__", PYTHON_BACKEND_LIBRARY):
                 continue
             link = python_dir / source.name
             if not link.exists() or link.resolve() != source.resolve():
                 link.unlink(missing_ok=True)
                 link.symlink_to(source)
-        stub = python_dir / "triton_python_backend_stub"
-        if not stub.exists() or stub.stat().st_size != dist.python_stub.stat().st_size:
-            shutil.copy2(dist.python_stub, stub)
+        # Triton refuses to serve a python-based backend through a libtriton_python.so that is a
+        # symlink ("backend library name 'libtriton_python.so' escapes backend directory").
+        _copy_if_changed(
+            dist.python_backend_dir / PYTHON_BACKEND_LIBRARY, python_dir / PYTHON_BACKEND_LIBRARY
+        )
+        _copy_if_changed(dist.python_stub, python_dir / "triton_python_backend_stub")
+        for backend in PYTHON_BASED_BACKENDS_DIR.iterdir():
+            if (backend / "model.py").is_file():
+                (backends / backend.name).mkdir(exist_ok=True)
+                _copy_if_changed(backend / "model.py", backends / backend.name / "model.py")
         return backends
 
     def _environment(self, dist: TritonDistribution) -> dict[str, str]:

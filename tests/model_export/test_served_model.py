@@ -130,7 +130,7 @@ def copy_of_the_served_model(repository: Path) -> Path:
     version_dir = repository / "minilm" / "1"
     version_dir.mkdir(parents=True)
     shutil.copy(source.parent / "config.pbtxt", repository / "minilm" / "config.pbtxt")
-    for name in ("model.py", "export.json", "tokenizer.json"):
+    for name in ("export.json", "tokenizer.json"):
         shutil.copy(source / name, version_dir / name)
     (version_dir / "model.onnx").symlink_to(source / "model.onnx")
     return version_dir

@@ -1,4 +1,8 @@
-"""Triton python-backend model: ONNX Runtime on model.onnx, with requests of any length batched together.
+"""Triton backend `embedsite_onnx`: ONNX Runtime on a version's model.onnx, requests of any length batched.
+
+Triton runs it through the Python backend as a python-based backend (TritonServer installs it as
+<backend-directory>/embedsite_onnx/model.py), so every exported model's config says
+`backend: "embedsite_onnx"` and no model folder carries a copy of this file.
 
 With `allow_ragged_batch`, Triton's dynamic batcher hands several requests of different shapes to one
 `execute` call; each request keeps its own natural shape [batch_i, sequence_i] (nothing is flattened
