@@ -7,6 +7,7 @@ from .client import (
     AsyncTritonClient,
     ModelSpec,
     ModelStatistics,
+    RepositoryModel,
     TensorSpec,
     TritonClient,
 )
@@ -14,6 +15,8 @@ from .errors import (
     TritonError,
     TritonInvalidInput,
     TritonModelError,
+    TritonModelLoadFailed,
+    TritonModelNotLoaded,
     TritonTimeout,
     TritonUnavailable,
 )
@@ -25,11 +28,14 @@ __all__ = [
     "AsyncTritonClient",
     "ModelSpec",
     "ModelStatistics",
+    "RepositoryModel",
     "TensorSpec",
     "TritonClient",
     "TritonError",
     "TritonInvalidInput",
     "TritonModelError",
+    "TritonModelLoadFailed",
+    "TritonModelNotLoaded",
     "TritonTimeout",
     "TritonUnavailable",
 ]

@@ -6,12 +6,18 @@ concurrently) and is sent their responses back. The two clients differ only in h
 a call: awaiting on grpc.aio channels, or blocking on plain grpc channels from a small
 thread pool. Both give every call a deadline, retry UNAVAILABLE with exponential backoff and
 jitter inside that deadline, and turn gRPC errors into the exceptions of `errors.py`.
+
+Besides inference they speak Triton's model repository API (Triton run with
+--model-control-mode=explicit): `repository_index`, `model_load` (optionally with a JSON
+ModelConfig override) and `model_unload`. A model Triton does not serve (never loaded, unloaded,
+failed to load, or not that version) raises `TritonModelNotLoaded` at once, without retries.
 """
 
 import asyncio
 import itertools
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Generator, Mapping, Sequence
@@ -27,6 +33,8 @@ from .errors import (
     TritonError,
     TritonInvalidInput,
     TritonModelError,
+    TritonModelLoadFailed,
+    TritonModelNotLoaded,
     TritonTimeout,
     TritonUnavailable,
 )
@@ -80,22 +88,58 @@ _ERRORS_BY_STATUS: dict[grpc.StatusCode, type[TritonError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: TritonInvalidInput,
 }
 
+# Triton (2.51) answers a call for a model it serves no ready version of with NOT_FOUND for
+# ModelInfer, ModelMetadata and ModelConfig: "Request for unknown model: 'm' is not found" (not
+# loaded, or unknown), "... 'm' has no available versions" (unloaded, failed to load, loading),
+# "... 'm' version 7 is not found"; and ModelStatistics with INVALID_ARGUMENT "requested model 'm'
+# is not available". The words decide, whatever the status, so such an answer is never retried.
+MODEL_NOT_LOADED_DETAILS = re.compile(r"Request for unknown model|requested model '.*' is not available")
+# Whatever stops a load other than the connection or the deadline is the model's failure: Triton
+# says INVALID_ARGUMENT "load failed for model 'm': version 1 is at UNAVAILABLE state: <reason>", or
+# INTERNAL "failed to poll from model repository" (no such folder, a config that does not parse).
+_LOAD_TRANSPORT_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
-def error_from_rpc(error: grpc.RpcError, *, target: str, method: str, model: str = "") -> TritonError:
-    """Our exception for a failed RPC: UNAVAILABLE, DEADLINE_EXCEEDED and INVALID_ARGUMENT map
-    to their own classes; NOT_FOUND and every other status is a `TritonModelError`."""
+
+def _error_class(status: grpc.StatusCode, details: str, *, method: str, model: str) -> type[TritonError]:
+    if method == "RepositoryModelLoad" and status not in _LOAD_TRANSPORT_FAILURES:
+        return TritonModelLoadFailed
+    if model and (status == grpc.StatusCode.NOT_FOUND or MODEL_NOT_LOADED_DETAILS.search(details)):
+        return TritonModelNotLoaded
+    return _ERRORS_BY_STATUS.get(status, TritonModelError)
+
+
+def error_from_rpc(
+    error: grpc.RpcError, *, target: str, method: str, model: str = "", version: str = ""
+) -> TritonError:
+    """Our exception for a failed RPC: a model Triton does not serve is `TritonModelNotLoaded`, a
+    failed RepositoryModelLoad `TritonModelLoadFailed`; otherwise UNAVAILABLE, DEADLINE_EXCEEDED and
+    INVALID_ARGUMENT map to their own classes and every other status is a `TritonModelError`."""
     code = error.code() if callable(getattr(error, "code", None)) else None
     status = code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
     details = (error.details() if callable(getattr(error, "details", None)) else None) or str(error)
-    error_class = _ERRORS_BY_STATUS.get(status, TritonModelError)
-    subject = f"{method} for model {model!r}" if model else method
-    return error_class(
-        f"Triton at {target}: {subject} failed with {status.name}: {details}",
-        target=target,
-        model=model,
-        status=status.name,
-        details=details,
-    )
+    error_class = _error_class(status, details, method=method, model=model)
+    model_named = f"model {model!r}" + (f" version {version}" if version else "")
+    subject = f"{method} for {model_named}" if model else method
+    context = {"target": target, "model": model, "status": status.name, "details": details}
+    if error_class is TritonModelNotLoaded:
+        return TritonModelNotLoaded(
+            f"Triton at {target}: {model_named} is not loaded ({method}: {status.name}: {details})",
+            version=version,
+            **context,
+        )
+    return error_class(f"Triton at {target}: {subject} failed with {status.name}: {details}", **context)
+
+
+class RepositoryModel(NamedTuple):
+    """One entry of Triton's repository index: a model version and what state it is in."""
+
+    name: str
+    # "" for a model Triton has never tried to load.
+    version: str
+    # As Triton says it: "READY", "UNAVAILABLE", "LOADING", "UNLOADING"; "" when never loaded.
+    state: str
+    # Why it is in that state (a failed load's error), else "".
+    reason: str
 
 
 class TensorSpec(NamedTuple):
@@ -151,11 +195,13 @@ class ModelStatistics:
 
 @dataclass(frozen=True)
 class Call:
-    """One RPC an operation needs: the stub method's name, its request, the model it concerns."""
+    """One RPC an operation needs: the stub method's name, its request, the model (and version)
+    it concerns."""
 
     method: str
     request: Any
     model: str = ""
+    version: str = ""
 
 
 # An operation yields a Call (and is sent its response) or a list of Calls (and is sent the
@@ -232,7 +278,8 @@ class _TritonClientBase:
     several RPCs: ModelMetadata and ModelConfig the first time a model is used, then one
     ModelInfer per batch, all concurrent). retries: extra attempts after UNAVAILABLE, waiting
     retry_backoff_s * 2**attempt (at most retry_backoff_max_s) with jitter.
-    max_message_bytes: gRPC send/receive cap.
+    max_message_bytes: gRPC send/receive cap. model_load_timeout_s: the deadline of `model_load`
+    and `model_unload` (Triton answers once the model is loaded or failed, or unloaded).
     """
 
     def __init__(
@@ -245,11 +292,19 @@ class _TritonClientBase:
         retries: int = 3,
         retry_backoff_s: float = 0.1,
         retry_backoff_max_s: float = 2.0,
+        model_load_timeout_s: float = 300.0,
     ) -> None:
-        if channels < 1 or timeout_s <= 0 or retries < 0 or max_message_bytes <= 0:
+        if (
+            channels < 1
+            or timeout_s <= 0
+            or retries < 0
+            or max_message_bytes <= 0
+            or model_load_timeout_s <= 0
+        ):
             raise ValueError(
-                f"need channels >= 1, timeout_s > 0, retries >= 0 and max_message_bytes > 0; "
-                f"got {channels}, {timeout_s}, {retries}, {max_message_bytes}"
+                f"need channels >= 1, timeout_s > 0, retries >= 0, max_message_bytes > 0 and "
+                f"model_load_timeout_s > 0; got {channels}, {timeout_s}, {retries}, {max_message_bytes}, "
+                f"{model_load_timeout_s}"
             )
         self.target = target
         self.channels = channels
@@ -257,6 +312,7 @@ class _TritonClientBase:
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         self.retry_backoff_max_s = retry_backoff_max_s
+        self.model_load_timeout_s = model_load_timeout_s
         self._options = channel_options(max_message_bytes)
         self._round_robin = itertools.count()
         self._specs: dict[tuple[str, str], ModelSpec] = {}
@@ -273,7 +329,12 @@ class _TritonClientBase:
         inference is a pure function, so sending it again is safe), and only while the retry
         still fits in the call's deadline.
         """
-        failure = error_from_rpc(error, target=self.target, method=call.method, model=call.model)
+        failure = error_from_rpc(
+            error, target=self.target, method=call.method, model=call.model, version=call.version
+        )
+        if isinstance(failure, TritonModelNotLoaded):
+            # Its spec may describe a version that is gone, or come back different once loaded again.
+            self._forget_model(call.model)
         if isinstance(failure, TritonUnavailable) and attempt < self.retries:
             backoff = min(self.retry_backoff_max_s, self.retry_backoff_s * 2**attempt)
             delay = backoff * random.uniform(0.5, 1.0)
@@ -283,16 +344,21 @@ class _TritonClientBase:
             failure.args = (f"{failure.args[0]} (after {attempt + 1} attempts)",)
         raise failure from error
 
-    def _remaining(self, deadline: float, call: Call) -> float:
+    def _remaining(self, deadline: float, call: Call, budget_s: float) -> float:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TritonTimeout(
-                f"Triton at {self.target}: {call.method} ran out of its {self.timeout_s} s deadline",
+                f"Triton at {self.target}: {call.method} ran out of its {budget_s} s deadline",
                 target=self.target,
                 model=call.model,
                 status="DEADLINE_EXCEEDED",
             )
         return remaining
+
+    def _forget_model(self, name: str) -> None:
+        """Drop the cached specs of every version of `name` (it was loaded, unloaded or is gone)."""
+        for key in [key for key in self._specs if key[0] == name]:
+            self._specs.pop(key, None)
 
     # Operations: generators run by the transports' `_run`.
 
@@ -303,20 +369,22 @@ class _TritonClientBase:
         return (yield Call("ServerReady", pb.ServerReadyRequest())).ready
 
     def _model_ready_op(self, name: str, version: str) -> Operation:
-        return (yield Call("ModelReady", pb.ModelReadyRequest(name=name, version=version), name)).ready
+        request = pb.ModelReadyRequest(name=name, version=version)
+        return (yield Call("ModelReady", request, name, version)).ready
 
     def _model_spec_op(self, name: str, version: str) -> Operation:
         key = (name, version)
         if key not in self._specs:
             metadata, config = yield [
-                Call("ModelMetadata", pb.ModelMetadataRequest(name=name, version=version), name),
-                Call("ModelConfig", pb.ModelConfigRequest(name=name, version=version), name),
+                Call("ModelMetadata", pb.ModelMetadataRequest(name=name, version=version), name, version),
+                Call("ModelConfig", pb.ModelConfigRequest(name=name, version=version), name, version),
             ]
             self._specs[key] = _model_spec(metadata, config.config, version)
         return self._specs[key]
 
     def _model_statistics_op(self, name: str, version: str) -> Operation:
-        response = yield Call("ModelStatistics", pb.ModelStatisticsRequest(name=name, version=version), name)
+        request = pb.ModelStatisticsRequest(name=name, version=version)
+        response = yield Call("ModelStatistics", request, name, version)
         batch_executions: dict[int, int] = {}
         totals = dict.fromkeys(("inference", "execution", "success", "failure", "queue", "infer"), 0)
         for stats in response.model_stats:
@@ -365,7 +433,7 @@ class _TritonClientBase:
             )
             for batch in codec.split_batches(rows, spec.max_batch_size)
         ]
-        responses = yield [Call("ModelInfer", request, model) for request in requests]
+        responses = yield [Call("ModelInfer", request, model, version) for request in requests]
         parts = []
         for response in responses:
             decoded = codec.decode_infer_response(response)
@@ -377,6 +445,27 @@ class _TritonClientBase:
                 )
             parts.append(decoded[output.name])
         return codec.reassemble(parts)
+
+    def _repository_index_op(self, ready_only: bool) -> Operation:
+        response = yield Call("RepositoryIndex", pb.RepositoryIndexRequest(ready=ready_only))
+        return [RepositoryModel(m.name, m.version, m.state, m.reason) for m in response.models]
+
+    def _model_load_op(self, name: str, config: str | None) -> Operation:
+        parameters = {} if config is None else {"config": pb.ModelRepositoryParameter(string_param=config)}
+        request = pb.RepositoryModelLoadRequest(model_name=name, parameters=parameters)
+        try:
+            yield Call("RepositoryModelLoad", request, name)
+        finally:
+            # Loaded, reloaded with another config, or failed: what was cached may be untrue now.
+            self._forget_model(name)
+
+    def _model_unload_op(self, name: str, unload_dependents: bool) -> Operation:
+        parameters = {"unload_dependents": pb.ModelRepositoryParameter(bool_param=unload_dependents)}
+        request = pb.RepositoryModelUnloadRequest(model_name=name, parameters=parameters)
+        try:
+            yield Call("RepositoryModelUnload", request, name)
+        finally:
+            self._forget_model(name)
 
     def _embed_op(
         self, model: str, version: str, output_name: str | None, priority: int, make_inputs, *arguments
@@ -447,6 +536,28 @@ class AsyncTritonClient(_TritonClientBase):
     async def model_statistics(self, name: str, version: str = "") -> ModelStatistics:
         return await self._run(self._model_statistics_op(name, version))
 
+    async def repository_index(self, *, ready_only: bool = False) -> list[RepositoryModel]:
+        """Every model of Triton's repositories with its versions' states (only READY ones with
+        `ready_only`); a model never loaded has one entry with empty version and state."""
+        return await self._run(self._repository_index_op(ready_only))
+
+    async def model_load(
+        self, name: str, *, config: str | None = None, timeout_s: float | None = None
+    ) -> None:
+        """Load (or reload) `name` and return once Triton serves it; `config`: a JSON ModelConfig
+        used instead of the model folder's. Raises TritonModelLoadFailed with Triton's reason.
+        `timeout_s` defaults to model_load_timeout_s."""
+        await self._run(self._model_load_op(name, config), timeout_s or self.model_load_timeout_s)
+
+    async def model_unload(
+        self, name: str, *, unload_dependents: bool = False, timeout_s: float | None = None
+    ) -> None:
+        """Unload `name` (and, for an ensemble with `unload_dependents`, the models it is made
+        of); Triton answers OK for a model it did not serve."""
+        await self._run(
+            self._model_unload_op(name, unload_dependents), timeout_s or self.model_load_timeout_s
+        )
+
     async def infer(
         self,
         model: str,
@@ -515,11 +626,12 @@ class AsyncTritonClient(_TritonClientBase):
         return self._stubs[next(self._round_robin) % len(self._stubs)]
 
     async def _call(self, call: Call, timeout_s: float | None = None) -> Any:
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        budget_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget_s
         for attempt in itertools.count():
             method = getattr(self._stub(), call.method)
             try:
-                return await method(call.request, timeout=self._remaining(deadline, call))
+                return await method(call.request, timeout=self._remaining(deadline, call, budget_s))
             except grpc.RpcError as error:
                 delay = self._retry_delay(error, call, attempt, deadline)
             await asyncio.sleep(delay)
@@ -591,6 +703,24 @@ class TritonClient(_TritonClientBase):
 
     def model_statistics(self, name: str, version: str = "") -> ModelStatistics:
         return self._run(self._model_statistics_op(name, version))
+
+    def repository_index(self, *, ready_only: bool = False) -> list[RepositoryModel]:
+        """Every model of Triton's repositories with its versions' states (only READY ones with
+        `ready_only`); a model never loaded has one entry with empty version and state."""
+        return self._run(self._repository_index_op(ready_only))
+
+    def model_load(self, name: str, *, config: str | None = None, timeout_s: float | None = None) -> None:
+        """Load (or reload) `name` and return once Triton serves it; `config`: a JSON ModelConfig
+        used instead of the model folder's. Raises TritonModelLoadFailed with Triton's reason.
+        `timeout_s` defaults to model_load_timeout_s."""
+        self._run(self._model_load_op(name, config), timeout_s or self.model_load_timeout_s)
+
+    def model_unload(
+        self, name: str, *, unload_dependents: bool = False, timeout_s: float | None = None
+    ) -> None:
+        """Unload `name` (and, for an ensemble with `unload_dependents`, the models it is made
+        of); Triton answers OK for a model it did not serve."""
+        self._run(self._model_unload_op(name, unload_dependents), timeout_s or self.model_load_timeout_s)
 
     def infer(
         self,
@@ -672,11 +802,12 @@ class TritonClient(_TritonClientBase):
             return self._executor
 
     def _call(self, call: Call, timeout_s: float | None = None) -> Any:
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        budget_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget_s
         for attempt in itertools.count():
             method = getattr(self._stub(), call.method)
             try:
-                return method(call.request, timeout=self._remaining(deadline, call))
+                return method(call.request, timeout=self._remaining(deadline, call, budget_s))
             except grpc.RpcError as error:
                 delay = self._retry_delay(error, call, attempt, deadline)
             time.sleep(delay)

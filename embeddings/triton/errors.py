@@ -3,8 +3,13 @@
     TritonError                 anything that went wrong talking to Triton
     ├── TritonUnavailable       no connection: server down, restarting, unreachable (503)
     ├── TritonTimeout           the call's deadline passed before Triton answered (504)
-    ├── TritonModelError        unknown or unready model, unexpected model signature,
-    │                           server-side failure, malformed response (503)
+    ├── TritonModelError        unexpected model signature, server-side failure,
+    │   │                       malformed response (503)
+    │   ├── TritonModelNotLoaded    Triton has no ready version of the model (or of the version
+    │   │                           asked for): unknown, never loaded, unloaded, failed to load;
+    │   │                           raised at once, never retried (503)
+    │   └── TritonModelLoadFailed   a load through the model repository API failed; `reason`
+    │                               is Triton's
     └── TritonInvalidInput      Triton (or the client, before sending) refused the
                                 input tensors: wrong name, type or shape (422)
 
@@ -42,6 +47,22 @@ class TritonTimeout(TritonError):
 
 class TritonModelError(TritonError):
     """The model is unknown, not ready, failed while running, or answered unexpectedly."""
+
+
+class TritonModelNotLoaded(TritonModelError):
+    """Triton serves no ready version of `model` (`version`: the one asked for, "" for any)."""
+
+    def __init__(self, message: str, *, version: str = "", **context: str) -> None:
+        super().__init__(message, **context)
+        self.version = version
+
+
+class TritonModelLoadFailed(TritonModelError):
+    """Triton could not load `model`; `reason` says why, in Triton's words."""
+
+    @property
+    def reason(self) -> str:
+        return self.details
 
 
 class TritonInvalidInput(TritonError):

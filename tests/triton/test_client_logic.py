@@ -11,14 +11,18 @@ import pytest
 from embeddings.triton import (
     AsyncTritonClient,
     ModelSpec,
+    RepositoryModel,
     TensorSpec,
     TritonClient,
     TritonError,
     TritonInvalidInput,
     TritonModelError,
+    TritonModelLoadFailed,
+    TritonModelNotLoaded,
     TritonTimeout,
     TritonUnavailable,
 )
+from embeddings.triton import client as client_module
 from embeddings.triton.client import channel_options, error_from_rpc, text_inputs, token_inputs
 from embeddings.triton.protocol import grpc_service_pb2 as pb
 
@@ -35,7 +39,6 @@ def rpc_error(code: grpc.StatusCode, details: str = "boom") -> grpc.RpcError:
         (grpc.StatusCode.UNAVAILABLE, TritonUnavailable),
         (grpc.StatusCode.DEADLINE_EXCEEDED, TritonTimeout),
         (grpc.StatusCode.INVALID_ARGUMENT, TritonInvalidInput),
-        (grpc.StatusCode.NOT_FOUND, TritonModelError),
         (grpc.StatusCode.INTERNAL, TritonModelError),
         (grpc.StatusCode.UNKNOWN, TritonModelError),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, TritonModelError),
@@ -189,3 +192,231 @@ def test_text_inputs_are_n_by_1_bytes():
     assert inputs["TEXT"].ravel().tolist() == ["héllo".encode(), b"", b"\xff"]
     with pytest.raises(TritonModelError, match="single BYTES"):
         text_inputs(TOKEN_MODEL, ["x"])
+
+
+# --- Models Triton does not serve, and the model repository API ----------------------------------
+
+# Triton 2.51's own words (tests/triton/test_repository_api.py sees them from a real server).
+UNKNOWN = "Request for unknown model: 'm' is not found"
+NO_VERSIONS = "Request for unknown model: 'm' has no available versions"
+NO_SUCH_VERSION = "Request for unknown model: 'm' version 7 is not found"
+LOAD_FAILED = "load failed for model 'm': version 1 is at UNAVAILABLE state: Internal: RuntimeError: no"
+
+
+@pytest.mark.parametrize(
+    ("method", "code", "details", "expected"),
+    [
+        ("ModelInfer", grpc.StatusCode.NOT_FOUND, UNKNOWN, TritonModelNotLoaded),
+        ("ModelMetadata", grpc.StatusCode.NOT_FOUND, NO_VERSIONS, TritonModelNotLoaded),
+        ("ModelConfig", grpc.StatusCode.NOT_FOUND, NO_SUCH_VERSION, TritonModelNotLoaded),
+        (
+            "ModelStatistics",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "requested model 'm' is not available",
+            TritonModelNotLoaded,
+        ),
+        # The words decide: never retried as a connection failure.
+        ("ModelInfer", grpc.StatusCode.UNAVAILABLE, NO_VERSIONS, TritonModelNotLoaded),
+        (
+            "ModelInfer",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "expected 2 inputs but got 1 inputs for model 'm'",
+            TritonInvalidInput,
+        ),
+        ("ModelInfer", grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", TritonUnavailable),
+        ("RepositoryModelLoad", grpc.StatusCode.INVALID_ARGUMENT, LOAD_FAILED, TritonModelLoadFailed),
+        (
+            "RepositoryModelLoad",
+            grpc.StatusCode.INTERNAL,
+            "failed to poll from model repository",
+            TritonModelLoadFailed,
+        ),
+        ("RepositoryModelLoad", grpc.StatusCode.NOT_FOUND, UNKNOWN, TritonModelLoadFailed),
+        ("RepositoryModelLoad", grpc.StatusCode.UNAVAILABLE, "connection refused", TritonUnavailable),
+        ("RepositoryModelLoad", grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", TritonTimeout),
+        ("RepositoryModelUnload", grpc.StatusCode.INTERNAL, "boom", TritonModelError),
+    ],
+)
+def test_triton_answers_are_classified(method, code, details, expected):
+    error = error_from_rpc(rpc_error(code, details), target="h:1", method=method, model="m")
+    assert type(error) is expected
+    assert (error.model, error.status, error.details) == ("m", code.name, details)
+
+
+def test_not_loaded_names_the_model_and_version_and_carries_them():
+    error = error_from_rpc(
+        rpc_error(grpc.StatusCode.NOT_FOUND, NO_SUCH_VERSION),
+        target="h:1",
+        method="ModelInfer",
+        model="m",
+        version="7",
+    )
+    assert isinstance(error, TritonModelNotLoaded) and isinstance(error, TritonModelError)
+    assert (error.model, error.version) == ("m", "7")
+    assert (
+        str(error)
+        == f"Triton at h:1: model 'm' version 7 is not loaded (ModelInfer: NOT_FOUND: {NO_SUCH_VERSION})"
+    )
+
+
+def test_not_found_without_a_model_is_not_a_model_that_is_not_loaded():
+    error = error_from_rpc(rpc_error(grpc.StatusCode.NOT_FOUND, "no"), target="h:1", method="RepositoryIndex")
+    assert type(error) is TritonModelError
+
+
+def test_load_failed_carries_tritons_reason():
+    error = error_from_rpc(
+        rpc_error(grpc.StatusCode.INVALID_ARGUMENT, LOAD_FAILED),
+        target="h:1",
+        method="RepositoryModelLoad",
+        model="m",
+    )
+    assert isinstance(error, TritonModelLoadFailed) and error.reason == LOAD_FAILED
+
+
+class ScriptedStub:
+    """Stands in for the generated stub: each method answers from its queue (a response, or an
+    RpcError raised); every call is recorded as (method, request, timeout)."""
+
+    def __init__(self, answers: dict[str, list]):
+        self.answers = {method: list(queue) for method, queue in answers.items()}
+        self.calls: list[tuple[str, object, float]] = []
+
+    def answer(self, method: str, request, timeout: float):
+        assert timeout > 0
+        self.calls.append((method, request, timeout))
+        queue = self.answers[method]
+        answer = queue.pop(0) if len(queue) > 1 else queue[0]
+        if isinstance(answer, grpc.RpcError):
+            raise answer
+        return answer
+
+    def __getattr__(self, method: str):
+        return lambda request, timeout: self.answer(method, request, timeout)
+
+    def methods(self) -> list[str]:
+        return [method for method, _, _ in self.calls]
+
+
+class AsyncScriptedStub(ScriptedStub):
+    def __getattr__(self, method: str):
+        async def call(request, timeout):
+            return self.answer(method, request, timeout)
+
+        return call
+
+
+def scripted_client(stub: ScriptedStub, *, asynchronous: bool, **options):
+    client = (AsyncTritonClient if asynchronous else TritonClient)("fake:1", retry_backoff_s=0.01, **options)
+    client._stub = lambda: stub
+    return client
+
+
+def run(client, method: str, *args, **kwargs):
+    result = getattr(client, method)(*args, **kwargs)
+    return asyncio.run(result) if asyncio.iscoroutine(result) else result
+
+
+@pytest.fixture
+def no_sleeping(monkeypatch):
+    """Any backoff (time.sleep or asyncio.sleep inside the client) fails the test."""
+
+    def refuse(seconds):
+        raise AssertionError(f"the client slept {seconds} s before answering")
+
+    monkeypatch.setattr(client_module.time, "sleep", refuse)
+    monkeypatch.setattr(client_module.asyncio, "sleep", refuse)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize(
+    ("code", "details"),
+    [(grpc.StatusCode.NOT_FOUND, NO_VERSIONS), (grpc.StatusCode.UNAVAILABLE, NO_VERSIONS)],
+)
+def test_a_model_that_is_not_loaded_fails_at_once(asynchronous, code, details, no_sleeping):
+    stub = (AsyncScriptedStub if asynchronous else ScriptedStub)(
+        {"ModelMetadata": [rpc_error(code, details)], "ModelConfig": [rpc_error(code, details)]}
+    )
+    client = scripted_client(stub, asynchronous=asynchronous, retries=5)
+    ids = np.array([[101, 102]])
+    with pytest.raises(TritonModelNotLoaded) as raised:
+        run(client, "embed_tokens", "m", ids, np.ones_like(ids), version="2")
+    assert (raised.value.model, raised.value.version) == ("m", "2")
+    # One attempt per RPC (metadata and config are asked together), none retried.
+    assert sorted(stub.methods()) in (["ModelConfig", "ModelMetadata"], ["ModelMetadata"], ["ModelConfig"])
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_infer_for_an_unloaded_model_fails_at_once_and_forgets_its_spec(asynchronous, no_sleeping):
+    stub = (AsyncScriptedStub if asynchronous else ScriptedStub)(
+        {"ModelInfer": [rpc_error(grpc.StatusCode.NOT_FOUND, NO_VERSIONS)]}
+    )
+    client = scripted_client(stub, asynchronous=asynchronous, retries=5)
+    spec = replace(TOKEN_MODEL, name="m")
+    client._specs.update({("m", ""): spec, ("m", "1"): spec, ("other", ""): TOKEN_MODEL})
+    ids = np.array([[101, 102]] * 20)  # three batches of at most 8 rows, sent together
+    with pytest.raises(TritonModelNotLoaded):
+        run(client, "embed_tokens", "m", ids, np.ones_like(ids))
+    assert 1 <= len(stub.calls) <= 3 and set(stub.methods()) == {"ModelInfer"}
+    assert set(client._specs) == {("other", "")}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_repository_index_reads_each_model_version(asynchronous):
+    index = pb.RepositoryIndexResponse(
+        models=[
+            pb.RepositoryIndexResponse.ModelIndex(name="a", version="1", state="READY"),
+            pb.RepositoryIndexResponse.ModelIndex(name="b", version="1", state="UNAVAILABLE", reason="bad"),
+            pb.RepositoryIndexResponse.ModelIndex(name="c"),
+        ]
+    )
+    stub = (AsyncScriptedStub if asynchronous else ScriptedStub)({"RepositoryIndex": [index]})
+    client = scripted_client(stub, asynchronous=asynchronous)
+    assert run(client, "repository_index", ready_only=True) == [
+        RepositoryModel("a", "1", "READY", ""),
+        RepositoryModel("b", "1", "UNAVAILABLE", "bad"),
+        RepositoryModel("c", "", "", ""),
+    ]
+    assert stub.calls[0][1].ready is True
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_model_load_sends_the_config_under_its_own_deadline_and_forgets_the_spec(asynchronous):
+    stub = (AsyncScriptedStub if asynchronous else ScriptedStub)(
+        {"RepositoryModelLoad": [pb.RepositoryModelLoadResponse()]}
+    )
+    client = scripted_client(stub, asynchronous=asynchronous, timeout_s=5, model_load_timeout_s=250)
+    client._specs[("m", "")] = TOKEN_MODEL
+    run(client, "model_load", "m", config='{"name": "m"}')
+    ((_, request, timeout),) = stub.calls
+    assert request.model_name == "m" and request.parameters["config"].string_param == '{"name": "m"}'
+    assert 5 < timeout <= 250
+    assert not client._specs
+    run(client, "model_load", "m", timeout_s=2)
+    assert "config" not in stub.calls[1][1].parameters and stub.calls[1][2] <= 2
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_failed_load_raises_tritons_reason_once_and_forgets_the_spec(asynchronous, no_sleeping):
+    stub = (AsyncScriptedStub if asynchronous else ScriptedStub)(
+        {"RepositoryModelLoad": [rpc_error(grpc.StatusCode.INVALID_ARGUMENT, LOAD_FAILED)]}
+    )
+    client = scripted_client(stub, asynchronous=asynchronous, retries=5)
+    client._specs[("m", "1")] = TOKEN_MODEL
+    with pytest.raises(TritonModelLoadFailed, match="RuntimeError: no") as raised:
+        run(client, "model_load", "m")
+    assert raised.value.reason == LOAD_FAILED and len(stub.calls) == 1
+    assert not client._specs
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_model_unload_asks_for_dependents_and_forgets_the_spec(asynchronous):
+    stub = (AsyncScriptedStub if asynchronous else ScriptedStub)(
+        {"RepositoryModelUnload": [pb.RepositoryModelUnloadResponse()]}
+    )
+    client = scripted_client(stub, asynchronous=asynchronous)
+    client._specs[("m", "")] = TOKEN_MODEL
+    run(client, "model_unload", "m", unload_dependents=True)
+    ((_, request, _),) = stub.calls
+    assert request.model_name == "m" and request.parameters["unload_dependents"].bool_param is True
+    assert not client._specs
