@@ -224,8 +224,16 @@ class TritonProcessGroup:
         self.end()
 
 
+MODEL_CONTROL_MODES = ("none", "explicit", "poll")
+
+
 class TritonServer:
-    """One tritonserver process serving the given model repositories on loopback ports."""
+    """One tritonserver process serving the given model repositories on loopback ports.
+
+    model_control_mode: "none" loads every model of the repositories at start and nothing after;
+    "explicit" loads only `startup_models` at start, and then what clients load through the model
+    repository API (TritonClient.model_load); "poll" follows the repositories' changes on its own.
+    """
 
     def __init__(
         self,
@@ -237,6 +245,8 @@ class TritonServer:
         metrics_port: int,
         address: str = "127.0.0.1",
         model_config_name: str = "",
+        model_control_mode: str = "none",
+        startup_models: Sequence[str] = (),
         log_path: Path | None = None,
         extra_args: Sequence[str] = (),
         stop_timeout_s: float = 15.0,
@@ -248,6 +258,16 @@ class TritonServer:
         self.metrics_port = metrics_port
         self.address = address
         self.model_config_name = model_config_name
+        if model_control_mode not in MODEL_CONTROL_MODES:
+            raise ValueError(
+                f"model_control_mode must be one of {MODEL_CONTROL_MODES}, not {model_control_mode!r}"
+            )
+        if startup_models and model_control_mode != "explicit":
+            raise ValueError(
+                "startup_models need model_control_mode='explicit' (other modes load everything)"
+            )
+        self.model_control_mode = model_control_mode
+        self.startup_models = list(startup_models)
         self.log_path = log_path
         self.extra_args = list(extra_args)
         # How long Triton's group gets to exit after SIGTERM before SIGKILL (Triton itself waits up
@@ -323,6 +343,8 @@ class TritonServer:
         ]
         if self.model_config_name:
             args.append(f"--model-config-name={self.model_config_name}")
+        args.append(f"--model-control-mode={self.model_control_mode}")
+        args += [f"--load-model={name}" for name in self.startup_models]
         return args + self.extra_args
 
     @property

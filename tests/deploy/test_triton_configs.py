@@ -36,7 +36,9 @@ def triton_reading(config_text: str, config_name: str, tmp_path: Path) -> str:
         metrics_port=free_port(),
         log_path=tmp_path / "triton.log",
         model_config_name=config_name,
-        extra_args=["--model-control-mode=explicit", "--load-model=minilm", "--exit-on-error=true"],
+        model_control_mode="explicit",
+        startup_models=["minilm"],
+        extra_args=["--exit-on-error=true"],
     )
     server.start()
     try:
