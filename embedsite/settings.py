@@ -449,6 +449,17 @@ TRITON_MODEL_CONFIG_NAME = env_str("TRITON_MODEL_CONFIG_NAME", "")
 TRITON_STARTUP_TIMEOUT_S = env_float("TRITON_STARTUP_TIMEOUT_S", 180.0, minimum=1)
 # Stopping (or after a crash) Triton's process group gets this long after SIGTERM, then SIGKILL.
 TRITON_STOP_TIMEOUT_S = env_float("TRITON_STOP_TIMEOUT_S", 15.0, minimum=0.1)
+# "explicit": the local Triton loads TRITON_STARTUP_MODELS at start, then what is loaded on request
+# (the catalog's models, without a restart); "none" loads every folder of the repository at start.
+TRITON_MODEL_CONTROL_MODE = env_str("TRITON_MODEL_CONTROL_MODE", "explicit")
+if TRITON_MODEL_CONTROL_MODE not in ("explicit", "none", "poll"):
+    raise ImproperlyConfigured(
+        f"TRITON_MODEL_CONTROL_MODE must be explicit, none or poll, got {TRITON_MODEL_CONTROL_MODE!r}"
+    )
+# Loading the ensemble minilm_text loads the models it is made of too; they are named anyway.
+TRITON_STARTUP_MODELS = env_list("TRITON_STARTUP_MODELS", ["minilm", "minilm_tokenizer", "minilm_text"])
+# Deadline of a model load or unload through Triton's repository API (a load answers once ready).
+TRITON_MODEL_LOAD_TIMEOUT_S = env_float("TRITON_MODEL_LOAD_TIMEOUT_S", 300.0, minimum=1)
 RUN_DIR = Path(env_str("EMBEDSITE_RUN_DIR", str(BASE_DIR / ".run")))
 
 # --- Readiness (/ready) ------------------------------------------------------------------------

@@ -326,3 +326,29 @@ def test_admin_lockout_settings_from_the_environment(project_copy):
     assert done.stdout.split() == ["3", "30.0"]
     refused = load_settings(project_copy, code, ADMIN_LOGIN_FAILURE_LIMIT="0", **environment)
     assert "ADMIN_LOGIN_FAILURE_LIMIT must be at least 1" in refusal(refused)
+
+
+def test_local_triton_model_control_from_the_environment(project_copy):
+    code = (
+        "import django; django.setup(); from embeddings.services.local_triton import local_triton_server; "
+        "from django.conf import settings; server = local_triton_server(); "
+        "print(server.model_control_mode, ','.join(server.startup_models) or '-', "
+        "settings.TRITON_MODEL_LOAD_TIMEOUT_S)"
+    )
+    environment = {"DJANGO_SECRET_KEY": STRONG_KEY}
+    default = load_settings(project_copy, code, **environment)
+    assert default.returncode == 0, default.stderr
+    assert default.stdout.split() == ["explicit", "minilm,minilm_tokenizer,minilm_text", "300.0"]
+    chosen = load_settings(
+        project_copy,
+        code,
+        TRITON_STARTUP_MODELS="minilm_text",
+        TRITON_MODEL_LOAD_TIMEOUT_S="20",
+        **environment,
+    )
+    assert chosen.stdout.split() == ["explicit", "minilm_text", "20.0"], chosen.stderr
+    # Mode none loads every folder at start: no --load-model to give.
+    everything = load_settings(project_copy, code, TRITON_MODEL_CONTROL_MODE="none", **environment)
+    assert everything.stdout.split() == ["none", "-", "300.0"], everything.stderr
+    refused = load_settings(project_copy, code, TRITON_MODEL_CONTROL_MODE="Explicit", **environment)
+    assert "TRITON_MODEL_CONTROL_MODE must be explicit, none or poll, got 'Explicit'" in refusal(refused)

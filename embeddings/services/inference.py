@@ -25,6 +25,7 @@ def _client_options() -> dict:
         "timeout_s": settings.TRITON_TIMEOUT_S,
         "retries": settings.TRITON_RETRIES,
         "max_message_bytes": settings.TRITON_MAX_MESSAGE_BYTES,
+        "model_load_timeout_s": settings.TRITON_MODEL_LOAD_TIMEOUT_S,
     }
 
 

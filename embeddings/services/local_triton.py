@@ -20,6 +20,10 @@ def local_triton_server(*, log_path: Path | None = None, extra_repositories: lis
         metrics_port=settings.TRITON_METRICS_PORT,
         address="127.0.0.1" if grpc_host in {"localhost", "127.0.0.1"} else grpc_host.strip("[]"),
         model_config_name=settings.TRITON_MODEL_CONFIG_NAME,
+        model_control_mode=settings.TRITON_MODEL_CONTROL_MODE,
+        startup_models=settings.TRITON_STARTUP_MODELS
+        if settings.TRITON_MODEL_CONTROL_MODE == "explicit"
+        else (),
         log_path=log_path,
         stop_timeout_s=settings.TRITON_STOP_TIMEOUT_S,
     )
