@@ -553,7 +553,8 @@ class AsyncTritonClient(_TritonClientBase):
         self, name: str, *, unload_dependents: bool = False, timeout_s: float | None = None
     ) -> None:
         """Unload `name` (and, for an ensemble with `unload_dependents`, the models it is made
-        of); Triton answers OK for a model it did not serve."""
+        of). Returns once Triton stops taking requests for it (its instances may still finish
+        theirs: the index says UNLOADING); Triton answers OK for a model it did not serve."""
         await self._run(
             self._model_unload_op(name, unload_dependents), timeout_s or self.model_load_timeout_s
         )
@@ -719,7 +720,8 @@ class TritonClient(_TritonClientBase):
         self, name: str, *, unload_dependents: bool = False, timeout_s: float | None = None
     ) -> None:
         """Unload `name` (and, for an ensemble with `unload_dependents`, the models it is made
-        of); Triton answers OK for a model it did not serve."""
+        of). Returns once Triton stops taking requests for it (its instances may still finish
+        theirs: the index says UNLOADING); Triton answers OK for a model it did not serve."""
         self._run(self._model_unload_op(name, unload_dependents), timeout_s or self.model_load_timeout_s)
 
     def infer(
