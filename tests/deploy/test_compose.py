@@ -84,6 +84,19 @@ def test_the_cpu_profile_runs_triton_on_the_cpu_config_under_the_same_name(cpu_s
     assert (REPO_ROOT / "model_repository" / "minilm" / "configs" / "cpu.pbtxt").is_file()
 
 
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_the_app_reads_the_model_config_triton_runs(tmp_path: Path, profile: str) -> None:
+    """Models loaded after start are sent the config named TRITON_MODEL_CONFIG_NAME: it must be the
+    one the running Triton was started with, and Triton loads only MiniLM at start."""
+    services = resolved(tmp_path, COMPOSE_PROFILES=profile)["services"]
+    (triton,) = (services[name] for name in ("triton", "triton-cpu") if name in services)
+    assert "--model-control-mode=explicit" in triton["command"]
+    assert [arg for arg in triton["command"] if arg.startswith("--load-model")] == ["--load-model=minilm"]
+    for app in APP_SERVICES:
+        config_name = services[app]["environment"]["TRITON_MODEL_CONFIG_NAME"]
+        assert f"--model-config-name={config_name}" in triton["command"], app
+
+
 @pytest.mark.parametrize("secret", SECRETS)
 def test_compose_refuses_to_start_without_each_secret(tmp_path: Path, secret: str) -> None:
     done = compose_config(tmp_path, **{secret: ""})
@@ -105,8 +118,8 @@ def test_secrets_come_only_from_the_environment(tmp_path: Path) -> None:
 
 def test_every_variable_compose_reads_is_in_env_example_and_each_there_is_read() -> None:
     read_by_compose = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)", COMPOSE_FILE.read_text()))
-    # COMPOSE_PROFILES is read by compose itself, not interpolated.
-    in_example = set(read_env_file(ENV_EXAMPLE)) - {"COMPOSE_PROFILES"}
+    # COMPOSE_PROFILES is read by compose itself, and interpolated (TRITON_MODEL_CONFIG_NAME).
+    in_example = set(read_env_file(ENV_EXAMPLE))
     assert read_by_compose - in_example == set(), "missing from .env.example"
     assert in_example - read_by_compose == set(), "in .env.example but never read"
 

@@ -229,6 +229,18 @@ def test_the_cpu_overlay_asks_for_no_gpu_and_sizes_the_limits_for_cpu(cpu_overla
     assert config["SEQUENCE_LENGTH_BUCKETS"]
 
 
+@pytest.mark.parametrize("variant", ["base", "cpu_overlay"])
+def test_the_app_reads_the_model_config_triton_runs(variant: str, request: pytest.FixtureRequest) -> None:
+    """Models loaded after start are sent the config named TRITON_MODEL_CONFIG_NAME: it must be the
+    one Triton was started with, and Triton loads only MiniLM at start."""
+    documents = request.getfixturevalue(variant)
+    triton = by_kind(documents, "Deployment")["embedsite-triton"]
+    server = next(c for c in triton["spec"]["template"]["spec"]["containers"] if c["name"] == "triton")
+    assert "--model-control-mode=explicit" in server["command"]
+    assert [arg for arg in server["command"] if arg.startswith("--load-model")] == ["--load-model=minilm"]
+    assert f"--model-config-name={config_of(documents)['TRITON_MODEL_CONFIG_NAME']}" in server["command"]
+
+
 def test_secrets_live_only_in_the_operators_secret_env(base: list[dict]) -> None:
     (secret,) = by_kind(base, "Secret").values()
     secret_names = set(read_env_file(BASE / "secret.env.example"))
