@@ -120,14 +120,11 @@ def error_from_rpc(
     error_class = _error_class(status, details, method=method, model=model)
     model_named = f"model {model!r}" + (f" version {version}" if version else "")
     subject = f"{method} for {model_named}" if model else method
+    message = f"Triton at {target}: {subject} failed with {status.name}: {details}"
     context = {"target": target, "model": model, "status": status.name, "details": details}
     if error_class is TritonModelNotLoaded:
-        return TritonModelNotLoaded(
-            f"Triton at {target}: {model_named} is not loaded ({method}: {status.name}: {details})",
-            version=version,
-            **context,
-        )
-    return error_class(f"Triton at {target}: {subject} failed with {status.name}: {details}", **context)
+        return TritonModelNotLoaded(message, version=version, **context)
+    return error_class(message, **context)
 
 
 class RepositoryModel(NamedTuple):

@@ -255,7 +255,7 @@ def test_not_loaded_names_the_model_and_version_and_carries_them():
     assert (error.model, error.version) == ("m", "7")
     assert (
         str(error)
-        == f"Triton at h:1: model 'm' version 7 is not loaded (ModelInfer: NOT_FOUND: {NO_SUCH_VERSION})"
+        == f"Triton at h:1: ModelInfer for model 'm' version 7 failed with NOT_FOUND: {NO_SUCH_VERSION}"
     )
 
 

@@ -176,7 +176,7 @@ def test_the_async_client_fails_at_once_too(explicit_triton, no_sleeping):
         async with AsyncTritonClient(explicit_triton.grpc_target, retries=5) as client:
             await client.embed_texts("slow_echo", ["hello"])
 
-    with pytest.raises(TritonModelNotLoaded, match="'slow_echo' is not loaded"):
+    with pytest.raises(TritonModelNotLoaded, match="for model 'slow_echo' failed with NOT_FOUND"):
         asyncio.run(embed())
 
 
