@@ -14,5 +14,5 @@ RUN DJANGO_DEBUG=1 python manage.py collectstatic --noinput
 # The model is exported into the image, so the service's tokenizer and catalogue entry and Triton's
 # model.onnx (copied out by compose's `export` and Kubernetes' init container) come from one build.
 # Only the export runs in debug (its settings need no secret); nothing of it stays in the image.
-RUN HF_HUB_OFFLINE=1 DJANGO_DEBUG=1 python manage.py export_model
+RUN HF_HUB_OFFLINE=1 DJANGO_DEBUG=1 python manage.py export_model --if-missing --version 1
 EXPOSE 8080

