@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import time
+import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -53,6 +57,82 @@ def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonSe
     server = start_triton(tmp_path_factory.mktemp("triton"), repositories)
     yield server
     server.stop()
+
+
+def serving_model_folder(repository: Path, name: str, *, source: str = "minilm", versions=(1,)) -> Path:
+    """A real model folder `name` in `repository` serving the exported `source` (its version 1
+    files symlinked into each of `versions`), with its config renamed (Triton refuses a config
+    name other than its folder's) and one instance (enough for tests, half the memory)."""
+    source_dir = Path(settings.TRITON_MODEL_REPOSITORY) / source
+    require_exported_model(source_dir.parent, source)
+    model_dir = repository / name
+    model_dir.mkdir(parents=True)
+    for version in versions:
+        (model_dir / str(version)).mkdir()
+        for file in (source_dir / "1").iterdir():
+            (model_dir / str(version) / file.name).symlink_to(file)
+    config = (source_dir / "config.pbtxt").read_text()
+    config = config.replace(f'name: "{source}"', f'name: "{name}"').replace("count: 2", "count: 1")
+    (model_dir / "config.pbtxt").write_text(config)
+    return model_dir
+
+
+@dataclass
+class ExplicitTriton:
+    """A Triton in explicit model-control mode on its own repository: nothing loaded at start."""
+
+    server: TritonServer
+    repository: Path
+
+    def unload_all(self) -> None:
+        """Back to nothing loaded (each test starts from there)."""
+        for folder in self.repository.iterdir():
+            request = urllib.request.Request(
+                f"{self.server.http_url}/v2/repository/models/{folder.name}/unload", data=b"{}", method="POST"
+            )
+            with urllib.request.urlopen(request, timeout=60):
+                pass
+        # An unload returns before the stubs end: wait until the index says so.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            request = urllib.request.Request(f"{self.server.http_url}/v2/repository/index", data=b"{}")
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                index = json.loads(reply.read())
+            if not any(entry.get("state") in {"READY", "LOADING", "UNLOADING"} for entry in index):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"Triton did not unload its models: {index}")
+
+
+@pytest.fixture(scope="session")
+def explicit_triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ExplicitTriton]:
+    """The real Triton with --model-control-mode=explicit on a repository of two models: minilm
+    (versions 1 and 2, the same files), minilm_copy (version 1) and `broken` (a backend Triton
+    does not have: its loads fail), nothing loaded."""
+    repository = tmp_path_factory.mktemp("explicit_repository")
+    serving_model_folder(repository, "minilm", versions=(1, 2))
+    serving_model_folder(repository, "minilm_copy")
+    (repository / "broken" / "1").mkdir(parents=True)
+    (repository / "broken" / "config.pbtxt").write_text('name: "broken"\nbackend: "no_such_backend"\n')
+    server = start_triton(
+        tmp_path_factory.mktemp("explicit_triton"), [repository], extra_args=["--model-control-mode=explicit"]
+    )
+    yield ExplicitTriton(server, repository)
+    server.stop()
+
+
+@pytest.fixture
+def explicit_triton(explicit_triton_server: ExplicitTriton, settings) -> Iterator[ExplicitTriton]:
+    """The service pointed at `explicit_triton_server` (its Triton and its repository), which
+    starts with nothing loaded."""
+    from embeddings.services.inference import reset_clients
+
+    explicit_triton_server.unload_all()
+    settings.TRITON_GRPC_TARGET = explicit_triton_server.server.grpc_target
+    settings.TRITON_MODEL_REPOSITORY = explicit_triton_server.repository
+    reset_clients()
+    yield explicit_triton_server
+    reset_clients()
 
 
 @pytest.fixture

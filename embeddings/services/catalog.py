@@ -1,9 +1,9 @@
-"""The embedding models clients can name: lookup (cached per process), listing, local registration."""
+"""The embedding models clients can name: lookup (cached per process), listing, registration."""
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,6 +11,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from embeddings.models import EmbeddingModel, Tenant
+from embeddings.services.model_export import ModelExportError, model_export_info, model_export_versions
 
 if TYPE_CHECKING:
     from embeddings.api.authentication import ApiPrincipal
@@ -61,22 +62,89 @@ async def embedding_models_for_principal(*, principal: ApiPrincipal) -> list[Emb
     return [model for model in await _enabled_cached() if principal.may_use(model)]
 
 
-def embedding_model_register_local(*, repository: Path, triton_model: str = "minilm") -> EmbeddingModel:
-    """Register (idempotently) the model `export_model` wrote, so a first run can serve it."""
-    export_info_path = Path(repository) / triton_model / "1" / "export.json"
-    if not export_info_path.exists():
-        raise FileNotFoundError(
-            f"{export_info_path} is missing: export the model first (manage.py export_model)"
+class CatalogError(Exception):
+    """A registration the catalog refuses: no such export, a name already taken, a bad prompt."""
+
+
+def embedding_model_register(
+    *,
+    triton_model: str,
+    version: int | None = None,
+    name: str | None = None,
+    aliases: Sequence[str] | None = None,
+    prompts: Mapping[str, str] | None = None,
+    default_prompt_name: str | None = None,
+    enabled: bool | None = None,
+    repository: Path | None = None,
+) -> EmbeddingModel:
+    """Create or update the catalog row `name` (default: the Triton model's name) for a finished
+    export of `triton_model` (`version`, default the latest): its dimensions and maximum tokens
+    come from that version's export.json. Aliases, prompts and `enabled` given replace the row's;
+    omitted, they are kept (a new row is enabled). Loading it into Triton is `models_reconcile`'s
+    (services/model_serving.py)."""
+    repository = Path(repository or settings.TRITON_MODEL_REPOSITORY)
+    versions = model_export_versions(repository_dir=repository, name=triton_model)
+    if version is None:
+        if not versions:
+            raise CatalogError(
+                f"{repository / triton_model} has no finished export: run manage.py export_model first"
+            )
+        version = versions[-1]
+    elif version not in versions:
+        found = ", ".join(map(str, versions)) or "none"
+        raise CatalogError(
+            f"{triton_model} has no finished export version {version} (finished: {found}); "
+            "export it first (manage.py export_model)"
         )
-    export_info = json.loads(export_info_path.read_text())
+    try:
+        info = model_export_info(repository_dir=repository, name=triton_model, version=version)
+    except ModelExportError as error:
+        raise CatalogError(str(error)) from error
+    name = name or triton_model
+    existing = EmbeddingModel.objects.filter(name=name).first()
+    aliases = list(aliases) if aliases is not None else (existing.aliases if existing else [])
+    prompts = dict(prompts) if prompts is not None else (existing.prompts if existing else {})
+    if default_prompt_name is None:
+        default_prompt_name = existing.default_prompt_name if existing else ""
+    if default_prompt_name and default_prompt_name not in prompts:
+        raise CatalogError(f"the default prompt {default_prompt_name!r} is not one of its prompts")
+    if enabled is None:
+        enabled = existing.enabled if existing else True
+    _check_names_free(name=name, aliases=aliases, exclude=existing)
     model, _ = EmbeddingModel.objects.update_or_create(
-        name=LOCAL_MODEL_NAME,
+        name=name,
         defaults={
-            "aliases": LOCAL_MODEL_ALIASES,
+            "aliases": aliases,
             "triton_model": triton_model,
-            "dimensions": int(export_info["dims"]),
-            "max_tokens": int(export_info["max_tokens"]),
+            "triton_version": str(version),
+            "dimensions": int(info["dims"]),
+            "max_tokens": int(info["max_tokens"]),
+            "prompts": prompts,
+            "default_prompt_name": default_prompt_name,
+            "enabled": enabled,
         },
     )
     embedding_model_cache_clear()
     return model
+
+
+def _check_names_free(*, name: str, aliases: Sequence[str], exclude: EmbeddingModel | None) -> None:
+    """Every name a client may send must pick one model: refuse one another row answers to."""
+    others = (
+        EmbeddingModel.objects.all() if exclude is None else EmbeddingModel.objects.exclude(pk=exclude.pk)
+    )
+    for other in others:
+        for wanted in (name, *aliases):
+            if other.answers_to(wanted):
+                raise CatalogError(f"{wanted!r} already names the model {other.name!r}")
+
+
+def embedding_model_register_local(*, repository: Path, triton_model: str = "minilm") -> EmbeddingModel:
+    """Register (idempotently) the model `export_model` wrote, version 1, so a first run can serve it."""
+    return embedding_model_register(
+        triton_model=triton_model,
+        version=1,
+        name=LOCAL_MODEL_NAME,
+        aliases=LOCAL_MODEL_ALIASES,
+        repository=repository,
+    )

@@ -9,6 +9,7 @@ from asgiref.sync import async_to_sync
 
 from embeddings.models import EmbeddingModel
 from embeddings.services.catalog import (
+    CatalogError,
     embedding_model_cache_clear,
     embedding_model_for_name,
     embedding_model_register_local,
@@ -131,7 +132,7 @@ def test_register_local_model_is_idempotent_and_clears_the_request_path_cache(db
 
 
 def test_register_local_model_needs_the_export(db, tmp_path):
-    with pytest.raises(FileNotFoundError, match="export_model"):
+    with pytest.raises(CatalogError, match="export_model"):
         embedding_model_register_local(repository=tmp_path)
 
 
