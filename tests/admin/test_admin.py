@@ -18,6 +18,7 @@ from embeddings.models import ApiKey, EmbeddingModel, Tenant
 from embeddings.services.job_storage import StorageNeed, job_storage_admit
 from embeddings.services.keys import api_key_create, api_key_for_secret, api_key_revoke, parse_api_key
 from embeddings.services.tenants import tenant_create
+from embeddings.triton.server import free_port
 
 pytestmark = pytest.mark.django_db
 
@@ -231,7 +232,18 @@ def write_export(repository, *, dims: int = 384, max_tokens: int = 256) -> None:
     )
 
 
-def test_register_local_model_is_idempotent(settings, tmp_path):
+@pytest.fixture
+def no_triton(settings):
+    """The service's Triton target a free port nobody listens on."""
+    from embeddings.services.inference import reset_clients
+
+    settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"
+    reset_clients()
+    yield
+    reset_clients()
+
+
+def test_register_local_model_is_idempotent(settings, tmp_path, no_triton):
     settings.TRITON_MODEL_REPOSITORY = tmp_path
     write_export(tmp_path)
 
@@ -257,7 +269,7 @@ def test_register_local_model_is_idempotent(settings, tmp_path):
     )
 
 
-def test_register_local_model_without_an_export_fails_clearly(settings, tmp_path):
+def test_register_local_model_without_an_export_fails_clearly(settings, tmp_path, no_triton):
     settings.TRITON_MODEL_REPOSITORY = tmp_path
     with pytest.raises(CommandError, match="export_model"):
         call_command("register_local_model")

@@ -1,28 +1,25 @@
-"""Register the locally exported model so a first run can serve it (setup runs this)."""
+"""Register the locally exported MiniLM (version 1) so a first run can serve it (setup runs this)."""
 
-from pathlib import Path
-
-from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
-
-from embeddings.services.catalog import embedding_model_register_local
-from embeddings.services.model_export import ModelExportError, model_export_info
+from embeddings.management.commands.register_model import Command as RegisterModelCommand
+from embeddings.services.catalog import LOCAL_MODEL_ALIASES, LOCAL_MODEL_NAME
 
 
-class Command(BaseCommand):
+class Command(RegisterModelCommand):
     help = (
-        "Register model_repository/minilm (export.json) as the all-MiniLM-L6-v2 embedding model, "
-        "after checking that model.onnx is the file export.json describes."
+        "Register model_repository/minilm version 1 as the all-MiniLM-L6-v2 embedding model, after checking "
+        "that model.onnx is the file export.json describes; load it when Triton runs."
     )
 
+    def add_arguments(self, parser) -> None:
+        pass
+
     def handle(self, *args, **options):
-        repository = Path(settings.TRITON_MODEL_REPOSITORY)
-        try:
-            # A model.onnx that is not the recorded export would be served under the wrong description.
-            model_export_info(repository_dir=repository, name="minilm")
-            model = embedding_model_register_local(repository=repository)
-        except (FileNotFoundError, ModelExportError) as error:
-            raise CommandError(str(error)) from error
-        self.stdout.write(
-            f"registered {model.name} -> Triton model {model.triton_model} ({model.dimensions}-d)"
+        super().handle(
+            triton_model="minilm",
+            version=1,
+            name=LOCAL_MODEL_NAME,
+            aliases=LOCAL_MODEL_ALIASES,
+            prompts=None,
+            default_prompt=None,
+            disable=False,
         )

@@ -1,0 +1,82 @@
+"""Register an exported model in the catalog and load it into the running Triton."""
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from embeddings.services.catalog import CatalogError, embedding_model_cache_clear, embedding_model_register
+from embeddings.services.model_serving import models_reconcile
+from embeddings.triton import TritonError
+
+
+def prompt_pair(value: str) -> tuple[str, str]:
+    name, separator, text = value.partition("=")
+    if not separator or not name:
+        raise ValueError(value)
+    return name, text
+
+
+class Command(BaseCommand):
+    help = (
+        "Add (or update) a catalog model for a finished export (dimensions and maximum tokens from its "
+        "export.json), then load it into Triton. Triton not running: registered, loaded when the stack "
+        "starts."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--triton-model", required=True, help="The model folder's name in the repository")
+        parser.add_argument("--version", type=int, help="The export version to serve (default: the latest)")
+        parser.add_argument("--name", help="What clients send (default: the Triton model's name)")
+        parser.add_argument("--alias", action="append", dest="aliases", help="Another name (repeatable)")
+        parser.add_argument(
+            "--prompt",
+            action="append",
+            type=prompt_pair,
+            dest="prompts",
+            metavar="NAME=TEXT",
+            help='A prompt clients may name, e.g. --prompt "query=query: " (repeatable)',
+        )
+        parser.add_argument("--default-prompt", help="The prompt used when a request names none")
+        parser.add_argument("--disable", action="store_true", help="Register it disabled (not loaded)")
+
+    def handle(
+        self, *args, triton_model, version, name, aliases, prompts, default_prompt, disable, **options
+    ):
+        try:
+            model = embedding_model_register(
+                triton_model=triton_model,
+                version=version,
+                name=name,
+                aliases=aliases,
+                prompts=dict(prompts) if prompts is not None else None,
+                default_prompt_name=default_prompt,
+                enabled=False if disable else None,
+            )
+        except CatalogError as error:
+            raise CommandError(str(error)) from error
+        self.stdout.write(
+            f"registered {model.name} -> Triton model {model.triton_model} version {model.triton_version} "
+            f"({model.dimensions}-d, {model.max_tokens} tokens){'' if model.enabled else ', disabled'}"
+        )
+        self.load(model)
+
+    def load(self, model) -> None:
+        try:
+            # unload=False: a new version pinned serves next to the old until the periodic reconcile.
+            states = models_reconcile(unload=False, triton_models=[model.triton_model])
+        except TritonError as error:
+            self.stdout.write(
+                f"Triton is not reachable ({type(error).__name__}): {model.name} loads when the stack starts"
+            )
+            return
+        state = next(state for state in states if state.name == model.name)
+        if not model.enabled:
+            self.stdout.write(f"{model.name} is disabled: not loaded")
+        elif state.ready:
+            self.stdout.write(self.style.SUCCESS(f"{model.name} is loaded in Triton and serving"))
+        else:
+            model.enabled = False
+            model.save(update_fields=["enabled"])
+            embedding_model_cache_clear()
+            raise CommandError(
+                f"Triton could not load {model.triton_model} version {model.triton_version or 'latest'}: "
+                f"{state.reason or state.state or 'unknown reason'}. {model.name} is registered, disabled."
+            )
