@@ -7,7 +7,7 @@ import logging
 from celery import shared_task
 from django.conf import settings
 
-from embeddings.services.errors import InvalidRequest, LimitExceeded
+from embeddings.services.errors import InvalidRequest, LimitExceeded, ModelNotLoaded
 from embeddings.services.job_callbacks import CallbackRetry, job_callback_deliver
 from embeddings.services.job_storage import job_storage_sweep
 from embeddings.services.jobs import (
@@ -39,8 +39,8 @@ def usage_fold_task() -> dict[str, int]:
 # --- Embedding jobs (embeddings/services/jobs.py) --------------------------------------------------
 
 # Transient Triton failures a chunk retries; anything else (a bad model output, a tokenizer error)
-# would fail the same way again.
-CHUNK_RETRYABLE = (TritonUnavailable, TritonTimeout)
+# would fail the same way again. A model not loaded is loaded again by the next reconcile.
+CHUNK_RETRYABLE = (TritonUnavailable, TritonTimeout, ModelNotLoaded)
 # Failures the same inputs would meet again: the chunk's inputs count failed and the job goes on
 # (re-running it, as a stalled chunk would be, could only fail again); a vector float16 storage
 # cannot hold among them.

@@ -27,6 +27,7 @@ ApiError (500 server_error)
 │       └── StorageBudgetFull (429 job_storage_budget_exceeded)  a job's bytes do not fit what its
 │                                                     tenant's (or the global) job storage budget has free
 ├── UpstreamUnavailable (503 model_unavailable)       Triton down or the model not ready
+├── ModelNotLoaded (503 model_not_loaded)             a registered model Triton has not loaded (or unloaded)
 ├── QuotaUnavailable (503 quota_unavailable)          quotas cannot be checked (Redis down, fail closed)
 ├── JobQueueUnavailable (503 queue_unavailable)       the job queue (broker) refused a job, which was undone
 ├── JobStoreUnavailable (503 job_store_unavailable)   the job store is full or down; the job was undone
@@ -56,11 +57,13 @@ from embeddings.services.errors import (
 )
 from embeddings.services.errors import JobQueueUnavailable as JobQueueFailed
 from embeddings.services.errors import JobStoreUnavailable as JobStoreFailed
+from embeddings.services.errors import ModelNotLoaded as ModelNotLoadedFailure
 from embeddings.services.errors import QuotaUnavailable as QuotaStoreFailed
 from embeddings.tokenization import InputTooLong, TokenizationError
 from embeddings.triton.errors import (
     TritonError,
     TritonInvalidInput,
+    TritonModelNotLoaded,
     TritonTimeout,
     TritonUnavailable,
 )
@@ -272,6 +275,17 @@ class UpstreamUnavailable(ApiError):
     default_message = "The model server is unavailable; retry shortly."
 
 
+class ModelNotLoaded(ApiError):
+    status = 503
+    type = "server_error"
+    code = "model_not_loaded"
+    default_message = "The model is registered but not loaded on the model server; retry later."
+
+    def __init__(self, message: str | None = None, **kwargs: Any) -> None:
+        # The catalog's models are reloaded within MODEL_RECONCILE_INTERVAL_S of Triton coming back.
+        super().__init__(message, headers={"Retry-After": "30", **kwargs.pop("headers", {})}, **kwargs)
+
+
 class UpstreamTimeout(ApiError):
     status = 504
     type = "server_error"
@@ -352,12 +366,17 @@ def as_api_error(exc: Exception) -> ApiError:
         return JobQueueUnavailable(exc.message)
     if isinstance(exc, JobStoreFailed):
         return JobStoreUnavailable(exc.message)
+    if isinstance(exc, ModelNotLoadedFailure):
+        return ModelNotLoaded(exc.message, param=exc.param)
     if isinstance(exc, InvalidRequest | ServiceError):
         return ValidationFailed(exc.message, param=exc.param)
     if isinstance(exc, TritonUnavailable):
         return UpstreamUnavailable()
     if isinstance(exc, TritonTimeout):
         return UpstreamTimeout()
+    if isinstance(exc, TritonModelNotLoaded):
+        version = getattr(exc, "version", "") or "latest"
+        return ModelNotLoaded(f"The model server has not loaded the model {exc.model!r} (version {version}).")
     if isinstance(exc, TritonInvalidInput):
         return ValidationFailed(f"The model refused the input: {exc}", param="input")
     if isinstance(exc, TritonError):

@@ -27,6 +27,7 @@ from embeddings.api.errors import (
     Forbidden,
     InsufficientQuota,
     ModelNotFound,
+    ModelNotLoaded,
     PayloadTooLarge,
     QuotaUnavailable,
     RateLimited,
@@ -100,9 +101,14 @@ ERRORS = {
         RateLimited(),
     ),
     503: _error_response(
-        "The model server is unavailable, or quotas cannot be checked (Redis down, "
-        "QUOTA_REDIS_FAILURE=closed)",
+        "The model server is unavailable, the model is registered but not loaded on it "
+        "(`model_not_loaded`), or quotas cannot be checked (Redis down, QUOTA_REDIS_FAILURE=closed)",
         UpstreamUnavailable(),
+        ModelNotLoaded(
+            "The model 'bge-small' is registered but not loaded on the model server (Triton model "
+            "'bge_small', version 2); retry later or use another model.",
+            param="model",
+        ),
         QuotaUnavailable(),
     ),
     504: _error_response("The model server missed its deadline", UpstreamTimeout()),

@@ -9,8 +9,9 @@ path, and each request's inference ends at its deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,7 +20,13 @@ import numpy as np
 from django.conf import settings
 
 from embeddings.metrics import TOKENIZATION_SECONDS, TRITON_IN_FLIGHT, triton_call_observed
-from embeddings.services.errors import InferenceTimeout, InvalidRequest, LimitExceeded, Overloaded
+from embeddings.services.errors import (
+    InferenceTimeout,
+    InvalidRequest,
+    LimitExceeded,
+    ModelNotLoaded,
+    Overloaded,
+)
 from embeddings.services.inference import (
     inference_scheduler,
     model_tokenizer,
@@ -34,6 +41,7 @@ from embeddings.triton import (
     PRIORITY_LARGE,
     ModelSpec,
     TritonModelError,
+    TritonModelNotLoaded,
 )
 
 if TYPE_CHECKING:
@@ -47,6 +55,8 @@ class EmbeddingTarget:
 
     triton_model: str
     triton_version: str = ""
+    # The catalog model's name (what the client asked for), for errors; "" for the settings' model.
+    name: str = ""
     # None: the tokenizer's own maximum (what the model was exported with).
     max_tokens: int | None = None
     # None: whatever the model returns.
@@ -67,6 +77,7 @@ class EmbeddingTarget:
         return cls(
             triton_model=model.triton_model,
             triton_version=model.triton_version,
+            name=model.name,
             max_tokens=model.max_tokens,
             dimensions=model.dimensions,
             max_inputs=model.max_inputs_per_request or settings.MAX_INPUTS_PER_REQUEST,
@@ -155,7 +166,7 @@ def _tokenize(
         raise LimitExceeded(
             f"{count} inputs in one request; this model takes at most {target.max_inputs}", param="input"
         )
-    tokenizer = model_tokenizer(target.triton_model, target.max_tokens)
+    tokenizer = model_tokenizer(target.triton_model, target.max_tokens, target.triton_version)
     if token_ids is not None:
         batch = tokenizer.encode_ids(list(token_ids), truncate=options.truncate, direction=options.direction)
     else:
@@ -337,6 +348,8 @@ async def embeddings_create(
                 try:
                     async with asyncio.timeout(deadline - time.monotonic()):
                         vectors = await _infer(target, texts, token_ids, batch, deadline)
+                except TritonModelNotLoaded as error:
+                    raise _not_loaded(target) from error
                 except TimeoutError:
                     raise InferenceTimeout(
                         f"The embeddings were not ready within this server's {timeout_s:g} s deadline "
@@ -352,6 +365,23 @@ async def embeddings_create(
     if quota is not None:
         await quota.settle(succeeded=True)
     return EmbeddingResult(target.triton_model, vectors, batch.token_counts, tokenization_s, inference_s)
+
+
+def _not_loaded(target: EmbeddingTarget) -> ModelNotLoaded:
+    return ModelNotLoaded(
+        model=target.name or target.triton_model,
+        triton_model=target.triton_model,
+        version=target.triton_version,
+    )
+
+
+@contextlib.contextmanager
+def _model_not_loaded_named(target: EmbeddingTarget) -> Iterator[None]:
+    """Triton's "not loaded" as the service's error, naming the catalog model the client asked for."""
+    try:
+        yield
+    except TritonModelNotLoaded as error:
+        raise _not_loaded(target) from error
 
 
 def _run_windowed(calls: Sequence[Callable[[], np.ndarray]], window: int) -> list[np.ndarray]:
@@ -385,7 +415,7 @@ def embeddings_create_sync(
     batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
     client = triton_sync_client()
     model, version = target.triton_model, target.triton_version
-    with triton_call_observed(model):
+    with triton_call_observed(model), _model_not_loaded_named(target):
         started = time.perf_counter()
         spec = client.model_metadata(model, version)
         takes_text = _takes_text(spec, token_ids)

@@ -5,6 +5,7 @@ ServiceError
 ├── LimitExceeded       (413) more inputs, tokens or bytes than allowed
 ├── Overloaded          (429) too many inference calls in flight in this process
 ├── InferenceTimeout    (504) the request's inference missed its deadline (EMBEDDING_TIMEOUT_S)
+├── ModelNotLoaded      (503) the catalog model's Triton model (version) is not loaded in Triton
 ├── QuotaExceeded       (429) a tenant's or key's rate limit or budget (embeddings.services.quotas)
 ├── QuotaUnavailable    (503) the quota store (Redis) failed and QUOTA_REDIS_FAILURE is "closed"
 ├── StorageBudgetExceeded (413/429) a job's bytes over its tenant's or the global job storage budget
@@ -41,6 +42,20 @@ class Overloaded(ServiceError):
 
 class InferenceTimeout(ServiceError):
     """A request's inference did not finish by its deadline; what it had not sent was dropped."""
+
+
+class ModelNotLoaded(ServiceError):
+    """A registered model whose Triton model (pinned version) Triton does not serve now."""
+
+    def __init__(self, *, model: str, triton_model: str, version: str) -> None:
+        super().__init__(
+            f"The model {model!r} is registered but not loaded on the model server (Triton model "
+            f"{triton_model!r}, version {version or 'latest'}); retry later or use another model.",
+            param="model",
+        )
+        self.model = model
+        self.triton_model = triton_model
+        self.version = version
 
 
 class QuotaExceeded(ServiceError):

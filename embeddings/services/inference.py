@@ -10,6 +10,7 @@ from pathlib import Path
 
 from django.conf import settings
 
+from embeddings.services.model_export import model_export_versions
 from embeddings.services.scheduling import FairScheduler
 from embeddings.tokenization import TextTokenizer, tokenizer_for
 from embeddings.triton.client import AsyncTritonClient, TritonClient
@@ -72,17 +73,21 @@ def reset_clients() -> None:
 
 
 @cache
-def model_tokenizer(model: str, max_tokens: int | None = None) -> TextTokenizer:
-    """The tokenizer exported beside the model, else the default model's (text-input ensembles).
+def model_tokenizer(model: str, max_tokens: int | None = None, version: str = "") -> TextTokenizer:
+    """The tokenizer exported beside the model's `version` (blank: its latest finished export),
+    else the default model's (text-input ensembles).
 
     max_tokens: truncate there instead of at the tokenizer file's own maximum.
     """
     repository = Path(settings.TRITON_MODEL_REPOSITORY)
-    for candidate in (repository / model / "1", repository / settings.MODEL_NAME / "1"):
+    if not version:
+        versions = model_export_versions(repository_dir=repository, name=model)
+        version = str(versions[-1]) if versions else "1"
+    for candidate in (repository / model / version, repository / settings.MODEL_NAME / "1"):
         path = candidate / "tokenizer.json"
         if path.exists():
             return tokenizer_for(str(path), max_tokens)
     raise FileNotFoundError(
-        f"No tokenizer.json for model {model!r} in {repository}; export the model first "
+        f"No tokenizer.json for model {model!r} version {version} in {repository}; export the model first "
         "(python manage.py export_model)"
     )

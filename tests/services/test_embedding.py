@@ -15,7 +15,7 @@ from django.core.management import CommandError, call_command
 
 from embeddings.services import embedding
 from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget
-from embeddings.services.errors import InferenceTimeout, InvalidRequest, Overloaded
+from embeddings.services.errors import InferenceTimeout, InvalidRequest, ModelNotLoaded, Overloaded
 from embeddings.services.inference import model_tokenizer
 from embeddings.tokenization import InputTooLong, InvalidText
 from embeddings.triton import TritonModelError, TritonTimeout, TritonUnavailable
@@ -118,9 +118,10 @@ async def test_invalid_utf8_is_refused_before_triton(service_triton):
         await embeddings_create(texts=[b"\xff\xfe".decode("utf-8", "surrogateescape")])
 
 
-async def test_unknown_model_is_a_model_error(service_triton):
-    with pytest.raises(TritonModelError, match="no_such_model"):
+async def test_a_model_triton_does_not_serve_is_not_loaded(service_triton):
+    with pytest.raises(ModelNotLoaded, match="no_such_model") as raised:
         await embeddings_create(texts=["hello"], model="no_such_model")
+    assert isinstance(raised.value.__cause__, TritonModelError)
 
 
 async def test_triton_not_running_fails_fast_with_unavailable(settings):
@@ -182,7 +183,7 @@ def test_embed_command_prints_a_unit_384_vector(service_triton):
 
 
 def test_embed_command_reports_errors_without_a_traceback(service_triton):
-    with pytest.raises(CommandError, match="TritonModelNotLoaded"):
+    with pytest.raises(CommandError, match="ModelNotLoaded: .*no_such_model"):
         call_command("embed", "hello", "--model", "no_such_model", stdout=io.StringIO())
 
 
