@@ -1,11 +1,14 @@
 """Liveness (/health) and readiness (/ready) for load balancers and orchestrators; no API key.
 
 /health says the process answers. /ready says this process can serve embeddings now: Triton is
-ready, the default model is ready in Triton, the database answers, and both Redis roles answer:
+live, the default model is ready in Triton, the database answers, and both Redis roles answer:
 the critical Redis and the job store (unless READY_CHECK_REDIS is off). Every check runs
 concurrently under READY_CHECK_TIMEOUT_S, so /ready answers within about that long whatever is
 down. A process shutting down (SIGTERM, embedsite/server.py) answers 503 at once, while it still
 serves everything else for SHUTDOWN_DRAIN_S.
+
+It also reports, under "models", what Triton says of every enabled catalog model (its Triton
+model, pinned version, state and reason); only the default model counts for readiness.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from embeddings import lifecycle
 from embeddings.services import catalog
 from embeddings.services.inference import triton_async_client
+from embeddings.services.model_serving import models_serving_states_async
 from embeddings.services.redis_clients import redis_async, redis_job_store
 
 logger = logging.getLogger(__name__)
@@ -49,8 +53,10 @@ async def _default_triton_model() -> tuple[str, str]:
 
 
 async def check_triton() -> None:
-    if not await triton_async_client().server_ready():
-        raise NotReady("Triton is up but not ready")
+    # Live, not ServerReady: with explicit model control Triton calls itself unready while any
+    # model is loading, unloading or failed to load, and only the default model counts here.
+    if not await triton_async_client().server_live():
+        raise NotReady("Triton is up but not live")
 
 
 async def check_model() -> None:
@@ -108,22 +114,49 @@ async def _run_check(name: str, check: Callable[[], Awaitable[None]]) -> str:
     return "ok"
 
 
+async def models_report() -> dict[str, dict[str, str]]:
+    """Catalog name -> {triton_model, version, state, reason} for each enabled model, from one
+    repository index; {} when the catalog or Triton cannot be read (the checks say which)."""
+    try:
+        async with asyncio.timeout(settings.READY_CHECK_TIMEOUT_S):
+            models = await catalog.embedding_models_enabled_cached()
+            states = await models_serving_states_async(models=models)
+    except Exception as error:
+        logger.warning("readiness: the models' states could not be read: %s", error)
+        return {}
+    return {
+        state.name: {
+            "triton_model": state.triton_model,
+            "version": state.version,
+            "state": state.state,
+            "reason": state.reason,
+        }
+        for state in states
+    }
+
+
 async def ready(request: HttpRequest) -> JsonResponse:
-    """200 {"status": "ready", "checks": {...}}, or 503 with the failed checks named."""
+    """200 {"status": "ready", "checks": {...}, "models": {...}}, or 503 with the failed checks named."""
     if lifecycle.shutting_down():
         # No check run: whatever they say, load balancers must stop sending here.
         return _readiness_response(
             "shutting down", {"shutdown": "this process is shutting down (SIGTERM)"}, ["shutdown"]
         )
     checks = readiness_checks()
-    outcomes = await asyncio.gather(*(_run_check(name, check) for name, check in checks.items()))
+    *outcomes, models = await asyncio.gather(
+        *(_run_check(name, check) for name, check in checks.items()), models_report()
+    )
     results = dict(zip(checks, outcomes, strict=True))
     failed = [name for name, outcome in results.items() if outcome != "ok"]
-    return _readiness_response("unavailable" if failed else "ready", results, failed)
+    return _readiness_response("unavailable" if failed else "ready", results, failed, models)
 
 
-def _readiness_response(status: str, checks: dict[str, str], failed: list[str]) -> JsonResponse:
+def _readiness_response(
+    status: str, checks: dict[str, str], failed: list[str], models: dict | None = None
+) -> JsonResponse:
     body: dict[str, object] = {"status": status, "checks": checks}
+    if models is not None:
+        body["models"] = models
     if failed:
         body["failed"] = failed
     response = JsonResponse(body, status=503 if failed else 200)

@@ -58,6 +58,11 @@ async def embedding_model_resolve(*, name: str) -> EmbeddingModel | None:
     return next((model for model in await _enabled_cached() if model.answers_to(name)), None)
 
 
+async def embedding_models_enabled_cached() -> tuple[EmbeddingModel, ...]:
+    """The enabled models, from the per-process cache (MODEL_CACHE_SECONDS)."""
+    return await _enabled_cached()
+
+
 async def embedding_models_for_principal(*, principal: ApiPrincipal) -> list[EmbeddingModel]:
     return [model for model in await _enabled_cached() if principal.may_use(model)]
 

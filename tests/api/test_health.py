@@ -21,6 +21,9 @@ async def test_ready_when_everything_answers(client):
     assert response.json() == {
         "status": "ready",
         "checks": {"triton": "ok", "model": "ok", "database": "ok", "redis": "ok", "job_store": "ok"},
+        "models": {
+            "all-MiniLM-L6-v2": {"triton_model": "minilm", "version": "1", "state": "READY", "reason": ""}
+        },
     }
     assert response.headers["cache-control"] == "no-store"
 
@@ -37,6 +40,7 @@ async def test_not_ready_when_triton_is_down(client, settings):
     assert body["status"] == "unavailable" and body["failed"] == ["triton", "model"]
     assert body["checks"]["database"] == "ok"
     assert body["checks"]["triton"] != "ok" and "127.0.0.1" not in response.text  # hosts stay in the log
+    assert body["models"] == {}  # Triton cannot say
 
 
 async def test_not_ready_when_the_default_model_is_missing(client, model, settings):

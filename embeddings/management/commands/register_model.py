@@ -21,6 +21,10 @@ class Command(BaseCommand):
         "starts."
     )
 
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs) -> CommandParser:
+        # --version is the export version here, not Django's own version flag.
+        return super().create_parser(prog_name, subcommand, conflict_handler="resolve", **kwargs)
+
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--triton-model", required=True, help="The model folder's name in the repository")
         parser.add_argument("--version", type=int, help="The export version to serve (default: the latest)")
