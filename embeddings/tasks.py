@@ -18,10 +18,17 @@ from embeddings.services.jobs import (
     job_expire_due,
     job_watchdog,
 )
+from embeddings.services.model_serving import models_reconcile
 from embeddings.services.result_dtypes import ResultOutOfRange
 from embeddings.services.usage import usage_fold
 from embeddings.tokenization import TokenizationError
-from embeddings.triton import TritonInvalidInput, TritonModelError, TritonTimeout, TritonUnavailable
+from embeddings.triton import (
+    TritonError,
+    TritonInvalidInput,
+    TritonModelError,
+    TritonTimeout,
+    TritonUnavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +41,19 @@ def usage_fold_task() -> dict[str, int]:
     """
     result = usage_fold()
     return {"batches": result.batches, "buckets": result.buckets, "dropped": result.dropped}
+
+
+@shared_task(acks_late=True, reject_on_worker_lost=True)
+def models_reconcile_task() -> dict[str, str]:
+    """Make Triton serve what the catalog says (beat, every MODEL_RECONCILE_INTERVAL_S). Idempotent:
+    it compares the catalog with Triton's index and only loads or unloads the difference, so a
+    redelivery finds nothing left to do. Triton unreachable: logged, the next run tries again."""
+    try:
+        states = models_reconcile()
+    except TritonError as error:
+        logger.warning("models reconcile: Triton unreachable: %s", error)
+        return {}
+    return {state.name: state.state or "NOT LOADED" for state in states}
 
 
 # --- Embedding jobs (embeddings/services/jobs.py) --------------------------------------------------

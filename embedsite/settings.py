@@ -501,6 +501,9 @@ if QUOTA_REDIS_FAILURE not in {"closed", "open"}:
 QUOTA_LEASE_SECONDS = env_float("QUOTA_LEASE_SECONDS", 120.0, minimum=1)
 # How often Celery beat folds Redis's usage counters into UsageBucket rows.
 USAGE_FOLD_INTERVAL_S = env_float("USAGE_FOLD_INTERVAL_S", 60.0, minimum=1)
+# How often Celery beat makes Triton serve what the catalog says (services/model_serving.py): a
+# restarted Triton gets the catalog's models back, and a switched version's old one is unloaded.
+MODEL_RECONCILE_INTERVAL_S = env_float("MODEL_RECONCILE_INTERVAL_S", 60.0, minimum=1)
 
 # --- Asynchronous jobs (/v1/jobs) ---------------------------------------------------------------
 # Results (and inputs) stay in Redis this long after submission; the job says when (expires_at).
@@ -590,6 +593,11 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": JOB_WATCHDOG_INTERVAL_S,
         # Priority 0 (Redis serves it first): ahead of the chunks (jobs.CHUNK_PRIORITY) it watches.
         "options": {"expires": JOB_WATCHDOG_INTERVAL_S, "priority": 0},
+    },
+    "reconcile-models": {
+        "task": "embeddings.tasks.models_reconcile_task",
+        "schedule": MODEL_RECONCILE_INTERVAL_S,
+        "options": {"expires": MODEL_RECONCILE_INTERVAL_S},
     },
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(RUN_DIR / "celerybeat-schedule")

@@ -13,9 +13,11 @@ import logging
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import DatabaseError
 from google.protobuf import json_format, text_format
 
 from embeddings.models import EmbeddingModel
@@ -25,6 +27,7 @@ from embeddings.triton import (
     AsyncTritonClient,
     RepositoryModel,
     TritonClient,
+    TritonError,
     TritonModelError,
 )
 from embeddings.triton.protocol import model_config_pb2
@@ -219,3 +222,21 @@ async def models_serving_states_async(
         models = await sync_to_async(list)(EmbeddingModel.objects.order_by("name"))
     index = await (client or triton_async_client()).repository_index()
     return serving_states(models, index)
+
+
+def write_serving_states(out: TextIO) -> list[ModelServingState]:
+    """Reconcile once (runstack and runtriton, right after Triton is ready) and print each catalog
+    model's state to `out`; a model that failed to load is reported, not fatal."""
+    try:
+        states = models_reconcile()
+    except TritonError as error:
+        out.write(f"Catalog models not loaded: Triton did not answer ({type(error).__name__})\n")
+        return []
+    except DatabaseError as error:
+        out.write(f"Catalog models not loaded: the database did not answer ({type(error).__name__})\n")
+        return []
+    for state in states:
+        where = f"Triton {state.triton_model} v{state.version or 'latest'}"
+        reason = f" ({state.reason})" if state.reason and not state.ready else ""
+        out.write(f"  model {state.name}: {where} {state.state or 'NOT LOADED'}{reason}\n")
+    return states

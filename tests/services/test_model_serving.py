@@ -198,3 +198,61 @@ def test_triton_unreachable_raises_our_error(settings):
     with pytest.raises(TritonUnavailable):
         models_reconcile(client=client)
     client.close()
+
+
+# --- Celery beat and the commands that start Triton ------------------------------------------------
+
+RECONCILE_TASK = "embeddings.tasks.models_reconcile_task"
+
+
+@pytest.mark.unit
+def test_the_reconcile_is_in_the_beat_schedule_and_registered(settings):
+    from embedsite.celery import app
+
+    app.loader.import_default_modules()
+    entry = app.conf.beat_schedule["reconcile-models"]
+    assert entry["task"] == RECONCILE_TASK and entry["schedule"] == settings.MODEL_RECONCILE_INTERVAL_S
+    assert app.tasks[RECONCILE_TASK].acks_late
+
+
+@pytest.mark.django_db
+def test_the_task_loads_what_triton_lost(explicit_triton):
+    from embeddings.tasks import models_reconcile_task
+
+    embedding_model_register(triton_model="minilm_copy", name="copy")
+    # Nothing loaded, as after a Triton restart: the next beat run brings the model back.
+    assert models_reconcile_task() == {"copy": "READY"}
+    assert models_reconcile_task() == {"copy": "READY"}  # and a redelivery finds nothing to do
+
+
+@pytest.mark.django_db
+def test_the_task_survives_triton_being_down(settings):
+    from embeddings.services.inference import reset_clients
+    from embeddings.tasks import models_reconcile_task
+
+    settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"
+    settings.TRITON_RETRIES = 0
+    reset_clients()
+    row = EmbeddingModel.objects.create(name="m", triton_model="m", dimensions=8, max_tokens=8)
+    assert models_reconcile_task() == {}
+    assert row.enabled  # nothing changed in the catalog
+    reset_clients()
+
+
+@pytest.mark.django_db
+def test_write_serving_states_prints_each_model(explicit_triton):
+    import io
+
+    from embeddings.services.model_serving import write_serving_states
+
+    embedding_model_register(triton_model="minilm_copy", name="copy")
+    EmbeddingModel.objects.create(
+        name="broken", triton_model="broken", triton_version="1", dimensions=8, max_tokens=8
+    )
+    out = io.StringIO()
+    write_serving_states(out)
+    lines = out.getvalue().splitlines()
+    assert "  model copy: Triton minilm_copy v1 READY" in lines
+    assert any(
+        line.startswith("  model broken: Triton broken v1 ") and "no_such_backend" in line for line in lines
+    )

@@ -13,6 +13,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from embeddings.services.local_redis import RedisServerError, local_redis_servers
 from embeddings.services.local_triton import local_triton_server
+from embeddings.services.model_serving import write_serving_states
 from embeddings.triton.server import TritonServerError, die_with_parent
 
 
@@ -94,6 +95,8 @@ class Command(BaseCommand):
             triton.start()
             triton.wait_until_ready(settings.TRITON_STARTUP_TIMEOUT_S)
             self.stdout.write(f"Triton ready: gRPC {triton.grpc_target}")
+            # The catalog's models are served before the web server takes its first request.
+            write_serving_states(self.stdout)
             # Set before the workers import prometheus_client: each writes its values to files
             # there, and /metrics (whichever worker answers) sums them.
             web_env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(fresh_prometheus_dir())}

@@ -7,6 +7,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from embeddings.services.local_triton import local_triton_server
+from embeddings.services.model_serving import write_serving_states
 from embeddings.triton.server import TritonServerError
 
 
@@ -27,6 +28,7 @@ class Command(BaseCommand):
         self.stdout.write(
             self.style.SUCCESS(f"Triton ready: gRPC {server.grpc_target}, HTTP {server.http_url}")
         )
+        write_serving_states(self.stdout)
         try:
             while not stop.wait(0.5):
                 if server.process is None or server.process.poll() is not None:
