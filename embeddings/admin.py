@@ -1,4 +1,6 @@
-"""Django admin: tenants (keys, quotas, usage, webhook secrets), API keys (secrets shown once), usage rows.
+"""Django admin: tenants, API keys (secrets shown once), usage rows, and catalog models loaded into Triton.
+
+Tenants show their keys, quotas, usage and webhook secrets; catalog models their state in Triton.
 
 Thin: creating, revoking, deactivating and rotating go through the services the API and commands use; usage
 numbers come from embeddings/services/usage_reports.py, charts from embeddings/admin_charts.py.
@@ -11,8 +13,11 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
+from pathlib import Path
 
 from asgiref.sync import sync_to_async
+from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import PermissionDenied
@@ -26,9 +31,12 @@ from django.utils.html import format_html
 
 from embeddings.admin_charts import daily_bar_chart
 from embeddings.models import ApiKey, EmbeddingModel, QuotaLimits, Tenant, UsageBucket
+from embeddings.services.catalog import embedding_model_cache_clear
 from embeddings.services.encryption import SecretUndecryptable
 from embeddings.services.job_storage import size_text, tenant_job_storage
 from embeddings.services.keys import api_key_create, api_key_revoke
+from embeddings.services.model_export import model_export_versions
+from embeddings.services.model_serving import ModelServingState, models_reconcile, models_serving_states
 from embeddings.services.tenants import (
     tenant_deactivate,
     tenant_webhook_secret_rotate,
@@ -43,6 +51,7 @@ from embeddings.services.usage_reports import (
     top_keys,
     usage_csv_rows,
 )
+from embeddings.triton import TritonClient, TritonError
 
 logger = logging.getLogger(__name__)
 
@@ -453,8 +462,49 @@ class ApiKeyAdmin(admin.ModelAdmin):
         self.message_user(request, f"Revoked {count} key(s).", messages.SUCCESS)
 
 
+def triton_admin_client() -> TritonClient:
+    """A client for admin pages: one try under READY_CHECK_TIMEOUT_S, so a Triton that is down or
+    hung costs a page that long at most."""
+    return TritonClient(settings.TRITON_GRPC_TARGET, timeout_s=settings.READY_CHECK_TIMEOUT_S, retries=0)
+
+
+class EmbeddingModelForm(forms.ModelForm):
+    """The pinned version is chosen among the model's finished exports on disk."""
+
+    class Meta:
+        model = EmbeddingModel
+        fields = "__all__"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        triton_model = self.data.get("triton_model") or self.instance.triton_model
+        versions = [str(v) for v in exported_versions(triton_model)]
+        choices = [("", "Triton's latest")] + [(v, f"version {v}") for v in reversed(versions)]
+        current = self.instance.triton_version
+        if current and current not in versions:
+            choices.append((current, f"version {current} (no finished export on disk)"))
+        self.fields["triton_version"] = forms.ChoiceField(
+            choices=choices,
+            required=False,
+            label="Triton version",
+            help_text="The exported version that serves; clients' vectors change only when this does. "
+            "Changing it loads the new version next to the old, which is unloaded within "
+            "MODEL_RECONCILE_INTERVAL_S.",
+        )
+
+
+def exported_versions(triton_model: str) -> list[int]:
+    if not triton_model:
+        return []
+    return model_export_versions(repository_dir=Path(settings.TRITON_MODEL_REPOSITORY), name=triton_model)
+
+
 @admin.register(EmbeddingModel)
 class EmbeddingModelAdmin(admin.ModelAdmin):
+    """Catalog models. Loading and unloading go through services/model_serving.py, as beat's
+    reconcile and `register_model` do; Triton's failures are shown as messages, never a 500."""
+
+    form = EmbeddingModelForm
     list_display = (
         "name",
         "aliases",
@@ -468,6 +518,77 @@ class EmbeddingModelAdmin(admin.ModelAdmin):
     list_filter = ("enabled", "triton_model", "result_dtype")
     search_fields = ("name", "triton_model")
     readonly_fields = ("created_at",)
+    actions = ("load_into_triton", "unload_from_triton")
+
+    def get_list_display(self, request: HttpRequest):
+        states = self._serving_states()
+
+        @admin.display(description="Triton state")
+        def triton_state(model: EmbeddingModel) -> str:
+            state = states.get(model.pk) if states is not None else None
+            if state is None:
+                return "—"
+            if state.ready or not state.reason:
+                return state.state or "not loaded"
+            return format_html('{} <span title="{}">ⓘ</span>', state.state or "not loaded", state.reason)
+
+        return (*self.list_display, triton_state)
+
+    def _serving_states(self) -> dict[int, ModelServingState] | None:
+        """Each row's state from one repository index; None when Triton does not answer."""
+        rows = list(EmbeddingModel.objects.all())
+        try:
+            with triton_admin_client() as client:
+                states = models_serving_states(models=rows, client=client)
+        except TritonError as error:
+            logger.warning("admin: Triton's repository index unavailable: %s", error)
+            return None
+        return {row.pk: state for row, state in zip(rows, states, strict=True)}
+
+    def save_model(self, request: HttpRequest, obj: EmbeddingModel, form, change: bool) -> None:
+        super().save_model(request, obj, form, change)
+        embedding_model_cache_clear()
+        changed = set(form.changed_data) & {"triton_version", "enabled", "triton_model"}
+        if changed:
+            # A new version serves next to the old one until beat's reconcile drops the old.
+            self._reconcile(request, [obj], unload="triton_version" not in changed)
+
+    @admin.action(description="Load into Triton (enable)")
+    def load_into_triton(self, request: HttpRequest, queryset: QuerySet[EmbeddingModel]) -> None:
+        queryset.update(enabled=True)
+        embedding_model_cache_clear()
+        self._reconcile(request, list(queryset), unload=True)
+
+    @admin.action(description="Unload from Triton (disable)")
+    def unload_from_triton(self, request: HttpRequest, queryset: QuerySet[EmbeddingModel]) -> None:
+        queryset.update(enabled=False)
+        embedding_model_cache_clear()
+        self._reconcile(request, list(queryset), unload=True)
+
+    def _reconcile(self, request: HttpRequest, models: list[EmbeddingModel], *, unload: bool) -> None:
+        names = {model.name for model in models}
+        try:
+            states = models_reconcile(unload=unload, triton_models={model.triton_model for model in models})
+        except TritonError as error:
+            self.message_user(
+                request,
+                f"Saved, but Triton did not answer ({type(error).__name__}); the change is applied "
+                "when it does (beat reconciles every MODEL_RECONCILE_INTERVAL_S).",
+                messages.WARNING,
+            )
+            return
+        for state in states:
+            if state.name not in names:
+                continue
+            enabled = next(model for model in models if model.name == state.name).enabled
+            where = f"Triton model {state.triton_model} version {state.version or 'latest'}"
+            if not enabled:
+                self.message_user(request, f"{state.name}: disabled; {where} unloaded.", messages.SUCCESS)
+            elif state.ready:
+                self.message_user(request, f"{state.name}: {where} is loaded and serving.", messages.SUCCESS)
+            else:
+                reason = state.reason or state.state or "not loaded"
+                self.message_user(request, f"{state.name}: {where} did not load: {reason}", messages.ERROR)
 
 
 class EchoBuffer:
