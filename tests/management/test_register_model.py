@@ -1,0 +1,67 @@
+"""`manage.py register_model`: register an export, load it into the running Triton, say what happened."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from embeddings.models import EmbeddingModel
+from embeddings.services.inference import reset_clients, triton_sync_client
+from embeddings.triton.server import free_port
+
+pytestmark = pytest.mark.django_db
+
+
+def register(*arguments: str) -> str:
+    out = io.StringIO()
+    call_command("register_model", *arguments, stdout=out)
+    return out.getvalue()
+
+
+def test_registers_and_loads_with_aliases_and_prompts(explicit_triton):
+    output = register(
+        "--triton-model", "minilm", "--version", "1", "--name", "mini", "--alias", "m1", "--alias", "m2",
+        "--prompt", "query=query: ", "--prompt", "passage=", "--default-prompt", "query",
+    )  # fmt: skip
+    assert "registered mini -> Triton model minilm version 1 (384-d, 256 tokens)" in output
+    assert "mini is loaded in Triton and serving" in output
+    model = EmbeddingModel.objects.get(name="mini")
+    assert (model.aliases, model.prompts, model.default_prompt_name, model.enabled) == (
+        ["m1", "m2"],
+        {"query": "query: ", "passage": ""},
+        "query",
+        True,
+    )
+    assert {m.version for m in triton_sync_client().repository_index() if m.state == "READY"} == {"1"}
+
+
+def test_a_load_triton_refuses_exits_non_zero_and_leaves_the_row_disabled(explicit_triton):
+    # An export whose configuration Triton cannot load: export.json beside a backend it lacks.
+    (explicit_triton.repository / "broken" / "1" / "export.json").write_text(
+        json.dumps({"dims": 8, "max_tokens": 16})
+    )
+    try:
+        with pytest.raises(CommandError, match=r"Triton could not load broken version 1: .*no_such_backend"):
+            register("--triton-model", "broken")
+    finally:
+        (explicit_triton.repository / "broken" / "1" / "export.json").unlink()
+    assert not EmbeddingModel.objects.get(name="broken").enabled
+
+
+def test_triton_not_running_registers_to_load_at_start(explicit_triton, settings):
+    settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"
+    reset_clients()
+    output = register("--triton-model", "minilm_copy")
+    assert "Triton is not reachable (TritonUnavailable): minilm_copy loads when the stack starts" in output
+    assert EmbeddingModel.objects.get(name="minilm_copy").enabled
+
+
+def test_bad_arguments_are_clear_errors(explicit_triton):
+    with pytest.raises(CommandError, match="no finished export version 9"):
+        register("--triton-model", "minilm", "--version", "9")
+    with pytest.raises(CommandError, match=r"--prompt"):
+        register("--triton-model", "minilm", "--prompt", "no-equals-sign")
+    assert not EmbeddingModel.objects.exists()
