@@ -112,7 +112,8 @@ def serving_states(
     for row in rows:
         entries = [entry for entry in index if entry.name == row.triton_model]
         if row.triton_version:
-            entries = [entry for entry in entries if entry.version == row.triton_version]
+            # A model never loaded is listed once, without a version.
+            entries = [entry for entry in entries if entry.version in (row.triton_version, "")]
         # Blank pin: the ready version Triton serves as its latest, else whatever it says.
         ready = sorted((e for e in entries if e.state == READY), key=lambda e: int(e.version or 0))
         entry = ready[-1] if ready else (entries[0] if entries else None)

@@ -155,6 +155,34 @@ def test_rotate_a_webhook_secret_and_see_it_once(live_server, tenant_with_usage,
     assert shown not in page.content()
 
 
+@pytest.fixture
+def unloaded_copy(transactional_db, explicit_triton) -> None:
+    """A second model registered, disabled and not loaded (before the browser: no ORM calls after)."""
+    from embeddings.services.catalog import embedding_model_register
+
+    embedding_model_register(triton_model="minilm_copy", name="copy", enabled=False)
+
+
+def test_load_a_model_into_triton_from_the_changelist(
+    live_server, tenant_with_usage, unloaded_copy, browser_page, tmp_path
+):
+    page = browser_page
+    _log_in(page, live_server)
+    page.goto(live_server.url + reverse("admin:embeddings_embeddingmodel_changelist"))
+    row = page.locator("#result_list tbody tr", has_text="copy")
+    # "not loaded", or UNAVAILABLE when this Triton unloaded it before.
+    assert row.locator("td.field-triton_state").inner_text().split()[0] in {"not", "UNAVAILABLE"}
+    row.locator("input.action-select").check()
+    page.select_option("select[name=action]", "load_into_triton")
+    page.click("button[name=index]")
+    # The admin capitalises its messages' first letter.
+    message = page.locator(".messagelist").inner_text().strip()
+    assert message == "Copy: Triton model minilm_copy version 1 is loaded and serving."
+    row = page.locator("#result_list tbody tr", has_text="copy")
+    assert row.locator("td.field-triton_state").inner_text() == "READY"
+    page.screenshot(path=str(tmp_path / "models-loaded.png"), full_page=True)
+
+
 def test_repeated_wrong_passwords_lock_the_login(
     live_server, tenant_with_usage, browser_page, settings, tmp_path
 ):
