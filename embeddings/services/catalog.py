@@ -82,13 +82,23 @@ def embedding_model_register(
     enabled: bool | None = None,
     repository: Path | None = None,
 ) -> EmbeddingModel:
-    """Create or update the catalog row `name` (default: the Triton model's name) for a finished
-    export of `triton_model` (`version`, default the latest): its dimensions and maximum tokens
-    come from that version's export.json. Aliases, prompts and `enabled` given replace the row's;
+    """Create or update the catalog row `name` for a finished export of `triton_model` (`version`):
+    its dimensions and maximum tokens come from that version's export.json. Without a name: the one
+    row serving `triton_model`, else the Triton model's name. Without a version: the row's pinned
+    one, else the latest export. Aliases, prompts and `enabled` given replace the row's;
     omitted, they are kept (a new row is enabled). Loading it into Triton is `models_reconcile`'s
     (services/model_serving.py)."""
     repository = Path(repository or settings.TRITON_MODEL_REPOSITORY)
+    if name is None:
+        # The row already serving this Triton model, when there is exactly one.
+        serving = list(EmbeddingModel.objects.filter(triton_model=triton_model)[:2])
+        name = serving[0].name if len(serving) == 1 else triton_model
+    existing = EmbeddingModel.objects.filter(name=name).first()
     versions = model_export_versions(repository_dir=repository, name=triton_model)
+    pinned = existing.triton_version if existing and existing.triton_model == triton_model else ""
+    if version is None and pinned.isdigit():
+        # Registering again keeps the pin: a new export never changes a tenant's vectors unasked.
+        version = int(pinned)
     if version is None:
         if not versions:
             raise CatalogError(
@@ -105,8 +115,6 @@ def embedding_model_register(
         info = model_export_info(repository_dir=repository, name=triton_model, version=version)
     except ModelExportError as error:
         raise CatalogError(str(error)) from error
-    name = name or triton_model
-    existing = EmbeddingModel.objects.filter(name=name).first()
     aliases = list(aliases) if aliases is not None else (existing.aliases if existing else [])
     prompts = dict(prompts) if prompts is not None else (existing.prompts if existing else {})
     if default_prompt_name is None:

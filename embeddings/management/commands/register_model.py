@@ -27,8 +27,15 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--triton-model", required=True, help="The model folder's name in the repository")
-        parser.add_argument("--version", type=int, help="The export version to serve (default: the latest)")
-        parser.add_argument("--name", help="What clients send (default: the Triton model's name)")
+        parser.add_argument(
+            "--version",
+            type=int,
+            help="The export version to serve (default: the one the model serves now, else the latest)",
+        )
+        parser.add_argument(
+            "--name",
+            help="What clients send (default: the catalog model serving --triton-model, else its name)",
+        )
         parser.add_argument("--alias", action="append", dest="aliases", help="Another name (repeatable)")
         parser.add_argument(
             "--prompt",
@@ -64,8 +71,9 @@ class Command(BaseCommand):
 
     def load(self, model) -> None:
         try:
-            # unload=False: a new version pinned serves next to the old until the periodic reconcile.
-            states = models_reconcile(unload=False, triton_models=[model.triton_model])
+            # Enabled, unload=False: a new version pinned serves next to the old until the periodic
+            # reconcile (processes cache the catalog). Disabled: it leaves Triton now.
+            states = models_reconcile(unload=not model.enabled, triton_models=[model.triton_model])
         except TritonError as error:
             self.stdout.write(
                 f"Triton is not reachable ({type(error).__name__}): {model.name} loads when the stack starts"
@@ -73,7 +81,7 @@ class Command(BaseCommand):
             return
         state = next(state for state in states if state.name == model.name)
         if not model.enabled:
-            self.stdout.write(f"{model.name} is disabled: not loaded")
+            self.stdout.write(f"{model.name} is disabled: {'still loaded' if state.ready else 'not loaded'}")
         elif state.ready:
             self.stdout.write(self.style.SUCCESS(f"{model.name} is loaded in Triton and serving"))
         else:
