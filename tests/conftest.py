@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -59,9 +60,21 @@ def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonSe
     server.stop()
 
 
+def write_finished_export(repository: Path, *, dims: int = 384, max_tokens: int = 256) -> None:
+    """A finished minilm version 1 as far as the catalog reads it (no Triton loads it): model.onnx and
+    tokenizer.json in place, export.json (written last) describing them."""
+    version_dir = repository / "minilm" / "1"
+    version_dir.mkdir(parents=True, exist_ok=True)
+    (version_dir / "model.onnx").write_bytes(b"not read by the catalog")
+    (version_dir / "tokenizer.json").write_text("{}")
+    (version_dir / "export.json").write_text(
+        json.dumps({"name": "minilm", "pooling": "mean", "dims": dims, "max_tokens": max_tokens})
+    )
+
+
 def serving_model_folder(repository: Path, name: str, *, source: str = "minilm", versions=(1,)) -> Path:
     """A real model folder `name` in `repository` serving the exported `source` (its version 1
-    files symlinked into each of `versions`), with its config renamed (Triton refuses a config
+    files in each of `versions`), with its config renamed (Triton refuses a config
     name other than its folder's) and one instance (enough for tests, half the memory)."""
     source_dir = Path(settings.TRITON_MODEL_REPOSITORY) / source
     require_exported_model(source_dir.parent, source)
@@ -70,7 +83,12 @@ def serving_model_folder(repository: Path, name: str, *, source: str = "minilm",
     for version in versions:
         (model_dir / str(version)).mkdir()
         for file in (source_dir / "1").iterdir():
-            (model_dir / str(version) / file.name).symlink_to(file)
+            # model.onnx linked (90 MB); the small files copied, so that no test writing into
+            # this folder can write through a link into the checkout's export.
+            if file.name == "model.onnx":
+                (model_dir / str(version) / file.name).symlink_to(file)
+            else:
+                shutil.copyfile(file, model_dir / str(version) / file.name)
     config = (source_dir / "config.pbtxt").read_text()
     config = config.replace(f'name: "{source}"', f'name: "{name}"').replace("count: 2", "count: 1")
     (model_dir / "config.pbtxt").write_text(config)
@@ -112,10 +130,11 @@ def explicit_triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     repository = tmp_path_factory.mktemp("explicit_repository")
     serving_model_folder(repository, "minilm", versions=(1, 2))
     serving_model_folder(repository, "minilm_copy")
-    (repository / "broken" / "1").mkdir(parents=True)
+    # A finished export whose configuration names a backend Triton does not have.
+    serving_model_folder(repository, "broken")
     (repository / "broken" / "config.pbtxt").write_text('name: "broken"\nbackend: "no_such_backend"\n')
     server = start_triton(
-        tmp_path_factory.mktemp("explicit_triton"), [repository], extra_args=["--model-control-mode=explicit"]
+        tmp_path_factory.mktemp("explicit_triton"), [repository], model_control_mode="explicit"
     )
     yield ExplicitTriton(server, repository)
     server.stop()

@@ -19,6 +19,7 @@ from embeddings.services.job_storage import StorageNeed, job_storage_admit
 from embeddings.services.keys import api_key_create, api_key_for_secret, api_key_revoke, parse_api_key
 from embeddings.services.tenants import tenant_create
 from embeddings.triton.server import free_port
+from tests.conftest import write_finished_export
 
 pytestmark = pytest.mark.django_db
 
@@ -224,14 +225,6 @@ def test_staff_who_may_only_view_cannot_revoke_or_deactivate(client, alpha):
 # --- Management commands ---------------------------------------------------------------------------
 
 
-def write_export(repository, *, dims: int = 384, max_tokens: int = 256) -> None:
-    version_dir = repository / "minilm" / "1"
-    version_dir.mkdir(parents=True, exist_ok=True)
-    (version_dir / "export.json").write_text(
-        json.dumps({"name": "minilm", "pooling": "mean", "dims": dims, "max_tokens": max_tokens})
-    )
-
-
 @pytest.fixture
 def no_triton(settings):
     """The service's Triton target a free port nobody listens on."""
@@ -245,7 +238,7 @@ def no_triton(settings):
 
 def test_register_local_model_is_idempotent(settings, tmp_path, no_triton):
     settings.TRITON_MODEL_REPOSITORY = tmp_path
-    write_export(tmp_path)
+    write_finished_export(tmp_path)
 
     call_command("register_local_model", stdout=io.StringIO())
     call_command("register_local_model", stdout=io.StringIO())
@@ -261,7 +254,7 @@ def test_register_local_model_is_idempotent(settings, tmp_path, no_triton):
 
     model.result_dtype = "float16"  # an operator's choice, which registering again keeps
     model.save(update_fields=["result_dtype"])
-    write_export(tmp_path, max_tokens=512)  # a re-export updates the row, never duplicates it
+    write_finished_export(tmp_path, max_tokens=512)  # a re-export updates the row, never duplicates it
     call_command("register_local_model", stdout=io.StringIO())
     assert (EmbeddingModel.objects.get().max_tokens, EmbeddingModel.objects.get().result_dtype) == (
         512,

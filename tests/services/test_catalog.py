@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from asgiref.sync import async_to_sync
 
@@ -17,6 +15,7 @@ from embeddings.services.catalog import (
     embedding_models_for_tenant,
 )
 from embeddings.services.tenants import tenant_create, tenant_deactivate, tenant_may_use_model
+from tests.conftest import write_finished_export
 
 
 def make_model(name: str, *, aliases: list[str] | None = None, enabled: bool = True) -> EmbeddingModel:
@@ -98,11 +97,7 @@ def test_tenant_create_and_deactivate(db):
 
 
 def test_register_local_model_reads_the_export(db, tmp_path):
-    version_dir = tmp_path / "minilm" / "1"
-    version_dir.mkdir(parents=True)
-    (version_dir / "export.json").write_text(
-        json.dumps({"name": "minilm", "pooling": "mean", "dims": 384, "max_tokens": 256})
-    )
+    write_finished_export(tmp_path, max_tokens=256)
 
     model = embedding_model_register_local(repository=tmp_path)
 
@@ -117,7 +112,7 @@ def test_register_local_model_reads_the_export(db, tmp_path):
 
 def test_register_local_model_is_idempotent_and_clears_the_request_path_cache(db, tmp_path, settings):
     settings.MODEL_CACHE_SECONDS = 3600
-    write_export(tmp_path, max_tokens=256)
+    write_finished_export(tmp_path, max_tokens=256)
     resolve = async_to_sync(embedding_model_resolve)
     embedding_model_cache_clear()
     assert resolve(name="minilm") is None  # the per-process cache now holds "no models"
@@ -125,7 +120,7 @@ def test_register_local_model_is_idempotent_and_clears_the_request_path_cache(db
     first = embedding_model_register_local(repository=tmp_path)
     assert resolve(name="minilm") == first  # served at once, not after MODEL_CACHE_SECONDS
 
-    write_export(tmp_path, max_tokens=512)
+    write_finished_export(tmp_path, max_tokens=512)
     second = embedding_model_register_local(repository=tmp_path)
     assert second.pk == first.pk and EmbeddingModel.objects.count() == 1
     assert resolve(name="minilm").max_tokens == 512
@@ -134,9 +129,3 @@ def test_register_local_model_is_idempotent_and_clears_the_request_path_cache(db
 def test_register_local_model_needs_the_export(db, tmp_path):
     with pytest.raises(CatalogError, match="export_model"):
         embedding_model_register_local(repository=tmp_path)
-
-
-def write_export(repository, *, max_tokens: int) -> None:
-    version_dir = repository / "minilm" / "1"
-    version_dir.mkdir(parents=True, exist_ok=True)
-    (version_dir / "export.json").write_text(json.dumps({"dims": 384, "max_tokens": max_tokens}))

@@ -183,7 +183,7 @@ def test_embed_command_prints_a_unit_384_vector(service_triton):
 
 
 def test_embed_command_reports_errors_without_a_traceback(service_triton):
-    with pytest.raises(CommandError, match="ModelNotLoaded: .*no_such_model"):
+    with pytest.raises(CommandError, match=r"ModelNotLoaded: .*no_such_model"):
         call_command("embed", "hello", "--model", "no_such_model", stdout=io.StringIO())
 
 
