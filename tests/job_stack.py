@@ -36,9 +36,12 @@ class JobStack:
 
 
 @contextlib.contextmanager
-def job_stack_running(*, triton_server, redis_server, workdir: Path, chunk_size: int) -> Iterator[JobStack]:
+def job_stack_running(
+    *, triton_server, redis_server, workdir: Path, chunk_size: int, extra_env: dict[str, str] | None = None
+) -> Iterator[JobStack]:
     """Migrate a fresh database in `workdir`, register the local model, create tenant `jobs` with a
-    key, start uvicorn and a worker; stop both on exit."""
+    key, start uvicorn and a worker (both with `extra_env` on top of the stack's settings); stop both
+    on exit."""
     port = free_port()
     env = {
         **os.environ,
@@ -49,6 +52,7 @@ def job_stack_running(*, triton_server, redis_server, workdir: Path, chunk_size:
         "CELERY_BROKER_URL": redis_server.url,
         "EMBEDSITE_RUN_DIR": str(workdir),
         "JOB_CHUNK_SIZE": str(chunk_size),
+        **(extra_env or {}),
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     manage(env, "migrate", "--noinput")
