@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx2
+
 from embeddings.triton.server import die_with_parent, free_port, shared_memory_regions
 from tests.conftest import require_exported_model
 from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
@@ -49,10 +51,14 @@ def test_when_triton_dies_runstack_stops_everything_and_leaves_no_stub(tmp_path)
         "TRITON_HTTP_PORT": str(free_port()),
         "TRITON_METRICS_PORT": str(free_port()),
         "TRITON_STOP_TIMEOUT_S": "2",
+        # MiniLM is not among the models Triton loads at start: the catalog's reconcile at start
+        # loads it, as it loads every registered model.
+        "TRITON_STARTUP_MODELS": "minilm_tokenizer",
     }
     for inherited in ("PROMETHEUS_MULTIPROC_DIR", "CELERY_BROKER_URL"):
         env.pop(inherited, None)
     manage(env, "migrate", "--noinput")
+    assert "loads when the stack starts" in manage(env, "register_local_model")
     log = tmp_path / "runstack.log"
     with log.open("wb") as output:
         runstack = subprocess.Popen(
@@ -68,6 +74,9 @@ def test_when_triton_dies_runstack_stops_everything_and_leaves_no_stub(tmp_path)
             ready=lambda: "embedsite on" in log.read_text(),
             timeout_s=START_DEADLINE_S,
         )
+        ready = httpx2.get(f"http://127.0.0.1:{port}/ready", timeout=30)
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["models"]["all-MiniLM-L6-v2"]["state"] == "READY", ready.text
         started = children_of(runstack.pid)
         assert list(started.values()).count("redis-server") == 2  # the critical Redis and the job store
         [triton] = [pid for pid, name in started.items() if name == "tritonserver"]
