@@ -304,6 +304,19 @@ async def test_requests_per_minute_is_exact_across_two_workers(live):
     assert len(answered) == 2 and sum(answered.values()) == 200, answered
 
 
+def outcome(response) -> str:
+    """What a response of a quota burst was: served, refused by the quota, or not admitted for
+    another reason that gives its reservation back."""
+    if response.status_code == 200:
+        return "served"
+    error = response.json()["error"]
+    if response.status_code == 429 and error["message"].startswith("This server has"):
+        return "overloaded"
+    if response.status_code == 429 and error["code"] == "rate_limit_exceeded":
+        return "over_quota"
+    return error["code"]
+
+
 async def test_tokens_per_minute_is_exact_across_two_workers(live):
     headers = live_tenant(live, "tpm", tokens_per_minute=2000)
     texts = [" ".join(["token"] * ((i * 13) % 60 + 1)) for i in range(200)]
@@ -313,7 +326,12 @@ async def test_tokens_per_minute_is_exact_across_two_workers(live):
     answered = answered_since(answered_before, requests_answered_by_worker(live.prometheus_dir))
     assert len(answered) == 2 and sum(answered.values()) == 200, answered  # both workers answered
     accepted = sum(r.json()["usage"]["total_tokens"] for r in responses if r.status_code == 200)
-    refused = [text for text, r in zip(texts, responses, strict=True) if r.status_code == 429]
-    assert {r.status_code for r in responses} == {200, 429}
-    assert accepted <= 2000
+    # A burst this size on a loaded machine may also meet a worker's MAX_INFLIGHT_TRITON_CALLS
+    # (429, overloaded) or a Redis wait over REDIS_TIMEOUT_S (503 quota_unavailable): either gives
+    # back what it reserved, so only the quota's own refusals must have been over the limit.
+    outcomes = {id(r): outcome(r) for r in responses}
+    assert set(outcomes.values()) <= {"served", "over_quota", "overloaded", "quota_unavailable"}, outcomes
+    assert "served" in outcomes.values()
+    refused = [text for text, r in zip(texts, responses, strict=True) if outcomes[id(r)] == "over_quota"]
+    assert refused and accepted <= 2000
     assert all(accepted + tokens_of([text]) > 2000 for text in refused)
