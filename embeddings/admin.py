@@ -505,15 +505,16 @@ class EmbeddingModelAdmin(admin.ModelAdmin):
     reconcile and `register_model` do; Triton's failures are shown as messages, never a 500."""
 
     form = EmbeddingModelForm
+    # Whether it serves comes first: the changelist scrolls sideways on narrow screens.
     list_display = (
         "name",
-        "aliases",
+        "enabled",
         "triton_model",
         "triton_version",
         "dimensions",
         "max_tokens",
+        "aliases",
         "result_dtype",
-        "enabled",
     )
     list_filter = ("enabled", "triton_model", "result_dtype")
     search_fields = ("name", "triton_model")
@@ -532,7 +533,8 @@ class EmbeddingModelAdmin(admin.ModelAdmin):
                 return state.state or "not loaded"
             return format_html('{} <span title="{}">ⓘ</span>', state.state or "not loaded", state.reason)
 
-        return (*self.list_display, triton_state)
+        name, enabled, *rest = self.list_display
+        return (name, enabled, triton_state, *rest)
 
     def _serving_states(self) -> dict[int, ModelServingState] | None:
         """Each row's state from one repository index; None when Triton does not answer."""
