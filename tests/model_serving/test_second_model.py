@@ -199,7 +199,7 @@ def test_a_new_export_is_a_new_version_that_serves_only_once_switched(
     assert "2" in loaded_versions(triton, TINY_TRITON)
 
 
-def test_disabled_it_is_unloaded_and_no_longer_listed(http, stack, triton):
+def test_disabled_it_is_unloaded_and_no_longer_listed_until_registered_again(http, stack, triton):
     manage(
         stack.env,
         "register_model",
@@ -216,3 +216,8 @@ def test_disabled_it_is_unloaded_and_no_longer_listed(http, stack, triton):
     gone = http.post("/v1/embeddings", json={"model": TINY, "input": TEXTS})
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found", gone.text
     assert embed(http, MINILM).shape == (len(TEXTS), 384)
+
+    # Registering it again means serving it again.
+    manage(stack.env, "register_model", "--triton-model", TINY_TRITON)
+    assert loaded_versions(triton, TINY_TRITON) == {"2"}
+    assert embed(http, TINY).shape == (len(TEXTS), 128)

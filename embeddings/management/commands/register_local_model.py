@@ -5,6 +5,8 @@ from embeddings.services.catalog import LOCAL_MODEL_ALIASES, LOCAL_MODEL_NAME
 
 
 class Command(RegisterModelCommand):
+    # Setup and every `docker compose up` run this: a MiniLM an admin disabled stays disabled.
+    enabled_unless_disabled = None
     help = (
         "Register model_repository/minilm version 1 as the all-MiniLM-L6-v2 embedding model, after checking "
         "that model.onnx is the file export.json describes; load it when Triton runs."

@@ -21,6 +21,9 @@ class Command(BaseCommand):
         "starts."
     )
 
+    # Registering means "serve it": a model disabled before is enabled again unless --disable.
+    enabled_unless_disabled: bool | None = True
+
     def create_parser(self, prog_name: str, subcommand: str, **kwargs) -> CommandParser:
         # --version is the export version here, not Django's own version flag.
         return super().create_parser(prog_name, subcommand, conflict_handler="resolve", **kwargs)
@@ -59,7 +62,7 @@ class Command(BaseCommand):
                 aliases=aliases,
                 prompts=dict(prompts) if prompts is not None else None,
                 default_prompt_name=default_prompt,
-                enabled=False if disable else None,
+                enabled=False if disable else self.enabled_unless_disabled,
             )
         except CatalogError as error:
             raise CommandError(str(error)) from error
