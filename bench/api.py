@@ -1,19 +1,23 @@
 """Benchmark the HTTP service: its own overhead, end-to-end throughput against raw ORT, and its ceiling.
 
-Run: `make bench-api` (or `.venv/bin/python bench/api.py [--quick]`). Starts its own Triton, a
-SQLite database and a uvicorn server on free ports, then measures in one run:
+Run: `make bench-api` (or `.venv/bin/python bench/api.py [--quick]`). Starts, on free ports, the
+shipped configuration as `make run` has it: its own Triton, two redis-servers (critical: quotas,
+usage; job store), a SQLite database and two `manage.py serve --workers 1` servers, one with quotas
+on (the bench tenant has limits so high they never refuse, so every request does the quota work) and
+one with QUOTAS_ENABLED=false. Then measures in one run:
 
 1. The seed proxy's table: batch 8..256 through POST /v1/embeddings against `instant_1024` (a
    test-only Triton model that returns 1024-d vectors at once): request latency p50/p90, the Triton
    call time the service reports (Server-Timing `inference`), and processing = total - Triton, for
    float and base64 responses.
 2. End-to-end throughput with the real MiniLM model at saturation (wrk, 16 connections; batch 8 and
-   32 short texts) against raw ONNX Runtime in this process on the same texts (16 threads sharing a
-   session): the ratio.
+   32 short texts), quotas on and off, against raw ONNX Runtime in this process on the same texts
+   (16 threads sharing a session): the ratio.
 3. The ceiling with the instant model: embeddings per second per server core, from the server
    process's own CPU time (wrk and Triton share the machine, so wall-clock rates understate it).
 
-Writes bench/results/api.json and the plot docs/bench-api-processing.png. Needs `wrk` (Debian).
+Writes bench/results/api.json and the plot docs/bench-api-processing.png. Needs `wrk` (Debian) and
+matplotlib (requirements-bench.txt; installed by the script, with a message, when missing).
 """
 
 from __future__ import annotations
@@ -42,6 +46,45 @@ from triton_client import RawOnnxRuntime, make_texts, percentile  # noqa: E402
 SEED_RUST_PROCESSING_P90_MS = {8: 1.8, 16: 2.3, 32: 3.3, 64: 5.4, 128: 9.3, 256: 20.3}
 INSTANT_MODEL = "instant-1024"
 REAL_MODEL = "all-MiniLM-L6-v2"
+# Limits a bench can never reach: with quotas on, every request does the full quota work, none is refused.
+NEVER_REFUSING_LIMITS = ["--requests-per-minute", str(10**9), "--tokens-per-minute", str(10**12),
+                         "--tokens-per-day", str(10**12), "--tokens-per-month", str(10**12),
+                         "--max-concurrent-requests", str(10**6)]  # fmt: skip
+
+
+def ensure_matplotlib() -> None:
+    """Install the benchmark's plotting dependency before a long run rather than die at the plot."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib is missing: installing requirements-bench.txt into this virtualenv", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "-r", str(ROOT / "requirements-bench.txt")],
+            check=True,
+        )
+
+
+class RedisPair:
+    """The two local redis-servers `make run` has: the critical one (quotas, usage) and the job store."""
+
+    def __init__(self, workdir: Path) -> None:
+        from embeddings.services.local_redis import RedisServer
+        from embeddings.triton.server import free_port
+
+        self.critical = RedisServer(port=free_port(), data_dir=workdir / "redis", persistent=False)
+        self.jobs = RedisServer(port=free_port(), data_dir=workdir / "redis-jobs", persistent=False)
+
+    def start(self) -> dict[str, str]:
+        """Start both and return the environment that points the service at them."""
+        for server in (self.critical, self.jobs):
+            server.start()
+        for server in (self.critical, self.jobs):
+            server.wait_until_ready()
+        return {"REDIS_URL": self.critical.url, "JOB_STORE_URL": self.jobs.url}
+
+    def stop(self) -> None:
+        for server in (self.critical, self.jobs):
+            server.stop()
 
 
 def server_timing_ms(header: str, name: str) -> float:
@@ -64,7 +107,10 @@ def prepare_database(env: dict[str, str], triton_target: str) -> str:
     )
     subprocess.run([*manage, "shell", "-c", script], env=env, check=True)
     subprocess.run(
-        [*manage, "create_tenant", "--name", "Bench"], env=env, check=True, stdout=subprocess.DEVNULL
+        [*manage, "create_tenant", "--name", "Bench", *NEVER_REFUSING_LIMITS],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
     created = subprocess.run(
         [*manage, "create_api_key", "--tenant", "bench"], env=env, check=True, capture_output=True, text=True
@@ -73,16 +119,13 @@ def prepare_database(env: dict[str, str], triton_target: str) -> str:
 
 
 class Server:
-    """uvicorn serving embedsite with one worker process."""
+    """`manage.py serve --workers 1`: embedsite as shipped, in one process (so its CPU time is readable)."""
 
     def __init__(self, env: dict[str, str], port: int) -> None:
         self.port = port
         self.process = subprocess.Popen(
-            [
-                sys.executable, "-m", "uvicorn", "embedsite.asgi:application", "--host", "127.0.0.1",
-                "--port", str(port), "--workers", "1", "--loop", "uvloop", "--http", "httptools",
-                "--no-access-log", "--log-level", "warning",
-            ],
+            [sys.executable, str(ROOT / "manage.py"), "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--workers", "1"],
             env=env,
             cwd=ROOT,
         )  # fmt: skip
@@ -233,14 +276,19 @@ def plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "api.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "bench-api-processing.png")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     if shutil.which("wrk") is None:
         sys.exit("bench/api.py needs wrk: apt-get install wrk")
+    ensure_matplotlib()
     requests, seconds = (30, 3.0) if args.quick else (300, 15.0)
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
@@ -256,23 +304,27 @@ def main() -> None:
         metrics_port=free_port(),
         log_path=workdir / "triton.log",
     )
+    redis = RedisPair(workdir)
     triton.start()
-    server = None
+    servers: dict[str, Server] = {}
     try:
-        triton.wait_until_ready(300)
         env = {
             **os.environ,
+            **redis.start(),
             "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
             "TRITON_SERVER_URL": triton.grpc_target,
             "MAX_INFLIGHT_TRITON_CALLS": "256",
             "LOG_LEVEL": "WARNING",
         }
+        triton.wait_until_ready(300)
         key = prepare_database(env, triton.grpc_target)
-        server = Server(env, free_port())
-        print("1. Service overhead (instant 1024-d model), sequential requests:", flush=True)
+        servers["quotas on"] = Server({**env, "QUOTAS_ENABLED": "true"}, free_port())
+        servers["quotas off"] = Server({**env, "QUOTAS_ENABLED": "false"}, free_port())
+        server = servers["quotas on"]
+        print("1. Service overhead (instant 1024-d model, quotas on), sequential requests:", flush=True)
         table = processing_table(server, key, [8, 16, 32, 64, 128, 256], requests)
 
-        print("\n3. Ceiling (instant model, wrk 16 connections, batch 32):", flush=True)
+        print("\n3. Ceiling (instant model, quotas on, wrk 16 connections, batch 32):", flush=True)
         body = {"model": INSTANT_MODEL, "input": make_texts(32, 8, seed=5), "encoding_format": "base64"}
         ceiling = wrk(server, key, body, seconds, 16, workdir)
         print(
@@ -288,19 +340,24 @@ def main() -> None:
         end_to_end = []
         for batch in (8, 32):
             texts = make_texts(batch, 8, seed=7)
-            http = wrk(server, key, {"model": REAL_MODEL, "input": texts}, seconds, 16, workdir)
             reference = raw_throughput(raw, texts, seconds, 16)
-            ratio = http["emb_per_s"] / reference["emb_per_s"]
-            end_to_end.append({"batch": batch, "http": http, "raw": reference, "ratio": ratio})
-            print(
-                f"   batch {batch:>3}: HTTP {http['emb_per_s']:.0f} emb/s (p50 {http['p50_ms']:.0f} ms, "
-                f"errors {http['errors']}), raw ORT {reference['emb_per_s']:.0f} emb/s, ratio {ratio:.2f}",
-                flush=True,
-            )
+            for name, measured in servers.items():
+                http = wrk(measured, key, {"model": REAL_MODEL, "input": texts}, seconds, 16, workdir)
+                ratio = http["emb_per_s"] / reference["emb_per_s"]
+                end_to_end.append(
+                    {"batch": batch, "server": name, "http": http, "raw": reference, "ratio": ratio}
+                )
+                print(
+                    f"   batch {batch:>3}, {name:10}: HTTP {http['emb_per_s']:.0f} emb/s "
+                    f"(p50 {http['p50_ms']:.0f} ms, errors {http['errors']}), "
+                    f"raw ORT {reference['emb_per_s']:.0f} emb/s, ratio {ratio:.2f}",
+                    flush=True,
+                )
     finally:
-        if server is not None:
+        for server in servers.values():
             server.stop()
         triton.stop()
+        redis.stop()
     result = {"processing": table, "ceiling": ceiling, "end_to_end": end_to_end, "cpus": os.cpu_count()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
