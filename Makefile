@@ -12,7 +12,7 @@ MODEL_ONNX := model_repository/minilm/1/model.onnx
 PROTOCOL := embeddings/triton/protocol/grpc_service_pb2.py
 COMPOSE := $(VENV)/bin/docker-compose
 
-.PHONY: run test setup bench bench-api bench-quota bench-jobs lint clean-venv
+.PHONY: run test setup bench bench-api bench-peers bench-quota bench-jobs lint clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
 # Two local Redis servers, as deployments run them (README "Job store and critical Redis"): job data
@@ -43,6 +43,12 @@ bench-api: setup
 	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
 	$(PIP) install -q -r requirements-bench.txt
 	$(PY) bench/api.py
+
+## bench-peers: raw ORT, Infinity (own virtualenv under .run/bench/) and embedsite, same texts, one run
+bench-peers: setup
+	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
+	$(PIP) install -q -r requirements-bench.txt
+	$(PY) bench/peers.py $(BENCH_ARGS)
 
 ## bench-quota: what quotas cost a request (p50/p90, quotas on vs off, one run; table and JSON)
 bench-quota: setup

@@ -1,0 +1,93 @@
+"""The benchmark scripts import, parse their arguments and format their results (no servers started)."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+import api  # noqa: E402
+import peers  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+
+def test_api_arguments_default_to_the_committed_result_paths():
+    args = api.parse_args([])
+    assert not args.quick
+    assert args.out.name == "api.json"
+    assert args.plot.name == "bench-api-processing.png"
+
+
+def test_peers_quick_run_is_short_and_the_full_run_longer():
+    assert peers.parse_args(["--quick"]).seconds == 3.0
+    assert peers.parse_args([]).seconds == 20.0
+    assert peers.parse_args(["--quick", "--seconds", "5"]).seconds == 5.0
+
+
+def test_peers_refuses_cells_shorter_than_wrk_can_run():
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--seconds", "0.5"])
+
+
+def test_wrk_script_posts_the_body_and_headers_verbatim():
+    body = {"model": "minilm", "input": ['say "hi"', "a\\b"], "encoding_format": "base64"}
+    script = peers.wrk_script(body, {"Authorization": "Bearer es_x"})
+    body_line = next(line for line in script.splitlines() if line.startswith("wrk.body = "))
+    # The Lua literal is a JSON string literal: decoding it twice gives the body back.
+    assert json.loads(json.loads(body_line.removeprefix("wrk.body = "))) == body
+    assert 'wrk.headers["Authorization"] = "Bearer es_x"' in script
+    assert 'wrk.headers["Content-Type"] = "application/json"' in script
+    assert "latency:percentile(99)" in script
+
+
+def test_parse_wrk_counts_embeddings_not_requests():
+    output = "Running 3s test\nRESULT 300 2 1 3000000 12.5 80.25\nRequests/sec: 100\n"
+    cell = peers.parse_wrk(output, texts_per_request=8)
+    assert cell == {
+        "requests": 300,
+        "errors": 3,
+        "seconds": 3.0,
+        "emb_per_s": 800.0,
+        "p50_ms": 12.5,
+        "p99_ms": 80.25,
+    }
+
+
+def test_parse_wrk_without_a_result_line_says_what_wrk_printed():
+    with pytest.raises(RuntimeError, match="unable to connect"):
+        peers.parse_wrk("unable to connect to 127.0.0.1:1\n", texts_per_request=1)
+
+
+def test_cosines_of_scaled_and_orthogonal_vectors():
+    ours = np.array([[1.0, 0.0], [0.0, 2.0]], dtype=np.float32)
+    theirs = np.array([[3.0, 0.0], [1.0, 0.0]], dtype=np.float32)
+    assert peers.cosines(ours, theirs) == pytest.approx([1.0, 0.0])
+
+
+def test_table_has_a_row_per_shape_and_marks_unmeasured_columns():
+    cell = {"emb_per_s": 272.4, "p50_ms": 110.0, "p99_ms": 410.0}
+    results = {
+        "raw ORT": {shape.name: cell for shape in peers.SHAPES},
+        "embedsite": {"32 x 1": {"emb_per_s": 150.0, "p50_ms": 200.0, "p99_ms": 900.0}},
+        "raw ORT, batch 32 ceiling": {"emb_per_s": 560.0},
+    }
+    lines = peers.format_table(results).splitlines()
+    rows = {line.split("|")[0].strip(): line for line in lines[2:] if "|" in line}
+    assert set(rows) == {shape.name for shape in peers.SHAPES}
+    single = [cell.strip() for cell in rows["32 x 1"].split("|")[1:]]
+    assert single == ["272 (   110 /    410)", "-", "150 (   200 /    900)", "-"]
+    assert rows["16 x 8 long"].split("|")[3].strip() == "-"
+    assert lines[-1].endswith("560 emb/s")
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    cell = {"emb_per_s": 100.0, "p50_ms": 1.0, "p99_ms": 2.0}
+    path = tmp_path / "peers.png"
+    peers.plot({"raw ORT": {shape.name: cell for shape in peers.SHAPES}}, path)
+    assert path.read_bytes().startswith(b"\x89PNG")
