@@ -59,6 +59,7 @@ SENTENCE_TRANSFORMERS_FILES = (
 )
 MIN_COSINE = 0.9999
 SHORT_WORDS, LONG_WORDS = 8, 110  # ~10 and ~128 tokens, as bench/triton_client.py
+LONG_CELL_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -113,17 +114,43 @@ def parse_wrk(output: str, texts_per_request: int) -> dict:
     }
 
 
+def cell_seconds(shape: Shape, seconds: float) -> float:
+    """Long texts take ~10x as long: give them longer, or a short cell ends before its first answers."""
+    return seconds * LONG_CELL_FACTOR if shape.words == LONG_WORDS else seconds
+
+
+def probe(url: str, body: dict, headers: dict[str, str]) -> None:
+    """One request first: wrk counts error responses as requests, so a server that refuses the body
+    would otherwise be timed. It must answer 200 with one base64 embedding per input."""
+    response = httpx2.post(url, json=body, headers=headers, timeout=120)
+    if response.status_code != 200:
+        raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:300]}")
+    rows = response.json()["data"]
+    if len(rows) != len(body["input"]) or not isinstance(rows[0]["embedding"], str):
+        raise RuntimeError(f"{url} did not answer one base64 embedding per input")
+
+
 def wrk_shape(
     url: str, body: dict, headers: dict[str, str], shape: Shape, seconds: float, workdir: Path
 ) -> dict:
+    probe(url, body, headers)
     script = workdir / "post.lua"
     script.write_text(wrk_script(body, headers))
     output = subprocess.run(
-        ["wrk", "-t", "2", "-c", str(shape.clients), "-d", f"{int(seconds)}s", "--timeout", "60s",
-         "-s", str(script), url],
+        ["wrk", "-t", "2", "-c", str(shape.clients), "-d", f"{int(cell_seconds(shape, seconds))}s",
+         "--timeout", "120s", "-s", str(script), url],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     return parse_wrk(output, shape.texts_per_request)
+
+
+def progress(column: str, shape: Shape, cell: dict) -> None:
+    errors = f", {cell['errors']} ERRORS" if cell.get("errors") else ""
+    print(
+        f"{column:22} {shape.name:13} {cell['emb_per_s']:7.0f} emb/s "
+        f"(p50 {cell['p50_ms']:.0f} ms, p99 {cell['p99_ms']:.0f} ms{errors})",
+        flush=True,
+    )
 
 
 def raw_sequential(raw: RawOnnxRuntime, texts: list[str], seconds: float) -> dict:
@@ -257,8 +284,10 @@ def format_table(results: dict) -> str:
             if cell is None:
                 cells.append(f"{'-':>26}")
             else:
-                cells.append(f"{cell['emb_per_s']:7.0f} ({cell['p50_ms']:6.0f} / {cell['p99_ms']:6.0f})")
+                flag = "!" if cell.get("errors") else " "
+                cells.append(f"{cell['emb_per_s']:7.0f}{flag}({cell['p50_ms']:6.0f} / {cell['p99_ms']:6.0f})")
         lines.append(f"{shape.name:13} | " + " | ".join(cells))
+    lines.append("emb/s (p50 / p99 ms); ! marks a cell where the server answered errors (count in the JSON)")
     ceiling = results.get("raw ORT, batch 32 ceiling")
     if ceiling is not None:
         lines.append(
@@ -314,10 +343,10 @@ def measure_raw(seconds: float) -> dict:
     raw = RawOnnxRuntime(model_dir / "model.onnx", TextTokenizer.from_file(model_dir / "tokenizer.json"))
     cells = {}
     for shape in SHAPES:
-        cells[shape.name] = raw_sequential(raw, shape_texts(shape), seconds)
-        print(f"raw ORT      {shape.name:13} {cells[shape.name]['emb_per_s']:7.0f} emb/s", flush=True)
+        cells[shape.name] = raw_sequential(raw, shape_texts(shape), cell_seconds(shape, seconds))
+        progress("raw ORT", shape, cells[shape.name])
     ceiling = raw_sequential(raw, make_texts(32, SHORT_WORDS, seed=11 + SHORT_WORDS), seconds)
-    print(f"raw ORT      batch 32 ceiling {ceiling['emb_per_s']:7.0f} emb/s", flush=True)
+    print(f"raw ORT, batch 32 (the ceiling)      {ceiling['emb_per_s']:7.0f} emb/s", flush=True)
     return {"raw ORT": cells, "raw ORT, batch 32 ceiling": ceiling, "_raw": raw}
 
 
@@ -340,7 +369,7 @@ def measure_infinity(args: argparse.Namespace, raw: RawOnnxRuntime, workdir: Pat
             cells[shape.name] = wrk_shape(
                 f"{infinity.url}/embeddings", body, {}, shape, args.seconds, workdir
             )
-            print(f"Infinity     {shape.name:13} {cells[shape.name]['emb_per_s']:7.0f} emb/s", flush=True)
+            progress("Infinity", shape, cells[shape.name])
         return {"Infinity": cells, "Infinity cosine min": float(agreement.min())}
     finally:
         infinity.stop()
@@ -379,9 +408,7 @@ def measure_embedsite(args: argparse.Namespace, workdir: Path) -> dict:
                     headers = {"Authorization": f"Bearer {key}"}
                     url = f"{server.url}/v1/embeddings"
                     cells[shape.name] = wrk_shape(url, body, headers, shape, args.seconds, workdir)
-                    print(
-                        f"{column:12} {shape.name:13} {cells[shape.name]['emb_per_s']:7.0f} emb/s", flush=True
-                    )
+                    progress(column, shape, cells[shape.name])
                 results[column] = cells
             finally:
                 server.stop()

@@ -91,3 +91,15 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "peers.png"
     peers.plot({"raw ORT": {shape.name: cell for shape in peers.SHAPES}}, path)
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_table_flags_cells_whose_server_answered_errors():
+    results = {"Infinity": {"16 x 8": {"emb_per_s": 500.0, "p50_ms": 1.0, "p99_ms": 2.0, "errors": 4}}}
+    row = next(line for line in peers.format_table(results).splitlines() if line.startswith("16 x 8 "))
+    assert row.split("|")[2].strip().startswith("500!")
+
+
+def test_long_texts_get_longer_cells_than_short_ones():
+    short, long = peers.SHAPES[1], peers.SHAPES[3]
+    assert long.words > short.words
+    assert peers.cell_seconds(long, 3.0) > peers.cell_seconds(short, 3.0) == 3.0
