@@ -1,6 +1,7 @@
 """The benchmark scripts import, parse their arguments and format their results (no servers started)."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -103,3 +104,13 @@ def test_long_texts_get_longer_cells_than_short_ones():
     short, long = peers.SHAPES[1], peers.SHAPES[3]
     assert long.words > short.words
     assert peers.cell_seconds(long, 3.0) > peers.cell_seconds(short, 3.0) == 3.0
+
+
+@pytest.mark.parametrize("script", ["api.py", "peers.py", "quota.py", "jobs.py"])
+def test_scripts_run_as_readme_says(script):
+    """`.venv/bin/python bench/<script>` from the repository root: its imports resolve on their own."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH / script), "--help"], cwd=BENCH.parent, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--quick" in done.stdout
