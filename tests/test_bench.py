@@ -1,5 +1,6 @@
 """The benchmark scripts import, parse their arguments and format their results (no servers started)."""
 
+import base64
 import json
 import subprocess
 import sys
@@ -114,3 +115,16 @@ def test_scripts_run_as_readme_says(script):
     )
     assert done.returncode == 0, done.stderr
     assert "--quick" in done.stdout
+
+
+def test_base64_rows_decode_little_endian_float32():
+    vectors = np.array([[0.5, -1.0, 2.0], [3.0, 0.25, -0.125]], dtype="<f4")
+    payload = {"data": [{"embedding": base64.b64encode(row.tobytes()).decode()} for row in vectors]}
+    np.testing.assert_array_equal(peers.base64_rows(payload), vectors)
+
+
+def test_a_server_whose_vectors_differ_is_not_timed():
+    ours = np.eye(3, dtype=np.float32)
+    assert peers.check_agreement("same", ours, ours * 2) == pytest.approx(1.0)
+    with pytest.raises(RuntimeError, match="disagree"):
+        peers.check_agreement("shifted", ours, ours + 0.05)
