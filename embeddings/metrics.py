@@ -42,6 +42,19 @@ TRITON_CALL_SECONDS = Histogram(
     ["model"],
     buckets=DURATION_BUCKETS,
 )
+# Per Triton call formed (merged or not): how well concurrent requests are batched.
+BATCH_ROWS = Histogram(
+    "embedsite_batch_rows",
+    "Rows in one Triton inference call formed by this process, by Triton model.",
+    ["model"],
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+BATCH_TOKENS = Histogram(
+    "embedsite_batch_tokens",
+    "Padded tokens in one Triton inference call formed by this process, by Triton model.",
+    ["model"],
+    buckets=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+)
 SERIALIZATION_SECONDS = Histogram(
     "embedsite_serialization_seconds",
     "Time to render one response body as JSON, by endpoint.",

@@ -409,6 +409,11 @@ if MAX_TOKENS_IN_FLIGHT < MAX_BATCH_TOKENS:
         f"MAX_TOKENS_IN_FLIGHT ({MAX_TOKENS_IN_FLIGHT}) must be at least "
         f"MAX_BATCH_TOKENS ({MAX_BATCH_TOKENS})"
     )
+# Merge concurrent requests' sub-batches into one Triton call per model (embeddings/services/
+# coalescing.py): at most COALESCE_MAX_CALLS merged calls per model at Triton from one process;
+# what arrives meanwhile leaves in the next call. Token-input models and one-sub-batch requests only.
+COALESCE_REQUESTS = env_bool("COALESCE_REQUESTS", False)
+COALESCE_MAX_CALLS = env_int("COALESCE_MAX_CALLS", 2, minimum=1)
 # A request's whole inference (its turn in the scheduler and every sub-batch) ends by then: 504
 # at the deadline, and its sub-batches not yet sent are dropped.
 EMBEDDING_TIMEOUT_S = env_float("EMBEDDING_TIMEOUT_S", 30.0, minimum=0.01)

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from django.conf import settings
 
-from embeddings.metrics import TOKENIZATION_SECONDS, TRITON_IN_FLIGHT, triton_call_observed
+from embeddings.metrics import (
+    BATCH_ROWS,
+    BATCH_TOKENS,
+    TOKENIZATION_SECONDS,
+    TRITON_IN_FLIGHT,
+    triton_call_observed,
+)
 from embeddings.services.errors import (
     InferenceTimeout,
     InvalidRequest,
@@ -30,6 +36,7 @@ from embeddings.services.errors import (
 from embeddings.services.inference import (
     inference_scheduler,
     model_tokenizer,
+    request_coalescer,
     triton_async_client,
     triton_sync_client,
 )
@@ -294,8 +301,16 @@ async def _infer(
     scheduler = inference_scheduler()
     share = scheduler.share()
 
+    coalesce = settings.COALESCE_REQUESTS and not takes_text and len(groups) == 1 and spec.max_batch_size > 0
+
     async def run(group: SubBatch) -> np.ndarray:
         async with scheduler.slot(share, group.cost):
+            if coalesce:
+                # Shares one Triton call with other requests' rows (embeddings/services/coalescing.py).
+                coalescer = request_coalescer(model, version, max_rows=spec.max_batch_size)
+                return await coalescer.embed(*_sub_batch_inputs(batch, group), deadline=deadline)
+            BATCH_ROWS.labels(model).observe(len(group.rows))
+            BATCH_TOKENS.labels(model).observe(group.cost)
             options = {
                 "version": version,
                 "output_name": settings.OUTPUT_NAME,

@@ -8,11 +8,15 @@ import weakref
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 from django.conf import settings
 
+from embeddings.metrics import BATCH_ROWS, BATCH_TOKENS
+from embeddings.services.coalescing import Coalescer, remaining_s
 from embeddings.services.model_export import model_export_versions
 from embeddings.services.scheduling import FairScheduler
 from embeddings.tokenization import TextTokenizer, tokenizer_for
+from embeddings.triton import PRIORITY_INTERACTIVE
 from embeddings.triton.client import AsyncTritonClient, TritonClient
 
 _lock = threading.Lock()
@@ -59,6 +63,40 @@ def inference_scheduler() -> FairScheduler:
     if scheduler is None or scheduler.capacity != settings.MAX_TOKENS_IN_FLIGHT:
         scheduler = _schedulers[loop] = FairScheduler(settings.MAX_TOKENS_IN_FLIGHT)
     return scheduler
+
+
+_coalescers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], Coalescer]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def request_coalescer(model: str, version: str, *, max_rows: int) -> Coalescer:
+    """This event loop's coalescer of calls to (model, version), built from the current settings."""
+    per_model = _coalescers.setdefault(asyncio.get_running_loop(), {})
+    coalescer = per_model.get((model, version))
+    wanted = (max_rows, settings.MAX_BATCH_TOKENS, settings.COALESCE_MAX_CALLS)
+    if coalescer is None or (coalescer.max_rows, coalescer.max_tokens, coalescer.max_calls) != wanted:
+
+        async def call(input_ids: np.ndarray, attention_mask: np.ndarray, deadline: float) -> np.ndarray:
+            # The client of the moment: tests and settings changes replace it.
+            return await triton_async_client().embed_tokens(
+                model,
+                input_ids,
+                attention_mask,
+                version=version,
+                output_name=settings.OUTPUT_NAME,
+                priority=PRIORITY_INTERACTIVE,
+                timeout_s=remaining_s(deadline, settings.TRITON_TIMEOUT_S),
+            )
+
+        def observe(rows: int, tokens: int) -> None:
+            BATCH_ROWS.labels(model).observe(rows)
+            BATCH_TOKENS.labels(model).observe(tokens)
+
+        coalescer = per_model[(model, version)] = Coalescer(
+            call, max_rows=max_rows, max_tokens=wanted[1], max_calls=wanted[2], observe=observe
+        )
+    return coalescer
 
 
 def reset_clients() -> None:
