@@ -64,6 +64,21 @@ def ensure_matplotlib() -> None:
         )
 
 
+def bench_triton(workdir: Path):
+    """A Triton on free ports serving the model repository and the test-only models (instant_1024),
+    logging into `workdir`; not started."""
+    from embeddings.triton.server import TritonServer, free_port
+
+    return TritonServer(
+        model_repositories=[ROOT / "model_repository", ROOT / "tests" / "triton_models"],
+        run_dir=workdir,
+        grpc_port=free_port(),
+        http_port=free_port(),
+        metrics_port=free_port(),
+        log_path=workdir / "triton.log",
+    )
+
+
 class RedisPair:
     """The two local redis-servers `make run` has: the critical one (quotas, usage) and the job store."""
 
@@ -293,17 +308,10 @@ def main() -> None:
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
     from embeddings.tokenization import TextTokenizer
-    from embeddings.triton.server import TritonServer, free_port
+    from embeddings.triton.server import free_port
 
     workdir = Path(tempfile.mkdtemp(prefix="embedsite-bench-api-"))
-    triton = TritonServer(
-        model_repositories=[ROOT / "model_repository", ROOT / "tests" / "triton_models"],
-        run_dir=workdir,
-        grpc_port=free_port(),
-        http_port=free_port(),
-        metrics_port=free_port(),
-        log_path=workdir / "triton.log",
-    )
+    triton = bench_triton(workdir)
     redis = RedisPair(workdir)
     triton.start()
     servers: dict[str, Server] = {}

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from api import REAL_MODEL, RedisPair, Server, ensure_matplotlib, prepare_database  # noqa: E402
+from api import REAL_MODEL, RedisPair, Server, bench_triton, ensure_matplotlib, prepare_database  # noqa: E402
 from triton_client import RawOnnxRuntime, make_texts, percentile  # noqa: E402
 
 INFINITY_VERSION = "0.0.78"
@@ -394,16 +394,9 @@ def measure_infinity(args: argparse.Namespace, raw: RawOnnxRuntime, workdir: Pat
 
 
 def measure_embedsite(args: argparse.Namespace, raw: RawOnnxRuntime, workdir: Path) -> dict:
-    from embeddings.triton.server import TritonServer, free_port
+    from embeddings.triton.server import free_port
 
-    triton = TritonServer(
-        model_repositories=[ROOT / "model_repository", ROOT / "tests" / "triton_models"],
-        run_dir=workdir,
-        grpc_port=free_port(),
-        http_port=free_port(),
-        metrics_port=free_port(),
-        log_path=workdir / "triton.log",
-    )
+    triton = bench_triton(workdir)
     redis = RedisPair(workdir)
     triton.start()
     results: dict = {}

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from api import INSTANT_MODEL, Server  # noqa: E402
+from api import INSTANT_MODEL, Server, bench_triton  # noqa: E402
 from triton_client import percentile  # noqa: E402
 
 BIG = 10**12  # limits that are never reached, so every request does the full quota work
@@ -145,17 +145,10 @@ def main() -> None:
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
     from embeddings.services.local_redis import RedisServer
-    from embeddings.triton.server import TritonServer, free_port
+    from embeddings.triton.server import free_port
 
     workdir = Path(tempfile.mkdtemp(prefix="embedsite-bench-quota-"))
-    triton = TritonServer(
-        model_repositories=[ROOT / "model_repository", ROOT / "tests" / "triton_models"],
-        run_dir=workdir,
-        grpc_port=free_port(),
-        http_port=free_port(),
-        metrics_port=free_port(),
-        log_path=workdir / "triton.log",
-    )
+    triton = bench_triton(workdir)
     redis_server = RedisServer(port=free_port(), data_dir=workdir, persistent=False)
     servers: list[Server] = []
     triton.start()
