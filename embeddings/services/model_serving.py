@@ -136,31 +136,30 @@ def _reconcile_model(
     index: Sequence[RepositoryModel],
     *,
     unload: bool,
-) -> str:
-    """Make Triton serve what the enabled `rows` of `triton_model` ask; "" or why it failed."""
+) -> None:
+    """Make Triton serve what the enabled `rows` of `triton_model` ask (TritonError if it cannot)."""
     enabled = [row for row in rows if row.enabled]
     if not enabled:
         if unload and _loaded_versions(index, triton_model, _LOADED_STATES):
             logger.info("unloading Triton model %s: no enabled catalog model uses it", triton_model)
             client.model_unload(triton_model)
-        return ""
+        return
     desired = _desired_versions(enabled)
     ready = _loaded_versions(index, triton_model, {READY})
     if desired is None:
         if ready:
-            return ""
+            return
         logger.info("loading Triton model %s (its latest version)", triton_model)
         client.model_load(triton_model)
-        return ""
+        return
     if not unload:
         # A switch: the old version serves on until the next full reconcile, as processes that
         # cached the catalog (MODEL_CACHE_SECONDS) may still ask for it.
         desired |= ready
     if desired == ready:
-        return ""
+        return
     logger.info("loading Triton model %s version(s) %s", triton_model, ", ".join(sorted(desired)))
     client.model_load(triton_model, config=model_config_override(triton_model=triton_model, versions=desired))
-    return ""
 
 
 def models_reconcile(
