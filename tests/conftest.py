@@ -82,7 +82,10 @@ def serving_model_folder(repository: Path, name: str, *, source: str = "minilm",
     model_dir.mkdir(parents=True)
     for version in versions:
         (model_dir / str(version)).mkdir()
+        # Files only: a checkout from before the backend moved may hold 1/__pycache__.
         for file in (source_dir / "1").iterdir():
+            if not file.is_file():
+                continue
             # model.onnx linked (90 MB); the small files copied, so that no test writing into
             # this folder can write through a link into the checkout's export.
             if file.name == "model.onnx":
