@@ -1,0 +1,179 @@
+"""The Django handler API requests go through (embedsite/asgi.py routes them here): Django's
+ASGIHandler with three differences, each measured on a one-text embedding request.
+
+- A lean middleware stack (settings.API_MIDDLEWARE). Django runs each sync `MiddlewareMixin`
+  (sessions, auth, CSRF, messages, ...) through `sync_to_async`, two thread hops per middleware
+  and request: ~3 ms a request, more than the whole embedding path. The API authenticates with
+  API keys and needs none of them; the admin and docs keep the full stack.
+- The body is read under size limits and timeouts (embeddings/api/intake.py), where Django would
+  read any body for as long as it takes.
+- No thread per request. Django gives each request a thread of its own for its thread-sensitive
+  sync work (ORM calls), started on first use and joined at the end, and sends the request
+  signals from it, so every request paid a thread start and join and two thread hops (~1 ms CPU,
+  a third of the request), although API requests rarely run sync code at all (a key lookup on a
+  cache miss, job endpoints). Here each request borrows a `RequestThread` from a pool, and the
+  request signals go to it only if the request used it: request_started just before its first
+  sync call, request_finished at the end. Their receivers (Django's close_old_connections,
+  reset_queries, close_caches, reset_urlconf) tidy what that thread's sync code opened; a
+  request that ran none has nothing there to tidy, and request_finished runs on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from asgiref.sync import ThreadSensitiveContext, sync_to_async
+from django.conf import settings
+from django.core import signals
+from django.core.exceptions import RequestAborted
+from django.core.handlers.asgi import ASGIHandler, get_script_prefix
+from django.http import HttpResponseBase
+from django.urls import set_script_prefix
+
+from embeddings.api import intake
+from embeddings.api.errors import json_error_response
+
+# Threads kept between API requests: about the requests one process has in flight at once.
+IDLE_REQUEST_THREADS = 64
+
+
+class RequestThread(ThreadPoolExecutor):
+    """One request's thread-sensitive thread. Sends Django's request_started there before the
+    request's first sync call, and remembers that the request used it."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="api-request")
+        self.scope: dict | None = None
+        self.used = False
+
+    def begin(self, scope: dict) -> None:
+        self.scope, self.used = scope, False
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        # Called from the event loop only (asgiref's sync_to_async), so `used` needs no lock.
+        if not self.used:
+            self.used = True
+            return super().submit(_request_started_then, self.scope, fn, *args, **kwargs)
+        return super().submit(fn, *args, **kwargs)
+
+
+def _request_started_then(scope, fn, /, *args, **kwargs):
+    signals.request_started.send(sender=LeanASGIHandler, scope=scope)
+    return fn(*args, **kwargs)
+
+
+class RequestThreads:
+    """RequestThreads lent to requests, one each, for as long as the request runs.
+
+    Used from the event loop only (no lock). The number of threads follows the requests in flight,
+    as with Django's thread per request; at most `keep_idle` wait between requests.
+    """
+
+    def __init__(self, keep_idle: int) -> None:
+        self.keep_idle = keep_idle
+        self.idle: list[RequestThread] = []
+
+    def lend(self, scope: dict) -> RequestThread:
+        thread = self.idle.pop() if self.idle else RequestThread()
+        thread.begin(scope)
+        return thread
+
+    def give_back(self, thread: RequestThread) -> None:
+        if len(self.idle) < self.keep_idle:
+            self.idle.append(thread)
+        else:
+            thread.shutdown(wait=False)
+
+
+class LeanASGIHandler(ASGIHandler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.request_threads = RequestThreads(keep_idle=IDLE_REQUEST_THREADS)
+
+    def load_middleware(self, is_async: bool = False) -> None:
+        # Django builds the chain from settings.MIDDLEWARE; swap it only while this handler is
+        # built (once, at import, before any request is served).
+        full_stack = settings.MIDDLEWARE
+        settings.MIDDLEWARE = settings.API_MIDDLEWARE
+        try:
+            super().load_middleware(is_async=is_async)
+        finally:
+            settings.MIDDLEWARE = full_stack
+
+    async def __call__(self, scope, receive, send):
+        thread = self.request_threads.lend(scope)
+        try:
+            # handle() finishes every task it starts before it returns, as a context with a given
+            # executor requires.
+            async with ThreadSensitiveContext(executor=thread):
+                await self.handle(scope, receive, send, thread)
+        except BaseException:
+            # Cancelled (shutdown) or failed, maybe during a sync call still running there: the
+            # next request must not queue behind it.
+            thread.shutdown(wait=False)
+            raise
+        self.request_threads.give_back(thread)
+
+    async def handle(self, scope, receive, send, thread: RequestThread):
+        limits = intake.body_limits(scope)
+        try:
+            declared = intake.admit(scope, limits)
+            body_file = await intake.read_request_body(receive, limits, declared)
+        except intake.BodyRefused as refusal:
+            response = json_error_response(refusal.error)
+            response["X-Content-Type-Options"] = "nosniff"
+            await self.send_response(response, send)
+            return
+        except RequestAborted:
+            return
+        try:
+            set_script_prefix(get_script_prefix(scope))
+            request, response = self.create_request(scope, body_file)
+            if request is None:
+                await self.send_response(response, send)
+            else:
+                response = await self.respond_unless_aborted(request, receive, send)
+            if response is None:
+                finish = functools.partial(signals.request_finished.send, sender=self.__class__)
+            else:
+                finish = response.close  # sends request_finished
+            if thread.used:
+                await sync_to_async(finish)()  # in the request's thread, after its sync work
+            else:
+                finish()
+        finally:
+            body_file.close()
+
+    async def respond_unless_aborted(self, request, receive, send) -> HttpResponseBase | None:
+        """The view's response, sent; None if the client went away first (the view is cancelled)."""
+
+        async def respond() -> HttpResponseBase:
+            response = await self.run_get_response(request)
+            # The client may go away while it is sent: the response is closed all the same.
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.send_response(response, send)
+            return response
+
+        listening = asyncio.create_task(self.listen_for_disconnect(receive))
+        responding = asyncio.create_task(respond())
+        await asyncio.wait((listening, responding), return_when=asyncio.FIRST_COMPLETED)
+        for task in (listening, responding):
+            task.cancel()  # the one still running: the view when the client left, or the listener
+        outcomes = await asyncio.gather(listening, responding, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(
+                outcome, asyncio.CancelledError | RequestAborted
+            ):
+                raise outcome
+        return None if responding.cancelled() else responding.result()
+
+    def create_request(self, scope, body_file):
+        request, error_response = super().create_request(scope, body_file)
+        if request is not None:
+            # What was read, however it was framed: DRF and the multipart parser read this many
+            # bytes (a chunked body has no Content-Length and would read as empty).
+            request.META["CONTENT_LENGTH"] = str(intake.body_length(body_file))
+        return request, error_response
