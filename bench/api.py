@@ -23,6 +23,7 @@ matplotlib (requirements-bench.txt; installed by the script, with a message, whe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -133,26 +135,59 @@ def prepare_database(env: dict[str, str], triton_target: str) -> str:
     return created.stdout.strip()
 
 
+@contextlib.contextmanager
+def shipped_stack(workdir: Path, **env_overrides: str) -> Iterator[tuple[dict[str, str], str, object]]:
+    """What `make run` starts besides the web server: Triton and the two redis-servers, and a fresh
+    SQLite database with the models and a bench tenant. Yields the environment for the server, the
+    tenant's API key and the TritonServer; stops them all after."""
+    triton = bench_triton(workdir)
+    redis = RedisPair(workdir)
+    triton.start()
+    try:
+        env = {
+            **os.environ,
+            **redis.start(),
+            "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
+            "TRITON_SERVER_URL": triton.grpc_target,
+            "LOG_LEVEL": "WARNING",
+            **env_overrides,
+        }
+        triton.wait_until_ready(300)
+        yield env, prepare_database(env, triton.grpc_target), triton
+    finally:
+        triton.stop()
+        redis.stop()
+
+
+def wait_until_healthy(url: str, server) -> None:
+    """Until GET /health answers 200 (a minute at most); stops `server` and raises if it never does."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx2.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx2.HTTPError:
+            time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"the server at {url} did not start")
+
+
 class Server:
     """`manage.py serve --workers 1`: embedsite as shipped, in one process (so its CPU time is readable)."""
+
+    # In a process group of its own (for servers that serve from child processes).
+    own_process_group = False
 
     def __init__(self, env: dict[str, str], port: int) -> None:
         self.port = port
         self.process = subprocess.Popen(
-            [sys.executable, str(ROOT / "manage.py"), "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--workers", "1"],
-            env=env,
-            cwd=ROOT,
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx2.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx2.HTTPError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("the server did not start")
+            self.command(port), env=env, cwd=ROOT, start_new_session=self.own_process_group
+        )
+        wait_until_healthy(self.url, self)
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, str(ROOT / "manage.py"), "serve", "--host", "127.0.0.1", "--port", str(port),
+                "--workers", "1"]  # fmt: skip
 
     @property
     def url(self) -> str:
@@ -311,61 +346,47 @@ def main() -> None:
     from embeddings.triton.server import free_port
 
     workdir = Path(tempfile.mkdtemp(prefix="embedsite-bench-api-"))
-    triton = bench_triton(workdir)
-    redis = RedisPair(workdir)
-    triton.start()
     servers: dict[str, Server] = {}
-    try:
-        env = {
-            **os.environ,
-            **redis.start(),
-            "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
-            "TRITON_SERVER_URL": triton.grpc_target,
-            "MAX_INFLIGHT_TRITON_CALLS": "256",
-            "LOG_LEVEL": "WARNING",
-        }
-        triton.wait_until_ready(300)
-        key = prepare_database(env, triton.grpc_target)
-        servers["quotas on"] = Server({**env, "QUOTAS_ENABLED": "true"}, free_port())
-        servers["quotas off"] = Server({**env, "QUOTAS_ENABLED": "false"}, free_port())
-        server = servers["quotas on"]
-        print("1. Service overhead (instant 1024-d model, quotas on), sequential requests:", flush=True)
-        table = processing_table(server, key, [8, 16, 32, 64, 128, 256], requests)
+    with shipped_stack(workdir, MAX_INFLIGHT_TRITON_CALLS="256") as (env, key, _):
+        try:
+            servers["quotas on"] = Server({**env, "QUOTAS_ENABLED": "true"}, free_port())
+            servers["quotas off"] = Server({**env, "QUOTAS_ENABLED": "false"}, free_port())
+            server = servers["quotas on"]
+            print("1. Service overhead (instant 1024-d model, quotas on), sequential requests:", flush=True)
+            table = processing_table(server, key, [8, 16, 32, 64, 128, 256], requests)
 
-        print("\n3. Ceiling (instant model, quotas on, wrk 16 connections, batch 32):", flush=True)
-        body = {"model": INSTANT_MODEL, "input": make_texts(32, 8, seed=5), "encoding_format": "base64"}
-        ceiling = wrk(server, key, body, seconds, 16, workdir)
-        print(
-            f"   {ceiling['emb_per_s']:.0f} emb/s wall clock, "
-            f"{ceiling['emb_per_server_core_s']:.0f} emb/s per server core "
-            f"(server CPU {ceiling['server_cpu_s']:.1f} s), errors {ceiling['errors']}",
-            flush=True,
-        )
+            print("\n3. Ceiling (instant model, quotas on, wrk 16 connections, batch 32):", flush=True)
+            body = {"model": INSTANT_MODEL, "input": make_texts(32, 8, seed=5), "encoding_format": "base64"}
+            ceiling = wrk(server, key, body, seconds, 16, workdir)
+            print(
+                f"   {ceiling['emb_per_s']:.0f} emb/s wall clock, "
+                f"{ceiling['emb_per_server_core_s']:.0f} emb/s per server core "
+                f"(server CPU {ceiling['server_cpu_s']:.1f} s), errors {ceiling['errors']}",
+                flush=True,
+            )
 
-        print("\n2. End to end with MiniLM vs raw ONNX Runtime (16 concurrent):", flush=True)
-        model_dir = ROOT / "model_repository" / "minilm" / "1"
-        raw = RawOnnxRuntime(model_dir / "model.onnx", TextTokenizer.from_file(model_dir / "tokenizer.json"))
-        end_to_end = []
-        for batch in (8, 32):
-            texts = make_texts(batch, 8, seed=7)
-            reference = raw_throughput(raw, texts, seconds, 16)
-            for name, measured in servers.items():
-                http = wrk(measured, key, {"model": REAL_MODEL, "input": texts}, seconds, 16, workdir)
-                ratio = http["emb_per_s"] / reference["emb_per_s"]
-                end_to_end.append(
-                    {"batch": batch, "server": name, "http": http, "raw": reference, "ratio": ratio}
-                )
-                print(
-                    f"   batch {batch:>3}, {name:10}: HTTP {http['emb_per_s']:.0f} emb/s "
-                    f"(p50 {http['p50_ms']:.0f} ms, errors {http['errors']}), "
-                    f"raw ORT {reference['emb_per_s']:.0f} emb/s, ratio {ratio:.2f}",
-                    flush=True,
-                )
-    finally:
-        for server in servers.values():
-            server.stop()
-        triton.stop()
-        redis.stop()
+            print("\n2. End to end with MiniLM vs raw ONNX Runtime (16 concurrent):", flush=True)
+            model = ROOT / "model_repository" / "minilm" / "1"
+            raw = RawOnnxRuntime(model / "model.onnx", TextTokenizer.from_file(model / "tokenizer.json"))
+            end_to_end = []
+            for batch in (8, 32):
+                texts = make_texts(batch, 8, seed=7)
+                reference = raw_throughput(raw, texts, seconds, 16)
+                for name, measured in servers.items():
+                    http = wrk(measured, key, {"model": REAL_MODEL, "input": texts}, seconds, 16, workdir)
+                    ratio = http["emb_per_s"] / reference["emb_per_s"]
+                    end_to_end.append(
+                        {"batch": batch, "server": name, "http": http, "raw": reference, "ratio": ratio}
+                    )
+                    print(
+                        f"   batch {batch:>3}, {name:10}: HTTP {http['emb_per_s']:.0f} emb/s "
+                        f"(p50 {http['p50_ms']:.0f} ms, errors {http['errors']}), "
+                        f"raw ORT {reference['emb_per_s']:.0f} emb/s, ratio {ratio:.2f}",
+                        flush=True,
+                    )
+        finally:
+            for server in servers.values():
+                server.stop()
     result = {"processing": table, "ceiling": ceiling, "end_to_end": end_to_end, "cpus": os.cpu_count()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

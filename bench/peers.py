@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from api import REAL_MODEL, RedisPair, Server, bench_triton, ensure_matplotlib, prepare_database  # noqa: E402
+from api import REAL_MODEL, Server, ensure_matplotlib, shipped_stack  # noqa: E402
 from triton_client import RawOnnxRuntime, make_texts, percentile  # noqa: E402
 
 INFINITY_VERSION = "0.0.78"
@@ -396,20 +396,8 @@ def measure_infinity(args: argparse.Namespace, raw: RawOnnxRuntime, workdir: Pat
 def measure_embedsite(args: argparse.Namespace, raw: RawOnnxRuntime, workdir: Path) -> dict:
     from embeddings.triton.server import free_port
 
-    triton = bench_triton(workdir)
-    redis = RedisPair(workdir)
-    triton.start()
     results: dict = {}
-    try:
-        env = {
-            **os.environ,
-            **redis.start(),
-            "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
-            "TRITON_SERVER_URL": triton.grpc_target,
-            "LOG_LEVEL": "WARNING",
-        }
-        triton.wait_until_ready(300)
-        key = prepare_database(env, triton.grpc_target)
+    with shipped_stack(workdir) as (env, key, _):
         for column, quotas in (("embedsite", "true"), ("embedsite, quotas off", "false")):
             server = Server({**env, "QUOTAS_ENABLED": quotas}, free_port())
             try:
@@ -434,9 +422,6 @@ def measure_embedsite(args: argparse.Namespace, raw: RawOnnxRuntime, workdir: Pa
                 results[column] = cells
             finally:
                 server.stop()
-    finally:
-        triton.stop()
-        redis.stop()
     return results
 
 

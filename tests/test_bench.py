@@ -13,6 +13,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 
 import api  # noqa: E402
+import configs  # noqa: E402
 import peers  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -128,3 +129,46 @@ def test_a_server_whose_vectors_differ_is_not_timed():
     assert peers.check_agreement("same", ours, ours * 2) == pytest.approx(1.0)
     with pytest.raises(RuntimeError, match="disagree"):
         peers.check_agreement("shifted", ours, ours + 0.05)
+
+
+def test_configs_parse_names_and_environment_overrides():
+    args = configs.parse_args(
+        [
+            "--config",
+            "base=",
+            "--config",
+            "merge=COALESCE_REQUESTS=true,COALESCE_MAX_CALLS=1",
+            "--shape",
+            "32 x 1",
+        ]
+    )
+    assert args.config == [("base", {}), ("merge", {"COALESCE_REQUESTS": "true", "COALESCE_MAX_CALLS": "1"})]
+    assert [shape.name for shape in args.shape] == ["32 x 1"]
+    assert [shape.name for shape in configs.parse_args(["--config", "a="]).shape] == [
+        s.name for s in peers.SHAPES
+    ]
+
+
+@pytest.mark.parametrize("bad", ["noequals", "=X=1", "merge=NOVALUE"])
+def test_configs_refuse_malformed_configs(bad):
+    with pytest.raises(SystemExit):
+        configs.parse_args(["--config", bad])
+
+
+def test_configs_triton_delta_is_per_execution_and_per_request():
+    before = {"requests": 10, "executions": 5, "rows": 10, "queue_ns": 0, "compute_infer_ns": 0}
+    after = {"requests": 30, "executions": 7, "rows": 50, "queue_ns": 40e6, "compute_infer_ns": 200e6}
+    delta = configs.triton_delta(before, after)
+    assert delta["rows_per_execution"] == 20
+    assert delta["queue_ms_per_request"] == 2
+    assert delta["compute_infer_ms_per_execution"] == 10
+    row = configs.format_table([{**delta, "config": "merge", "shape": "32 x 1", "round": 1, "emb_per_s": 300,
+                                 "p50_ms": 90, "p99_ms": 150, "web_cpu_ms_per_request": 1.6}])  # fmt: skip
+    assert row.splitlines()[-1].startswith("| merge | 32 x 1 | 1 | 300 | 90 | 150 | 1.60 | 20 | 20.0 |")
+
+
+def test_configs_runs_as_its_docstring_says():
+    command = [sys.executable, str(BENCH / "configs.py"), "--help"]
+    done = subprocess.run(command, cwd=BENCH.parent, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "--config" in done.stdout and "--py-spy" in done.stdout
