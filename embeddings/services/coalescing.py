@@ -18,6 +18,7 @@ MAX_BATCH_TOKENS padded tokens. Per-request semantics stay exact:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -109,10 +110,11 @@ class Coalescer:
         return await waiter.result
 
     def _schedule_pump(self, loop: asyncio.AbstractEventLoop) -> None:
-        # On the next turn of the loop, so requests arriving in the same turn leave together.
+        # On the next turn of the loop, so requests arriving in the same turn leave together; in a
+        # context of its own, as the calls it starts serve many requests and may outlive this one.
         if not self._pump_scheduled:
             self._pump_scheduled = True
-            loop.call_soon(self._pump)
+            loop.call_soon(self._pump, context=contextvars.Context())
 
     def _pump(self) -> None:
         self._pump_scheduled = False
