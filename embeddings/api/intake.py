@@ -4,7 +4,7 @@ within its size limit that arrives in time.
 Django's ASGI handler reads the whole body before any view runs, with no limit and no timeout, and
 DRF and Django's multipart parser then trust the Content-Length header (a chunked body, which has
 none, reads as empty). `read_request_body` replaces that read for API paths (see
-embedsite/asgi.py): it counts bytes as they arrive and refuses the request (413) the moment it
+embeddings/api/handler.py): it counts bytes as they arrive and refuses the request (413) the moment it
 crosses its limit, refuses a declared Content-Length over the limit before reading anything, and
 answers 408 to a body that stalls (REQUEST_BODY_IDLE_TIMEOUT_S between two pieces) or arrives too
 slowly (REQUEST_BODY_TIMEOUT_S plus one second per REQUEST_BODY_MIN_BYTES_PER_S bytes). The body

@@ -1,4 +1,4 @@
-"""Request middleware for the API (the lean, async-only stack of embedsite/asgi.py)."""
+"""Request middleware for the API (the lean, async-only stack of embeddings/api/handler.py)."""
 
 from __future__ import annotations
 
