@@ -244,7 +244,7 @@ MIDDLEWARE = [
 # they are sync MiddlewareMixins, two thread hops per request on our async path (see asgi.py).
 # Request metrics are recorded by ApiView and the embedding service instead (embeddings/metrics.py).
 
-# API routes (and health checks) run with this lean, async-only stack instead (embedsite/asgi.py).
+# API routes (and health checks) run with this lean, async-only stack instead (embeddings/api/handler.py).
 API_MIDDLEWARE = [
     "embeddings.api.middleware.ArrivalTimeMiddleware",
     "embeddings.api.middleware.ApiSecurityMiddleware",
@@ -412,8 +412,10 @@ if MAX_TOKENS_IN_FLIGHT < MAX_BATCH_TOKENS:
 # Merge concurrent requests' sub-batches into one Triton call per model (embeddings/services/
 # coalescing.py): at most COALESCE_MAX_CALLS merged calls per model at Triton from one process;
 # what arrives meanwhile leaves in the next call. Token-input models and one-sub-batch requests only.
-COALESCE_REQUESTS = env_bool("COALESCE_REQUESTS", False)
-COALESCE_MAX_CALLS = env_int("COALESCE_MAX_CALLS", 2, minimum=1)
+# One call at a time measured best on the 2-core CPU at every load shape (bench/configs.py, README);
+# with more Triton instances than server processes (a GPU), allow about one per instance.
+COALESCE_REQUESTS = env_bool("COALESCE_REQUESTS", True)
+COALESCE_MAX_CALLS = env_int("COALESCE_MAX_CALLS", 1, minimum=1)
 # A request's whole inference (its turn in the scheduler and every sub-batch) ends by then: 504
 # at the deadline, and its sub-batches not yet sent are dropped.
 EMBEDDING_TIMEOUT_S = env_float("EMBEDDING_TIMEOUT_S", 30.0, minimum=0.01)

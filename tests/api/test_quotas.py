@@ -10,6 +10,7 @@ import httpx2
 import pytest
 import redis
 from asgiref.sync import sync_to_async
+from prometheus_client import REGISTRY
 
 from embeddings.api.authentication import principal_cache
 from embeddings.services import quotas
@@ -101,9 +102,15 @@ async def test_requests_per_minute_over_http_with_headers(client, alpha, beta):
     assert counters["tokens"] == 3 * tokens_of(["hello"])
 
 
+def merged_calls() -> float:
+    """Triton calls formed so far by this process's request merging (COALESCE_REQUESTS, on)."""
+    return REGISTRY.get_sample_value("embedsite_batch_rows_count", {"model": "minilm"}) or 0.0
+
+
 async def test_tokens_per_minute_with_mixed_sizes_concurrently(client, alpha):
     await limit(alpha, tokens_per_minute=400)
     texts = [" ".join(["word"] * ((i * 7) % 40 + 1)) for i in range(40)]
+    calls_before = merged_calls()
     responses = await asyncio.gather(*(embed(client, alpha, text) for text in texts))
     accepted = sum(r.json()["usage"]["total_tokens"] for r in responses if r.status_code == 200)
     refused = [text for text, r in zip(texts, responses, strict=True) if r.status_code == 429]
@@ -114,6 +121,34 @@ async def test_tokens_per_minute_with_mixed_sizes_concurrently(client, alpha):
         if response.status_code == 429:
             assert response.json()["error"]["type"] == "tokens"
     assert (await status(alpha))["tenant"]["tokens_per_minute"]["used"] == accepted
+    # The admitted requests shared Triton calls, and each was billed its own tokens all the same.
+    admitted = [r for r in responses if r.status_code == 200]
+    assert 0 < merged_calls() - calls_before < len(admitted)
+    for text, response in zip(texts, responses, strict=True):
+        if response.status_code == 200:
+            assert response.json()["usage"]["total_tokens"] == tokens_of([text])
+
+
+async def test_merged_requests_that_fail_are_each_refunded(client, alpha, beta, settings, triton_server):
+    """Two tenants' concurrent requests merged into calls that Triton (paused) never answers: each
+    request fails on its own account, and each tenant gets back exactly the tokens it reserved."""
+    for who in (alpha, beta):
+        await limit(who, requests_per_minute=100, tokens_per_minute=1000, max_concurrent_requests=100)
+    assert (await embed(client, alpha, "warm up")).status_code == 200  # the model's metadata is known
+    used_before = (await status(alpha))["tenant"]["tokens_per_minute"]["used"]
+    settings.TRITON_TIMEOUT_S = 1.0
+    senders = [alpha, beta] * 4
+    calls_before = merged_calls()
+    with process_group_paused(triton_server.process):
+        responses = await asyncio.gather(*(embed(client, who, f"text {i}") for i, who in enumerate(senders)))
+    assert 0 < merged_calls() - calls_before < len(senders)
+    assert [r.status_code for r in responses] == [504] * len(senders), [r.text for r in responses]
+    for who, requests, tokens in ((alpha, 5, used_before), (beta, 4, 0)):
+        state = (await status(who))["tenant"]
+        assert state["tokens_per_minute"]["used"] == tokens
+        assert state["requests_per_minute"]["used"] == requests
+        assert state["concurrent_requests"]["in_use"] == 0
+        assert usage_by_outcome(who.tenant.pk)["failed"] == 4
 
 
 async def test_budget_exhaustion_is_insufficient_quota(client, alpha, one_window):
