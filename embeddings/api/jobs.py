@@ -29,11 +29,8 @@ from embeddings.api.errors import (
     InsufficientQuota,
     JobExpired,
     JobNotFinished,
-    JobQueueUnavailable,
-    JobStoreUnavailable,
     NotFound,
     PayloadTooLarge,
-    QuotaUnavailable,
     RateLimited,
     UnsupportedMediaType,
     ValidationFailed,
@@ -48,6 +45,7 @@ from embeddings.api.views import (
     validated,
 )
 from embeddings.models import EmbeddingJob, EmbeddingModel
+from embeddings.services.errors import JobQueueUnavailable, JobStoreUnavailable, QuotaUnavailable
 from embeddings.services.job_inputs import JobInputs, JobInputTooLarge, job_inputs_parse
 from embeddings.services.job_results import iter_jsonl, iter_npy, json_page, npy_header
 from embeddings.services.jobs import (
@@ -346,8 +344,12 @@ class JobListCreateView(ApiView):
             503: _error_response(
                 "Not submitted, nothing kept: quotas cannot be checked (Redis down), the job queue "
                 "refused it, or the job store is full or down. Retry after the Retry-After header's seconds.",
-                QuotaUnavailable(),
-                JobQueueUnavailable(),
+                QuotaUnavailable(
+                    "Rate limiting is unavailable, so the request was not served; retry shortly."
+                ),
+                JobQueueUnavailable(
+                    "The job queue is unavailable, so the job was not submitted; retry shortly."
+                ),
                 JobStoreUnavailable("The job store is full, so the job was not submitted; retry later."),
             ),
         },

@@ -22,20 +22,18 @@ from embeddings.api import serializers as s
 from embeddings.api.authentication import ApiPrincipal, ensure_model_allowed
 from embeddings.api.base import ApiView
 from embeddings.api.errors import (
-    ApiError,
     BadRequest,
     Forbidden,
     InsufficientQuota,
     ModelNotFound,
-    ModelNotLoaded,
     PayloadTooLarge,
-    QuotaUnavailable,
     RateLimited,
     Unauthorized,
     UnsupportedMediaType,
     UpstreamTimeout,
     UpstreamUnavailable,
     ValidationFailed,
+    as_api_error,
 )
 from embeddings.api.middleware import ARRIVED
 from embeddings.api.schema import ListLengthAutoSchema
@@ -48,14 +46,19 @@ from embeddings.services.embedding import (
     EmbeddingTarget,
     embeddings_create,
 )
+from embeddings.services.errors import ModelNotLoaded, QuotaUnavailable
 
 logger = logging.getLogger("embeddings.requests")
 
 
-def _error_response(description: str, *errors: ApiError) -> OpenApiResponse:
-    """A documented error status, its examples built by the classes that render them."""
+def _error_response(description: str, *errors: Exception) -> OpenApiResponse:
+    """A documented error status, its examples rendered as the API renders those errors."""
     examples = [
-        OpenApiExample(f"{type(error).__name__}: {error.error_code}", value=error.body(), response_only=True)
+        OpenApiExample(
+            f"{type(error).__name__}: {as_api_error(error).error_code}",
+            value=as_api_error(error).body(),
+            response_only=True,
+        )
         for error in errors
     ]
     return OpenApiResponse(s.ErrorSerializer, description=description, examples=examples)
@@ -104,12 +107,8 @@ ERRORS = {
         "The model server is unavailable, the model is registered but not loaded on it "
         "(`model_not_loaded`), or quotas cannot be checked (Redis down, QUOTA_REDIS_FAILURE=closed)",
         UpstreamUnavailable(),
-        ModelNotLoaded(
-            "The model 'bge-small' is registered but not loaded on the model server (Triton model "
-            "'bge_small', version 2); retry later or use another model.",
-            param="model",
-        ),
-        QuotaUnavailable(),
+        ModelNotLoaded(model="bge-small", triton_model="bge_small", version="2"),
+        QuotaUnavailable("Rate limiting is unavailable, so the request was not served; retry shortly."),
     ),
     504: _error_response("The model server missed its deadline", UpstreamTimeout()),
 }

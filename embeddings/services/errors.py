@@ -12,8 +12,9 @@ ServiceError
 ├── JobConflict         (409) an Idempotency-Key reused for a different job request
 ├── JobQueueUnavailable (503) the job queue (broker) refused a submission, which was undone
 └── JobStoreUnavailable (503) the job store (JOB_STORE_URL) refused a job's inputs, or is down
-Tokenisation errors (embeddings.tokenization) and Triton errors (embeddings.triton.errors) are
-separate trees, mapped by the same API handler.
+Each class is defined here only: the API answers them through one table (ANSWERS in
+embeddings/api/errors.py), as it does tokenisation errors (embeddings.tokenization) and Triton
+errors (embeddings.triton.errors).
 """
 
 from __future__ import annotations
