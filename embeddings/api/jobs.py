@@ -22,7 +22,6 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from embeddings.api import serializers as s
-from embeddings.api.authentication import ApiPrincipal
 from embeddings.api.base import ApiView
 from embeddings.api.errors import (
     IdempotencyKeyReused,
@@ -44,6 +43,7 @@ from embeddings.api.views import (
     model_for_request,
     validated,
 )
+from embeddings.callers import Caller
 from embeddings.models import EmbeddingJob, EmbeddingModel
 from embeddings.services.errors import JobQueueUnavailable, JobStoreUnavailable, QuotaUnavailable
 from embeddings.services.job_inputs import JobInputs, JobInputTooLarge, job_inputs_parse
@@ -79,7 +79,7 @@ def job_location(job: EmbeddingJob) -> str:
     return f"/v1/jobs/{job.public_id}"
 
 
-def max_inputs_per_job(principal: ApiPrincipal) -> int:
+def max_inputs_per_job(principal: Caller) -> int:
     """The smallest limit set on the key or the tenant; JOB_MAX_INPUTS when neither sets one."""
     limits = [
         limit
@@ -137,7 +137,7 @@ def _form_fields(form) -> dict[str, object]:
     return fields
 
 
-def upload_parse(request: Request, principal: ApiPrincipal) -> tuple[dict, JobInputs]:
+def upload_parse(request: Request, principal: Caller) -> tuple[dict, JobInputs]:
     """The options and inputs of a multipart upload (sync: it reads the spooled body and the file).
 
     The upload's size was enforced while the body arrived (embeddings/api/intake.py).
@@ -176,7 +176,7 @@ def upload_parse(request: Request, principal: ApiPrincipal) -> tuple[dict, JobIn
 
 @sync_to_async
 def _create(
-    *, principal: ApiPrincipal, spec: JobSpec, idempotency_key: str, fingerprint: str
+    *, principal: Caller, spec: JobSpec, idempotency_key: str, fingerprint: str
 ) -> tuple[dict, bool, str]:
     job, created = job_create(
         tenant_id=principal.tenant_id,
@@ -188,7 +188,7 @@ def _create(
     return job_object(job), created, job_location(job)
 
 
-def _tenant_job(principal: ApiPrincipal, job_id: str) -> EmbeddingJob:
+def _tenant_job(principal: Caller, job_id: str) -> EmbeddingJob:
     job = job_for_tenant(tenant_id=principal.tenant_id, public_id=job_id)
     if job is None:
         raise NotFound(f"You have no job {job_id!r}.", param="job_id", code="job_not_found")
@@ -196,32 +196,32 @@ def _tenant_job(principal: ApiPrincipal, job_id: str) -> EmbeddingJob:
 
 
 @sync_to_async
-def _job_read(principal: ApiPrincipal, job_id: str) -> dict:
+def _job_read(principal: Caller, job_id: str) -> dict:
     return job_object(job_refreshed(_tenant_job(principal, job_id)))
 
 
 @sync_to_async
-def _job_list(principal: ApiPrincipal, limit: int, after: str | None) -> tuple[list[dict], bool]:
+def _job_list(principal: Caller, limit: int, after: str | None) -> tuple[list[dict], bool]:
     jobs, has_more = jobs_for_tenant(tenant_id=principal.tenant_id, limit=limit, after=after)
     return [job_object(job) for job in jobs], has_more
 
 
 @sync_to_async
-def _job_cancel(principal: ApiPrincipal, job_id: str) -> dict:
+def _job_cancel(principal: Caller, job_id: str) -> dict:
     job = _tenant_job(principal, job_id)
     job_cancel(job=job)
     return job_object(job_refreshed(job))
 
 
 @sync_to_async
-def _job_delete(principal: ApiPrincipal, job_id: str) -> str:
+def _job_delete(principal: Caller, job_id: str) -> str:
     job = _tenant_job(principal, job_id)
     job_delete(job=job)
     return job.public_id
 
 
 @sync_to_async
-def _finished_job(principal: ApiPrincipal, job_id: str) -> tuple[EmbeddingJob, str, tuple]:
+def _finished_job(principal: Caller, job_id: str) -> tuple[EmbeddingJob, str, tuple]:
     """The job, its model's name and where its results are, if they can be downloaded: 409 before
     it finishes, 410 once they expired or were deleted."""
     job = job_refreshed(_tenant_job(principal, job_id))
@@ -380,7 +380,7 @@ class JobListCreateView(ApiView):
         tags=["jobs"],
     )
     async def post(self, request: Request) -> Response:
-        principal: ApiPrincipal = request.user
+        principal: Caller = request.user
         key = idempotency_key(request)
         if request.content_type.startswith("multipart/form-data"):
             options, inputs = await sync_to_async(upload_parse)(request, principal)

@@ -19,7 +19,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from embeddings.api import serializers as s
-from embeddings.api.authentication import ApiPrincipal, ensure_model_allowed
+from embeddings.api.authentication import ensure_model_allowed
 from embeddings.api.base import ApiView
 from embeddings.api.errors import (
     BadRequest,
@@ -37,6 +37,7 @@ from embeddings.api.errors import (
 )
 from embeddings.api.middleware import ARRIVED
 from embeddings.api.schema import ListLengthAutoSchema
+from embeddings.callers import Caller
 from embeddings.metrics import embedded_observed
 from embeddings.models import EmbeddingModel
 from embeddings.services import catalog
@@ -145,7 +146,7 @@ async def model_for_request(view: ApiView, name: str | None) -> EmbeddingModel:
 def log_request(
     request: Request, endpoint: str, model: EmbeddingModel, result: EmbeddingResult, user: str = ""
 ):
-    principal: ApiPrincipal = request.user
+    principal: Caller = request.user
     embedded_observed(
         endpoint=endpoint, model=model.name, inputs=len(result.token_counts), tokens=result.total_tokens
     )

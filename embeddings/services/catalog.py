@@ -14,7 +14,7 @@ from embeddings.models import EmbeddingModel, Tenant
 from embeddings.services.model_export import ModelExportError, model_export_info, model_export_versions
 
 if TYPE_CHECKING:
-    from embeddings.api.authentication import ApiPrincipal
+    from embeddings.callers import Caller
 
 LOCAL_MODEL_NAME = "all-MiniLM-L6-v2"
 LOCAL_MODEL_ALIASES = ["minilm", "sentence-transformers/all-MiniLM-L6-v2"]
@@ -63,7 +63,7 @@ async def embedding_models_enabled_cached() -> tuple[EmbeddingModel, ...]:
     return await _enabled_cached()
 
 
-async def embedding_models_for_principal(*, principal: ApiPrincipal) -> list[EmbeddingModel]:
+async def embedding_models_for_principal(*, principal: Caller) -> list[EmbeddingModel]:
     return [model for model in await _enabled_cached() if principal.may_use(model)]
 
 

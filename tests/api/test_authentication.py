@@ -15,8 +15,9 @@ from rest_framework.request import Request
 from rest_framework.test import APIRequestFactory
 
 from embeddings.api import authentication
-from embeddings.api.authentication import ApiKeyAuthentication, ApiPrincipal, ensure_model_allowed
+from embeddings.api.authentication import ApiKeyAuthentication, ensure_model_allowed
 from embeddings.api.errors import Forbidden, ModelForbidden, Unauthorized
+from embeddings.callers import Caller
 from embeddings.models import ApiKey, EmbeddingModel, Tenant
 from embeddings.services.keys import api_key_create, api_key_revoke
 from embeddings.services.tenants import tenant_create, tenant_deactivate
@@ -86,7 +87,7 @@ async def test_valid_key_gives_the_tenants_principal(setup):
     principal, auth = await authenticate(f"Bearer {setup.alpha_secret}")
 
     assert auth is None
-    assert principal == ApiPrincipal(
+    assert principal == Caller(
         tenant_id=setup.alpha.pk,
         tenant_slug="alpha",
         key_id=setup.alpha_key.pk,
