@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from embeddings.services.local_redis import RedisServer
+from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.server import TritonServer, free_port
 from tests.database_backend import is_postgresql, run_databases
 

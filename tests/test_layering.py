@@ -1,4 +1,5 @@
-"""The layers import downwards only: services never import the API, the caller type neither."""
+"""The layers import downwards only: services never import the API or the dev tooling, the caller
+type neither."""
 
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ def imports_from(directory: Path, forbidden: str) -> dict[str, list[str]]:
 
 def test_services_never_import_the_api():
     assert imports_from(PACKAGE_DIR / "services", "embeddings.api") == {}
+
+
+def test_services_never_import_the_tooling():
+    """Process launchers and the torch export are for commands, tests and benchmarks only."""
+    assert imports_from(PACKAGE_DIR / "services", "embeddings.tooling") == {}
 
 
 def test_the_caller_type_sits_below_api_and_services():

@@ -11,7 +11,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from embeddings.models import EmbeddingModel, Tenant
-from embeddings.services.model_export import ModelExportError, model_export_info, model_export_versions
+from embeddings.triton.model_exports import ModelExportError, model_export_info, model_export_versions
 
 if TYPE_CHECKING:
     from embeddings.callers import Caller
