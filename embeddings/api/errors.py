@@ -12,10 +12,10 @@ ApiError (500 server_error)
 │   └── ModelNotFound (404 model_not_found)
 ├── MethodNotAllowed (405 method_not_allowed)
 ├── RequestTimeout (408 request_timeout)              the body stalled or arrived too slowly
-├── Conflict (409 conflict)
-│   ├── IdempotencyKeyReused (409 idempotency_key_reused)  an Idempotency-Key sent with another request
-│   └── JobNotFinished (409 job_not_finished)          results asked for before the job finished
-├── JobExpired (410 job_expired)                      a job's results, expired or deleted
+├── Conflict (409 conflict)                           code job_not_finished: results asked for before
+│   │                                                 the job finished
+│   └── IdempotencyKeyReused (409 idempotency_key_reused)  an Idempotency-Key sent with another request
+├── Gone (410 gone)                                   code job_expired: a job's results, expired or deleted
 ├── PayloadTooLarge (413 payload_too_large)           body, inputs or tokens over a limit
 │   └── JobLargerThanStorageBudget (413 job_storage_budget_exceeded)  a job larger than a whole
 │                                                     job storage budget: it can never fit
@@ -55,6 +55,8 @@ from embeddings.services.errors import (
     InferenceTimeout,
     InvalidRequest,
     JobConflict,
+    JobExpired,
+    JobNotFinished,
     JobQueueUnavailable,
     JobStoreUnavailable,
     LimitExceeded,
@@ -156,11 +158,6 @@ class IdempotencyKeyReused(Conflict):
     default_message = "This Idempotency-Key was already used with a different request."
 
 
-class JobNotFinished(Conflict):
-    code = "job_not_finished"
-    default_message = "The job has not finished; its results can be downloaded once it has."
-
-
 class RequestTimeout(ApiError):
     status = 408
     type = "invalid_request_error"
@@ -168,11 +165,11 @@ class RequestTimeout(ApiError):
     default_message = "The request body did not arrive in time."
 
 
-class JobExpired(ApiError):
+class Gone(ApiError):
     status = 410
     type = "invalid_request_error"
-    code = "job_expired"
-    default_message = "The job's results have expired or were deleted."
+    code = "gone"
+    default_message = "The resource no longer exists."
 
 
 class PayloadTooLarge(ApiError):
@@ -344,6 +341,8 @@ ANSWERS: dict[type[Exception], Callable[[Any], ApiError]] = {
     QuotaUnavailable: _service_answer(partial(ServiceUnavailable, code="quota_unavailable")),
     StorageBudgetExceeded: _storage_budget_exceeded,
     JobConflict: _service_answer(IdempotencyKeyReused),
+    JobNotFinished: _service_answer(partial(Conflict, code="job_not_finished")),
+    JobExpired: _service_answer(partial(Gone, code="job_expired")),
     JobQueueUnavailable: _service_answer(partial(ServiceUnavailable, code="queue_unavailable")),
     JobStoreUnavailable: _service_answer(
         partial(ServiceUnavailable, code="job_store_unavailable", retry_after_s=30)

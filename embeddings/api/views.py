@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import base64
 import logging
 import time
 
-import numpy as np
 from django.conf import settings
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
@@ -48,6 +46,7 @@ from embeddings.services.embedding import (
     embeddings_create,
 )
 from embeddings.services.errors import ModelNotLoaded, QuotaUnavailable
+from embeddings.services.result_dtypes import base64_rows
 
 logger = logging.getLogger("embeddings.requests")
 
@@ -171,14 +170,6 @@ def embedding_response(data: object, result: EmbeddingResult) -> Response:
 
 def usage(result: EmbeddingResult) -> dict:
     return {"prompt_tokens": result.total_tokens, "total_tokens": result.total_tokens}
-
-
-def base64_rows(vectors: np.ndarray) -> list[str]:
-    """Each row as the base64 of its little-endian float32 bytes, straight from the array's buffer."""
-    little_endian = np.ascontiguousarray(vectors, dtype="<f4")
-    row_bytes = little_endian.shape[1] * 4
-    raw = little_endian.tobytes()
-    return [base64.b64encode(raw[i : i + row_bytes]).decode("ascii") for i in range(0, len(raw), row_bytes)]
 
 
 class OpenAIEmbeddingsView(ApiView):

@@ -104,6 +104,24 @@ SERVICE_ANSWERS = [
         {},
     ),
     (
+        service.JobNotFinished("Job job_1 is running; download its results once it has finished."),
+        409,
+        body(
+            "Job job_1 is running; download its results once it has finished.",
+            "invalid_request_error",
+            "job_not_finished",
+        ),
+        {},
+    ),
+    (
+        service.JobExpired("The results of job job_1 have expired or were deleted."),
+        410,
+        body(
+            "The results of job job_1 have expired or were deleted.", "invalid_request_error", "job_expired"
+        ),
+        {},
+    ),
+    (
         service.JobQueueUnavailable("broker down"),
         503,
         body("broker down", "server_error", "queue_unavailable"),
