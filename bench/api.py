@@ -85,7 +85,7 @@ class RedisPair:
     """The two local redis-servers `make run` has: the critical one (quotas, usage) and the job store."""
 
     def __init__(self, workdir: Path) -> None:
-        from embeddings.services.local_redis import RedisServer
+        from embeddings.tooling.local_redis import RedisServer
         from embeddings.triton.server import free_port
 
         self.critical = RedisServer(port=free_port(), data_dir=workdir / "redis", persistent=False)

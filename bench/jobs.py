@@ -117,8 +117,8 @@ def main() -> None:
     from django.conf import settings
 
     from embeddings.jobs_client import FINISHED_STATUSES, JobsClient
-    from embeddings.services.local_redis import RedisServer
     from embeddings.tokenization import TextTokenizer
+    from embeddings.tooling.local_redis import RedisServer
     from embeddings.triton.server import TritonServer, free_port
 
     workdir = Path(tempfile.mkdtemp(prefix="embedsite-bench-jobs-"))

@@ -144,7 +144,7 @@ def main() -> None:
     requests, warmup = (100, 20) if args.quick else (args.requests, 200)
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
-    from embeddings.services.local_redis import RedisServer
+    from embeddings.tooling.local_redis import RedisServer
     from embeddings.triton.server import free_port
 
     workdir = Path(tempfile.mkdtemp(prefix="embedsite-bench-quota-"))

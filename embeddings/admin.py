@@ -35,7 +35,6 @@ from embeddings.services.catalog import embedding_model_cache_clear
 from embeddings.services.encryption import SecretUndecryptable
 from embeddings.services.job_storage import size_text, tenant_job_storage
 from embeddings.services.keys import api_key_create, api_key_revoke
-from embeddings.services.model_export import model_export_versions
 from embeddings.services.model_serving import ModelServingState, models_reconcile, models_serving_states
 from embeddings.services.tenants import (
     tenant_deactivate,
@@ -52,6 +51,7 @@ from embeddings.services.usage_reports import (
     usage_csv_rows,
 )
 from embeddings.triton import TritonClient, TritonError
+from embeddings.triton.model_exports import model_export_versions
 
 logger = logging.getLogger(__name__)
 

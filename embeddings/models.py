@@ -84,9 +84,6 @@ class QuotaLimits(models.Model):
     class Meta:
         abstract = True
 
-    def quota_limits(self) -> dict[str, int | None]:
-        return {field: getattr(self, field) for field in self.QUOTA_FIELDS}
-
 
 class Tenant(QuotaLimits):
     name = models.CharField(max_length=200)

@@ -1,4 +1,5 @@
-"""Shared fixtures: one real Triton per test run, started on free loopback ports."""
+"""Shared fixtures: one real Triton and Redis per test run, started on free loopback ports, and the
+two tenants (`two_tenants`) that isolation tests build on."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from django.conf import settings
 
-from embeddings.services.local_redis import RedisServer
+from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.server import TritonServer, free_port
 from tests.database_backend import is_postgresql, run_databases
+
+if TYPE_CHECKING:
+    from embeddings.models import ApiKey, Tenant
 
 TESTS_DIR = Path(__file__).resolve().parent
 TEST_MODEL_REPOSITORY = TESTS_DIR / "triton_models"
@@ -168,6 +173,60 @@ def service_triton(triton_server: TritonServer, settings) -> Iterator[TritonServ
     reset_clients()
 
 
+# --- Tenants ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class TenantWithKey:
+    tenant: Tenant
+    api_key: ApiKey
+    secret: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.secret}"}
+
+
+def tenant_with_key(name: str, *, allow_all_models: bool = True, **key_options) -> TenantWithKey:
+    """A new tenant and one key of it (`key_options`: api_key_create's, e.g. expires_at)."""
+    from embeddings.services.keys import api_key_create
+    from embeddings.services.tenants import tenant_create
+
+    tenant = tenant_create(name=name, allow_all_models=allow_all_models)
+    api_key, secret = api_key_create(tenant=tenant, name=f"{name} key", **key_options)
+    return TenantWithKey(tenant, api_key, secret)
+
+
+@pytest.fixture
+def alpha(db) -> Tenant:
+    """A tenant (all models allowed, no limits, no key); `beta` is the other one, which must not
+    see or touch what is Alpha's. tests/api overrides both with a tenant and its key."""
+    from embeddings.services.tenants import tenant_create
+
+    return tenant_create(name="Alpha")
+
+
+@pytest.fixture
+def beta(db) -> Tenant:
+    from embeddings.services.tenants import tenant_create
+
+    return tenant_create(name="Beta")
+
+
+@dataclass(frozen=True)
+class TwoTenants:
+    alpha: TenantWithKey
+    beta: TenantWithKey
+
+
+@pytest.fixture
+def two_tenants(db) -> TwoTenants:
+    """Alpha and Beta as `alpha` and `beta`, with one key each: isolation tests give Beta's key
+    what is Alpha's and expect it refused. With transactional_db requested too, the rows are
+    committed (pytest-django then prefers it to `db`)."""
+    return TwoTenants(tenant_with_key("Alpha"), tenant_with_key("Beta"))
+
+
 @pytest.fixture(scope="session")
 def django_db_modify_db_settings(django_db_modify_db_settings) -> None:
     """pytest-django's hook before it creates the test database: this run's PostgreSQL (if the
@@ -271,3 +330,58 @@ def fake_dns(monkeypatch: pytest.MonkeyPatch) -> FakeDns:
     resolver = FakeDns()
     monkeypatch.setattr(job_callbacks, "callback_resolver", resolver)
     return resolver
+
+
+# --- Markers ---------------------------------------------------------------------------------------
+
+# Fixtures that start or reach a server or a process: the database (and everything built on it),
+# Triton, Redis, a copy of the project run in fresh interpreters. Fixtures that start uvicorn,
+# Celery or a browser build on one of these.
+SERVER_FIXTURES = frozenset(
+    {
+        "django_db_setup",
+        "db",
+        "transactional_db",
+        "live_server",
+        "triton_server",
+        "explicit_triton_server",
+        "redis_server",
+        "job_store_server",
+        "project_copy",
+    }
+)
+# Modules whose tests start Triton, Redis, uvicorn or a torch export themselves (no fixture above
+# says so): never `unit`, except the tests in them marked `unit` by hand.
+PROCESS_MODULES = frozenset(
+    {
+        "deploy/test_triton_configs.py",
+        "management/test_runstack.py",
+        "model_export/test_export.py",
+        "model_export/test_served_model.py",
+        "model_export/test_tiny_export.py",
+        "reliability/test_faults.py",
+        "services/test_embedding.py",
+        "services/test_redis.py",
+        "test_production_settings.py",
+        "triton/test_client.py",
+        "triton/test_repository_api.py",
+        "triton/test_server_process_group.py",
+    }
+)
+
+
+def _needs_no_server(item: pytest.Item) -> bool:
+    if item.get_closest_marker("integration") or item.get_closest_marker("django_db"):
+        return False
+    if item.path.resolve().relative_to(TESTS_DIR).as_posix() in PROCESS_MODULES:
+        return False
+    return SERVER_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `unit` every test that needs no server: no database, Triton, Redis or process of its
+    own (its fixtures, however deep, include none of SERVER_FIXTURES; not in PROCESS_MODULES; not
+    marked `integration`). `python -m pytest -m unit` runs them alone."""
+    for item in items:
+        if not item.get_closest_marker("unit") and _needs_no_server(item):
+            item.add_marker(pytest.mark.unit)

@@ -330,7 +330,7 @@ def test_admin_lockout_settings_from_the_environment(project_copy):
 
 def test_local_triton_model_control_from_the_environment(project_copy):
     code = (
-        "import django; django.setup(); from embeddings.services.local_triton import local_triton_server; "
+        "import django; django.setup(); from embeddings.tooling.local_triton import local_triton_server; "
         "from django.conf import settings; server = local_triton_server(); "
         "print(server.model_control_mode, ','.join(server.startup_models) or '-', "
         "settings.TRITON_MODEL_LOAD_TIMEOUT_S)"

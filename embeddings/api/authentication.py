@@ -12,8 +12,6 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -22,9 +20,9 @@ from django.utils import timezone
 from rest_framework.request import Request
 
 from embeddings.api.errors import ApiError, Forbidden, ModelForbidden, Unauthorized
+from embeddings.callers import Caller, QuotaLimitValues
 from embeddings.models import ApiKey, EmbeddingModel
 from embeddings.services.keys import api_key_for_secret, api_key_touch, parse_api_key
-from embeddings.services.quotas import NO_LIMITS, QuotaLimitValues
 
 logger = logging.getLogger(__name__)
 
@@ -32,32 +30,12 @@ NEGATIVE_CACHE_SECONDS = 1.0
 CACHE_MAX_ENTRIES = 10_000
 
 
-@dataclass(frozen=True)
-class ApiPrincipal:
-    """Who is calling: a tenant, through one of its keys, and the limits both hold it to (cached
-    with the rest, so the request path reads no quota from the database)."""
-
-    tenant_id: int
-    tenant_slug: str
-    key_id: int
-    key_public_id: str
-    allow_all_models: bool
-    allowed_model_ids: frozenset[int]
-    expires_at: datetime | None = None
-    tenant_limits: QuotaLimitValues = NO_LIMITS
-    key_limits: QuotaLimitValues = NO_LIMITS
-    is_authenticated: bool = True  # for DRF permission classes
-
-    def may_use(self, model: EmbeddingModel) -> bool:
-        return self.allow_all_models or model.pk in self.allowed_model_ids
-
-
-def ensure_model_allowed(principal: ApiPrincipal, model: EmbeddingModel) -> None:
+def ensure_model_allowed(principal: Caller, model: EmbeddingModel) -> None:
     if not principal.may_use(model):
         raise ModelForbidden(f"This API key may not use the model {model.name!r}.", param="model")
 
 
-def _principal_for_key(key: str) -> ApiPrincipal | ApiError:
+def _principal_for_key(key: str) -> Caller | ApiError:
     """The principal for a key, or the error to answer with (both are cached)."""
     api_key: ApiKey | None = api_key_for_secret(key=key)
     if api_key is None:
@@ -74,7 +52,7 @@ def _principal_for_key(key: str) -> ApiPrincipal | ApiError:
         if not tenant.allow_all_models
         else frozenset()
     )
-    return ApiPrincipal(
+    return Caller(
         tenant_id=tenant.pk,
         tenant_slug=tenant.slug,
         key_id=api_key.pk,
@@ -93,16 +71,16 @@ class PrincipalCache:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self.entries: dict[str, tuple[float, ApiPrincipal | ApiError]] = {}
+        self.entries: dict[str, tuple[float, Caller | ApiError]] = {}
         self.last_touched: dict[int, float] = {}
 
-    def get(self, digest: str) -> ApiPrincipal | ApiError | None:
+    def get(self, digest: str) -> Caller | ApiError | None:
         entry = self.entries.get(digest)
         if entry is None or entry[0] < self.clock():
             return None
         return entry[1]
 
-    def put(self, digest: str, value: ApiPrincipal | ApiError) -> None:
+    def put(self, digest: str, value: Caller | ApiError) -> None:
         if len(self.entries) >= CACHE_MAX_ENTRIES:
             # Bounded: drop what has expired; if a flood of distinct keys filled it, start afresh
             # (rebuilding costs one query per key).
@@ -139,7 +117,7 @@ async def _touch(key_id: int) -> None:
         logger.warning("could not record the use of API key %s: %s", key_id, error)
 
 
-async def principal_for_api_key(key: str) -> ApiPrincipal:
+async def principal_for_api_key(key: str) -> Caller:
     """The principal for a raw key (HTTP header or WebSocket subprotocol), through the cache;
     raises the ApiError to answer with (Unauthorized, Forbidden) when the key may not be used."""
     if parse_api_key(key) is None:
@@ -168,7 +146,7 @@ class ApiKeyAuthentication:
 
     keyword = "Bearer"
 
-    async def authenticate(self, request: Request) -> tuple[ApiPrincipal, None]:
+    async def authenticate(self, request: Request) -> tuple[Caller, None]:
         header = request._request.headers.get("Authorization", "")
         scheme, _, key = header.partition(" ")
         key = key.strip()

@@ -20,10 +20,11 @@ from django.template.response import SimpleTemplateResponse
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from embeddings.api.authentication import ApiKeyAuthentication, ApiPrincipal
+from embeddings.api.authentication import ApiKeyAuthentication
 from embeddings.api.errors import ApiError, as_api_error
 from embeddings.api.middleware import ARRIVED
 from embeddings.api.rendering import OrjsonParser, OrjsonRenderer
+from embeddings.callers import Caller
 from embeddings.metrics import request_observed
 from embeddings.services.quotas import RequestQuota, quota_headers
 
@@ -54,7 +55,7 @@ class ApiView(APIView):
     # The catalog model the request resolved to (set by the view), for the `model` label.
     model_name: str = ""
     # Set once the request is authenticated: its x-ratelimit-* headers are then always sent.
-    principal: ApiPrincipal | None = None
+    principal: Caller | None = None
     # The quota bookkeeping of a request that embeds (see request_quota).
     quota: RequestQuota | None = None
 

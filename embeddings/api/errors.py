@@ -12,10 +12,10 @@ ApiError (500 server_error)
 │   └── ModelNotFound (404 model_not_found)
 ├── MethodNotAllowed (405 method_not_allowed)
 ├── RequestTimeout (408 request_timeout)              the body stalled or arrived too slowly
-├── Conflict (409 conflict)
-│   ├── IdempotencyKeyReused (409 idempotency_key_reused)  an Idempotency-Key sent with another request
-│   └── JobNotFinished (409 job_not_finished)          results asked for before the job finished
-├── JobExpired (410 job_expired)                      a job's results, expired or deleted
+├── Conflict (409 conflict)                           code job_not_finished: results asked for before
+│   │                                                 the job finished
+│   └── IdempotencyKeyReused (409 idempotency_key_reused)  an Idempotency-Key sent with another request
+├── Gone (410 gone)                                   code job_expired: a job's results, expired or deleted
 ├── PayloadTooLarge (413 payload_too_large)           body, inputs or tokens over a limit
 │   └── JobLargerThanStorageBudget (413 job_storage_budget_exceeded)  a job larger than a whole
 │                                                     job storage budget: it can never fit
@@ -27,17 +27,23 @@ ApiError (500 server_error)
 │       └── StorageBudgetFull (429 job_storage_budget_exceeded)  a job's bytes do not fit what its
 │                                                     tenant's (or the global) job storage budget has free
 ├── UpstreamUnavailable (503 model_unavailable)       Triton down or the model not ready
-├── ModelNotLoaded (503 model_not_loaded)             a registered model Triton has not loaded (or unloaded)
-├── QuotaUnavailable (503 quota_unavailable)          quotas cannot be checked (Redis down, fail closed)
-├── JobQueueUnavailable (503 queue_unavailable)       the job queue (broker) refused a job, which was undone
-├── JobStoreUnavailable (503 job_store_unavailable)   the job store is full or down; the job was undone
+├── ServiceUnavailable (503, Retry-After)             a store or queue the request needs failed; its
+│                                                     code names which (see ANSWERS): model_not_loaded,
+│                                                     quota_unavailable, queue_unavailable,
+│                                                     job_store_unavailable
 ├── ShuttingDown (503 shutting_down)                  still unfinished SHUTDOWN_TIMEOUT_S after SIGTERM
 └── UpstreamTimeout (504 model_timeout)               Triton or the request missed its deadline
+
+Services raise their own tree (embeddings.services.errors), the tokenizer and the Triton client
+theirs; `ANSWERS` maps each of those classes to its answer in one table, and `as_api_error` picks
+the row of the most specific class, so the order of the rows does not matter.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 from typing import Any, ClassVar
 
 import orjson
@@ -49,16 +55,18 @@ from embeddings.services.errors import (
     InferenceTimeout,
     InvalidRequest,
     JobConflict,
+    JobExpired,
+    JobNotFinished,
+    JobQueueUnavailable,
+    JobStoreUnavailable,
     LimitExceeded,
+    ModelNotLoaded,
     Overloaded,
     QuotaExceeded,
+    QuotaUnavailable,
     ServiceError,
     StorageBudgetExceeded,
 )
-from embeddings.services.errors import JobQueueUnavailable as JobQueueFailed
-from embeddings.services.errors import JobStoreUnavailable as JobStoreFailed
-from embeddings.services.errors import ModelNotLoaded as ModelNotLoadedFailure
-from embeddings.services.errors import QuotaUnavailable as QuotaStoreFailed
 from embeddings.tokenization import InputTooLong, TokenizationError
 from embeddings.triton.errors import (
     TritonError,
@@ -150,11 +158,6 @@ class IdempotencyKeyReused(Conflict):
     default_message = "This Idempotency-Key was already used with a different request."
 
 
-class JobNotFinished(Conflict):
-    code = "job_not_finished"
-    default_message = "The job has not finished; its results can be downloaded once it has."
-
-
 class RequestTimeout(ApiError):
     status = 408
     type = "invalid_request_error"
@@ -162,11 +165,11 @@ class RequestTimeout(ApiError):
     default_message = "The request body did not arrive in time."
 
 
-class JobExpired(ApiError):
+class Gone(ApiError):
     status = 410
     type = "invalid_request_error"
-    code = "job_expired"
-    default_message = "The job's results have expired or were deleted."
+    code = "gone"
+    default_message = "The resource no longer exists."
 
 
 class PayloadTooLarge(ApiError):
@@ -227,34 +230,17 @@ class JobLargerThanStorageBudget(PayloadTooLarge):
     default_message = "The job is larger than the whole job storage budget; split it into smaller jobs."
 
 
-class QuotaUnavailable(ApiError):
+class ServiceUnavailable(ApiError):
+    """A store or queue the request needs failed (nothing was kept); `code` says which one."""
+
     status = 503
     type = "server_error"
-    code = "quota_unavailable"
-    default_message = "Rate limiting is unavailable, so the request was not served; retry shortly."
+    code = "service_unavailable"
+    default_message = "A service this request needs is unavailable, so it was not served; retry shortly."
 
-    def __init__(self, message: str | None = None, **kwargs: Any) -> None:
-        super().__init__(message, headers={"Retry-After": "1", **kwargs.pop("headers", {})}, **kwargs)
-
-
-class JobQueueUnavailable(ApiError):
-    status = 503
-    type = "server_error"
-    code = "queue_unavailable"
-    default_message = "The job queue is unavailable, so the job was not submitted; retry shortly."
-
-    def __init__(self, message: str | None = None, **kwargs: Any) -> None:
-        super().__init__(message, headers={"Retry-After": "1", **kwargs.pop("headers", {})}, **kwargs)
-
-
-class JobStoreUnavailable(ApiError):
-    status = 503
-    type = "server_error"
-    code = "job_store_unavailable"
-    default_message = "The job store cannot take the job now, so it was not submitted; retry later."
-
-    def __init__(self, message: str | None = None, **kwargs: Any) -> None:
-        super().__init__(message, headers={"Retry-After": "30", **kwargs.pop("headers", {})}, **kwargs)
+    def __init__(self, message: str | None = None, *, retry_after_s: int = 1, **kwargs: Any) -> None:
+        headers = {"Retry-After": str(retry_after_s), **kwargs.pop("headers", {})}
+        super().__init__(message, headers=headers, **kwargs)
 
 
 class ShuttingDown(ApiError):
@@ -275,17 +261,6 @@ class UpstreamUnavailable(ApiError):
     default_message = "The model server is unavailable; retry shortly."
 
 
-class ModelNotLoaded(ApiError):
-    status = 503
-    type = "server_error"
-    code = "model_not_loaded"
-    default_message = "The model is registered but not loaded on the model server; retry later."
-
-    def __init__(self, message: str | None = None, **kwargs: Any) -> None:
-        # The catalog's models are reloaded within MODEL_RECONCILE_INTERVAL_S of Triton coming back.
-        super().__init__(message, headers={"Retry-After": "30", **kwargs.pop("headers", {})}, **kwargs)
-
-
 class UpstreamTimeout(ApiError):
     status = 504
     type = "server_error"
@@ -296,14 +271,6 @@ class UpstreamTimeout(ApiError):
 # --- Rendering every failure in the one shape -----------------------------------------------------
 
 logger = logging.getLogger(__name__)
-
-_DRF_ERRORS: dict[type[drf.APIException], type[ApiError]] = {
-    drf.ParseError: BadRequest,
-    drf.NotAuthenticated: Unauthorized,
-    drf.AuthenticationFailed: Unauthorized,
-    drf.PermissionDenied: Forbidden,
-    drf.NotFound: NotFound,
-}
 
 
 class MethodNotAllowed(ApiError):
@@ -332,72 +299,91 @@ def _first_validation_error(detail: object, path: str = "") -> tuple[str | None,
     return (path or None), str(detail)
 
 
+def _service_answer(api_error: Callable[..., ApiError]) -> Callable[[ServiceError], ApiError]:
+    """A service error answered as `api_error`, with the service's message and param."""
+    return lambda exc: api_error(exc.message, param=exc.param)
+
+
+def _drf_answer(api_error: type[ApiError]) -> Callable[[drf.APIException], ApiError]:
+    return lambda exc: api_error(str(exc.detail))
+
+
+def _quota_exceeded(exc: QuotaExceeded) -> ApiError:
+    if exc.reason == "insufficient_quota":
+        return InsufficientQuota(exc.message, retry_after_s=exc.retry_after_s, headers=exc.headers)
+    return RateLimited(exc.message, retry_after_s=exc.retry_after_s, limit_type=exc.kind, headers=exc.headers)
+
+
+def _storage_budget_exceeded(exc: StorageBudgetExceeded) -> ApiError:
+    if exc.fits_when_empty:
+        return StorageBudgetFull(exc.message, param=exc.param, retry_after_s=StorageBudgetFull.retry_after_s)
+    return JobLargerThanStorageBudget(exc.message, param=exc.param)
+
+
+def _drf_validation(exc: drf.ValidationError) -> ApiError:
+    param, message = _first_validation_error(exc.detail)
+    return ValidationFailed(f"{param}: {message}" if param else message, param=param)
+
+
+# The catalog's models are reloaded within MODEL_RECONCILE_INTERVAL_S of Triton coming back.
+_model_not_loaded = partial(ServiceUnavailable, code="model_not_loaded", retry_after_s=30)
+
+# Every exception a request can raise that is not an ApiError, and the answer it gets: the row of
+# the exception's most specific class in this table applies (see as_api_error).
+ANSWERS: dict[type[Exception], Callable[[Any], ApiError]] = {
+    # The services' tree (embeddings.services.errors).
+    ServiceError: _service_answer(ValidationFailed),
+    InvalidRequest: _service_answer(ValidationFailed),
+    LimitExceeded: _service_answer(PayloadTooLarge),
+    InferenceTimeout: _service_answer(UpstreamTimeout),
+    Overloaded: lambda exc: RateLimited(exc.message, retry_after_s=exc.retry_after_s),
+    QuotaExceeded: _quota_exceeded,
+    QuotaUnavailable: _service_answer(partial(ServiceUnavailable, code="quota_unavailable")),
+    StorageBudgetExceeded: _storage_budget_exceeded,
+    JobConflict: _service_answer(IdempotencyKeyReused),
+    JobNotFinished: _service_answer(partial(Conflict, code="job_not_finished")),
+    JobExpired: _service_answer(partial(Gone, code="job_expired")),
+    JobQueueUnavailable: _service_answer(partial(ServiceUnavailable, code="queue_unavailable")),
+    JobStoreUnavailable: _service_answer(
+        partial(ServiceUnavailable, code="job_store_unavailable", retry_after_s=30)
+    ),
+    ModelNotLoaded: _service_answer(_model_not_loaded),
+    # The tokenizer's (embeddings.tokenization).
+    TokenizationError: lambda exc: ValidationFailed(str(exc), param="input"),
+    InputTooLong: lambda exc: PayloadTooLarge(str(exc), param="input", code="context_length_exceeded"),
+    # The Triton client's (embeddings.triton.errors).
+    TritonError: lambda exc: UpstreamUnavailable("The model is not available on the model server."),
+    TritonUnavailable: lambda exc: UpstreamUnavailable(),
+    TritonTimeout: lambda exc: UpstreamTimeout(),
+    TritonModelNotLoaded: lambda exc: _model_not_loaded(
+        f"The model server has not loaded the model {exc.model!r} (version {exc.version or 'latest'})."
+    ),
+    TritonInvalidInput: lambda exc: ValidationFailed(f"The model refused the input: {exc}", param="input"),
+    # Django's.
+    RequestDataTooBig: lambda exc: PayloadTooLarge("The request body is larger than this server accepts."),
+    # Django's multipart parser: too many fields or files (DATA_UPLOAD_MAX_NUMBER_*).
+    SuspiciousOperation: lambda exc: BadRequest(str(exc) or BadRequest.default_message),
+    # DRF's.
+    drf.ValidationError: _drf_validation,
+    drf.ParseError: _drf_answer(BadRequest),
+    drf.NotAuthenticated: _drf_answer(Unauthorized),
+    drf.AuthenticationFailed: _drf_answer(Unauthorized),
+    drf.PermissionDenied: _drf_answer(Forbidden),
+    drf.NotFound: _drf_answer(NotFound),
+    drf.MethodNotAllowed: _drf_answer(MethodNotAllowed),
+    drf.UnsupportedMediaType: _drf_answer(UnsupportedMediaType),
+    drf.Throttled: lambda exc: RateLimited(str(exc.detail), retry_after_s=int(exc.wait or 1)),
+}
+
+
 def as_api_error(exc: Exception) -> ApiError:
     """Map any exception a request can raise to the ApiError that describes it to the client."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, InputTooLong):
-        return PayloadTooLarge(str(exc), param="input", code="context_length_exceeded")
-    if isinstance(exc, TokenizationError):
-        return ValidationFailed(str(exc), param="input")
-    if isinstance(exc, LimitExceeded):
-        return PayloadTooLarge(exc.message, param=exc.param)
-    if isinstance(exc, InferenceTimeout):
-        return UpstreamTimeout(exc.message)
-    if isinstance(exc, Overloaded):
-        return RateLimited(exc.message, retry_after_s=exc.retry_after_s)
-    if isinstance(exc, QuotaExceeded):
-        if exc.reason == "insufficient_quota":
-            return InsufficientQuota(exc.message, retry_after_s=exc.retry_after_s, headers=exc.headers)
-        return RateLimited(
-            exc.message, retry_after_s=exc.retry_after_s, limit_type=exc.kind, headers=exc.headers
-        )
-    if isinstance(exc, QuotaStoreFailed):
-        return QuotaUnavailable(exc.message)
-    if isinstance(exc, StorageBudgetExceeded):
-        if exc.fits_when_empty:
-            return StorageBudgetFull(
-                exc.message, param=exc.param, retry_after_s=StorageBudgetFull.retry_after_s
-            )
-        return JobLargerThanStorageBudget(exc.message, param=exc.param)
-    if isinstance(exc, JobConflict):
-        return IdempotencyKeyReused(exc.message, param=exc.param)
-    if isinstance(exc, JobQueueFailed):
-        return JobQueueUnavailable(exc.message)
-    if isinstance(exc, JobStoreFailed):
-        return JobStoreUnavailable(exc.message)
-    if isinstance(exc, ModelNotLoadedFailure):
-        return ModelNotLoaded(exc.message, param=exc.param)
-    if isinstance(exc, InvalidRequest | ServiceError):
-        return ValidationFailed(exc.message, param=exc.param)
-    if isinstance(exc, TritonUnavailable):
-        return UpstreamUnavailable()
-    if isinstance(exc, TritonTimeout):
-        return UpstreamTimeout()
-    if isinstance(exc, TritonModelNotLoaded):
-        version = getattr(exc, "version", "") or "latest"
-        return ModelNotLoaded(f"The model server has not loaded the model {exc.model!r} (version {version}).")
-    if isinstance(exc, TritonInvalidInput):
-        return ValidationFailed(f"The model refused the input: {exc}", param="input")
-    if isinstance(exc, TritonError):
-        return UpstreamUnavailable("The model is not available on the model server.")
-    if isinstance(exc, RequestDataTooBig):
-        return PayloadTooLarge("The request body is larger than this server accepts.")
-    if isinstance(exc, SuspiciousOperation):
-        # Django's multipart parser: too many fields or files (DATA_UPLOAD_MAX_NUMBER_*).
-        return BadRequest(str(exc) or BadRequest.default_message)
-    if isinstance(exc, drf.ValidationError):
-        param, message = _first_validation_error(exc.detail)
-        return ValidationFailed(f"{param}: {message}" if param else message, param=param)
-    if isinstance(exc, drf.MethodNotAllowed):
-        return MethodNotAllowed(str(exc.detail))
-    if isinstance(exc, drf.UnsupportedMediaType):
-        return UnsupportedMediaType(str(exc.detail))
-    if isinstance(exc, drf.Throttled):
-        return RateLimited(str(exc.detail), retry_after_s=int(exc.wait or 1))
-    for drf_class, api_class in _DRF_ERRORS.items():
-        if isinstance(exc, drf_class):
-            return api_class(str(exc.detail))
+    for exception_class in type(exc).__mro__:
+        answer = ANSWERS.get(exception_class)
+        if answer is not None:
+            return answer(exc)
     logger.error("Unhandled error in an API request", exc_info=exc)
     return ApiError()
 

@@ -15,25 +15,18 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.http import StreamingHttpResponse
-from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from embeddings.api import serializers as s
-from embeddings.api.authentication import ApiPrincipal
 from embeddings.api.base import ApiView
 from embeddings.api.errors import (
     IdempotencyKeyReused,
     InsufficientQuota,
-    JobExpired,
-    JobNotFinished,
-    JobQueueUnavailable,
-    JobStoreUnavailable,
     NotFound,
     PayloadTooLarge,
-    QuotaUnavailable,
     RateLimited,
     UnsupportedMediaType,
     ValidationFailed,
@@ -47,8 +40,16 @@ from embeddings.api.views import (
     model_for_request,
     validated,
 )
+from embeddings.callers import Caller
 from embeddings.models import EmbeddingJob, EmbeddingModel
-from embeddings.services.job_inputs import JobInputs, JobInputTooLarge, job_inputs_parse
+from embeddings.services.errors import (
+    JobExpired,
+    JobNotFinished,
+    JobQueueUnavailable,
+    JobStoreUnavailable,
+    QuotaUnavailable,
+)
+from embeddings.services.job_inputs import JobInputs, job_inputs_count_check, job_inputs_parse, job_max_inputs
 from embeddings.services.job_results import iter_jsonl, iter_npy, json_page, npy_header
 from embeddings.services.jobs import (
     JobSpec,
@@ -58,7 +59,7 @@ from embeddings.services.jobs import (
     job_for_tenant,
     job_object,
     job_refreshed,
-    job_results_source,
+    job_results_download,
     jobs_for_tenant,
 )
 
@@ -79,16 +80,6 @@ JSONL_UPLOAD_TYPES = {
 
 def job_location(job: EmbeddingJob) -> str:
     return f"/v1/jobs/{job.public_id}"
-
-
-def max_inputs_per_job(principal: ApiPrincipal) -> int:
-    """The smallest limit set on the key or the tenant; JOB_MAX_INPUTS when neither sets one."""
-    limits = [
-        limit
-        for limit in (principal.key_limits.max_inputs_per_job, principal.tenant_limits.max_inputs_per_job)
-        if limit is not None
-    ]
-    return min(limits) if limits else settings.JOB_MAX_INPUTS
 
 
 def request_fingerprint(model: EmbeddingModel, options: dict, inputs: JobInputs) -> str:
@@ -139,7 +130,7 @@ def _form_fields(form) -> dict[str, object]:
     return fields
 
 
-def upload_parse(request: Request, principal: ApiPrincipal) -> tuple[dict, JobInputs]:
+def upload_parse(request: Request, principal: Caller) -> tuple[dict, JobInputs]:
     """The options and inputs of a multipart upload (sync: it reads the spooled body and the file).
 
     The upload's size was enforced while the body arrived (embeddings/api/intake.py).
@@ -169,7 +160,7 @@ def upload_parse(request: Request, principal: ApiPrincipal) -> tuple[dict, JobIn
     options = validated(s.JobOptions, fields, form=True)
     inputs = job_inputs_parse(
         _upload_lines(upload),
-        max_inputs=max_inputs_per_job(principal),
+        max_inputs=job_max_inputs(principal)[0],
         max_line_bytes=settings.JOB_MAX_LINE_BYTES,
         jsonl=True if content_type in JSONL_UPLOAD_TYPES else None,
     )
@@ -178,7 +169,7 @@ def upload_parse(request: Request, principal: ApiPrincipal) -> tuple[dict, JobIn
 
 @sync_to_async
 def _create(
-    *, principal: ApiPrincipal, spec: JobSpec, idempotency_key: str, fingerprint: str
+    *, principal: Caller, spec: JobSpec, idempotency_key: str, fingerprint: str
 ) -> tuple[dict, bool, str]:
     job, created = job_create(
         tenant_id=principal.tenant_id,
@@ -190,7 +181,7 @@ def _create(
     return job_object(job), created, job_location(job)
 
 
-def _tenant_job(principal: ApiPrincipal, job_id: str) -> EmbeddingJob:
+def _tenant_job(principal: Caller, job_id: str) -> EmbeddingJob:
     job = job_for_tenant(tenant_id=principal.tenant_id, public_id=job_id)
     if job is None:
         raise NotFound(f"You have no job {job_id!r}.", param="job_id", code="job_not_found")
@@ -198,43 +189,35 @@ def _tenant_job(principal: ApiPrincipal, job_id: str) -> EmbeddingJob:
 
 
 @sync_to_async
-def _job_read(principal: ApiPrincipal, job_id: str) -> dict:
+def _job_read(principal: Caller, job_id: str) -> dict:
     return job_object(job_refreshed(_tenant_job(principal, job_id)))
 
 
 @sync_to_async
-def _job_list(principal: ApiPrincipal, limit: int, after: str | None) -> tuple[list[dict], bool]:
+def _job_list(principal: Caller, limit: int, after: str | None) -> tuple[list[dict], bool]:
     jobs, has_more = jobs_for_tenant(tenant_id=principal.tenant_id, limit=limit, after=after)
     return [job_object(job) for job in jobs], has_more
 
 
 @sync_to_async
-def _job_cancel(principal: ApiPrincipal, job_id: str) -> dict:
+def _job_cancel(principal: Caller, job_id: str) -> dict:
     job = _tenant_job(principal, job_id)
     job_cancel(job=job)
     return job_object(job_refreshed(job))
 
 
 @sync_to_async
-def _job_delete(principal: ApiPrincipal, job_id: str) -> str:
+def _job_delete(principal: Caller, job_id: str) -> str:
     job = _tenant_job(principal, job_id)
     job_delete(job=job)
     return job.public_id
 
 
 @sync_to_async
-def _finished_job(principal: ApiPrincipal, job_id: str) -> tuple[EmbeddingJob, str, tuple]:
-    """The job, its model's name and where its results are, if they can be downloaded: 409 before
-    it finishes, 410 once they expired or were deleted."""
+def _finished_job(principal: Caller, job_id: str) -> tuple[EmbeddingJob, str, tuple]:
+    """The job, its model's name and where its results are, if they can be downloaded."""
     job = job_refreshed(_tenant_job(principal, job_id))
-    expired = job.expires_at is not None and job.expires_at <= timezone.now()
-    if job.status == EmbeddingJob.Status.EXPIRED or expired:
-        raise JobExpired(f"The results of job {job.public_id} have expired or were deleted.")
-    if not job.is_finished:
-        raise JobNotFinished(
-            f"Job {job.public_id} is {job.status}; download its results once it has finished.",
-        )
-    return job, job.model.name, job_results_source(job)
+    return job, job.model.name, job_results_download(job)
 
 
 async def in_threads(chunks: Callable[[], Iterator[bytes]]) -> AsyncIterator[bytes]:
@@ -346,8 +329,12 @@ class JobListCreateView(ApiView):
             503: _error_response(
                 "Not submitted, nothing kept: quotas cannot be checked (Redis down), the job queue "
                 "refused it, or the job store is full or down. Retry after the Retry-After header's seconds.",
-                QuotaUnavailable(),
-                JobQueueUnavailable(),
+                QuotaUnavailable(
+                    "Rate limiting is unavailable, so the request was not served; retry shortly."
+                ),
+                JobQueueUnavailable(
+                    "The job queue is unavailable, so the job was not submitted; retry shortly."
+                ),
                 JobStoreUnavailable("The job store is full, so the job was not submitted; retry later."),
             ),
         },
@@ -378,7 +365,7 @@ class JobListCreateView(ApiView):
         tags=["jobs"],
     )
     async def post(self, request: Request) -> Response:
-        principal: ApiPrincipal = request.user
+        principal: Caller = request.user
         key = idempotency_key(request)
         if request.content_type.startswith("multipart/form-data"):
             options, inputs = await sync_to_async(upload_parse)(request, principal)
@@ -386,11 +373,7 @@ class JobListCreateView(ApiView):
             # In a thread: validating callback_url resolves its host (a blocking lookup).
             options = await sync_to_async(validated)(s.JobCreateRequest, request.data)
             inputs = JobInputs(texts=options.pop("input"), ids=None)
-            limit = max_inputs_per_job(principal)
-            if len(inputs.texts) > limit:
-                raise JobInputTooLarge(
-                    f"{len(inputs.texts)} inputs; a job takes at most {limit}", param="input"
-                )
+            job_inputs_count_check(count=len(inputs.texts), caller=principal)
         model = await model_for_request(self, options["model"])
         spec = JobSpec(
             model=model,
@@ -547,8 +530,14 @@ class JobResultsView(ApiView):
             ),
             **AUTH_ERRORS,
             404: JOB_NOT_FOUND,
-            409: _error_response("The job has not finished", JobNotFinished()),
-            410: _error_response("The results expired or were deleted", JobExpired()),
+            409: _error_response(
+                "The job has not finished",
+                JobNotFinished("The job has not finished; its results can be downloaded once it has."),
+            ),
+            410: _error_response(
+                "The results expired or were deleted",
+                JobExpired("The job's results have expired or were deleted."),
+            ),
             422: _error_response(
                 "A bad format, offset or limit",
                 ValidationFailed('format: "csv" is not a valid choice.', param="format"),

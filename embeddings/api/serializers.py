@@ -71,6 +71,12 @@ class StrictIntegerField(serializers.IntegerField):
         return super().to_internal_value(data)
 
 
+def dimensions_field(**options) -> StrictIntegerField:
+    """The optional `dimensions` of requests and jobs: an integer from 1. Whether the model has that
+    many is the services' rule (embeddings.services.embedding.dimensions_check)."""
+    return StrictIntegerField(min_value=1, required=False, allow_null=True, **options)
+
+
 def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and all(type(item) is int for item in value)
 
@@ -154,9 +160,7 @@ class OpenAIEmbeddingsRequest(serializers.Serializer):
         default="float",
         help_text="`base64`: each embedding is the base64 of its little-endian float32 bytes.",
     )
-    dimensions = StrictIntegerField(
-        min_value=1, required=False, allow_null=True, help_text="Keep the first N dimensions, re-normalised."
-    )
+    dimensions = dimensions_field(help_text="Keep the first N dimensions, re-normalised.")
     user = StrictCharField(
         required=False, allow_blank=True, max_length=256, help_text="Your end user's id, recorded."
     )
@@ -208,7 +212,7 @@ class TeiEmbedRequest(serializers.Serializer):
         required=False, allow_null=True, help_text="A prompt of the model, e.g. `query`, prepended to inputs."
     )
     normalize = StrictBooleanField(default=True)
-    dimensions = StrictIntegerField(min_value=1, required=False, allow_null=True)
+    dimensions = dimensions_field()
 
 
 # --- Documented responses ---------------------------------------------------------------------
@@ -465,9 +469,7 @@ class JobOptions(serializers.Serializer):
         default="float",
         help_text="How `json` and `jsonl` results encode vectors (a download may ask for the other).",
     )
-    dimensions = StrictIntegerField(
-        min_value=1, required=False, allow_null=True, help_text="Keep the first N dimensions, re-normalised."
-    )
+    dimensions = dimensions_field(help_text="Keep the first N dimensions, re-normalised.")
     normalize = StrictBooleanField(default=True, help_text="Unit-length vectors.")
     result_dtype = serializers.ChoiceField(
         choices=list(RESULT_DTYPES),

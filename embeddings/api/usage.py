@@ -12,10 +12,10 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from embeddings.api import serializers as s
-from embeddings.api.authentication import ApiPrincipal
 from embeddings.api.base import ApiView
 from embeddings.api.errors import NotFound, ValidationFailed
 from embeddings.api.views import AUTH_ERRORS, _error_response, validated
+from embeddings.callers import Caller
 from embeddings.models import ApiKey, Tenant
 from embeddings.services.job_storage import TenantJobStorage, tenant_job_storage
 from embeddings.services.quotas import quota_status_sync
@@ -116,7 +116,7 @@ def _key_of_tenant(*, tenant_id: int, public_id: str) -> int:
 
 @sync_to_async
 def _tenant_usage(
-    *, principal: ApiPrincipal, start: datetime, end: datetime, group_by: str, key: str | None
+    *, principal: Caller, start: datetime, end: datetime, group_by: str, key: str | None
 ) -> tuple[TenantUsage, dict | None, TenantJobStorage]:
     """The usage report, the quota state (None when Redis cannot be read) and the job storage held,
     in one thread hop.

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import base64
 import logging
 import time
 
-import numpy as np
 from django.conf import settings
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
@@ -19,26 +17,25 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from embeddings.api import serializers as s
-from embeddings.api.authentication import ApiPrincipal, ensure_model_allowed
+from embeddings.api.authentication import ensure_model_allowed
 from embeddings.api.base import ApiView
 from embeddings.api.errors import (
-    ApiError,
     BadRequest,
     Forbidden,
     InsufficientQuota,
     ModelNotFound,
-    ModelNotLoaded,
     PayloadTooLarge,
-    QuotaUnavailable,
     RateLimited,
     Unauthorized,
     UnsupportedMediaType,
     UpstreamTimeout,
     UpstreamUnavailable,
     ValidationFailed,
+    as_api_error,
 )
 from embeddings.api.middleware import ARRIVED
 from embeddings.api.schema import ListLengthAutoSchema
+from embeddings.callers import Caller
 from embeddings.metrics import embedded_observed
 from embeddings.models import EmbeddingModel
 from embeddings.services import catalog
@@ -48,14 +45,20 @@ from embeddings.services.embedding import (
     EmbeddingTarget,
     embeddings_create,
 )
+from embeddings.services.errors import ModelNotLoaded, QuotaUnavailable
+from embeddings.services.result_dtypes import base64_rows
 
 logger = logging.getLogger("embeddings.requests")
 
 
-def _error_response(description: str, *errors: ApiError) -> OpenApiResponse:
-    """A documented error status, its examples built by the classes that render them."""
+def _error_response(description: str, *errors: Exception) -> OpenApiResponse:
+    """A documented error status, its examples rendered as the API renders those errors."""
     examples = [
-        OpenApiExample(f"{type(error).__name__}: {error.error_code}", value=error.body(), response_only=True)
+        OpenApiExample(
+            f"{type(error).__name__}: {as_api_error(error).error_code}",
+            value=as_api_error(error).body(),
+            response_only=True,
+        )
         for error in errors
     ]
     return OpenApiResponse(s.ErrorSerializer, description=description, examples=examples)
@@ -104,12 +107,8 @@ ERRORS = {
         "The model server is unavailable, the model is registered but not loaded on it "
         "(`model_not_loaded`), or quotas cannot be checked (Redis down, QUOTA_REDIS_FAILURE=closed)",
         UpstreamUnavailable(),
-        ModelNotLoaded(
-            "The model 'bge-small' is registered but not loaded on the model server (Triton model "
-            "'bge_small', version 2); retry later or use another model.",
-            param="model",
-        ),
-        QuotaUnavailable(),
+        ModelNotLoaded(model="bge-small", triton_model="bge_small", version="2"),
+        QuotaUnavailable("Rate limiting is unavailable, so the request was not served; retry shortly."),
     ),
     504: _error_response("The model server missed its deadline", UpstreamTimeout()),
 }
@@ -146,7 +145,7 @@ async def model_for_request(view: ApiView, name: str | None) -> EmbeddingModel:
 def log_request(
     request: Request, endpoint: str, model: EmbeddingModel, result: EmbeddingResult, user: str = ""
 ):
-    principal: ApiPrincipal = request.user
+    principal: Caller = request.user
     embedded_observed(
         endpoint=endpoint, model=model.name, inputs=len(result.token_counts), tokens=result.total_tokens
     )
@@ -171,14 +170,6 @@ def embedding_response(data: object, result: EmbeddingResult) -> Response:
 
 def usage(result: EmbeddingResult) -> dict:
     return {"prompt_tokens": result.total_tokens, "total_tokens": result.total_tokens}
-
-
-def base64_rows(vectors: np.ndarray) -> list[str]:
-    """Each row as the base64 of its little-endian float32 bytes, straight from the array's buffer."""
-    little_endian = np.ascontiguousarray(vectors, dtype="<f4")
-    row_bytes = little_endian.shape[1] * 4
-    raw = little_endian.tobytes()
-    return [base64.b64encode(raw[i : i + row_bytes]).decode("ascii") for i in range(0, len(raw), row_bytes)]
 
 
 class OpenAIEmbeddingsView(ApiView):

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from embeddings.models import EmbeddingModel, Tenant
-from embeddings.services.model_export import ModelExportError, model_export_info, model_export_versions
+from embeddings.models import EmbeddingModel
+from embeddings.triton.model_exports import ModelExportError, model_export_info, model_export_versions
 
 if TYPE_CHECKING:
-    from embeddings.api.authentication import ApiPrincipal
+    from embeddings.callers import Caller
 
 LOCAL_MODEL_NAME = "all-MiniLM-L6-v2"
 LOCAL_MODEL_ALIASES = ["minilm", "sentence-transformers/all-MiniLM-L6-v2"]
@@ -24,19 +24,6 @@ _enabled_cache: tuple[float, tuple[EmbeddingModel, ...]] | None = None
 
 def embedding_models_enabled() -> tuple[EmbeddingModel, ...]:
     return tuple(EmbeddingModel.objects.filter(enabled=True).order_by("name"))
-
-
-def embedding_model_for_name(*, name: str) -> EmbeddingModel | None:
-    """An enabled model by its name or one of its aliases."""
-    return next((model for model in embedding_models_enabled() if model.answers_to(name)), None)
-
-
-def embedding_models_for_tenant(*, tenant: Tenant) -> list[EmbeddingModel]:
-    """The enabled models `tenant` may use (all of them unless the tenant is restricted)."""
-    models = EmbeddingModel.objects.filter(enabled=True).order_by("name")
-    if not tenant.allow_all_models:
-        models = models.filter(pk__in=tenant.allowed_models.values("pk"))
-    return list(models)
 
 
 async def _enabled_cached() -> tuple[EmbeddingModel, ...]:
@@ -54,7 +41,7 @@ def embedding_model_cache_clear() -> None:
 
 
 async def embedding_model_resolve(*, name: str) -> EmbeddingModel | None:
-    """`embedding_model_for_name` from the per-process cache, for the request path."""
+    """An enabled model by its name or one of its aliases, from the per-process cache."""
     return next((model for model in await _enabled_cached() if model.answers_to(name)), None)
 
 
@@ -63,7 +50,7 @@ async def embedding_models_enabled_cached() -> tuple[EmbeddingModel, ...]:
     return await _enabled_cached()
 
 
-async def embedding_models_for_principal(*, principal: ApiPrincipal) -> list[EmbeddingModel]:
+async def embedding_models_for_principal(*, principal: Caller) -> list[EmbeddingModel]:
     return [model for model in await _enabled_cached() if principal.may_use(model)]
 
 

@@ -217,15 +217,21 @@ def _with_prompt(
     return [prefix + text for text in texts]
 
 
+def dimensions_check(*, dimensions: int | None, model_dimensions: int | None) -> None:
+    """The `dimensions` a client asks for (requests and jobs): at least 1, at most the model's
+    (when known)."""
+    if dimensions is None:
+        return
+    if dimensions < 1:
+        raise InvalidRequest("dimensions must be at least 1", param="dimensions")
+    if model_dimensions and dimensions > model_dimensions:
+        raise InvalidRequest(
+            f"dimensions {dimensions} is larger than the model's {model_dimensions}", param="dimensions"
+        )
+
+
 def _check_options(target: EmbeddingTarget, options: EmbeddingOptions) -> None:
-    if options.dimensions is not None:
-        if options.dimensions < 1:
-            raise InvalidRequest("dimensions must be at least 1", param="dimensions")
-        if target.dimensions and options.dimensions > target.dimensions:
-            raise InvalidRequest(
-                f"dimensions {options.dimensions} is larger than the model's {target.dimensions}",
-                param="dimensions",
-            )
+    dimensions_check(dimensions=options.dimensions, model_dimensions=target.dimensions)
 
 
 def _postprocess(target: EmbeddingTarget, vectors: np.ndarray, options: EmbeddingOptions) -> np.ndarray:
@@ -235,11 +241,8 @@ def _postprocess(target: EmbeddingTarget, vectors: np.ndarray, options: Embeddin
             f"{target.dimensions} expected"
         )
     if options.dimensions is not None:
-        if options.dimensions > vectors.shape[1]:
-            raise InvalidRequest(
-                f"dimensions {options.dimensions} is larger than the model's {vectors.shape[1]}",
-                param="dimensions",
-            )
+        # A target without known dimensions is checked against what the model returned.
+        dimensions_check(dimensions=options.dimensions, model_dimensions=vectors.shape[1])
         vectors = vectors[:, : options.dimensions]
         if options.normalize:
             norms = np.linalg.norm(vectors, axis=1, keepdims=True)

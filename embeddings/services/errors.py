@@ -10,10 +10,13 @@ ServiceError
 ├── QuotaUnavailable    (503) the quota store (Redis) failed and QUOTA_REDIS_FAILURE is "closed"
 ├── StorageBudgetExceeded (413/429) a job's bytes over its tenant's or the global job storage budget
 ├── JobConflict         (409) an Idempotency-Key reused for a different job request
+├── JobNotFinished      (409) a job's results asked for before the job finished
+├── JobExpired          (410) a job's results asked for after they expired or were deleted
 ├── JobQueueUnavailable (503) the job queue (broker) refused a submission, which was undone
 └── JobStoreUnavailable (503) the job store (JOB_STORE_URL) refused a job's inputs, or is down
-Tokenisation errors (embeddings.tokenization) and Triton errors (embeddings.triton.errors) are
-separate trees, mapped by the same API handler.
+Each class is defined here only: the API answers them through one table (ANSWERS in
+embeddings/api/errors.py), as it does tokenisation errors (embeddings.tokenization) and Triton
+errors (embeddings.triton.errors).
 """
 
 from __future__ import annotations
@@ -97,6 +100,14 @@ class StorageBudgetExceeded(ServiceError):
 
 class JobConflict(ServiceError):
     """An Idempotency-Key reused for a different job request (409 idempotency_key_reused)."""
+
+
+class JobNotFinished(ServiceError):
+    """A job's results asked for while the job still runs (409 job_not_finished)."""
+
+
+class JobExpired(ServiceError):
+    """A job's results asked for after they expired or the job was deleted (410 job_expired)."""
 
 
 class JobQueueUnavailable(ServiceError):

@@ -13,11 +13,11 @@ from django.conf import settings
 
 from embeddings.metrics import BATCH_ROWS, BATCH_TOKENS
 from embeddings.services.coalescing import Coalescer, remaining_s
-from embeddings.services.model_export import model_export_versions
 from embeddings.services.scheduling import FairScheduler
 from embeddings.tokenization import TextTokenizer, tokenizer_for
 from embeddings.triton import PRIORITY_INTERACTIVE
 from embeddings.triton.client import AsyncTritonClient, TritonClient
+from embeddings.triton.model_exports import model_export_versions
 
 _lock = threading.Lock()
 _async_client: AsyncTritonClient | None = None

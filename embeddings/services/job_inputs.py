@@ -10,7 +10,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import orjson
+from django.conf import settings
 
+from embeddings.callers import Caller
 from embeddings.services.errors import InvalidRequest, LimitExceeded
 
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -28,6 +30,27 @@ class JobInputTooLarge(LimitExceeded):
 class JobInputs:
     texts: list[str]
     ids: list[str] | None  # the client's ids, in order (JSONL uploads); None for plain text
+
+
+def job_max_inputs(caller: Caller) -> tuple[int, str]:
+    """The most inputs one job of `caller` may have, and whose limit that is: the smaller of its
+    key's and its tenant's max_inputs_per_job, JOB_MAX_INPUTS when neither sets one."""
+    limits = [
+        (limit, who)
+        for limit, who in (
+            (caller.tenant_limits.max_inputs_per_job, "this tenant"),
+            (caller.key_limits.max_inputs_per_job, "this API key"),
+        )
+        if limit is not None
+    ]
+    return min(limits, key=lambda pair: pair[0]) if limits else (settings.JOB_MAX_INPUTS, "a job")
+
+
+def job_inputs_count_check(*, count: int, caller: Caller) -> None:
+    """Refuse a job of more inputs than `job_max_inputs` allows (413), JSON body or service call."""
+    limit, who = job_max_inputs(caller)
+    if count > limit:
+        raise JobInputTooLarge(f"{count} inputs in one job; {who} may submit at most {limit}", param="input")
 
 
 def _decoded(raw: bytes, number: int) -> str:

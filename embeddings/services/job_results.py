@@ -7,13 +7,13 @@ paged `json` (an OpenAI-style list of a slice).
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import orjson
 
 from embeddings.services.job_store import JobStore
+from embeddings.services.result_dtypes import base64_rows
 
 NPY_MAGIC = b"\x93NUMPY\x01\x00"
 FAILED_INPUT = {"code": "embedding_failed", "message": "this input's chunk failed after retries"}
@@ -46,7 +46,7 @@ def iter_npy(store: JobStore, chunk_rows: Sequence[int], dims: int) -> Iterator[
 
 def _embedding(vector: np.ndarray, encoding: str) -> object:
     if encoding == "base64":
-        return base64.b64encode(np.ascontiguousarray(vector, dtype="<f4").tobytes()).decode("ascii")
+        return base64_rows(vector.reshape(1, -1))[0]
     return vector
 
 

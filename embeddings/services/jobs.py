@@ -57,16 +57,24 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from embeddings.callers import NO_LIMITS, Caller
 from embeddings.models import ApiKey, EmbeddingJob, EmbeddingModel, Tenant
-from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
+from embeddings.services.embedding import (
+    EmbeddingOptions,
+    EmbeddingTarget,
+    dimensions_check,
+    embeddings_create_sync,
+)
 from embeddings.services.errors import (
     InvalidRequest,
     JobConflict,
+    JobExpired,
+    JobNotFinished,
     JobQueueUnavailable,
-    LimitExceeded,
     QuotaExceeded,
 )
 from embeddings.services.job_events import job_event_publish
+from embeddings.services.job_inputs import job_inputs_count_check
 from embeddings.services.job_leases import (
     ChunkLease,
     chunk_hand_off,
@@ -217,24 +225,14 @@ def _validate(spec: JobSpec, tenant: Tenant, api_key: ApiKey | None) -> None:
         raise InvalidRequest(
             f"result_dtype must be one of {', '.join(map(repr, RESULT_DTYPES))}", param="result_dtype"
         )
-    if spec.dimensions is not None:
-        if spec.dimensions < 1:
-            raise InvalidRequest("dimensions must be at least 1", param="dimensions")
-        if spec.dimensions > spec.model.dimensions:
-            raise InvalidRequest(
-                f"dimensions {spec.dimensions} is larger than the model's {spec.model.dimensions}",
-                param="dimensions",
-            )
-    limits = [(owner, owner.max_inputs_per_job) for owner in (tenant, api_key) if owner is not None]
-    limits = [(owner, limit) for owner, limit in limits if limit is not None]
-    if not limits:
-        limits = [(None, settings.JOB_MAX_INPUTS)]
-    for owner, limit in limits:
-        if len(spec.texts) > limit:
-            who = {Tenant: "this tenant", ApiKey: "this API key"}.get(type(owner), "a job")
-            raise LimitExceeded(
-                f"{len(spec.texts)} inputs in one job; {who} may submit at most {limit}", param="input"
-            )
+    dimensions_check(dimensions=spec.dimensions, model_dimensions=spec.model.dimensions)
+    caller = Caller(
+        tenant.pk,
+        None if api_key is None else api_key.pk,
+        QuotaLimitValues.of(tenant),
+        NO_LIMITS if api_key is None else QuotaLimitValues.of(api_key),
+    )
+    job_inputs_count_check(count=len(spec.texts), caller=caller)
 
 
 def job_token_estimate(model: EmbeddingModel, texts: list[str]) -> int:
@@ -519,8 +517,20 @@ def job_refreshed(job: EmbeddingJob) -> EmbeddingJob:
 
 def job_results_source(job: EmbeddingJob) -> tuple[JobStore, list[int], int]:
     """(store, rows of each chunk, dims) to stream a finished job's results from."""
-    rows = [min(job.chunk_size, job.total - chunk * job.chunk_size) for chunk in range(job.chunks)]
-    return job_store(job), rows, job.dims
+    return job_store(job), _chunk_rows(job), job.dims
+
+
+def job_results_download(job: EmbeddingJob) -> tuple[JobStore, list[int], int]:
+    """`job_results_source` for a client: refused with JobExpired (410) once the results expired or
+    were deleted, and with JobNotFinished (409) while the job runs. `job` is freshly read."""
+    expired = job.expires_at is not None and job.expires_at <= timezone.now()
+    if job.status == EmbeddingJob.Status.EXPIRED or expired:
+        raise JobExpired(f"The results of job {job.public_id} have expired or were deleted.")
+    if not job.is_finished:
+        raise JobNotFinished(
+            f"Job {job.public_id} is {job.status}; download its results once it has finished."
+        )
+    return job_results_source(job)
 
 
 # --- Cancel, delete, expire ------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from google.protobuf import json_format, text_format
 
 from embeddings.models import EmbeddingModel
 from embeddings.services.inference import triton_async_client, triton_sync_client
-from embeddings.services.model_export import model_export_versions
 from embeddings.triton import (
     AsyncTritonClient,
     RepositoryModel,
@@ -30,6 +29,7 @@ from embeddings.triton import (
     TritonError,
     TritonModelError,
 )
+from embeddings.triton.model_exports import model_export_versions
 from embeddings.triton.protocol import model_config_pb2
 
 logger = logging.getLogger(__name__)

@@ -32,13 +32,14 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal, Protocol
+from typing import Literal
 
 from django.conf import settings
 from redis.exceptions import NoScriptError, RedisError
 
+from embeddings.callers import NO_LIMITS, Caller, QuotaLimitValues
 from embeddings.services.errors import LimitExceeded, QuotaExceeded, QuotaUnavailable
 from embeddings.services.redis_clients import (
     pack_arguments,
@@ -53,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 # The wall clock that picks windows, when a caller passes no `now`; tests pin it to stay in one window.
 clock = time.time
+
+# Whose quotas apply: the caller, defined once in embeddings/callers.py (old names kept for callers).
+QuotaSubject = QuotaHolder = Caller
 
 Level = Literal["tenant", "key"]
 Kind = Literal["requests", "tokens"]
@@ -128,57 +132,6 @@ for k = 3 + r, #ARGV, 2 do
 end
 return 1
 """
-
-
-@dataclass(frozen=True)
-class QuotaLimitValues:
-    """One level's limits (a tenant's or a key's); None = no limit at that level."""
-
-    requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None
-    tokens_per_day: int | None = None
-    tokens_per_month: int | None = None
-    max_inputs_per_request: int | None = None
-    max_concurrent_requests: int | None = None
-    max_concurrent_jobs: int | None = None
-    max_inputs_per_job: int | None = None
-
-    @classmethod
-    def of(cls, owner) -> QuotaLimitValues:
-        """The limits of a Tenant or ApiKey (anything with QuotaLimits' fields)."""
-        return cls(**{field.name: getattr(owner, field.name) for field in fields(cls)})
-
-    def needs_redis(self) -> bool:
-        return any(
-            value is not None
-            for value in (
-                self.requests_per_minute,
-                self.tokens_per_minute,
-                self.tokens_per_day,
-                self.tokens_per_month,
-                self.max_concurrent_requests,
-            )
-        )
-
-
-NO_LIMITS = QuotaLimitValues()
-
-
-class QuotaSubject(Protocol):
-    """Whose quotas apply: ApiPrincipal is one; jobs can build a QuotaHolder."""
-
-    tenant_id: int
-    key_id: int | None
-    tenant_limits: QuotaLimitValues
-    key_limits: QuotaLimitValues
-
-
-@dataclass(frozen=True)
-class QuotaHolder:
-    tenant_id: int
-    key_id: int | None
-    tenant_limits: QuotaLimitValues = NO_LIMITS
-    key_limits: QuotaLimitValues = NO_LIMITS
 
 
 # --- Windows ---------------------------------------------------------------------------------------

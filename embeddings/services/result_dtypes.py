@@ -10,6 +10,8 @@ refused (ResultOutOfRange) rather than stored as infinity.
 
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 
 FLOAT32 = "float32"
@@ -61,3 +63,12 @@ def result_decode(raw: bytes, name: str, dims: int) -> np.ndarray:
     """Stored bytes back as a rows x dims float32 array (exact: every float16 is a float32)."""
     stored = np.frombuffer(raw, dtype=result_storage_dtype(name)).reshape(-1, dims)
     return stored if stored.dtype == RETURNED_DTYPE else stored.astype(RETURNED_DTYPE)
+
+
+def base64_rows(vectors: np.ndarray) -> list[str]:
+    """Each row as the base64 of its little-endian float32 bytes (`encoding_format: base64`, for
+    requests and job downloads alike), straight from the array's buffer."""
+    little_endian = np.ascontiguousarray(vectors, dtype=RETURNED_DTYPE)
+    row_bytes = little_endian.shape[1] * little_endian.itemsize
+    raw = little_endian.tobytes()
+    return [base64.b64encode(raw[i : i + row_bytes]).decode("ascii") for i in range(0, len(raw), row_bytes)]

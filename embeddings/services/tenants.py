@@ -10,7 +10,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.text import slugify
 
-from embeddings.models import ApiKey, EmbeddingModel, Tenant
+from embeddings.models import ApiKey, Tenant
 from embeddings.services.encryption import secret_decrypt, secret_encrypt
 
 WEBHOOK_SECRET_PREFIX = "whsec_"
@@ -43,10 +43,6 @@ def tenant_deactivate(*, tenant: Tenant) -> Tenant:
         tenant.is_active = False
         tenant.save(update_fields=["is_active"])
     return tenant
-
-
-def tenant_may_use_model(*, tenant: Tenant, model: EmbeddingModel) -> bool:
-    return tenant.allow_all_models or tenant.allowed_models.filter(pk=model.pk).exists()
 
 
 def quota_limits_update(*, owner: Tenant | ApiKey, limits: dict[str, int | None]) -> None:

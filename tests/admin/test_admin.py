@@ -17,21 +17,10 @@ from django.utils import timezone
 from embeddings.models import ApiKey, EmbeddingModel, Tenant
 from embeddings.services.job_storage import StorageNeed, job_storage_admit
 from embeddings.services.keys import api_key_create, api_key_for_secret, api_key_revoke, parse_api_key
-from embeddings.services.tenants import tenant_create
 from embeddings.triton.server import free_port
 from tests.conftest import write_finished_export
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def alpha() -> Tenant:
-    return tenant_create(name="Alpha")
-
-
-@pytest.fixture
-def beta() -> Tenant:
-    return tenant_create(name="Beta")
 
 
 def full_keys_in(text: str) -> list[str]:

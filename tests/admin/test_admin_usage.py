@@ -19,21 +19,10 @@ from django.utils import timezone
 
 from embeddings.models import UsageBucket
 from embeddings.services.keys import api_key_create
-from embeddings.services.tenants import tenant_create
 from embeddings.services.usage_reports import USAGE_CSV_HEADER, utc_day_start
 from embeddings.triton.server import free_port
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def alpha():
-    return tenant_create(name="Alpha")
-
-
-@pytest.fixture
-def beta():
-    return tenant_create(name="Beta")
 
 
 def bucket(tenant, api_key, hour, *, tokens=0, requests=0, model="all-MiniLM-L6-v2", endpoint="embeddings"):

@@ -16,7 +16,6 @@ from django.utils import timezone
 from embeddings.models import Tenant
 from embeddings.services.encryption import SecretUndecryptable
 from embeddings.services.tenants import (
-    tenant_create,
     tenant_webhook_secret_rotate,
     tenant_webhook_signing_secrets,
     webhook_secret_fingerprint,
@@ -25,16 +24,6 @@ from embeddings.services.tenants import (
 pytestmark = pytest.mark.django_db
 
 SECRET_PATTERN = re.compile(r"whsec_[A-Za-z0-9_-]{43}")
-
-
-@pytest.fixture
-def alpha() -> Tenant:
-    return tenant_create(name="Alpha")
-
-
-@pytest.fixture
-def beta() -> Tenant:
-    return tenant_create(name="Beta")
 
 
 def stored_columns(tenant: Tenant) -> str:

@@ -15,40 +15,22 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from embeddings.models import ApiKey, EmbeddingModel, Tenant
+from embeddings.models import EmbeddingModel
 from embeddings.services.catalog import embedding_model_register_local
-from embeddings.services.keys import api_key_create
-from embeddings.services.tenants import tenant_create
 from embeddings.triton.server import die_with_parent, free_port
 from tests.api.raw_http import RawHttp
+from tests.conftest import TenantWithKey
 from tests.database_backend import fresh_database_url
 from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
 
 
-@dataclass
-class TenantWithKey:
-    tenant: Tenant
-    api_key: ApiKey
-    secret: str
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.secret}"}
-
-
-def _make_tenant(name: str) -> TenantWithKey:
-    tenant = tenant_create(name=name)
-    api_key, secret = api_key_create(tenant=tenant, name=f"{name} key")
-    return TenantWithKey(tenant, api_key, secret)
-
-
 @pytest.fixture
-def api_setup(transactional_db, service_triton, service_redis, settings):
-    """The local model registered, and two tenants with one key each (data committed: the ASGI
+def api_setup(transactional_db, two_tenants, service_triton, service_redis, settings):
+    """The local model registered, and the two tenants with one key each (data committed: the ASGI
     app reads it from other threads); the test Triton and an emptied test Redis."""
     settings.API_KEY_CACHE_SECONDS = 0.2
     model = embedding_model_register_local(repository=Path(settings.TRITON_MODEL_REPOSITORY))
-    return {"model": model, "alpha": _make_tenant("Alpha"), "beta": _make_tenant("Beta")}
+    return {"model": model, "alpha": two_tenants.alpha, "beta": two_tenants.beta}
 
 
 @pytest.fixture

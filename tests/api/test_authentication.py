@@ -15,11 +15,12 @@ from rest_framework.request import Request
 from rest_framework.test import APIRequestFactory
 
 from embeddings.api import authentication
-from embeddings.api.authentication import ApiKeyAuthentication, ApiPrincipal, ensure_model_allowed
+from embeddings.api.authentication import ApiKeyAuthentication, ensure_model_allowed
 from embeddings.api.errors import Forbidden, ModelForbidden, Unauthorized
+from embeddings.callers import Caller
 from embeddings.models import ApiKey, EmbeddingModel, Tenant
 from embeddings.services.keys import api_key_create, api_key_revoke
-from embeddings.services.tenants import tenant_create, tenant_deactivate
+from embeddings.services.tenants import tenant_deactivate
 from tests.clocks import ManualClock
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -60,25 +61,25 @@ def database_reads(monkeypatch) -> list[str]:
 
 
 @pytest.fixture
-def setup(transactional_db):
+def setup(transactional_db, two_tenants):
+    """The two tenants, Beta restricted to the e5 model."""
     minilm = EmbeddingModel.objects.create(
         name="all-MiniLM-L6-v2", triton_model="minilm", dimensions=384, max_tokens=256
     )
     e5 = EmbeddingModel.objects.create(name="e5-small", triton_model="e5", dimensions=384, max_tokens=512)
-    alpha = tenant_create(name="Alpha")
-    beta = tenant_create(name="Beta", allow_all_models=False)
-    beta.allowed_models.add(e5)
-    alpha_key, alpha_secret = api_key_create(tenant=alpha, name="alpha key")
-    beta_key, beta_secret = api_key_create(tenant=beta, name="beta key")
+    alpha, beta = two_tenants.alpha, two_tenants.beta
+    beta.tenant.allow_all_models = False
+    beta.tenant.save(update_fields=["allow_all_models"])
+    beta.tenant.allowed_models.add(e5)
     return SimpleNamespace(
         minilm=minilm,
         e5=e5,
-        alpha=alpha,
-        beta=beta,
-        alpha_key=alpha_key,
-        alpha_secret=alpha_secret,
-        beta_key=beta_key,
-        beta_secret=beta_secret,
+        alpha=alpha.tenant,
+        beta=beta.tenant,
+        alpha_key=alpha.api_key,
+        alpha_secret=alpha.secret,
+        beta_key=beta.api_key,
+        beta_secret=beta.secret,
     )
 
 
@@ -86,7 +87,7 @@ async def test_valid_key_gives_the_tenants_principal(setup):
     principal, auth = await authenticate(f"Bearer {setup.alpha_secret}")
 
     assert auth is None
-    assert principal == ApiPrincipal(
+    assert principal == Caller(
         tenant_id=setup.alpha.pk,
         tenant_slug="alpha",
         key_id=setup.alpha_key.pk,

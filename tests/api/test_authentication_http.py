@@ -17,11 +17,11 @@ from django.utils import timezone
 
 from embeddings.api import authentication
 from embeddings.models import ApiKey
-from embeddings.services.keys import api_key_create, api_key_revoke
-from embeddings.services.tenants import tenant_create, tenant_deactivate
-from tests.api.conftest import TenantWithKey
+from embeddings.services.keys import api_key_revoke
+from embeddings.services.tenants import tenant_deactivate
 from tests.api.test_embeddings import assert_error
 from tests.clocks import ManualClock
+from tests.conftest import tenant_with_key
 
 EMBEDDINGS = {"model": "minilm", "input": "hello world"}
 AUTHENTICATED_ROUTES = [
@@ -57,12 +57,6 @@ async def model_ids(client, headers: dict[str, str]) -> list[str]:
     response = await client.get("/v1/models", headers=headers)
     assert response.status_code == 200, response.text
     return [model["id"] for model in response.json()["data"]]
-
-
-def new_tenant_with_key(name: str, *, allow_all_models: bool = True, **key_options) -> TenantWithKey:
-    tenant = tenant_create(name=name, allow_all_models=allow_all_models)
-    api_key, secret = api_key_create(tenant=tenant, name=f"{name} key", **key_options)
-    return TenantWithKey(tenant, api_key, secret)
 
 
 @pytest.mark.parametrize(("method", "path", "body"), AUTHENTICATED_ROUTES)
@@ -129,7 +123,7 @@ async def test_revoked_before_first_use_is_401_at_once(client, alpha):
 
 
 async def test_expired_key_is_401(client, alpha):
-    expired = await sync_to_async(new_tenant_with_key)(
+    expired = await sync_to_async(tenant_with_key)(
         "Expired", expires_at=timezone.now() - timedelta(seconds=1)
     )
     error = assert_error(await embed(client, expired.headers), 401, code="api_key_expired")
@@ -141,7 +135,7 @@ async def test_key_expiring_while_cached_is_refused_without_waiting_for_the_ttl(
 ):
     settings.API_KEY_CACHE_SECONDS = 60.0
     expires_at = timezone.now() + timedelta(hours=1)
-    soon = await sync_to_async(new_tenant_with_key)("Soon", expires_at=expires_at)
+    soon = await sync_to_async(tenant_with_key)("Soon", expires_at=expires_at)
     assert (await client.get("/v1/models", headers=soon.headers)).status_code == 200  # cached for 60 s
 
     # The cache's clock stands still; the authenticator's time of day passes the key's expiry.
@@ -160,7 +154,7 @@ async def test_inactive_tenant_is_403(client, alpha, beta):
 async def test_restricted_tenant_without_models_is_403_until_the_model_is_allowed(
     client, model, settings, cache_clock
 ):
-    restricted = await sync_to_async(new_tenant_with_key)("Gamma", allow_all_models=False)
+    restricted = await sync_to_async(tenant_with_key)("Gamma", allow_all_models=False)
 
     error = assert_error(
         await embed(client, restricted.headers), 403, code="model_not_allowed", param="model"

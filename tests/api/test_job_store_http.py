@@ -10,7 +10,7 @@ import httpx2
 import pytest
 import redis
 
-from embeddings.services.local_redis import RedisServer
+from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.server import free_port
 from tests.api.conftest import live_uvicorn
 from tests.services.test_stores import BIG_JOB_TEXTS, fill_job_store, job_keys_besides_the_filler

@@ -20,8 +20,9 @@ from embeddings.services.redis_clients import redis_sync, reset_redis_clients
 from embeddings.services.tenants import quota_limits_update
 from embeddings.services.usage import LIVE_USAGE_KEY
 from embeddings.triton.server import free_port
-from tests.api.conftest import LiveServer, TenantWithKey
+from tests.api.conftest import LiveServer
 from tests.api.worker_metrics import answered_since, requests_answered_by_worker
+from tests.conftest import TenantWithKey
 from tests.processes import manage, process_group_paused
 
 # A deadline against hanging only: far above what waiting for an event takes on a loaded machine.

@@ -13,9 +13,9 @@ from django.db.models import Sum
 from embeddings.models import UsageBucket
 from embeddings.services import usage
 from embeddings.services.keys import api_key_create
-from embeddings.services.local_redis import RedisServer
 from embeddings.services.redis_clients import reset_redis_clients
 from embeddings.services.usage import UsageEvent, usage_fold, usage_record_sync
+from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.server import free_port
 
 JUNE_1 = datetime(2026, 6, 1, tzinfo=UTC)

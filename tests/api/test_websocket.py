@@ -14,19 +14,19 @@ from embeddings.consumers import CLOSE_NORMAL, CLOSE_NOT_FOUND, CLOSE_UNAUTHORIZ
 from embeddings.models import EmbeddingJob, EmbeddingModel
 from embeddings.services.job_events import job_event_publish
 from embeddings.services.jobs import job_object
-from tests.api.conftest import TenantWithKey, _make_tenant
+from tests.conftest import TenantWithKey
 
 TIMEOUT_S = 5
 
 
 @pytest.fixture
-def ws_setup(transactional_db, service_redis, settings):
+def ws_setup(transactional_db, two_tenants, service_redis, settings):
     """Two tenants with a key each and a running job of Alpha's; the channel layer on the test Redis."""
     settings.API_KEY_CACHE_SECONDS = 0.2
     assert settings.CHANNEL_LAYERS["default"]["CONFIG"]["hosts"] == [service_redis.url]
     authentication.principal_cache.clear()
     model = EmbeddingModel.objects.create(name="ws-model", triton_model="ws", dimensions=4, max_tokens=16)
-    alpha, beta = _make_tenant("Alpha"), _make_tenant("Beta")
+    alpha, beta = two_tenants.alpha, two_tenants.beta
     job = EmbeddingJob.objects.create(
         public_id="job_wsalpha",
         tenant=alpha.tenant,

@@ -13,7 +13,8 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from embeddings.management.commands.export_model import default_source_dir
-from embeddings.services.model_export import ModelExportError, model_export, model_export_outdated
+from embeddings.tooling.model_export import model_export, model_export_outdated
+from embeddings.triton.model_exports import ModelExportError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

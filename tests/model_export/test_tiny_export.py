@@ -13,11 +13,10 @@ import pytest
 from django.core.management import CommandError, call_command
 from google.protobuf import text_format
 
-from embeddings.services.model_export import (
+from embeddings.tooling.model_export import SUPPORTED_MODEL_TYPES, model_export
+from embeddings.triton.model_exports import (
     POOLINGS,
-    SUPPORTED_MODEL_TYPES,
     ModelExportError,
-    model_export,
     model_export_exists,
     model_export_info,
     model_export_path,

@@ -16,7 +16,7 @@ import pytest
 import redis
 from django.conf import settings
 
-from embeddings.services.local_redis import RedisServer
+from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.client import channel_options
 from embeddings.triton.server import free_port
 from tests.conftest import start_triton

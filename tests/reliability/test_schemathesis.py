@@ -36,7 +36,7 @@ import httpx2
 import pytest
 import redis
 
-from embeddings.services.local_redis import RedisServer
+from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.server import free_port
 from tests.api.conftest import LiveServer, live_uvicorn
 from tests.processes import manage

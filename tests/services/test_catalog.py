@@ -1,21 +1,28 @@
-"""Model catalog: lookup by name or alias, disabled models hidden, what each tenant may use."""
+"""Model catalog: lookup by name or alias, disabled models hidden, what each tenant may use.
+
+Read the way requests read it: names through the per-process cache (`embedding_model_resolve`),
+a tenant's models through the caller the API key authenticator builds."""
 
 from __future__ import annotations
 
 import pytest
 from asgiref.sync import async_to_sync
 
-from embeddings.models import EmbeddingModel
+from embeddings.api.authentication import principal_cache, principal_for_api_key
+from embeddings.callers import Caller
+from embeddings.models import EmbeddingModel, Tenant
 from embeddings.services.catalog import (
     CatalogError,
     embedding_model_cache_clear,
-    embedding_model_for_name,
     embedding_model_register_local,
     embedding_model_resolve,
-    embedding_models_for_tenant,
+    embedding_models_for_principal,
 )
-from embeddings.services.tenants import tenant_create, tenant_deactivate, tenant_may_use_model
+from embeddings.services.keys import api_key_create
+from embeddings.services.tenants import tenant_create, tenant_deactivate
 from tests.conftest import write_finished_export
+
+resolve = async_to_sync(embedding_model_resolve)
 
 
 def make_model(name: str, *, aliases: list[str] | None = None, enabled: bool = True) -> EmbeddingModel:
@@ -31,39 +38,53 @@ def make_model(name: str, *, aliases: list[str] | None = None, enabled: bool = T
 
 @pytest.fixture
 def models(db) -> dict[str, EmbeddingModel]:
-    return {
+    created = {
         "minilm": make_model(
             "all-MiniLM-L6-v2", aliases=["minilm", "sentence-transformers/all-MiniLM-L6-v2"]
         ),
         "e5": make_model("e5-small", aliases=["e5"]),
         "old": make_model("retired-model", aliases=["retired"], enabled=False),
     }
+    embedding_model_cache_clear()
+    return created
+
+
+def caller_for(tenant: Tenant) -> Caller:
+    """The caller a request with a new key of `tenant` is served as."""
+    principal_cache.clear()
+    _, secret = api_key_create(tenant=tenant, name="catalog test")
+    return async_to_sync(principal_for_api_key)(secret)
+
+
+def models_for(tenant: Tenant) -> list[EmbeddingModel]:
+    """What GET /v1/models lists for a key of `tenant`."""
+    return async_to_sync(embedding_models_for_principal)(principal=caller_for(tenant))
 
 
 def test_lookup_by_name_and_alias(models):
-    assert embedding_model_for_name(name="all-MiniLM-L6-v2") == models["minilm"]
-    assert embedding_model_for_name(name="minilm") == models["minilm"]
-    assert embedding_model_for_name(name="sentence-transformers/all-MiniLM-L6-v2") == models["minilm"]
-    assert embedding_model_for_name(name="e5") == models["e5"]
+    assert resolve(name="all-MiniLM-L6-v2") == models["minilm"]
+    assert resolve(name="minilm") == models["minilm"]
+    assert resolve(name="sentence-transformers/all-MiniLM-L6-v2") == models["minilm"]
+    assert resolve(name="e5") == models["e5"]
 
 
 def test_unknown_names_find_nothing(models):
-    assert embedding_model_for_name(name="gpt-4") is None
-    assert embedding_model_for_name(name="MINILM") is None  # names are exact
-    assert embedding_model_for_name(name="") is None
+    assert resolve(name="gpt-4") is None
+    assert resolve(name="MINILM") is None  # names are exact
+    assert resolve(name="") is None
 
 
 def test_disabled_models_are_invisible(models):
-    assert embedding_model_for_name(name="retired-model") is None
-    assert embedding_model_for_name(name="retired") is None
-    assert models["old"] not in embedding_models_for_tenant(tenant=tenant_create(name="Alpha"))
+    assert resolve(name="retired-model") is None
+    assert resolve(name="retired") is None
+    assert models["old"] not in models_for(tenant_create(name="Alpha"))
 
 
 def test_tenant_with_all_models_sees_every_enabled_model(models):
     alpha = tenant_create(name="Alpha")
 
-    assert embedding_models_for_tenant(tenant=alpha) == [models["minilm"], models["e5"]]
-    assert tenant_may_use_model(tenant=alpha, model=models["e5"])
+    assert models_for(alpha) == [models["minilm"], models["e5"]]
+    assert caller_for(alpha).may_use(models["e5"])
 
 
 def test_restricted_tenant_sees_only_its_models(models):
@@ -71,17 +92,17 @@ def test_restricted_tenant_sees_only_its_models(models):
     beta = tenant_create(name="Beta", allow_all_models=False)
     beta.allowed_models.add(models["e5"], models["old"])
 
-    assert embedding_models_for_tenant(tenant=beta) == [models["e5"]]  # allowed and enabled
-    assert tenant_may_use_model(tenant=beta, model=models["e5"])
-    assert not tenant_may_use_model(tenant=beta, model=models["minilm"])
+    assert models_for(beta) == [models["e5"]]  # allowed and enabled
+    assert caller_for(beta).may_use(models["e5"])
+    assert not caller_for(beta).may_use(models["minilm"])
     # Beta's restriction does not narrow alpha.
-    assert tenant_may_use_model(tenant=alpha, model=models["minilm"])
+    assert caller_for(alpha).may_use(models["minilm"])
 
 
 def test_restricted_tenant_with_no_models_sees_none(models):
     gamma = tenant_create(name="Gamma", allow_all_models=False)
-    assert embedding_models_for_tenant(tenant=gamma) == []
-    assert not tenant_may_use_model(tenant=gamma, model=models["minilm"])
+    assert models_for(gamma) == []
+    assert not caller_for(gamma).may_use(models["minilm"])
 
 
 def test_tenant_create_and_deactivate(db):
@@ -107,7 +128,7 @@ def test_register_local_model_reads_the_export(db, tmp_path):
         384,
         256,
     )
-    assert embedding_model_for_name(name="minilm") == model
+    assert resolve(name="minilm") == model
 
 
 def test_register_local_model_is_idempotent_and_clears_the_request_path_cache(db, tmp_path, settings):

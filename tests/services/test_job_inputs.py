@@ -6,7 +6,14 @@ import io
 
 import pytest
 
-from embeddings.services.job_inputs import JobInputError, JobInputTooLarge, job_inputs_parse
+from embeddings.callers import Caller, QuotaLimitValues
+from embeddings.services.job_inputs import (
+    JobInputError,
+    JobInputTooLarge,
+    job_inputs_count_check,
+    job_inputs_parse,
+    job_max_inputs,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -66,3 +73,32 @@ def test_limits_are_413_errors():
     with pytest.raises(JobInputTooLarge, match="line 2: longer than 10 bytes"):
         parse(b"short\n" + b"x" * 11 + b"\n", max_line_bytes=10)
     assert parse(b"x" * 10 + b"\r\n", max_line_bytes=10).texts == ["x" * 10]
+
+
+@pytest.mark.parametrize(
+    ("tenant_limit", "key_limit", "expected"),
+    [
+        (None, None, (1000, "a job")),
+        (50, None, (50, "this tenant")),
+        (None, 20, (20, "this API key")),
+        (50, 20, (20, "this API key")),
+        (10, 20, (10, "this tenant")),
+    ],
+)
+def test_a_jobs_inputs_are_capped_by_the_smaller_of_key_and_tenant(
+    settings, tenant_limit, key_limit, expected
+):
+    settings.JOB_MAX_INPUTS = 1000
+    caller = Caller(
+        1,
+        2,
+        QuotaLimitValues(max_inputs_per_job=tenant_limit),
+        QuotaLimitValues(max_inputs_per_job=key_limit),
+    )
+    assert job_max_inputs(caller) == expected
+    limit, who = expected
+    job_inputs_count_check(count=limit, caller=caller)
+    with pytest.raises(JobInputTooLarge) as refused:
+        job_inputs_count_check(count=limit + 1, caller=caller)
+    assert refused.value.message == f"{limit + 1} inputs in one job; {who} may submit at most {limit}"
+    assert refused.value.param == "input"

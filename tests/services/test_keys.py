@@ -27,16 +27,6 @@ from tests.database_backend import wait_for_lock_waiters
 FULL_KEY = re.compile(r"^emb_(?P<public_id>[a-z0-9]{12})_(?P<secret>[A-Za-z0-9_-]{43})$")
 
 
-@pytest.fixture
-def alpha(db):
-    return tenant_create(name="Alpha")
-
-
-@pytest.fixture
-def beta(db):
-    return tenant_create(name="Beta")
-
-
 def test_key_format_is_prefix_public_id_secret(alpha):
     api_key, full_key = api_key_create(tenant=alpha, name="ci")
 

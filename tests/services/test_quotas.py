@@ -10,7 +10,6 @@ import pytest
 import redis
 
 from embeddings.services.errors import LimitExceeded, QuotaExceeded, QuotaUnavailable
-from embeddings.services.local_redis import RedisServer
 from embeddings.services.quotas import (
     QuotaHolder,
     QuotaLimitValues,
@@ -26,6 +25,7 @@ from embeddings.services.quotas import (
 )
 from embeddings.services.redis_clients import redis_sync, reset_redis_clients
 from embeddings.services.usage import LIVE_USAGE_KEY
+from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.server import free_port
 
 # 2026-03-10 12:00:30 UTC: 30 s into a minute.

@@ -17,7 +17,6 @@ from embeddings.services.catalog import embedding_model_register_local
 from embeddings.services.errors import JobStoreUnavailable, QuotaExceeded
 from embeddings.services.job_store import JobStore
 from embeddings.services.jobs import JobSpec, job_create
-from embeddings.services.local_redis import RedisServer, local_redis_servers
 from embeddings.services.quotas import (
     QuotaHolder,
     QuotaLimitValues,
@@ -34,6 +33,7 @@ from embeddings.services.usage import (
     usage_fold,
     usage_record_sync,
 )
+from embeddings.tooling.local_redis import RedisServer, local_redis_servers
 from embeddings.triton.server import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -12,9 +12,7 @@ from django.utils import timezone
 
 from embeddings.models import UsageBucket, UsageFold
 from embeddings.services import usage
-from embeddings.services.keys import api_key_create
 from embeddings.services.redis_clients import redis_sync
-from embeddings.services.tenants import tenant_create
 from embeddings.services.usage import (
     FOLDING_BATCHES_KEY,
     LIVE_USAGE_KEY,
@@ -35,11 +33,9 @@ class Interrupted(Exception):
 
 
 @pytest.fixture
-def tenants(service_redis):
-    alpha, beta = tenant_create(name="Alpha"), tenant_create(name="Beta")
-    alpha_key, _ = api_key_create(tenant=alpha, name="a")
-    beta_key, _ = api_key_create(tenant=beta, name="b")
-    return {"alpha": alpha, "alpha_key": alpha_key, "beta": beta, "beta_key": beta_key}
+def tenants(service_redis, two_tenants):
+    alpha, beta = two_tenants.alpha, two_tenants.beta
+    return {"alpha": alpha.tenant, "alpha_key": alpha.api_key, "beta": beta.tenant, "beta_key": beta.api_key}
 
 
 def record_mix(tenants) -> dict[str, int]:

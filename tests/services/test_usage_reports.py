@@ -8,7 +8,6 @@ import pytest
 
 from embeddings.models import ApiKey, UsageBucket
 from embeddings.services.keys import api_key_create
-from embeddings.services.tenants import tenant_create
 from embeddings.services.usage_reports import (
     USAGE_CSV_HEADER,
     BudgetUse,
@@ -38,16 +37,6 @@ def bucket(
         requests=requests,
         **more,
     )
-
-
-@pytest.fixture
-def alpha():
-    return tenant_create(name="Alpha")
-
-
-@pytest.fixture
-def beta():
-    return tenant_create(name="Beta")
 
 
 def test_summary_counts_this_utc_month_and_day_of_this_tenant_only(alpha, beta):

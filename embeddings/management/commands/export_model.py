@@ -6,12 +6,10 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from embeddings.services.model_export import (
+from embeddings.tooling.model_export import SUPPORTED_MODEL_TYPES, model_export, model_export_outdated
+from embeddings.triton.model_exports import (
     POOLINGS,
-    SUPPORTED_MODEL_TYPES,
     ModelExportError,
-    model_export,
-    model_export_outdated,
     model_export_path,
     model_export_versions,
 )

@@ -11,9 +11,9 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from embeddings.services.local_redis import RedisServerError, local_redis_servers
-from embeddings.services.local_triton import local_triton_server
 from embeddings.services.model_serving import write_serving_states
+from embeddings.tooling.local_redis import RedisServerError, local_redis_servers
+from embeddings.tooling.local_triton import local_triton_server
 from embeddings.triton.server import TritonServerError, die_with_parent
 
 

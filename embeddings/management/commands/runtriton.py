@@ -6,8 +6,8 @@ import threading
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from embeddings.services.local_triton import local_triton_server
 from embeddings.services.model_serving import write_serving_states
+from embeddings.tooling.local_triton import local_triton_server
 from embeddings.triton.server import TritonServerError
 
 

@@ -4,7 +4,6 @@ tokenizer and configurations, each export a new numbered version of the model.""
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -15,19 +14,24 @@ import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 
-from embeddings.triton.model_configs import model_configs_write, model_name_is_valid
+from embeddings.triton.model_configs import model_configs_write
+from embeddings.triton.model_exports import (
+    EXPORT_INFO_FILENAME,
+    MODEL_FILENAME,
+    POOLINGS,
+    TOKENIZER_FILENAME,
+    ModelExportError,
+    Pooling,
+    file_sha256,
+    model_export_dir,
+    model_export_info,
+    model_export_versions,
+    model_version_number,
+)
 
-# last: the last real token of each row (right padding), for models trained that way.
-Pooling = Literal["mean", "cls", "last"]
-POOLINGS: tuple[str, ...] = ("mean", "cls", "last")
-
-MODEL_FILENAME = "model.onnx"
-TOKENIZER_FILENAME = "tokenizer.json"
-EXPORT_INFO_FILENAME = "export.json"
 CONFIG_FILENAME = "config.pbtxt"
 MIN_COSINE = 0.9999
 
@@ -54,14 +58,6 @@ VERIFICATION_SENTENCES = (
 )
 
 
-class ModelExportError(Exception):
-    """The source is unusable or the exported graph does not match the PyTorch reference."""
-
-
-class ModelExportMismatch(ModelExportError):
-    """The model.onnx in place is not the one its export.json describes (replaced, or half-written)."""
-
-
 @dataclass(frozen=True)
 class ExportResult:
     name: str
@@ -74,72 +70,6 @@ class ExportResult:
     sha256: str
     min_cosine: float
     seconds: float
-
-
-def _version_number(version: int | str) -> int:
-    """A Triton version as a number; the catalog keeps it as text ("3")."""
-    if isinstance(version, str) and version.isascii() and version.isdigit():
-        version = int(version)
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise ModelExportError(f"a model version is a whole number from 1, not {version!r}")
-    return version
-
-
-def _is_finished(version_dir: Path) -> bool:
-    # export.json is written last, after model.onnx and the tokenizer.
-    return all(
-        (version_dir / filename).is_file()
-        for filename in (MODEL_FILENAME, TOKENIZER_FILENAME, EXPORT_INFO_FILENAME)
-    )
-
-
-def _model_dir(repository_dir: Path, name: str) -> Path:
-    # The name becomes a path: nothing that could leave the repository.
-    if not model_name_is_valid(name):
-        raise ModelExportError(f"invalid model name {name!r}: letters, digits, '_', '.', '-' only")
-    return Path(repository_dir) / name
-
-
-def model_export_versions(*, repository_dir: Path, name: str) -> list[int]:
-    """The finished exported versions of model `name`, oldest first."""
-    model_dir = _model_dir(repository_dir, name)
-    if not model_dir.is_dir():
-        return []
-    return sorted(
-        int(entry.name)
-        for entry in model_dir.iterdir()
-        # Triton reads version folders as plain decimal numbers.
-        if entry.name.isascii()
-        and entry.name.isdigit()
-        and entry.name == str(int(entry.name))
-        and int(entry.name) >= 1
-        and _is_finished(entry)
-    )
-
-
-def _latest_version(repository_dir: Path, name: str) -> int | None:
-    versions = model_export_versions(repository_dir=repository_dir, name=name)
-    return versions[-1] if versions else None
-
-
-def model_export_version_dir(*, repository_dir: Path, name: str, version: int | str) -> Path:
-    return _model_dir(repository_dir, name) / str(_version_number(version))
-
-
-def model_export_path(*, repository_dir: Path, name: str, version: int | str | None = None) -> Path:
-    """model.onnx of `version`; without one, of the latest finished version (version 1 when none is)."""
-    if version is None:
-        version = _latest_version(repository_dir, name) or 1
-    return (
-        model_export_version_dir(repository_dir=repository_dir, name=name, version=version) / MODEL_FILENAME
-    )
-
-
-def model_export_exists(*, repository_dir: Path, name: str, version: int | str | None = None) -> bool:
-    """True when a finished export of `version` (without one: of any version) is in place."""
-    if version is None:
-        return _latest_version(repository_dir, name) is not None
-    return _is_finished(model_export_version_dir(repository_dir=repository_dir, name=name, version=version))
 
 
 def model_export(
@@ -165,9 +95,9 @@ def model_export(
     source_dir = Path(source_dir)
     if pooling not in POOLINGS:
         raise ModelExportError(f"pooling must be one of {POOLINGS}, not {pooling!r}")
-    model_dir = _model_dir(repository_dir, name)
+    model_dir = model_export_dir(repository_dir, name)
     if version is not None:
-        version = _version_number(version)
+        version = model_version_number(version)
     model_type = _check_source(source_dir)
 
     # Export-only dependencies: serving never imports them.
@@ -214,7 +144,7 @@ def model_export(
             raise ModelExportError(
                 f"exported ONNX graph disagrees with PyTorch: min cosine {min_cosine:.7f} < {MIN_COSINE}"
             )
-        sha256 = _sha256(staged / MODEL_FILENAME)
+        sha256 = file_sha256(staged / MODEL_FILENAME)
         info = {
             "name": name,
             "version": version,
@@ -303,37 +233,6 @@ def _check_dims(model_dir: Path, name: str, dims: int, other_versions: list[int]
             f"{', '.join(map(str, other_versions))}); this model's are {dims}-dimensional: "
             "export it under another name (--name)"
         )
-
-
-def model_export_info(*, repository_dir: Path, name: str, version: int | str | None = None) -> dict:
-    """The export.json of `version` (without one: the latest finished version), checked against the
-    model.onnx beside it.
-
-    Raises FileNotFoundError when there is no such export, and ModelExportMismatch when export.json
-    records a checksum and model.onnx is missing or differs (a stale or hand-replaced model would
-    otherwise be served under the recorded pooling).
-    """
-    if version is None:
-        version = _latest_version(repository_dir, name) or 1
-    version_dir = model_export_version_dir(repository_dir=repository_dir, name=name, version=version)
-    info_path = version_dir / EXPORT_INFO_FILENAME
-    if not info_path.is_file():
-        raise FileNotFoundError(f"{info_path} is missing: export the model first (manage.py export_model)")
-    info = json.loads(info_path.read_text(encoding="utf-8"))
-    if info.get("pooling", "mean") not in POOLINGS:
-        raise ModelExportMismatch(f"{info_path} names an unknown pooling {info['pooling']!r}")
-    recorded = info.get("sha256")
-    if recorded:
-        model_path = version_dir / MODEL_FILENAME
-        if not model_path.is_file():
-            raise ModelExportMismatch(f"{model_path} is missing; {info_path} describes one")
-        actual = _sha256(model_path)
-        if actual != recorded:
-            raise ModelExportMismatch(
-                f"{model_path} has SHA-256 {actual}, but {info_path} records {recorded}: it is not the "
-                "model that was exported; re-export it (manage.py export_model)"
-            )
-    return info
 
 
 def model_export_outdated(
@@ -559,14 +458,6 @@ def _row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = a.astype(np.float64)
     b = b.astype(np.float64)
     return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _write_json_atomically(path: Path, data: dict) -> None:
