@@ -26,7 +26,7 @@ watchdog or the job's end (embeddings.services.jobs), never lost and never count
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -232,13 +232,6 @@ class JobStore:
         has none (failed, expired)."""
         raw = self.client.get(self.key("out", chunk))
         return None if raw is None else result_decode(raw, self.result_dtype, dims)
-
-    def iter_results(
-        self, chunks: int, dims: int, *, first: int = 0
-    ) -> Iterator[tuple[int, np.ndarray | None]]:
-        """(chunk number, vectors or None) in order, one chunk in memory at a time."""
-        for chunk in range(first, chunks):
-            yield chunk, self.chunk_result(chunk, dims)
 
     def delete(self, chunks: int) -> None:
         """Remove everything the job stored (inputs, ids, results, counters)."""

@@ -118,15 +118,6 @@ def usage_count_once(*, owner: str, unit: int, increments: dict[str, int], ttl_s
     return counted == 1
 
 
-def usage_record_sync(event: UsageEvent) -> None:
-    """Count one event on its own (tests, scripts); the request and job paths count it inside their
-    settling scripts instead."""
-    pipeline = redis_sync().pipeline(transaction=False)
-    for field, amount in usage_increments(event).items():
-        pipeline.hincrby(LIVE_USAGE_KEY, field, amount)
-    pipeline.execute()
-
-
 # --- The fold: Redis counters -> UsageBucket rows -------------------------------------------------
 #
 # 1. Claim: one Lua script renames LIVE_USAGE_KEY to FOLDING_PREFIX + <batch id> and adds the id to

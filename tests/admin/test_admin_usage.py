@@ -272,7 +272,8 @@ async def test_csv_streamed_over_asgi_is_one_snapshot_while_a_fold_commits(
     from django.test import Client
 
     from embeddings import admin as embeddings_admin
-    from embeddings.services.usage import UsageEvent, usage_fold, usage_record_sync
+    from embeddings.services.quotas import quota_release_sync
+    from embeddings.services.usage import UsageEvent, usage_fold
     from embedsite.asgi import application
 
     @sync_to_async
@@ -306,8 +307,10 @@ async def test_csv_streamed_over_asgi_is_one_snapshot_while_a_fold_commits(
                 # Every row's tokens +1000, committed by a fold in its own thread and connection.
                 for bucket in UsageBucket.objects.order_by("hour").values_list("hour", flat=True)[2050:]:
                     at = bucket.timestamp()
-                    usage_record_sync(
-                        UsageEvent(alpha.pk, None, "m", "embeddings", "succeeded", 1, 1000, 1, at)
+                    quota_release_sync(
+                        reservation=None,
+                        refund=False,
+                        usage=UsageEvent(alpha.pk, None, "m", "embeddings", "succeeded", 1, 1000, 1, at),
                     )
                 fold = threading.Thread(target=lambda: folded.append(usage_fold()))
                 fold.start()

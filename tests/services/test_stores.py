@@ -21,6 +21,7 @@ from embeddings.services.local_redis import RedisServer, local_redis_servers
 from embeddings.services.quotas import (
     QuotaHolder,
     QuotaLimitValues,
+    quota_release_sync,
     quota_reserve,
     quota_reserve_sync,
     quota_status_sync,
@@ -32,7 +33,6 @@ from embeddings.services.usage import (
     UsageEvent,
     usage_count_once,
     usage_fold,
-    usage_record_sync,
 )
 from embeddings.triton.server import free_port
 
@@ -216,7 +216,11 @@ def crash_and_restart(server: RedisServer) -> RedisServer:
 
 
 def record_usage(tenant_id: int) -> None:
-    usage_record_sync(UsageEvent(tenant_id, None, "minilm", "openai", "succeeded", 2, 10, 5, HOUR))
+    quota_release_sync(
+        reservation=None,
+        refund=False,
+        usage=UsageEvent(tenant_id, None, "minilm", "openai", "succeeded", 2, 10, 5, HOUR),
+    )
     job_chunk = {
         f"{tenant_id}||{HOUR}|jobs|{metric}|minilm": amount
         for metric, amount in (("requests", 1), ("inputs", 5), ("tokens", 40))
