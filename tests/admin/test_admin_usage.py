@@ -93,7 +93,7 @@ def test_tenant_without_limits_or_usage(admin_client, alpha):
 
 
 def test_tenant_page_renders_when_redis_is_down(admin_client, alpha, settings):
-    from embeddings.services.redis_clients import reset_redis_clients
+    from embeddings.redis.connections import reset_redis_clients
 
     alpha.requests_per_minute = 10  # a windowed limit, so the live state must ask Redis
     alpha.save(update_fields=["requests_per_minute"])

@@ -11,11 +11,11 @@ from asgiref.sync import sync_to_async
 from django.db.models import Sum
 
 from embeddings.models import UsageBucket
+from embeddings.redis.connections import reset_redis_clients
 from embeddings.services import usage
 from embeddings.services.keys import api_key_create
 from embeddings.services.local_redis import RedisServer
 from embeddings.services.quotas import quota_release
-from embeddings.services.redis_clients import reset_redis_clients
 from embeddings.services.usage import UsageEvent, usage_fold
 from embeddings.triton.server import free_port
 

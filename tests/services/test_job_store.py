@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
+from embeddings.redis.connections import redis_job_store
 from embeddings.services.job_store import JobProgress, JobStore
-from embeddings.services.redis_clients import redis_job_store
 from embeddings.services.result_dtypes import ResultOutOfRange
 
 DIMS = 4
@@ -112,7 +112,7 @@ def test_usage_is_kept_with_the_chunk_once_until_forgotten(store):
 
 
 def test_usage_counts_once_per_chunk_in_the_critical_redis(store):
-    from embeddings.services.redis_clients import redis_sync
+    from embeddings.redis.connections import redis_sync
     from embeddings.services.usage import LIVE_USAGE_KEY, usage_count_once
 
     usage = {"1|2|3600|jobs|tokens|minilm": 7, "1|2|3600|jobs|requests|minilm": 1}
@@ -129,7 +129,7 @@ def test_usage_counts_once_per_chunk_in_the_critical_redis(store):
 
 
 def test_concurrent_offers_of_one_chunk_count_once(store):
-    from embeddings.services.redis_clients import redis_sync
+    from embeddings.redis.connections import redis_sync
     from embeddings.services.usage import LIVE_USAGE_KEY, usage_count_once
 
     results: list[bool] = []

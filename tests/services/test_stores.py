@@ -13,6 +13,7 @@ import redis
 from django.db.models import Sum
 
 from embeddings.models import EmbeddingJob, UsageBucket
+from embeddings.redis.connections import redis_job_store, redis_sync, reset_redis_clients
 from embeddings.services.catalog import embedding_model_register_local
 from embeddings.services.errors import JobStoreUnavailable, QuotaExceeded
 from embeddings.services.job_store import JobStore
@@ -26,7 +27,6 @@ from embeddings.services.quotas import (
     quota_reserve_sync,
     quota_status_sync,
 )
-from embeddings.services.redis_clients import redis_job_store, redis_sync, reset_redis_clients
 from embeddings.services.tenants import tenant_create
 from embeddings.services.usage import (
     LIVE_USAGE_KEY,

@@ -11,10 +11,10 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from embeddings.models import UsageBucket, UsageFold
+from embeddings.redis.connections import redis_sync
 from embeddings.services import usage
 from embeddings.services.keys import api_key_create
 from embeddings.services.quotas import quota_release_sync
-from embeddings.services.redis_clients import redis_sync
 from embeddings.services.tenants import tenant_create
 from embeddings.services.usage import (
     FOLDING_BATCHES_KEY,
