@@ -133,9 +133,10 @@ class LeanConnection:
         self.reader = reader
         self.writer = writer
 
-    async def call(self, command: bytes, replies: int = 1):
+    async def call(self, command: bytes, replies: int | None = None):
+        """Send, then read one reply, or a list of `replies` replies (a pipelined batch)."""
         self.writer.write(command)
-        if replies == 1:
+        if replies is None:
             return await self.read_reply()
         return await read_replies(self.read_reply, replies)
 
@@ -205,9 +206,9 @@ class LeanScriptClient:
             raise
         return connection
 
-    async def call(self, command: bytes, *, replies: int = 1):
-        """Send packed command(s), return the reply (a list of `replies` replies when more than
-        one); raises redis.exceptions.RedisError."""
+    async def call(self, command: bytes, *, replies: int | None = None):
+        """Send packed command(s), return the reply (a list of `replies` replies for a pipelined
+        batch); raises redis.exceptions.RedisError."""
         try:
             async with asyncio.timeout(self.timeout):
                 await self.slots.acquire()
@@ -228,7 +229,9 @@ class LeanScriptClient:
         finally:
             self.slots.release()
 
-    async def _exchange(self, connection: LeanConnection, command: bytes, replies: int, *, fresh: bool):
+    async def _exchange(
+        self, connection: LeanConnection, command: bytes, replies: int | None, *, fresh: bool
+    ):
         try:
             reply = await connection.call(command, replies)
         except redis.exceptions.ResponseError:

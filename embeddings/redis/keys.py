@@ -48,7 +48,7 @@ Job store (JOB_STORE_URL); the job's TTL is JOB_RESULT_TTL_S + 1 day (expiry del
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 Level = Literal["tenant", "key"]
 
@@ -111,8 +111,8 @@ JobKind = Literal[
     "started",
 ]
 ChunkKind = Literal["in", "ids", "out"]
-JOB_KINDS: tuple[JobKind, ...] = JobKind.__args__
-CHUNK_KINDS: tuple[ChunkKind, ...] = ChunkKind.__args__
+JOB_KINDS: tuple[JobKind, ...] = get_args(JobKind)
+CHUNK_KINDS: tuple[ChunkKind, ...] = get_args(ChunkKind)
 
 
 def job_key(job_id: str, kind: JobKind) -> str:

@@ -93,12 +93,6 @@ def quota_state(counters: Sequence[str], lease_sets: Sequence[str], *, now_ms: i
 # --- Usage -----------------------------------------------------------------------------------------
 
 
-def usage_add(increments: Mapping[str, int]) -> Operation[None]:
-    """Add to the live usage counters."""
-    if increments:
-        yield from quota_settle(usage=increments)
-
-
 def usage_count_once(*, owner: str, unit: int, increments: Mapping[str, int], ttl_s: int) -> Operation[bool]:
     """Add `increments` unless unit `unit` of `owner` was counted before; True if counted now."""
     arguments = [unit, int(ttl_s), *_increment_arguments(increments)]

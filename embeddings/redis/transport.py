@@ -5,7 +5,7 @@ list of commands to pipeline in one round trip) and is sent the raw replies back
 result. `run_sync` runs it on a redis-py client (Celery workers, commands, the admin, views'
 threads); `run_async` on the running loop's connection to the critical Redis (the request path).
 Scripts run by EVALSHA; a NOSCRIPT reply (first use, or Redis restarted) loads the script and runs
-it again, once (`_resolve`, shared by every transport). Failures are `redis.exceptions.RedisError`.
+it again, once (`_lowered`, shared by every transport). Failures are `redis.exceptions.RedisError`.
 
 The asyncio transport sends pre-packed RESP commands on the hand-written lean client where
 REDIS_URL is plain TCP (embeddings.redis.connections), else on redis-py's asyncio client; a
@@ -111,33 +111,23 @@ def single(request: Request) -> Operation:
 
 # --- What both transports share: scripts by EVALSHA, loaded once on NOSCRIPT ---------------------
 
-Plain = Command | list[Command]
 
-
-def _resolve(request: Request) -> Generator[Plain, Any, Any]:
-    """How one request runs as plain commands: a script by EVALSHA, and when Redis does not know
-    it (first use, or after a restart: the transport sends the NoScriptError back as the reply)
-    loaded, then run once more."""
-    if not isinstance(request, ScriptCall):
-        return (yield request)
-    evalsha = Command(tuple(request.arguments()))
-    reply = yield evalsha
-    if isinstance(reply, NoScriptError):
-        yield Command.of("SCRIPT", "LOAD", request.script.source)
-        reply = yield evalsha
-        if isinstance(reply, NoScriptError):
-            raise reply
-    return reply
-
-
-def _lowered(operation: Operation[T]) -> Generator[Plain, Any, T]:
+def _lowered(operation: Operation[T]) -> Generator[Request, Any, T]:
+    """The operation's requests as the transports send them: a ScriptCall by EVALSHA, and when
+    Redis does not know the script (first use, or after a restart: the transport sends the
+    NoScriptError back as the reply) loaded, then run once more."""
     reply = None
     while True:
         try:
             request = operation.send(reply)
         except StopIteration as done:
             return done.value
-        reply = yield from _resolve(request)
+        reply = yield request
+        if isinstance(reply, NoScriptError):
+            yield Command.of("SCRIPT", "LOAD", request.script.source)
+            reply = yield request
+            if isinstance(reply, NoScriptError):
+                raise reply
 
 
 # --- Blocking transport (redis-py) ----------------------------------------------------------------
@@ -154,9 +144,11 @@ def run_sync(operation: Operation[T], client: redis.Redis) -> T:
         reply = _sync_send(client, plain)
 
 
-def _sync_send(client: redis.Redis, plain: Plain):
-    """The reply; a NOSCRIPT error is returned, not raised (for `_resolve`)."""
+def _sync_send(client: redis.Redis, plain: Request):
+    """The reply; a NOSCRIPT error is returned, not raised (for `_lowered`)."""
     try:
+        if isinstance(plain, ScriptCall):
+            return client.execute_command(*_flat(plain.arguments()))
         if isinstance(plain, Command):
             return client.execute_command(*_flat(plain.arguments))
         if not plain:
@@ -190,10 +182,12 @@ async def run_async(operation: Operation[T], *, client: redis.asyncio.Redis | No
         try:
             reply = await (_lean_send(lean, plain) if lean is not None else _redis_py_send(client, plain))
         except NoScriptError as error:
-            reply = error  # for `_resolve`
+            reply = error  # for `_lowered`
 
 
-async def _lean_send(lean: LeanScriptClient, plain: Plain):
+async def _lean_send(lean: LeanScriptClient, plain: Request):
+    if isinstance(plain, ScriptCall):
+        return await lean.call(_packed(plain.arguments()))
     if isinstance(plain, Command):
         return await lean.call(_packed(plain.arguments))
     if not plain:
@@ -202,7 +196,9 @@ async def _lean_send(lean: LeanScriptClient, plain: Plain):
     return await lean.call(packed, replies=len(plain))
 
 
-async def _redis_py_send(client: redis.asyncio.Redis, plain: Plain):
+async def _redis_py_send(client: redis.asyncio.Redis, plain: Request):
+    if isinstance(plain, ScriptCall):
+        return await client.execute_command(*_flat(plain.arguments()))
     if isinstance(plain, Command):
         return await client.execute_command(*_flat(plain.arguments))
     if not plain:

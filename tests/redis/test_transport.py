@@ -73,6 +73,8 @@ async def test_an_error_reply_in_a_pipeline_leaves_the_lean_connection_in_step(s
     with pytest.raises(redis.exceptions.ResponseError):
         await run_async(single([Command.of("HGET", "a-string", "f"), Command.of("GET", "a-string")]))
     assert await run_async(single(Command.of("GET", "a-string"))) == b"x"
+    assert await run_async(single([Command.of("GET", "a-string")])) == [b"x"]  # a batch of one
+    assert run_sync(single([Command.of("GET", "a-string")]), redis_sync()) == [b"x"]
     call = ScriptCall(scripts.QUOTA_SETTLE, [keys.LIVE_USAGE], [0, "", "g", 5])
     assert await run_async(single(call)) == 1
     assert redis_sync().hget(keys.LIVE_USAGE, "g") == b"5"
