@@ -393,6 +393,7 @@ def _check_inputs(subject: QuotaSubject, inputs: int) -> None:
 def reserve_operation(
     subject: QuotaSubject, inputs: int, tokens: int, now: float | None
 ) -> Operation[Reservation]:
+    """`quota_reserve` as an operation, for either transport (embeddings.redis.transport)."""
     _check_inputs(subject, inputs)
     now = clock() if now is None else now
     plan = quota_plan(subject, now=now)
@@ -431,6 +432,7 @@ def quota_reserve_sync(
 def settle_operation(
     reservation: Reservation | None, refund: bool, usage: UsageEvent | None
 ) -> Operation[None]:
+    """`quota_release` as an operation, for either transport."""
     refunds = reservation.refunds() if reservation is not None and refund else []
     lease_sets = [lease.key for lease in reservation.leases] if reservation is not None else []
     if refunds or lease_sets or usage is not None:
@@ -566,6 +568,7 @@ def _log_redis_failure(what: str, error: Exception) -> None:
 
 
 def status_operation(subject: QuotaSubject, now: float) -> Operation[dict]:
+    """`quota_status` as an operation, for either transport."""
     plan = quota_plan(subject, now=now)
     counters = [c.key for c in plan.counters]
     lease_sets = [lease.key for lease in plan.leases]
