@@ -15,7 +15,13 @@ next to nothing), interleaved across four configurations so drift hits all of th
 Every configuration authenticates (the key is cached in process) and counts usage in Redis in one
 round trip; the difference from `off` is the quota work: one more round trip (the reserve script,
 before inference), its arguments and the headers. For scale it also times one bare Redis PING
-after the same idle gap as between requests. Prints a table and writes bench/results/quota.json.
+after the same idle gap as between requests.
+
+Then, against the same Redis, the asyncio transports (embeddings.redis.transport) run the request
+path's operations back to back, interleaved, for the `tenant + key` plan: the hand-written lean
+client against redis-py's asyncio client, with its pure-Python parser and (when hiredis is
+importable) with hiredis: reserve, settle (release with usage) and status, p50/p90 in
+microseconds. Prints tables and writes bench/results/quota.json.
 """
 
 from __future__ import annotations
@@ -135,6 +141,90 @@ def redis_round_trip_ms(url: str, gap_s: float, count: int) -> float:
     return percentile(latencies, 0.5)
 
 
+TRANSPORT_KEY_LIMITS = dict(
+    requests_per_minute=10**9,
+    tokens_per_minute=BIG,
+    tokens_per_day=BIG,
+    tokens_per_month=BIG,
+    max_concurrent_requests=10**6,
+)
+
+
+def measure_transports(env: dict[str, str], rounds: int) -> dict:
+    """p50/p90 (µs) of reserve, settle and status on the lean client and on redis-py's, interleaved."""
+    import asyncio
+
+    os.environ.update(env)
+    import django
+    from django.conf import settings
+
+    django.setup()
+    import redis.asyncio
+    import redis.utils
+    from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser
+
+    from embeddings.redis.connections import reset_redis_clients
+    from embeddings.redis.transport import run_async
+
+    settings.REDIS_URL = env["REDIS_URL"]  # settings may have been read before env was set
+    reset_redis_clients()
+    from embeddings.services.quotas import (
+        QuotaHolder,
+        QuotaLimitValues,
+        reserve_operation,
+        settle_operation,
+        status_operation,
+    )
+    from embeddings.services.usage import UsageEvent
+
+    limits = QuotaLimitValues(**TRANSPORT_KEY_LIMITS)
+    subject = QuotaHolder(10**6, 10**6, limits, limits)  # ids no tenant of the bench has
+    usage = UsageEvent(10**6, 10**6, INSTANT_MODEL, "openai", "succeeded", 1, 1, 1)
+
+    # redis-py picks hiredis when it is importable; then its pure-Python parser is timed too.
+    parsers = {"redis-py": _AsyncRESP2Parser}
+    if redis.utils.HIREDIS_AVAILABLE:
+        parsers["redis-py+hiredis"] = _AsyncHiredisParser
+
+    async def run() -> dict:
+        clients = {
+            name: redis.asyncio.Redis.from_url(env["REDIS_URL"], parser_class=parser)
+            for name, parser in parsers.items()
+        }
+        transports = {"lean": {}, **{name: {"client": client} for name, client in clients.items()}}
+        timings = {(op, name): [] for op in ("reserve", "settle", "status") for name in transports}
+        try:
+            for round_number in range(rounds + rounds // 10):
+                for name, options in transports.items():
+                    started = time.perf_counter()
+                    reservation = await run_async(reserve_operation(subject, 1, 1, None), **options)
+                    reserved = time.perf_counter()
+                    await run_async(settle_operation(reservation, False, usage), **options)
+                    settled = time.perf_counter()
+                    await run_async(status_operation(subject, time.time()), **options)
+                    done = time.perf_counter()
+                    if round_number >= rounds // 10:  # the first tenth warms up
+                        timings[("reserve", name)].append((reserved - started) * 1e6)
+                        timings[("settle", name)].append((settled - reserved) * 1e6)
+                        timings[("status", name)].append((done - settled) * 1e6)
+        finally:
+            for client in clients.values():
+                await client.aclose()
+        return timings
+
+    timings = asyncio.run(run())
+    rows = [
+        {
+            "operation": operation,
+            "transport": name,
+            "p50_us": percentile(values, 0.5),
+            "p90_us": percentile(values, 0.9),
+        }
+        for (operation, name), values in timings.items()
+    ]
+    return {"hiredis": bool(redis.utils.HIREDIS_AVAILABLE), "rounds": rounds, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -180,6 +270,9 @@ def main() -> None:
         gap_s = rows[0]["p50_ms"] / 1000
         idle_ping_ms = redis_round_trip_ms(redis_server.url, gap_s, min(requests, 1000))
         busy_ping_ms = redis_round_trip_ms(redis_server.url, 0, min(requests, 1000))
+        for server in servers:  # the transports are timed with the machine otherwise idle
+            server.stop()
+        transports = measure_transports(env, requests)
     finally:
         for server in servers:
             server.stop()
@@ -196,8 +289,16 @@ def main() -> None:
         f"\nOne Redis round trip (PING, p50): {idle_ping_ms:.3f} ms after {gap_s * 1000:.1f} ms idle "
         f"(as between requests), {busy_ping_ms:.3f} ms back to back"
     )
+    if not transports["hiredis"]:
+        print("\nhiredis is not installed: redis-py is timed with its pure-Python parser only")
+    print("\nasyncio transports, back to back, tenant + key plan:")
+    print(f"{'operation':<10} {'transport':<18} {'p50 us':>8} {'p90 us':>8}")
+    print("-" * 47)
+    for row in transports["rows"]:
+        print(f"{row['operation']:<10} {row['transport']:<18} {row['p50_us']:>8.1f} {row['p90_us']:>8.1f}")
     result = {
         "rows": rows,
+        "transports": transports,
         "redis_ping_after_idle_p50_ms": idle_ping_ms,
         "redis_ping_back_to_back_p50_ms": busy_ping_ms,
         "cpus": os.cpu_count(),

@@ -280,7 +280,7 @@ def service_redis(
 ) -> Iterator[RedisServer]:
     """Point the service's Redis clients (Celery's broker, the channel layer) at the test Redis, and
     the job store at the second one (JOB_STORE_URL), both emptied first."""
-    from embeddings.services.redis_clients import redis_job_store, redis_sync, reset_redis_clients
+    from embeddings.redis.connections import redis_job_store, redis_sync, reset_redis_clients
 
     settings.REDIS_URL = redis_server.url
     settings.JOB_STORE_URL = job_store_server.url

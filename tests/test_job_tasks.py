@@ -14,10 +14,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from django.conf import settings
 
+from embeddings.redis.connections import redis_job_store
 from embeddings.services.job_callbacks import SIGNATURE_HEADER, callback_signature_valid
 from embeddings.services.job_leases import chunk_runs
 from embeddings.services.job_store import JobStore
-from embeddings.services.redis_clients import redis_job_store
 from embeddings.triton.server import free_port
 from tests import worker_stack
 from tests.processes import manage, process_group_paused

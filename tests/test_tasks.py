@@ -13,7 +13,8 @@ import pytest
 from celery import Celery
 
 from embeddings.management.commands.runstack import start_celery
-from embeddings.services.usage import UsageEvent, usage_record_sync
+from embeddings.services.quotas import quota_release_sync
+from embeddings.services.usage import UsageEvent
 from tests.database_backend import database_rows, fresh_database_url
 from tests.processes import manage, stop_process_group
 
@@ -81,7 +82,11 @@ def wait_for_totals(
 
 def record(database: StackDatabase, model: str, count: int) -> tuple[int, int]:
     for index in range(count):
-        usage_record_sync(UsageEvent(database.tenant_id, None, model, "openai", "succeeded", 1, index + 1))
+        quota_release_sync(
+            reservation=None,
+            refund=False,
+            usage=UsageEvent(database.tenant_id, None, model, "openai", "succeeded", 1, index + 1),
+        )
     return count, sum(range(1, count + 1))
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from embeddings.management.commands.runstack import start_celery
-from embeddings.services.redis_clients import redis_sync
+from embeddings.redis.connections import redis_sync
 from embeddings.services.usage import LIVE_USAGE_KEY
 from tests.database_backend import database_rows, fresh_database_url
 from tests.processes import manage, stop_process_group

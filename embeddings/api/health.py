@@ -23,10 +23,10 @@ from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from embeddings import lifecycle
+from embeddings.redis.connections import redis_async, redis_job_store
 from embeddings.services import catalog
 from embeddings.services.inference import triton_async_client
 from embeddings.services.model_serving import models_serving_states_async
-from embeddings.services.redis_clients import redis_async, redis_job_store
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Where each chunk of a job is: handed out, running under a lease its worker keeps alive, finished;
 and what the watchdog reads to re-send the chunks a dead worker left behind.
 
-Keys beside JobStore's in the job store (same `{job id}` hash tag), every time in milliseconds of
-the job store's own clock (TIME inside the scripts), so workers on other machines need no
-synchronised clocks:
+Keys beside JobStore's in the job store (same `{job id}` hash tag; all in embeddings.redis.keys,
+the scripts in embeddings.redis.scripts), every time in milliseconds of the job store's own clock
+(TIME inside the scripts), so workers on other machines need no synchronised clocks:
 
     job:{<id>}:sent      hash chunk -> when it was handed out (to the broker), or when its retry
                          is due; removed once the chunk is finished and has handed out its successor
@@ -38,194 +38,39 @@ from dataclasses import dataclass
 import redis
 from django.conf import settings
 
+from embeddings.redis import scripts
+from embeddings.redis.scripts import Script
+from embeddings.redis.transport import ScriptCall, run_sync, single
 from embeddings.services.job_store import JobStore
 
 logger = logging.getLogger(__name__)
 
-LEASE_KINDS = ("sent", "lease", "runs", "started")
 
-_NOW = """
-local function now_ms()
-    local t = redis.call('TIME')
-    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function deadline(lease)
-    if not lease then return nil end
-    return tonumber(string.match(lease, '^%d+'))
-end
-"""
-
-# Takes the next chunk number from the job's counter and records it handed out.
-# KEYS: next, sent. ARGV: ttl, chunks. Returns the number (>= chunks: none left).
-_TAKE_NEXT_BODY = """
-local function take_next(next_key, sent_key, ttl, chunks, now)
-    local chunk = redis.call('INCR', next_key) - 1
-    redis.call('EXPIRE', next_key, ttl)
-    if chunk < chunks then
-        redis.call('HSET', sent_key, chunk, now)
-        redis.call('EXPIRE', sent_key, ttl)
-    end
-    return chunk
-end
-"""
-
-TAKE_NEXT = (
-    _NOW
-    + _TAKE_NEXT_BODY
-    + """
-return take_next(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), now_ms())
-"""
-)
-
-# One successor per finished chunk (a redelivered chunk hands out none).
-# KEYS: handoff, next, sent. ARGV: chunk, ttl, chunks. Returns the successor, or -1.
-HANDOFF = (
-    _NOW
-    + _TAKE_NEXT_BODY
-    + """
-if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 0 then
-    return -1
-end
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return take_next(KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[3]), now_ms())
-"""
-)
-
-# Marks a chunk handed out again, due in ARGV[2] ms (a watchdog re-send, or a retry's countdown).
-# KEYS: sent. ARGV: chunk, delay ms, ttl.
-MARK_SENT = (
-    _NOW
-    + """
-redis.call('HSET', KEYS[1], ARGV[1], now_ms() + tonumber(ARGV[2]))
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return 1
-"""
-)
-
-# A chunk starts: its lease, and a run counted unless it was finished before (a redelivery).
-# KEYS: lease, runs, started, done. ARGV: chunk, lease ms, owner, ttl.
-LEASE_TAKE = (
-    _NOW
-    + """
-local now = now_ms()
-redis.call('HSET', KEYS[1], ARGV[1], (now + tonumber(ARGV[2])) .. ' ' .. ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 0 then
-    redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
-    redis.call('HSET', KEYS[3], ARGV[1], now)
-    redis.call('EXPIRE', KEYS[2], ARGV[4])
-    redis.call('EXPIRE', KEYS[3], ARGV[4])
-end
-return now
-"""
-)
-
-# The heartbeat. KEYS: lease. ARGV: chunk, lease ms, owner.
-LEASE_RENEW = (
-    _NOW
-    + """
-redis.call('HSET', KEYS[1], ARGV[1], (now_ms() + tonumber(ARGV[2])) .. ' ' .. ARGV[3])
-return 1
-"""
-)
-
-# The chunk's run ended (finished, failed, or gave up for a retry). KEYS: lease, sent, done,
-# handoff. ARGV: chunk. A finished chunk that handed out its successor is no longer in flight.
-LEASE_RELEASE = """
-redis.call('HDEL', KEYS[1], ARGV[1])
-if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 and redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then
-    redis.call('HDEL', KEYS[2], ARGV[1])
-end
-return 1
-"""
-
-# Live leases of a job (a cancelled job ends once none is left). KEYS: lease.
-LIVE_LEASES = (
-    _NOW
-    + """
-local now, live = now_ms(), 0
-local leases = redis.call('HGETALL', KEYS[1])
-for i = 1, #leases, 2 do
-    local due = deadline(leases[i + 1])
-    if due and due > now then live = live + 1 end
-end
-return live
-"""
-)
-
-# The watchdog's pass over one job (see the module docstring). KEYS: sent, lease, done, handoff,
-# next. ARGV: stall ms, ttl, chunks. Returns {lost running, never started, successors handed
-# out, chunks still in flight}; the first three are marked handed out now.
-SCAN = (
-    _NOW
-    + _TAKE_NEXT_BODY
-    + """
-local now, stall, ttl, chunks = now_ms(), tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
-local lost, stalled, successors = {}, {}, {}
-local sent = redis.call('HGETALL', KEYS[1])
-for i = 1, #sent, 2 do
-    local chunk, handed_at = sent[i], tonumber(sent[i + 1])
-    local due = deadline(redis.call('HGET', KEYS[2], chunk))
-    local alive = due and due > now
-    if redis.call('SISMEMBER', KEYS[3], chunk) == 1 then
-        if not alive then
-            if redis.call('HSETNX', KEYS[4], chunk, 1) == 1 then
-                redis.call('EXPIRE', KEYS[4], ttl)
-                local successor = take_next(KEYS[5], KEYS[1], ttl, chunks, now)
-                if successor < chunks then table.insert(successors, successor) end
-            end
-            redis.call('HDEL', KEYS[1], chunk)
-            redis.call('HDEL', KEYS[2], chunk)
-        end
-    elseif alive then
-        -- running: its worker's heartbeat keeps the lease
-    elseif due then
-        redis.call('HDEL', KEYS[2], chunk)
-        redis.call('HSET', KEYS[1], chunk, now)
-        table.insert(lost, tonumber(chunk))
-    elseif now - handed_at >= stall then
-        redis.call('HSET', KEYS[1], chunk, now)
-        table.insert(stalled, tonumber(chunk))
-    end
-end
-return {lost, stalled, successors, redis.call('HLEN', KEYS[1])}
-"""
-)
-
-
-def _script(client: redis.Redis, source: str):
-    cache = client.__dict__.setdefault("_embedsite_lease_scripts", {})
-    if source not in cache:
-        cache[source] = client.register_script(source)
-    return cache[source]
-
-
-def lease_keys(store: JobStore) -> list[str]:
-    """This module's keys of the job (for deleting a job's data)."""
-    return [store.key(kind) for kind in LEASE_KINDS]
+def _run(store: JobStore, script: Script, kinds: tuple[str, ...], args: list):
+    """Run one of the lease scripts on the job's keys of `kinds` (in that order)."""
+    keys = [store.key(kind) for kind in kinds]
+    return run_sync(single(ScriptCall(script, keys, args)), store.client)
 
 
 def chunk_take_next(store: JobStore, *, chunks: int) -> int:
     """The next chunk to hand out, recorded as handed out; >= chunks when none is left."""
-    keys = [store.key("next"), store.key("sent")]
-    return int(_script(store.client, TAKE_NEXT)(keys=keys, args=[store.ttl_s, chunks]))
+    return int(_run(store, scripts.JOB_CHUNK_TAKE_NEXT, ("next", "sent"), [store.ttl_s, chunks]))
 
 
 def chunk_hand_off(store: JobStore, *, chunk: int, chunks: int) -> int:
     """The successor of a finished chunk, once per chunk; -1 (or >= chunks) when none is due."""
-    keys = [store.key("handoff"), store.key("next"), store.key("sent")]
-    return int(_script(store.client, HANDOFF)(keys=keys, args=[chunk, store.ttl_s, chunks]))
+    kinds = ("handoff", "next", "sent")
+    return int(_run(store, scripts.JOB_CHUNK_HANDOFF, kinds, [chunk, store.ttl_s, chunks]))
 
 
 def chunk_mark_sent(store: JobStore, *, chunk: int, delay_s: float = 0.0) -> None:
     """Record the chunk handed out again now, or due after `delay_s` (a retry's countdown), so the
     stall timer counts from then."""
-    args = [chunk, round(delay_s * 1000), store.ttl_s]
-    _script(store.client, MARK_SENT)(keys=[store.key("sent")], args=args)
+    _run(store, scripts.JOB_CHUNK_MARK_SENT, ("sent",), [chunk, round(delay_s * 1000), store.ttl_s])
 
 
 def live_leases(store: JobStore) -> int:
-    return int(_script(store.client, LIVE_LEASES)(keys=[store.key("lease")]))
+    return int(_run(store, scripts.JOB_LIVE_LEASES, ("lease",), []))
 
 
 @dataclass(frozen=True)
@@ -238,9 +83,9 @@ class ScanResult:
 
 def chunks_scan(store: JobStore, *, chunks: int, stall_s: float) -> ScanResult:
     """Classify the job's handed-out chunks (module docstring); the ones to send are marked sent."""
-    keys = [store.key(kind) for kind in ("sent", "lease", "done", "handoff", "next")]
+    kinds = ("sent", "lease", "done", "handoff", "next")
     args = [round(stall_s * 1000), store.ttl_s, chunks]
-    lost, stalled, successors, in_flight = _script(store.client, SCAN)(keys=keys, args=args)
+    lost, stalled, successors, in_flight = _run(store, scripts.JOB_CHUNKS_SCAN, kinds, args)
     return ScanResult(
         [int(c) for c in lost], [int(c) for c in stalled], [int(c) for c in successors], int(in_flight)
     )
@@ -279,9 +124,8 @@ class ChunkLease:
 
     def __enter__(self) -> ChunkLease:
         store = self.store
-        keys = [store.key(kind) for kind in ("lease", "runs", "started", "done")]
         args = [self.chunk, self._lease_ms, self.owner, store.ttl_s]
-        _script(store.client, LEASE_TAKE)(keys=keys, args=args)
+        _run(store, scripts.JOB_LEASE_TAKE, ("lease", "runs", "started", "done"), args)
         self._thread = threading.Thread(
             target=self._renew_until_stopped, name=f"lease {store.job_id}:{self.chunk}", daemon=True
         )
@@ -294,9 +138,8 @@ class ChunkLease:
             # Joined before the release, so a late renewal cannot bring the lease back.
             self._thread.join(timeout=settings.JOB_STORE_TIMEOUT_S * 3 + 1)
         store = self.store
-        keys = [store.key(kind) for kind in ("lease", "sent", "done", "handoff")]
         try:
-            _script(store.client, LEASE_RELEASE)(keys=keys, args=[self.chunk])
+            _run(store, scripts.JOB_LEASE_RELEASE, ("lease", "sent", "done", "handoff"), [self.chunk])
         except redis.RedisError as error:  # the lease lapses by itself; don't hide the chunk's own error
             logger.warning("job %s chunk %s: lease not released: %s", store.job_id, self.chunk, error)
 
@@ -305,10 +148,10 @@ class ChunkLease:
         return round(self.lease_s * 1000)
 
     def _renew_until_stopped(self) -> None:
-        renew = _script(self.store.client, LEASE_RENEW)
-        key = [self.store.key("lease")]
         while not self._stop.wait(self.lease_s / 3):
             try:
-                renew(keys=key, args=[self.chunk, self._lease_ms, self.owner])
+                _run(
+                    self.store, scripts.JOB_LEASE_RENEW, ("lease",), [self.chunk, self._lease_ms, self.owner]
+                )
             except redis.RedisError as error:  # try again at the next beat; the lease may lapse
                 logger.warning("job %s chunk %s: lease not renewed: %s", self.store.job_id, self.chunk, error)

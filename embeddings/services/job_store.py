@@ -1,19 +1,9 @@
 """A job's inputs and results in the job store (JOB_STORE_URL): chunked, kept for the job's TTL,
 written once, read as a stream.
 
-Keys (the `{job id}` hash tag keeps one job's keys on one Redis Cluster slot):
-
-    job:{<id>}:in:<chunk>    orjson list of the chunk's texts (written at submission, deleted
-                             when the job ends: services/jobs.py job_finalize)
-    job:{<id>}:ids:<chunk>   orjson list of the client's ids for those texts (JSONL uploads)
-    job:{<id>}:out:<chunk>   the chunk's vectors: rows x dims little-endian float32 bytes, or
-                             float16 for a job stored as float16 (services/result_dtypes.py)
-    job:{<id>}:done          set of finished chunk numbers: what makes a redelivered chunk a no-op
-    job:{<id>}:progress      hash: completed, failed (inputs), tokens, chunks_done
-    job:{<id>}:uncounted     hash chunk -> orjson of its usage increments, until the critical Redis
-                             has counted them (embeddings.services.usage.usage_count_once)
-    job:{<id>}:reservation   orjson list of the quota counters the job's tokens were reserved on
-    job:{<id>}:cancel        present once the job is cancelled
+The job's keys, their types and lifetimes are in embeddings.redis.keys (`job:{<id>}:...`: the hash
+tag keeps one job's keys on one Redis Cluster slot); JobStore names them only through that module, runs
+its script through the package's operations, and `delete` removes every one of them (keys.job_keys).
 
 A chunk's result, its entry in `done`, the progress counters and its usage increments (in
 `uncounted`) are written by one script, so a chunk that runs twice (a worker killed after writing,
@@ -26,37 +16,17 @@ watchdog or the job's end (embeddings.services.jobs), never lost and never count
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import orjson
 import redis
 
+from embeddings.redis import keys, operations
+from embeddings.redis.transport import run_sync
 from embeddings.services.errors import JobStoreUnavailable
 from embeddings.services.result_dtypes import DEFAULT_RESULT_DTYPE, result_decode, result_encode
-
-# KEYS: done set, result key, progress hash, uncounted usage hash.
-# ARGV: chunk number, payload, ttl seconds, rows, tokens, counter ("completed" or "failed"), the
-# chunk's usage increments (orjson; empty: none), kept until the critical Redis has counted them.
-_FINISH_CHUNK = """
-if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
-    return 0
-end
-if ARGV[6] == 'completed' then
-    redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
-end
-redis.call('HINCRBY', KEYS[3], ARGV[6], ARGV[4])
-redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[5])
-redis.call('HINCRBY', KEYS[3], 'chunks_done', 1)
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('EXPIRE', KEYS[3], ARGV[3])
-if ARGV[7] ~= '' then
-    redis.call('HSET', KEYS[4], ARGV[1], ARGV[7])
-    redis.call('EXPIRE', KEYS[4], ARGV[3])
-end
-return 1
-"""
 
 
 @dataclass(frozen=True)
@@ -104,11 +74,12 @@ class JobStore:
         self.job_id = job_id
         self.ttl_s = int(ttl_s)
         self.result_dtype = result_dtype
-        self._finish_chunk = client.register_script(_FINISH_CHUNK)
 
     def key(self, kind: str, chunk: int | None = None) -> str:
-        base = f"job:{{{self.job_id}}}:{kind}"
-        return base if chunk is None else f"{base}:{chunk}"
+        """One of the job's keys (embeddings.redis.keys): a chunk's with `chunk`."""
+        if chunk is None:
+            return keys.job_key(self.job_id, kind)
+        return keys.job_chunk_key(self.job_id, kind, chunk)
 
     # --- inputs (submission) ----------------------------------------------------------------
 
@@ -195,10 +166,17 @@ class JobStore:
         counter: str,
         usage: dict[str, int] | None,
     ) -> bool:
-        keys = [self.key("done"), self.key("out", chunk), self.key("progress"), self.key("uncounted")]
-        increments = orjson.dumps(usage) if usage else b""
-        args = [chunk, payload, self.ttl_s, rows, tokens, counter, increments]
-        return self._finish_chunk(keys=keys, args=args) == 1
+        finish = operations.job_chunk_finish(
+            job_id=self.job_id,
+            chunk=chunk,
+            payload=payload,
+            ttl_s=self.ttl_s,
+            rows=rows,
+            tokens=tokens,
+            counter=counter,
+            increments=orjson.dumps(usage) if usage else b"",
+        )
+        return run_sync(finish, self.client)
 
     def uncounted_usage(self, chunk: int | None = None) -> dict[int, dict[str, int]]:
         """Usage increments of finished chunks not yet counted (one chunk's, or all of them)."""
@@ -227,23 +205,17 @@ class JobStore:
     def is_cancelled(self) -> bool:
         return bool(self.client.exists(self.key("cancel")))
 
+    def event_due(self, interval_s: float) -> bool:
+        """True at most once every `interval_s` (progress events' rate limit, across workers)."""
+        return bool(self.client.set(self.key("event"), 1, nx=True, px=int(interval_s * 1000)))
+
     def chunk_result(self, chunk: int, dims: int) -> np.ndarray | None:
         """A finished chunk's vectors (rows x dims float32, whatever the result dtype); None if it
         has none (failed, expired)."""
         raw = self.client.get(self.key("out", chunk))
         return None if raw is None else result_decode(raw, self.result_dtype, dims)
 
-    def iter_results(
-        self, chunks: int, dims: int, *, first: int = 0
-    ) -> Iterator[tuple[int, np.ndarray | None]]:
-        """(chunk number, vectors or None) in order, one chunk in memory at a time."""
-        for chunk in range(first, chunks):
-            yield chunk, self.chunk_result(chunk, dims)
-
     def delete(self, chunks: int) -> None:
-        """Remove everything the job stored (inputs, ids, results, counters)."""
-        names = [self.key(kind) for kind in ("done", "progress", "uncounted", "cancel")]
-        for chunk in range(chunks):
-            names += [self.key(kind, chunk) for kind in ("in", "ids", "out")]
-        for start in range(0, len(names), 1000):
-            self.client.delete(*names[start : start + 1000])
+        """Remove every key of the job in the job store (inputs, ids, results, counters, the
+        engine's and the leases'): keys.job_keys lists them all."""
+        run_sync(operations.job_delete(self.job_id, chunks), self.client)

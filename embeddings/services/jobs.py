@@ -59,6 +59,8 @@ from django.utils import timezone
 
 from embeddings.callers import NO_LIMITS, Caller
 from embeddings.models import ApiKey, EmbeddingJob, EmbeddingModel, Tenant
+from embeddings.redis import keys as redis_keys
+from embeddings.redis.connections import redis_job_store, redis_sync
 from embeddings.services.embedding import (
     EmbeddingOptions,
     EmbeddingTarget,
@@ -81,7 +83,6 @@ from embeddings.services.job_leases import (
     chunk_mark_sent,
     chunk_take_next,
     chunks_scan,
-    lease_keys,
     live_leases,
 )
 from embeddings.services.job_storage import (
@@ -95,10 +96,11 @@ from embeddings.services.quotas import (
     QuotaHolder,
     QuotaLimitValues,
     Reservation,
+    quota_refund_forget,
+    quota_refund_once,
     quota_release_sync,
     quota_reserve_sync,
 )
-from embeddings.services.redis_clients import redis_job_store, redis_sync
 from embeddings.services.result_dtypes import RESULT_DTYPES
 from embeddings.services.usage import UsageEvent, usage_count_once, usage_increments
 
@@ -118,18 +120,6 @@ EVENT_INTERVAL_S = 0.5
 # goes ahead of the backlog: a dead worker's job resumes without queueing again.
 CHUNK_PRIORITY = 6
 RESENT_CHUNK_PRIORITY = 3
-
-# Refunds a finished job's unused tokens once. KEYS: the settled marker, then the token counters.
-# ARGV: ttl, amount. A counter whose window has expired is not recreated.
-_SETTLE_ONCE = """
-if not redis.call('SET', KEYS[1], 1, 'NX', 'EX', ARGV[1]) then
-    return 0
-end
-for i = 2, #KEYS do
-    if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('DECRBY', KEYS[i], ARGV[2]) end
-end
-return 1
-"""
 
 
 @dataclass(frozen=True)
@@ -161,25 +151,13 @@ def job_store(job: EmbeddingJob) -> JobStore:
     )
 
 
-def _engine_keys(store: JobStore) -> list[str]:
-    """The engine's own keys beside JobStore's (same hash tag, in the job store)."""
-    kinds = ("next", "handoff", "reservation", "event")
-    return [store.key(kind) for kind in kinds] + lease_keys(store)
-
-
-def _settled_key(store: JobStore) -> str:
-    """The reservation's settled marker: in the critical Redis, beside the counters it refunds."""
-    return store.key("settled")
-
-
 def _delete_data(job: EmbeddingJob) -> None:
     """Delete the job's Redis data, then give back the bytes it held (a failure in between leaves
     them held: counted too much until the sweep, never too little)."""
     store = job_store(job)
     _count_usage(store)
     store.delete(job.chunks)
-    store.client.delete(*_engine_keys(store))
-    redis_sync().delete(_settled_key(store))
+    quota_refund_forget(job_id=store.job_id)
     job_storage_release(public_id=job.public_id)
 
 
@@ -192,13 +170,6 @@ def _count_usage(store: JobStore, chunk: int | None = None) -> None:
     for number, increments in pending.items():
         usage_count_once(owner=store.job_id, unit=number, increments=increments, ttl_s=store.ttl_s)
     store.forget_usage(list(pending))
-
-
-def _script(client: redis.Redis, source: str):
-    cache = client.__dict__.setdefault("_embedsite_job_scripts", {})
-    if source not in cache:
-        cache[source] = client.register_script(source)
-    return cache[source]
 
 
 # --- Submission ------------------------------------------------------------------------------------
@@ -278,7 +249,7 @@ class _SubmitLock:
     applies); a lock lost to a dead process expires."""
 
     def __init__(self, tenant_id: int, needed: bool) -> None:
-        self.lock = redis_sync().lock(f"jobs:{{t{tenant_id}}}:submit", timeout=30, blocking_timeout=10)
+        self.lock = redis_sync().lock(redis_keys.job_submit_lock(tenant_id), timeout=30, blocking_timeout=10)
         self.needed = needed
 
     def __enter__(self):
@@ -591,11 +562,8 @@ def job_embedding_target(model: EmbeddingModel) -> EmbeddingTarget:
 
 def _publish(job: EmbeddingJob, *, force: bool = False) -> None:
     """Publish the job's state, at most every EVENT_INTERVAL_S per job unless forced (start, end)."""
-    store = job_store(job)
-    if not force:
-        allowed = store.client.set(store.key("event"), 1, nx=True, px=int(EVENT_INTERVAL_S * 1000))
-        if not allowed:
-            return
+    if not force and not job_store(job).event_due(EVENT_INTERVAL_S):
+        return
     job_event_publish(public_id=job.public_id, job=job_object(job))
 
 
@@ -784,7 +752,7 @@ def _settle(job: EmbeddingJob, store: JobStore, used_tokens: int) -> None:
     keys = store.reservation()
     refund = max(0, job.reserved_tokens - used_tokens)
     if keys and refund:
-        _script(redis_sync(), _SETTLE_ONCE)(keys=[_settled_key(store), *keys], args=[store.ttl_s, refund])
+        quota_refund_once(job_id=store.job_id, counters=keys, tokens=refund, ttl_s=store.ttl_s)
 
 
 # --- Watchdog ------------------------------------------------------------------------------------

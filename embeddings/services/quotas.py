@@ -8,12 +8,12 @@ on top of its tenant's. Blank means no limit at that level. Windows are fixed an
     tokens_per_month                         the UTC calendar month (the budget)
     max_concurrent_requests                  a lease set per level (sorted set scored by expiry)
 
-`quota_reserve` runs RESERVE_SCRIPT once per request, after tokenisation and before inference: it
+`quota_reserve` runs the reserve script once per request, after tokenisation and before inference: it
 looks at every applicable counter and lease set, and only if *all* of them have room does the
 request stay added (1 to the request counters, the tokens to the token counters, a lease to each
 lease set); otherwise the script leaves everything as it was.
 So the limits hold exactly under any concurrency, across processes and machines: there is no
-read-then-write gap. `quota_release` (SETTLE_SCRIPT) frees the leases and, when inference failed,
+read-then-write gap. `quota_release` (the settle script) frees the leases and, when inference failed,
 gives the tokens back, adding the request's usage counters in the same round trip. A process
 that dies mid-request leaks nothing for long: its leases expire after QUOTA_LEASE_SECONDS and
 counters expire after their window.
@@ -22,6 +22,11 @@ Counters exist only for windows that have a limit (an unlimited tenant costs no 
 quotas), so a limit set in the middle of a window starts counting from zero. The window is chosen
 from the caller's clock (`now`, injectable for tests); all keys of one tenant share the hash tag
 `{t<id>}`, so one script only touches one Redis Cluster slot.
+
+This module is the policy: windows, plans, refusal messages and headers. The scripts, keys and
+transports are embeddings.redis's; each operation here is one generator (`reserve_operation`,
+`settle_operation`, `status_operation`) run by the asyncio transport for requests and by the
+blocking one for Celery workers and the admin.
 """
 
 from __future__ import annotations
@@ -37,18 +42,15 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from django.conf import settings
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 from embeddings.callers import NO_LIMITS, Caller, QuotaLimitValues
+from embeddings.redis import keys as redis_keys
+from embeddings.redis import operations
+from embeddings.redis.connections import redis_sync
+from embeddings.redis.transport import Operation, PackedRun, run_async, run_sync
 from embeddings.services.errors import LimitExceeded, QuotaExceeded, QuotaUnavailable
-from embeddings.services.redis_clients import (
-    pack_arguments,
-    pack_command,
-    redis_async,
-    redis_lean_async,
-    redis_sync,
-)
-from embeddings.services.usage import LIVE_USAGE_KEY, Outcome, UsageEvent, usage_increments
+from embeddings.services.usage import Outcome, UsageEvent, usage_increments
 
 logger = logging.getLogger(__name__)
 
@@ -58,80 +60,8 @@ clock = time.time
 # Whose quotas apply: the caller, defined once in embeddings/callers.py (old names kept for callers).
 QuotaSubject = QuotaHolder = Caller
 
-Level = Literal["tenant", "key"]
+Level = redis_keys.Level
 Kind = Literal["requests", "tokens"]
-
-# KEYS[1..n] window counters (the first r count requests, the others tokens), KEYS[n+1..] lease sets.
-# ARGV: now (ms), tokens, lease member, lease expiry (ms), lease set TTL (ms), n, r; then per
-# counter: limit, window end (ms); then per lease set: limit. Times are on the caller's clock.
-# Returns "admitted,count,...,live,...": 0/1, each counter before this request, each set's live
-# leases (one string: far cheaper for the client to read than an array).
-RESERVE_SCRIPT = """
-local now = tonumber(ARGV[1])
-local tokens = tonumber(ARGV[2])
-local n = tonumber(ARGV[6])
-local r = tonumber(ARGV[7])
-local admitted = 1
-local result = {0}
--- Add first and take back if anything is over: atomic all the same (nothing runs in between),
--- and half the calls of reading every counter before writing it.
-for i = 1, n do
-  local amount = tokens
-  if i <= r then amount = 1 end
-  local count = redis.call('INCRBY', KEYS[i], amount)
-  if count == amount then
-    -- A new counter lives for the rest of its window, and a minute more (a late refund finds it).
-    redis.call('PEXPIRE', KEYS[i], tonumber(ARGV[7 + 2 * i]) - now + 60000)
-  end
-  result[i + 1] = count - amount
-  if count > tonumber(ARGV[6 + 2 * i]) then admitted = 0 end
-end
-for j = 1, #KEYS - n do
-  local key = KEYS[n + j]
-  local limit = tonumber(ARGV[7 + 2 * n + j])
-  local live = redis.call('ZCARD', key)
-  if live >= limit then
-    -- Full: drop the leases of requests whose process died (expired) and count again.
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-    live = redis.call('ZCARD', key)
-  end
-  result[n + j + 1] = live
-  if live >= limit then admitted = 0 end
-end
-if admitted == 1 then
-  for j = 1, #KEYS - n do
-    redis.call('ZADD', KEYS[n + j], tonumber(ARGV[4]), ARGV[3])
-    redis.call('PEXPIRE', KEYS[n + j], ARGV[5])
-  end
-else
-  for i = 1, n do
-    local amount = tokens
-    if i <= r then amount = 1 end
-    redis.call('DECRBY', KEYS[i], amount)
-  end
-end
-result[1] = admitted
-return table.concat(result, ',')
-"""
-
-# Settles one request in one round trip. KEYS[1..r] token counters to refund, KEYS[r+1..#KEYS-1]
-# lease sets, KEYS[#KEYS] the live usage hash (embeddings.services.usage). ARGV: r, lease member,
-# r refund amounts, then usage field/amount pairs. A counter whose key has expired meanwhile is not
-# recreated (it would only hold a negative count).
-SETTLE_SCRIPT = """
-local r = tonumber(ARGV[1])
-for i = 1, r do
-  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('DECRBY', KEYS[i], ARGV[2 + i]) end
-end
-for j = r + 1, #KEYS - 1 do
-  redis.call('ZREM', KEYS[j], ARGV[2])
-end
-local usage = KEYS[#KEYS]
-for k = 3 + r, #ARGV, 2 do
-  redis.call('HINCRBY', usage, ARGV[k], ARGV[k + 1])
-end
-return 1
-"""
 
 
 # --- Windows ---------------------------------------------------------------------------------------
@@ -140,7 +70,7 @@ return 1
 @dataclass(frozen=True)
 class Window:
     limit_name: str  # the QuotaLimits field
-    short: str  # in the Redis key
+    short: str  # in the Redis key (embeddings.redis.keys.quota_counter)
     kind: Kind
     label: str  # in messages, as OpenAI words them
 
@@ -174,8 +104,7 @@ def _month_bounds(year: int, month: int) -> tuple[int, int]:
 
 
 def _scope(subject: QuotaSubject, level: Level) -> str:
-    tag = f"quota:{{t{subject.tenant_id}}}"
-    return f"{tag}:t" if level == "tenant" else f"{tag}:k{subject.key_id}"
+    return redis_keys.quota_scope(tenant_id=subject.tenant_id, key_id=subject.key_id, level=level)
 
 
 def _levels(subject: QuotaSubject) -> list[tuple[Level, QuotaLimitValues]]:
@@ -212,10 +141,8 @@ class QuotaPlan:
     counters: tuple[Counter, ...]
     leases: tuple[LeaseSet, ...]
     requests_counters: int
-    keys: tuple[str, ...]
-    tail: tuple[int, ...]  # per counter: limit, window end (ms); per lease set: limit
-    packed_keys: bytes
-    packed_tail: bytes
+    keys: PackedRun  # the counters' keys, then the lease sets'
+    tail: PackedRun  # per counter: limit, window end (ms); per lease set: limit
 
     def counters_for(self, tokens: int) -> list[Counter]:
         return [
@@ -252,13 +179,12 @@ def _make_plan(subject: QuotaSubject, now: float) -> QuotaPlan:
                 continue
             start, reset_at = window_bounds(window.limit_name, now)
             amount = 1 if window.kind == "requests" else 0
-            counters.append(
-                Counter(f"{scope}:{window.short}:{start}", level, window, limit, amount, reset_at)
-            )
+            key = redis_keys.quota_counter(scope, window=window.short, start=start)
+            counters.append(Counter(key, level, window, limit, amount, reset_at))
         if limits.max_concurrent_requests is not None:
-            leases.append(LeaseSet(f"{scope}:concurrent", level, limits.max_concurrent_requests))
+            leases.append(LeaseSet(redis_keys.quota_leases(scope), level, limits.max_concurrent_requests))
     counters.sort(key=lambda counter: counter.window.kind != "requests")  # stable: requests first
-    keys = tuple([c.key for c in counters] + [lease.key for lease in leases])
+    keys = [c.key for c in counters] + [lease.key for lease in leases]
     tail: list[int] = []
     for counter in counters:
         tail += [counter.limit, counter.reset_at * 1000]
@@ -267,10 +193,8 @@ def _make_plan(subject: QuotaSubject, now: float) -> QuotaPlan:
         counters=tuple(counters),
         leases=tuple(leases),
         requests_counters=sum(c.window.kind == "requests" for c in counters),
-        keys=keys,
-        tail=tuple(tail),
-        packed_keys=pack_arguments(keys),
-        packed_tail=pack_arguments(tail),
+        keys=PackedRun.of(keys),
+        tail=PackedRun.of(tail),
     )
 
 
@@ -386,10 +310,9 @@ class Reservation:
     lease_member: str
     headers: dict[str, str]
 
-    def settle_arguments(self, *, refund: bool) -> tuple[list[str], list]:
-        refunds = [c for c in self.counters if refund and c.window.kind == "tokens" and c.amount]
-        keys = [c.key for c in refunds] + [lease.key for lease in self.leases]
-        return keys, [len(refunds), self.lease_member, *(c.amount for c in refunds)]
+    def refunds(self) -> list[tuple[str, int]]:
+        """(counter, tokens) to give back when the request failed: its tokens, not its request."""
+        return [(c.key, c.amount) for c in self.counters if c.window.kind == "tokens" and c.amount]
 
     @property
     def holds_anything(self) -> bool:
@@ -410,15 +333,6 @@ def _reserve_head(plan: QuotaPlan, tokens: int, member: str, now: float) -> list
     ]
 
 
-def _scripts(client) -> tuple:
-    """The client's registered scripts (EVALSHA, reloaded by redis-py after a Redis restart)."""
-    scripts = getattr(client, "_embedsite_quota_scripts", None)
-    if scripts is None:
-        scripts = (client.register_script(RESERVE_SCRIPT), client.register_script(SETTLE_SCRIPT))
-        client._embedsite_quota_scripts = scripts
-    return scripts
-
-
 def _check_inputs(subject: QuotaSubject, inputs: int) -> None:
     for level, limits in _levels(subject):
         if limits.max_inputs_per_request is not None and inputs > limits.max_inputs_per_request:
@@ -429,10 +343,18 @@ def _check_inputs(subject: QuotaSubject, inputs: int) -> None:
             )
 
 
-def _admitted(
-    subject: QuotaSubject, plan: QuotaPlan, tokens: int, member: str, result: bytes | str, now: float
-) -> Reservation:
-    values = [int(value) for value in (result.decode() if isinstance(result, bytes) else result).split(",")]
+def reserve_operation(
+    subject: QuotaSubject, inputs: int, tokens: int, now: float | None
+) -> Operation[Reservation]:
+    """`quota_reserve` as an operation, for either transport (embeddings.redis.transport)."""
+    _check_inputs(subject, inputs)
+    now = clock() if now is None else now
+    plan = quota_plan(subject, now=now)
+    member = os.urandom(8).hex()
+    if not plan.keys:
+        return Reservation((), (), member, {})
+    head = _reserve_head(plan, tokens, member, now)
+    values = yield from operations.quota_reserve(plan_keys=plan.keys, head=head, tail=plan.tail)
     counters = plan.counters_for(tokens)
     counts = values[1 : 1 + len(counters)]
     live = values[1 + len(counters) :]
@@ -440,42 +362,6 @@ def _admitted(
         raise _refusal(subject, counters, plan.leases, counts, live, now)
     after = [count + counter.amount for count, counter in zip(counts, counters, strict=True)]
     return Reservation(tuple(counters), plan.leases, member, ratelimit_headers(counters, after, now))
-
-
-async def _evalsha_packed(script, packed_arguments: bytes, count: int):
-    """EVALSHA `script` with `count` arguments (numkeys included) packed beforehand, on the lean
-    client (or a redis-py connection where REDIS_URL is not plain TCP); loads the script when Redis
-    does not know it (first use, or after a restart)."""
-    command = b"*%d\r\n" % (count + 2) + pack_arguments([b"EVALSHA", script.sha]) + packed_arguments
-    lean = redis_lean_async()
-    for attempt in range(2):
-        try:
-            if lean is not None:
-                return await lean.call(command)
-            return await _call_with_redis_py(command)
-        except NoScriptError:
-            if attempt:
-                raise
-        if lean is not None:
-            await lean.call(pack_command(b"SCRIPT", b"LOAD", script.script))
-        else:
-            await redis_async().script_load(script.script)
-    raise AssertionError("unreachable")
-
-
-async def _call_with_redis_py(command: bytes):
-    pool = redis_async().connection_pool
-    connection = await pool.get_connection()
-    try:
-        await connection.send_packed_command(command)
-        return await connection.read_response()
-    except NoScriptError:
-        raise
-    except BaseException:
-        await connection.disconnect()
-        raise
-    finally:
-        await pool.release(connection)
 
 
 async def quota_reserve(
@@ -486,45 +372,29 @@ async def quota_reserve(
     Raises LimitExceeded (too many inputs for the tenant or key), QuotaExceeded, or
     redis.exceptions.RedisError (the caller applies QUOTA_REDIS_FAILURE).
     """
-    _check_inputs(subject, inputs)
-    now = clock() if now is None else now
-    plan = quota_plan(subject, now=now)
-    member = os.urandom(8).hex()
-    if not plan.keys:
-        return Reservation((), (), member, {})
-    head = _reserve_head(plan, tokens, member, now)
-    packed = pack_arguments([len(plan.keys)]) + plan.packed_keys + pack_arguments(head) + plan.packed_tail
-    reserve, _ = _scripts(redis_async())
-    result = await _evalsha_packed(reserve, packed, 1 + len(plan.keys) + len(head) + len(plan.tail))
-    return _admitted(subject, plan, tokens, member, result, now)
+    return await run_async(reserve_operation(subject, inputs, tokens, now))
 
 
 def quota_reserve_sync(
     *, subject: QuotaSubject, inputs: int, tokens: int, now: float | None = None
 ) -> Reservation:
-    """The blocking twin of `quota_reserve` (Celery workers)."""
-    _check_inputs(subject, inputs)
-    now = clock() if now is None else now
-    plan = quota_plan(subject, now=now)
-    member = os.urandom(8).hex()
-    if not plan.keys:
-        return Reservation((), (), member, {})
-    reserve, _ = _scripts(redis_sync())
-    result = reserve(keys=list(plan.keys), args=[*_reserve_head(plan, tokens, member, now), *plan.tail])
-    return _admitted(subject, plan, tokens, member, result, now)
+    """`quota_reserve` on the blocking transport (Celery workers, job submissions)."""
+    return run_sync(reserve_operation(subject, inputs, tokens, now), redis_sync())
 
 
-def _settle_arguments(
+def settle_operation(
     reservation: Reservation | None, refund: bool, usage: UsageEvent | None
-) -> tuple[list[str], list]:
-    if reservation is not None:
-        keys, args = reservation.settle_arguments(refund=refund)
-    else:
-        keys, args = [], [0, ""]
-    if usage is not None:
-        for field, amount in usage_increments(usage).items():
-            args += [field, amount]
-    return [*keys, LIVE_USAGE_KEY], args
+) -> Operation[None]:
+    """`quota_release` as an operation, for either transport."""
+    refunds = reservation.refunds() if reservation is not None and refund else []
+    lease_sets = [lease.key for lease in reservation.leases] if reservation is not None else []
+    if refunds or lease_sets or usage is not None:
+        yield from operations.quota_settle(
+            refunds=refunds,
+            lease_sets=lease_sets,
+            lease_member=reservation.lease_member if reservation is not None else "",
+            usage=usage_increments(usage) if usage is not None else None,
+        )
 
 
 async def quota_release(
@@ -532,19 +402,28 @@ async def quota_release(
 ) -> None:
     """Free the reservation's leases; with `refund`, give its tokens back (inference failed); count
     `usage` (its usage_increments) in the same round trip."""
-    keys, args = _settle_arguments(reservation, refund, usage)
-    if len(keys) > 1 or usage is not None:
-        _, settle = _scripts(redis_async())
-        await _evalsha_packed(settle, pack_arguments([len(keys), *keys, *args]), 1 + len(keys) + len(args))
+    await run_async(settle_operation(reservation, refund, usage))
 
 
 def quota_release_sync(
     *, reservation: Reservation | None, refund: bool, usage: UsageEvent | None = None
 ) -> None:
-    keys, args = _settle_arguments(reservation, refund, usage)
-    if len(keys) > 1 or usage is not None:
-        _, settle = _scripts(redis_sync())
-        settle(keys=keys, args=args)
+    """`quota_release` on the blocking transport."""
+    run_sync(settle_operation(reservation, refund, usage), redis_sync())
+
+
+def quota_refund_once(*, job_id: str, counters: list[str], tokens: int, ttl_s: int) -> bool:
+    """Give `tokens` back to each of a job's reserved counters, once however often this runs (a
+    marker beside the counters); True if refunded now."""
+    return run_sync(
+        operations.quota_refund_once(job_id=job_id, counters=counters, amount=tokens, ttl_s=ttl_s),
+        redis_sync(),
+    )
+
+
+def quota_refund_forget(*, job_id: str) -> None:
+    """Drop the job's refund marker (the job's data is deleted)."""
+    run_sync(operations.quota_forget_settled(job_id), redis_sync())
 
 
 # --- One API request's bookkeeping ----------------------------------------------------------------
@@ -641,30 +520,21 @@ def _log_redis_failure(what: str, error: Exception) -> None:
 # --- Current state -------------------------------------------------------------------------------
 
 
-def _status_reads(subject: QuotaSubject, now: float) -> list[tuple[Level, str, str, int, int]]:
-    """(level, limit name, key, limit, reset_at) of each window counter that has a limit."""
-    return [
-        (c.level, c.window.limit_name, c.key, c.limit, c.reset_at)
-        for c in quota_plan(subject, now=now).counters
-    ]
+def status_operation(subject: QuotaSubject, now: float) -> Operation[dict]:
+    """`quota_status` as an operation, for either transport."""
+    plan = quota_plan(subject, now=now)
+    counters = [c.key for c in plan.counters]
+    lease_sets = [lease.key for lease in plan.leases]
+    values = yield from operations.quota_state(counters, lease_sets, now_ms=int(now * 1000))
+    return _status_from(subject, plan, values, now)
 
 
-def _status_queue(pipeline, subject: QuotaSubject, now: float) -> None:
-    for _, _, key, _, _ in _status_reads(subject, now):
-        pipeline.get(key)
-    for level, limits in _levels(subject):
-        if limits.max_concurrent_requests is not None:
-            pipeline.zcount(f"{_scope(subject, level)}:concurrent", f"({int(now * 1000)}", "+inf")
-
-
-def _status_from(subject: QuotaSubject, values: Sequence, now: float) -> dict:
+def _status_from(subject: QuotaSubject, plan: QuotaPlan, values: Sequence[int], now: float) -> dict:
     """{"enabled", "tenant": {...}, "key": {...} or None}; each window {limit, used, remaining,
     resets_at, reset_in_s} (all None but the limit's absence when it has no limit)."""
-    values = list(values)
-    reads = _status_reads(subject, now)
-    counts = {(level, name): int(value or 0) for (level, name, *_), value in zip(reads, values, strict=False)}
-    resets = {(level, name): reset_at for level, name, _, _, reset_at in reads}
-    in_use = iter(values[len(reads) :])
+    counts = {(c.level, c.window.limit_name): value for c, value in zip(plan.counters, values, strict=False)}
+    resets = {(c.level, c.window.limit_name): c.reset_at for c in plan.counters}
+    in_use = iter(values[len(plan.counters) :])
     status: dict = {"enabled": settings.QUOTAS_ENABLED, "tenant": None, "key": None}
     for level, limits in _levels(subject):
         entry: dict = {}
@@ -700,11 +570,7 @@ async def quota_status(principal: QuotaSubject, *, now: float | None = None) -> 
 
     Raises redis.exceptions.RedisError when Redis does not answer.
     """
-    now = clock() if now is None else now
-    pipeline = redis_async().pipeline(transaction=False)
-    _status_queue(pipeline, principal, now)
-    values = await pipeline.execute() if len(pipeline) else []
-    return _status_from(principal, values, now)
+    return await run_async(status_operation(principal, clock() if now is None else now))
 
 
 def quota_status_sync(tenant_id: int, key_id: int | None = None, *, now: float | None = None) -> dict:
@@ -716,11 +582,7 @@ def quota_status_sync(tenant_id: int, key_id: int | None = None, *, now: float |
     if key_id is not None:
         key_limits = QuotaLimitValues.of(ApiKey.objects.get(pk=key_id, tenant_id=tenant_id))
     subject = QuotaHolder(tenant.pk, key_id, QuotaLimitValues.of(tenant), key_limits)
-    now = clock() if now is None else now
-    pipeline = redis_sync().pipeline(transaction=False)
-    _status_queue(pipeline, subject, now)
-    values = pipeline.execute() if len(pipeline) else []
-    return _status_from(subject, values, now)
+    return run_sync(status_operation(subject, clock() if now is None else now), redis_sync())
 
 
 async def quota_headers(subject: QuotaSubject, *, now: float | None = None) -> dict[str, str]:
@@ -733,8 +595,8 @@ async def quota_headers(subject: QuotaSubject, *, now: float | None = None) -> d
     if not counters:
         return {}
     try:
-        counts = await redis_async().mget([c.key for c in counters])
+        counts = await run_async(operations.quota_counts([c.key for c in counters]))
     except RedisError as error:
         _log_redis_failure("could not read the rate-limit state for headers", error)
         return {}
-    return ratelimit_headers(counters, [int(value or 0) for value in counts], now)
+    return ratelimit_headers(counters, counts, now)

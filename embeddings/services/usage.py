@@ -1,10 +1,11 @@
 """Usage accounting: every request counted in Redis on the hot path, folded into UsageBucket rows.
 
-Hot path: `usage_increments(event)` gives the HINCRBYs of one request (or job chunk) on the hash
-LIVE_USAGE_KEY; the script that settles a request's quota (services/quotas.py) applies them in the
-same round trip. A job chunk's are kept with its result in the job store (services/job_store.py)
-and counted here by `usage_count_once`, once per chunk however often it is offered. Each hash field is
-one counter of one bucket: "<tenant>|<key or empty>|<hour epoch>|<endpoint>|<metric>|<model>"
+Hot path: `usage_increments(event)` gives the HINCRBYs of one request (or job chunk) on the live
+usage hash (embeddings.redis.keys); the script that settles a request's quota (services/quotas.py)
+applies them in the same round trip. A job chunk's are kept with its result in the job store
+(services/job_store.py) and counted here by `usage_count_once`, once per chunk however often it is
+offered. Each hash field is one counter of one bucket:
+"<tenant>|<key or empty>|<hour epoch>|<endpoint>|<metric>|<model>"
 (the model last, so a "|" in a model's name cannot shift the other parts). Metrics are the
 UsageBucket counter fields: requests, succeeded, rejected, failed, inputs, tokens, latency_ms_total.
 
@@ -30,11 +31,14 @@ from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from embeddings.models import ApiKey, Tenant, UsageBucket, UsageFold
-from embeddings.services.redis_clients import redis_sync
+from embeddings.redis import keys as redis_keys
+from embeddings.redis import operations
+from embeddings.redis.connections import redis_sync
+from embeddings.redis.transport import run_sync
 
 logger = logging.getLogger(__name__)
 
-LIVE_USAGE_KEY = "usage:live"
+LIVE_USAGE_KEY = redis_keys.LIVE_USAGE
 FIELD_SEPARATOR = "|"
 
 Outcome = Literal["succeeded", "rejected", "failed"]
@@ -90,79 +94,31 @@ def usage_increments(event: UsageEvent) -> dict[str, int]:
     }
 
 
-# Counts one unit's increments (a job's chunk) once. KEYS: the owner's marker bitmap, the live hash.
-# ARGV: the unit's bit, ttl seconds, then field/amount pairs. A bitmap: one bit per chunk (a
-# million-input job's marker is 600 bytes) for as long as the increments may be offered again.
-_COUNT_ONCE_SCRIPT = """
-if redis.call('SETBIT', KEYS[1], ARGV[1], 1) == 1 then
-    return 0
-end
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-for k = 3, #ARGV, 2 do
-    redis.call('HINCRBY', KEYS[2], ARGV[k], ARGV[k + 1])
-end
-return 1
-"""
-COUNTED_PREFIX = "usage:counted:"
-
-
 def usage_count_once(*, owner: str, unit: int, increments: dict[str, int], ttl_s: int) -> bool:
     """Add `increments` to the live counters unless unit `unit` of `owner` (a job's chunk) was
     counted before; True if counted now. The marker and the counters change in one script, so
     a crash leaves both or neither. The marker lives ttl_s: offer no unit again after that."""
-    args: list = [unit, int(ttl_s)]
-    for field, amount in increments.items():
-        args += [field, amount]
-    client = redis_sync()
-    counted = client.eval(_COUNT_ONCE_SCRIPT, 2, f"{COUNTED_PREFIX}{{{owner}}}", LIVE_USAGE_KEY, *args)
-    return counted == 1
-
-
-def usage_record_sync(event: UsageEvent) -> None:
-    """Count one event on its own (tests, scripts); the request and job paths count it inside their
-    settling scripts instead."""
-    pipeline = redis_sync().pipeline(transaction=False)
-    for field, amount in usage_increments(event).items():
-        pipeline.hincrby(LIVE_USAGE_KEY, field, amount)
-    pipeline.execute()
+    operation = operations.usage_count_once(owner=owner, unit=unit, increments=increments, ttl_s=ttl_s)
+    return run_sync(operation, redis_sync())
 
 
 # --- The fold: Redis counters -> UsageBucket rows -------------------------------------------------
 #
-# 1. Claim: one Lua script renames LIVE_USAGE_KEY to FOLDING_PREFIX + <batch id> and adds the id to
-#    FOLDING_BATCHES_KEY (atomic: a HINCRBY lands either in the batch or in a fresh live hash).
+# 1. Claim: one Lua script renames the live hash to the batch's hash and adds the id to the
+#    batches set (atomic: a HINCRBY lands either in the batch or in a fresh live hash).
 # 2. Add: in one database transaction, insert UsageFold(batch_id) and add every counter of the
 #    batch to its UsageBucket row (F() update, or create).
 # 3. Forget: after the commit, delete the batch in Redis.
-# A fold first finishes every batch a crashed fold left in FOLDING_BATCHES_KEY: one with a UsageFold
+# A fold first finishes every batch a crashed fold left in the batches set: one with a UsageFold
 # row was counted already and is only forgotten; one without is added. So a crash anywhere loses
 # nothing and counts nothing twice (UsageFold.batch_id is unique: two folds racing on one leftover
 # batch cannot both commit it).
 
-FOLDING_PREFIX = "usage:folding:"
-FOLDING_BATCHES_KEY = "usage:folding-batches"
+FOLDING_BATCHES_KEY = redis_keys.FOLDING_BATCHES
 COUNTER_METRICS = ("requests", "succeeded", "rejected", "failed", "inputs", "tokens", "latency_ms_total")
 # A UsageFold row guards its batch only while the batch is still in Redis (gone milliseconds after
 # the commit); older rows whose batch is gone are deleted, so the table stays small.
 USAGE_FOLD_RECORDS_KEPT = timedelta(days=7)
-
-_CLAIM_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('RENAME', KEYS[1], KEYS[2])
-redis.call('SADD', KEYS[3], ARGV[1])
-return 1
-"""
-
-# Everything not yet in the database, read at one instant: the live hash, then each unfinished
-# batch's id and fields. (Batch keys are built in the script: fine on one Redis, not on a cluster.)
-_SNAPSHOT_SCRIPT = """
-local out = {redis.call('HGETALL', KEYS[1])}
-for _, batch_id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-    table.insert(out, batch_id)
-    table.insert(out, redis.call('HGETALL', ARGV[1] .. batch_id))
-end
-return out
-"""
 
 
 @dataclass(frozen=True)
@@ -204,9 +160,15 @@ def _decode(value: bytes | str) -> str:
 
 
 def counters_from_hash(flat: dict | list, *, tenant_id: int | None = None) -> tuple[Counters, int]:
-    """Counters by bucket from a usage hash (a dict, or HGETALL's flat list from a script); the
-    second value counts unreadable fields. With tenant_id, only that tenant's buckets."""
-    items = flat.items() if isinstance(flat, dict) else zip(flat[::2], flat[1::2], strict=True)
+    """Counters by bucket from a usage hash (a dict, a list of (field, amount) pairs, or HGETALL's
+    flat list); the second value counts unreadable fields. With tenant_id, only that tenant's
+    buckets."""
+    if isinstance(flat, dict):
+        items = flat.items()
+    elif flat and isinstance(flat[0], tuple):
+        items = flat
+    else:
+        items = zip(flat[::2], flat[1::2], strict=True)
     counters: Counters = {}
     unreadable = 0
     for raw_field, raw_amount in items:
@@ -222,17 +184,10 @@ def counters_from_hash(flat: dict | list, *, tenant_id: int | None = None) -> tu
     return counters, unreadable
 
 
-def _batch_key(batch_id: str) -> str:
-    return FOLDING_PREFIX + batch_id
-
-
 def _claim_live_counters(client: redis.Redis) -> str | None:
     """Rename the live hash to a new batch; its id, or None when nothing was counted since."""
     batch_id = uuid.uuid4().hex
-    claimed = client.eval(
-        _CLAIM_SCRIPT, 3, LIVE_USAGE_KEY, _batch_key(batch_id), FOLDING_BATCHES_KEY, batch_id
-    )
-    return batch_id if claimed else None
+    return batch_id if run_sync(operations.usage_fold_claim(batch_id), client) else None
 
 
 def _add_counters_to_buckets(counters: Counters) -> tuple[int, int]:
@@ -295,10 +250,7 @@ def _bucket_create_or_add(lookup: dict, additions: dict[str, int]) -> None:
 
 
 def _forget_batch(client: redis.Redis, batch_id: str) -> None:
-    pipeline = client.pipeline(transaction=True)
-    pipeline.delete(_batch_key(batch_id))
-    pipeline.srem(FOLDING_BATCHES_KEY, batch_id)
-    pipeline.execute()
+    run_sync(operations.usage_fold_forget(batch_id), client)
 
 
 def _fold_batch(client: redis.Redis, batch_id: str) -> tuple[int, int]:
@@ -306,7 +258,7 @@ def _fold_batch(client: redis.Redis, batch_id: str) -> tuple[int, int]:
     if UsageFold.objects.filter(batch_id=batch_id).exists():
         _forget_batch(client, batch_id)  # a fold crashed after its commit: counted already
         return 0, 0
-    counters, unreadable = counters_from_hash(client.hgetall(_batch_key(batch_id)))
+    counters, unreadable = counters_from_hash(run_sync(operations.usage_fold_read(batch_id), client))
     if unreadable:
         logger.warning("usage fold: %d unreadable fields in batch %s dropped", unreadable, batch_id)
     try:
@@ -330,7 +282,7 @@ def _fold_batch(client: redis.Redis, batch_id: str) -> tuple[int, int]:
 def usage_fold() -> UsageFoldResult:
     """Move every counter from Redis into UsageBucket rows, exactly once (see above)."""
     client = redis_sync()
-    batch_ids = sorted(_decode(member) for member in client.smembers(FOLDING_BATCHES_KEY))
+    batch_ids = run_sync(operations.usage_fold_batches(), client)
     if batch_ids:
         logger.warning("usage fold: finishing %d batch(es) left by an interrupted fold", len(batch_ids))
     new_batch = _claim_live_counters(client)
@@ -346,7 +298,7 @@ def usage_fold() -> UsageFoldResult:
 
 
 def _prune_fold_records(client: redis.Redis) -> None:
-    still_in_redis = [_decode(member) for member in client.smembers(FOLDING_BATCHES_KEY)]
+    still_in_redis = run_sync(operations.usage_fold_batches(), client)
     cutoff = timezone.now() - USAGE_FOLD_RECORDS_KEPT
     UsageFold.objects.filter(folded_at__lt=cutoff).exclude(batch_id__in=still_in_redis).delete()
 
@@ -383,9 +335,7 @@ def hour_floor(moment: datetime) -> datetime:
 
 def _unfolded_snapshot(client: redis.Redis) -> tuple[list, dict[str, list]]:
     """The live hash and every unfinished batch, read at one instant."""
-    out = client.eval(_SNAPSHOT_SCRIPT, 2, LIVE_USAGE_KEY, FOLDING_BATCHES_KEY, FOLDING_PREFIX)
-    live, rest = out[0], out[1:]
-    return live, {_decode(batch_id): fields for batch_id, fields in zip(rest[::2], rest[1::2], strict=True)}
+    return run_sync(operations.usage_snapshot(), client)
 
 
 def _group_of(bucket: BucketKey, group_by: str, tenant_key_ids: set[int]) -> date | str | int | None:

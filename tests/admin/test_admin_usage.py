@@ -82,7 +82,7 @@ def test_tenant_without_limits_or_usage(admin_client, alpha):
 
 
 def test_tenant_page_renders_when_redis_is_down(admin_client, alpha, settings):
-    from embeddings.services.redis_clients import reset_redis_clients
+    from embeddings.redis.connections import reset_redis_clients
 
     alpha.requests_per_minute = 10  # a windowed limit, so the live state must ask Redis
     alpha.save(update_fields=["requests_per_minute"])
@@ -261,7 +261,8 @@ async def test_csv_streamed_over_asgi_is_one_snapshot_while_a_fold_commits(
     from django.test import Client
 
     from embeddings import admin as embeddings_admin
-    from embeddings.services.usage import UsageEvent, usage_fold, usage_record_sync
+    from embeddings.services.quotas import quota_release_sync
+    from embeddings.services.usage import UsageEvent, usage_fold
     from embedsite.asgi import application
 
     @sync_to_async
@@ -295,8 +296,10 @@ async def test_csv_streamed_over_asgi_is_one_snapshot_while_a_fold_commits(
                 # Every row's tokens +1000, committed by a fold in its own thread and connection.
                 for bucket in UsageBucket.objects.order_by("hour").values_list("hour", flat=True)[2050:]:
                     at = bucket.timestamp()
-                    usage_record_sync(
-                        UsageEvent(alpha.pk, None, "m", "embeddings", "succeeded", 1, 1000, 1, at)
+                    quota_release_sync(
+                        reservation=None,
+                        refund=False,
+                        usage=UsageEvent(alpha.pk, None, "m", "embeddings", "succeeded", 1, 1000, 1, at),
                     )
                 fold = threading.Thread(target=lambda: folded.append(usage_fold()))
                 fold.start()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
+from embeddings.redis.connections import reset_redis_clients
 from embeddings.services.catalog import embedding_model_cache_clear
 from embeddings.services.inference import reset_clients
-from embeddings.services.redis_clients import reset_redis_clients
 from embeddings.triton.server import free_port
 
 

@@ -14,10 +14,10 @@ from asgiref.sync import sync_to_async
 from django.utils import timezone
 
 from embeddings.models import EmbeddingJob
+from embeddings.redis.connections import redis_job_store
 from embeddings.services.catalog import embedding_model_cache_clear
 from embeddings.services.jobs import job_chunk_run, job_expire_due
 from embeddings.services.quotas import quota_status_sync
-from embeddings.services.redis_clients import redis_job_store
 
 MODEL = "all-MiniLM-L6-v2"
 

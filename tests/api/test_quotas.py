@@ -13,10 +13,10 @@ from asgiref.sync import sync_to_async
 from prometheus_client import REGISTRY
 
 from embeddings.api.authentication import principal_cache
+from embeddings.redis.connections import redis_sync, reset_redis_clients
 from embeddings.services import quotas
 from embeddings.services.inference import model_tokenizer, reset_clients
 from embeddings.services.quotas import quota_status_sync
-from embeddings.services.redis_clients import redis_sync, reset_redis_clients
 from embeddings.services.tenants import quota_limits_update
 from embeddings.services.usage import LIVE_USAGE_KEY
 from embeddings.triton.server import free_port

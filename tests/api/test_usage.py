@@ -11,10 +11,11 @@ from asgiref.sync import sync_to_async
 from django.db.models import Sum
 
 from embeddings.models import UsageBucket
+from embeddings.redis.connections import reset_redis_clients
 from embeddings.services import usage
 from embeddings.services.keys import api_key_create
-from embeddings.services.redis_clients import reset_redis_clients
-from embeddings.services.usage import UsageEvent, usage_fold, usage_record_sync
+from embeddings.services.quotas import quota_release
+from embeddings.services.usage import UsageEvent, usage_fold
 from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.server import free_port
 
@@ -160,7 +161,7 @@ async def api_key_create_async(tenant_with_key):
 
 async def usage_record_async_at(tenant_id, key_id, at: datetime, *, tokens: int, outcome="succeeded"):
     event = UsageEvent(tenant_id, key_id, "all-MiniLM-L6-v2", "openai", outcome, 1, tokens, 4, at.timestamp())
-    await sync_to_async(usage_record_sync)(event)
+    await quota_release(reservation=None, refund=False, usage=event)
 
 
 async def test_unfolded_counters_are_included_once(client, alpha, beta, june, monkeypatch):

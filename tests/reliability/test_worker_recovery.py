@@ -13,9 +13,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from embeddings.redis.connections import redis_job_store
 from embeddings.services.job_leases import chunk_runs
 from embeddings.services.job_store import JobStore
-from embeddings.services.redis_clients import redis_job_store
 from tests import worker_stack
 from tests.processes import manage
 from tests.worker_stack import JobStack, job_usage

@@ -13,6 +13,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from embeddings.models import EmbeddingJob, JobStorageHold
+from embeddings.redis.connections import redis_job_store
 from embeddings.services.errors import StorageBudgetExceeded
 from embeddings.services.job_storage import (
     BOOKKEEPING_BYTES_PER_CHUNK,
@@ -36,7 +37,6 @@ from embeddings.services.jobs import (
     job_store,
 )
 from embeddings.services.quotas import quota_status_sync
-from embeddings.services.redis_clients import redis_job_store
 from tests.api import conftest as api_fixtures
 from tests.database_backend import wait_for_lock_waiters
 

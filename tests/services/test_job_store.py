@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
+from embeddings.redis.connections import redis_job_store
 from embeddings.services.job_store import JobProgress, JobStore
-from embeddings.services.redis_clients import redis_job_store
 from embeddings.services.result_dtypes import ResultOutOfRange
 
 DIMS = 4
@@ -64,14 +64,13 @@ def test_concurrent_finishers_count_once(store):
     assert store.progress() == JobProgress(completed=3, tokens=9, chunks_done=1)
 
 
-def test_results_stream_in_order_and_little_endian(store):
+def test_results_read_back_per_chunk_and_little_endian(store):
     store.finish_chunk(1, vectors(1, start=50), tokens=1)
     store.finish_chunk(0, vectors(2), tokens=2)
-    streamed = list(store.iter_results(3, DIMS))
-    assert [chunk for chunk, _ in streamed] == [0, 1, 2]
-    np.testing.assert_array_equal(streamed[0][1], vectors(2))
-    np.testing.assert_array_equal(streamed[1][1], vectors(1, start=50))
-    assert streamed[2][1] is None
+    read = [store.chunk_result(chunk, DIMS) for chunk in range(3)]
+    np.testing.assert_array_equal(read[0], vectors(2))
+    np.testing.assert_array_equal(read[1], vectors(1, start=50))
+    assert read[2] is None
     raw = redis_job_store().get(store.key("out", 0))
     assert raw == vectors(2).astype("<f4").tobytes()
 
@@ -113,7 +112,7 @@ def test_usage_is_kept_with_the_chunk_once_until_forgotten(store):
 
 
 def test_usage_counts_once_per_chunk_in_the_critical_redis(store):
-    from embeddings.services.redis_clients import redis_sync
+    from embeddings.redis.connections import redis_sync
     from embeddings.services.usage import LIVE_USAGE_KEY, usage_count_once
 
     usage = {"1|2|3600|jobs|tokens|minilm": 7, "1|2|3600|jobs|requests|minilm": 1}
@@ -130,7 +129,7 @@ def test_usage_counts_once_per_chunk_in_the_critical_redis(store):
 
 
 def test_concurrent_offers_of_one_chunk_count_once(store):
-    from embeddings.services.redis_clients import redis_sync
+    from embeddings.redis.connections import redis_sync
     from embeddings.services.usage import LIVE_USAGE_KEY, usage_count_once
 
     results: list[bool] = []

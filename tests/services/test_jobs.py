@@ -14,6 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from embeddings.models import EmbeddingJob, Tenant
+from embeddings.redis.connections import redis_job_store, redis_sync
 from embeddings.services import jobs
 from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
 from embeddings.services.errors import InvalidRequest, JobConflict, LimitExceeded, QuotaExceeded
@@ -37,7 +38,6 @@ from embeddings.services.jobs import (
     jobs_for_tenant,
 )
 from embeddings.services.quotas import quota_status_sync
-from embeddings.services.redis_clients import redis_job_store, redis_sync
 from embeddings.services.usage import LIVE_USAGE_KEY, counters_from_hash
 from tests.api import conftest as api_fixtures
 from tests.database_backend import wait_for_lock_waiters

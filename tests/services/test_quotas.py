@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 import pytest
 import redis
 
+from embeddings.redis.connections import redis_sync, reset_redis_clients
 from embeddings.services.errors import LimitExceeded, QuotaExceeded, QuotaUnavailable
 from embeddings.services.quotas import (
     QuotaHolder,
@@ -23,7 +24,6 @@ from embeddings.services.quotas import (
     quota_status_sync,
     window_bounds,
 )
-from embeddings.services.redis_clients import redis_sync, reset_redis_clients
 from embeddings.services.usage import LIVE_USAGE_KEY
 from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.server import free_port

@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from embeddings.services.redis_clients import redis_async, redis_job_store, redis_sync, reset_redis_clients
+from embeddings.redis.connections import redis_async, redis_job_store, redis_sync, reset_redis_clients
 from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.server import free_port
 

@@ -13,6 +13,7 @@ import redis
 from django.db.models import Sum
 
 from embeddings.models import EmbeddingJob, UsageBucket
+from embeddings.redis.connections import redis_job_store, redis_sync, reset_redis_clients
 from embeddings.services.catalog import embedding_model_register_local
 from embeddings.services.errors import JobStoreUnavailable, QuotaExceeded
 from embeddings.services.job_store import JobStore
@@ -20,18 +21,17 @@ from embeddings.services.jobs import JobSpec, job_create
 from embeddings.services.quotas import (
     QuotaHolder,
     QuotaLimitValues,
+    quota_release_sync,
     quota_reserve,
     quota_reserve_sync,
     quota_status_sync,
 )
-from embeddings.services.redis_clients import redis_job_store, redis_sync, reset_redis_clients
 from embeddings.services.tenants import tenant_create
 from embeddings.services.usage import (
     LIVE_USAGE_KEY,
     UsageEvent,
     usage_count_once,
     usage_fold,
-    usage_record_sync,
 )
 from embeddings.tooling.local_redis import RedisServer, local_redis_servers
 from embeddings.triton.server import free_port
@@ -216,7 +216,11 @@ def crash_and_restart(server: RedisServer) -> RedisServer:
 
 
 def record_usage(tenant_id: int) -> None:
-    usage_record_sync(UsageEvent(tenant_id, None, "minilm", "openai", "succeeded", 2, 10, 5, HOUR))
+    quota_release_sync(
+        reservation=None,
+        refund=False,
+        usage=UsageEvent(tenant_id, None, "minilm", "openai", "succeeded", 2, 10, 5, HOUR),
+    )
     job_chunk = {
         f"{tenant_id}||{HOUR}|jobs|{metric}|minilm": amount
         for metric, amount in (("requests", 1), ("inputs", 5), ("tokens", 40))

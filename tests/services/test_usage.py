@@ -11,14 +11,14 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from embeddings.models import UsageBucket, UsageFold
+from embeddings.redis.connections import redis_sync
 from embeddings.services import usage
-from embeddings.services.redis_clients import redis_sync
+from embeddings.services.quotas import quota_release_sync
 from embeddings.services.usage import (
     FOLDING_BATCHES_KEY,
     LIVE_USAGE_KEY,
     UsageEvent,
     usage_fold,
-    usage_record_sync,
 )
 from tests.database_backend import wait_for_lock_waiters
 
@@ -54,7 +54,7 @@ def record_mix(tenants) -> dict[str, int]:
         UsageEvent(tenants["beta"].pk, tenants["beta_key"].pk, "minilm", "seed", "succeeded", 5, 50, 9, HOUR),
     ]
     for event in events:
-        usage_record_sync(event)
+        quota_release_sync(reservation=None, refund=False, usage=event)
     return {
         "requests": 5, "succeeded": 3, "rejected": 1, "failed": 1,
         "inputs": 15, "tokens": 79, "latency_ms_total": 58,
@@ -165,7 +165,11 @@ def test_recording_while_folding_loses_nothing(tenants):
     def record() -> None:
         try:
             for index in range(events):
-                usage_record_sync(UsageEvent(alpha, key, "minilm", "openai", "succeeded", 1, index % 7, 0))
+                quota_release_sync(
+                    reservation=None,
+                    refund=False,
+                    usage=UsageEvent(alpha, key, "minilm", "openai", "succeeded", 1, index % 7, 0),
+                )
         finally:
             done.set()
 
@@ -186,12 +190,26 @@ def test_recording_while_folding_loses_nothing(tenants):
 def test_deleted_key_folds_keyless_and_deleted_tenant_is_dropped(tenants, caplog):
     alpha, beta = tenants["alpha"], tenants["beta"]
     key = tenants["alpha_key"]
-    usage_record_sync(UsageEvent(alpha.pk, key.pk, "minilm", "openai", "succeeded", 1, 10, 0, HOUR))
-    usage_record_sync(UsageEvent(alpha.pk, None, "minilm", "openai", "succeeded", 1, 5, 0, HOUR))
-    usage_record_sync(UsageEvent(beta.pk, None, "minilm", "openai", "succeeded", 1, 99, 0, HOUR))
+    quota_release_sync(
+        reservation=None,
+        refund=False,
+        usage=UsageEvent(alpha.pk, key.pk, "minilm", "openai", "succeeded", 1, 10, 0, HOUR),
+    )
+    quota_release_sync(
+        reservation=None,
+        refund=False,
+        usage=UsageEvent(alpha.pk, None, "minilm", "openai", "succeeded", 1, 5, 0, HOUR),
+    )
+    quota_release_sync(
+        reservation=None,
+        refund=False,
+        usage=UsageEvent(beta.pk, None, "minilm", "openai", "succeeded", 1, 99, 0, HOUR),
+    )
     # Another tenant's key id is not this tenant's key: keyless too, never credited to beta's key.
-    usage_record_sync(
-        UsageEvent(alpha.pk, tenants["beta_key"].pk, "minilm", "openai", "succeeded", 1, 1, 0, HOUR)
+    quota_release_sync(
+        reservation=None,
+        refund=False,
+        usage=UsageEvent(alpha.pk, tenants["beta_key"].pk, "minilm", "openai", "succeeded", 1, 1, 0, HOUR),
     )
     beta_id = beta.pk
     key.delete()
@@ -289,10 +307,22 @@ def test_two_folds_of_different_batches_racing_on_a_new_bucket_lose_nothing(
     locked); fold B's UPDATE cannot see A's uncommitted row, so B inserts too and waits for A. When A
     commits, B's INSERT fails on the unique constraint: B must add to A's row, not drop its batch."""
     alpha = tenants["alpha"].pk
-    usage_record_sync(UsageEvent(alpha, None, "b-model", "openai", "succeeded", 1, 1, 1, HOUR))
+    quota_release_sync(
+        reservation=None,
+        refund=False,
+        usage=UsageEvent(alpha, None, "b-model", "openai", "succeeded", 1, 1, 1, HOUR),
+    )
     usage_fold()  # the row fold A updates second, and the test locks
-    usage_record_sync(UsageEvent(alpha, None, "a-model", "openai", "succeeded", 2, 20, 3, HOUR))
-    usage_record_sync(UsageEvent(alpha, None, "b-model", "openai", "succeeded", 1, 1, 1, HOUR))
+    quota_release_sync(
+        reservation=None,
+        refund=False,
+        usage=UsageEvent(alpha, None, "a-model", "openai", "succeeded", 2, 20, 3, HOUR),
+    )
+    quota_release_sync(
+        reservation=None,
+        refund=False,
+        usage=UsageEvent(alpha, None, "b-model", "openai", "succeeded", 1, 1, 1, HOUR),
+    )
 
     claim = usage._claim_live_counters
     both_started = threading.Barrier(2)
@@ -325,7 +355,11 @@ def test_two_folds_of_different_batches_racing_on_a_new_bucket_lose_nothing(
         threads[0].start()
         threads[1].start()
         wait_for_lock_waiters(1)  # A: the new a-model row inserted, the b-model row locked by us
-        usage_record_sync(UsageEvent(alpha, None, "a-model", "openai", "succeeded", 5, 50, 7, HOUR))
+        quota_release_sync(
+            reservation=None,
+            refund=False,
+            usage=UsageEvent(alpha, None, "a-model", "openai", "succeeded", 5, 50, 7, HOUR),
+        )
         a_waits.set()
         wait_for_lock_waiters(2)  # B: inserting the a-model row too, behind A
     for thread in threads:

@@ -1,10 +1,13 @@
-"""The process's Redis clients, configured from settings (one place): async for the web, sync for Celery.
+"""The process's Redis connections, configured from settings (one place): async for the web, sync for Celery.
 
 Two roles, two connections: the critical Redis (REDIS_URL: quotas, usage counters; the broker and
 the channel layer connect to it on their own) and the job store (JOB_STORE_URL, by default the same
 server: jobs' inputs, results and progress), so a full job store cannot refuse a quota check.
 Every command has REDIS_TIMEOUT_S (JOB_STORE_TIMEOUT_S) to connect and to answer, so a stuck Redis
 fails a request instead of hanging it. Callers turn `redis.exceptions.RedisError` into their own errors.
+
+Operations do not use these clients directly but through embeddings.redis.transport; the lean
+client below is the asyncio transport's connection where REDIS_URL is plain TCP.
 """
 
 from __future__ import annotations
@@ -107,6 +110,22 @@ def pack_command(*arguments) -> bytes:
     return b"*%d\r\n" % len(arguments) + pack_arguments(arguments)
 
 
+async def read_replies(read, count: int) -> list:
+    """`count` replies read with `read`; an error reply is raised after all are read, so the
+    connection stays in step."""
+    replies: list = []
+    error: redis.exceptions.ResponseError | None = None
+    for _ in range(count):
+        try:
+            replies.append(await read())
+        except redis.exceptions.ResponseError as reply_error:
+            error = error or reply_error
+            replies.append(reply_error)
+    if error is not None:
+        raise error
+    return replies
+
+
 class LeanConnection:
     """One plain-TCP RESP2 connection: send a packed command, read one reply."""
 
@@ -114,9 +133,12 @@ class LeanConnection:
         self.reader = reader
         self.writer = writer
 
-    async def call(self, command: bytes):
+    async def call(self, command: bytes, replies: int | None = None):
+        """Send, then read one reply, or a list of `replies` replies (a pipelined batch)."""
         self.writer.write(command)
-        return await self.read_reply()
+        if replies is None:
+            return await self.read_reply()
+        return await read_replies(self.read_reply, replies)
 
     async def read_reply(self):
         line = await self.reader.readuntil(b"\r\n")
@@ -143,7 +165,7 @@ class LeanConnection:
 
 
 class LeanScriptClient:
-    """EVALSHA of pre-packed commands on a few plain TCP connections of one event loop.
+    """Pre-packed commands (EVALSHA above all) on a few plain TCP connections of one event loop.
 
     redis-py's asyncio client costs ~100-150 us of Python per command; the request path's quota
     scripts run once or twice per request, so they take this path (~50 us a round trip). Same
@@ -184,8 +206,9 @@ class LeanScriptClient:
             raise
         return connection
 
-    async def call(self, command: bytes):
-        """Send one packed command, return its reply; raises redis.exceptions.RedisError."""
+    async def call(self, command: bytes, *, replies: int | None = None):
+        """Send packed command(s), return the reply (a list of `replies` replies for a pipelined
+        batch); raises redis.exceptions.RedisError."""
         try:
             async with asyncio.timeout(self.timeout):
                 await self.slots.acquire()
@@ -195,10 +218,10 @@ class LeanScriptClient:
             async with asyncio.timeout(self.timeout):
                 if self.idle:
                     try:
-                        return await self._exchange(self.idle.pop(), command, fresh=False)
+                        return await self._exchange(self.idle.pop(), command, replies, fresh=False)
                     except _ClosedWhileIdle:
                         pass  # Redis closed it meanwhile (e.g. restarted): once more on a new one
-                return await self._exchange(await self._connect(), command, fresh=True)
+                return await self._exchange(await self._connect(), command, replies, fresh=True)
         except TimeoutError as error:
             raise redis.exceptions.TimeoutError(f"Redis did not answer within {self.timeout} s") from error
         except OSError as error:
@@ -206,9 +229,11 @@ class LeanScriptClient:
         finally:
             self.slots.release()
 
-    async def _exchange(self, connection: LeanConnection, command: bytes, *, fresh: bool):
+    async def _exchange(
+        self, connection: LeanConnection, command: bytes, replies: int | None, *, fresh: bool
+    ):
         try:
-            reply = await connection.call(command)
+            reply = await connection.call(command, replies)
         except redis.exceptions.ResponseError:
             self.idle.append(connection)  # an error reply leaves the connection in step
             raise

@@ -1,0 +1,12 @@
+"""Redis, wrapped once: connections, the transports, every Lua script and key, and typed operations.
+
+    connections.py  the process's clients and pools (critical Redis, job store; sync and asyncio)
+                    and the hand-written lean asyncio client
+    transport.py    operations written once as generators, run by `run_sync` or `run_async`;
+                    EVALSHA with the one NOSCRIPT reload
+    scripts.py      every Lua script, a named `Script` each
+    keys.py         every key: its layout, type and TTL (the docstring's table), and its name
+    operations.py   the typed operations of quotas, usage and jobs
+
+Nothing Django but the settings the connections read; the services hold the policy.
+"""

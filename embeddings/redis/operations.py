@@ -1,0 +1,167 @@
+"""Typed Redis operations of quotas, usage and jobs, each written once as a generator.
+
+Run one with `run_sync(operation, client)` or `await run_async(operation)`
+(embeddings.redis.transport). Keys come from embeddings.redis.keys, scripts from
+embeddings.redis.scripts; what the numbers mean (windows, plans, refusals) is the services' policy.
+Replies are raw RESP from the asyncio transport and redis-py's parsed ones from the blocking one:
+each operation reads both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from embeddings.redis import keys, scripts
+from embeddings.redis.transport import Command, Operation, PackedRun, ScriptCall
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _pairs(reply) -> list[tuple]:
+    """HGETALL's reply as (field, value) pairs: a dict (redis-py) or a flat list (raw)."""
+    if isinstance(reply, dict):
+        return list(reply.items())
+    return list(zip(reply[::2], reply[1::2], strict=True))
+
+
+def _increment_arguments(increments: Mapping[str, int]) -> list:
+    arguments: list = []
+    for field, amount in increments.items():
+        arguments += [field, amount]
+    return arguments
+
+
+# --- Quotas ----------------------------------------------------------------------------------------
+
+
+def quota_reserve(*, plan_keys: PackedRun, head: Sequence, tail: PackedRun) -> Operation[list[int]]:
+    """Add one request to its counters and lease sets if all have room (QUOTA_RESERVE).
+
+    `plan_keys`: counters (requests first), then lease sets; `head` and `tail` the script's ARGV before
+    and after the per-request part. Returns [admitted, each counter before, each set's live leases].
+    """
+    reply = yield ScriptCall(scripts.QUOTA_RESERVE, (plan_keys,), (*head, tail))
+    return [int(value) for value in _text(reply).split(",")]
+
+
+def quota_settle(
+    *,
+    refunds: Sequence[tuple[str, int]] = (),
+    lease_sets: Sequence[str] = (),
+    lease_member: str = "",
+    usage: Mapping[str, int] | None = None,
+) -> Operation[None]:
+    """Refund tokens to counters, drop a lease from its sets and count usage, in one round trip."""
+    script_keys = [key for key, _ in refunds] + list(lease_sets) + [keys.LIVE_USAGE]
+    arguments = [len(refunds), lease_member, *(amount for _, amount in refunds)]
+    arguments += _increment_arguments(usage or {})
+    yield ScriptCall(scripts.QUOTA_SETTLE, script_keys, arguments)
+
+
+def quota_refund_once(*, job_id: str, counters: Sequence[str], amount: int, ttl_s: int) -> Operation[bool]:
+    """Refund `amount` to each counter unless the job's reservation was settled before."""
+    reply = yield ScriptCall(
+        scripts.QUOTA_REFUND_ONCE, [keys.job_settled(job_id), *counters], [ttl_s, amount]
+    )
+    return reply == 1
+
+
+def quota_forget_settled(job_id: str) -> Operation[None]:
+    yield Command.of("DEL", keys.job_settled(job_id))
+
+
+def quota_counts(counters: Sequence[str]) -> Operation[list[int]]:
+    """The counters' values (0 for a counter not created yet)."""
+    if not counters:
+        return []
+    values = yield Command.of("MGET", *counters)
+    return [int(value or 0) for value in values]
+
+
+def quota_state(counters: Sequence[str], lease_sets: Sequence[str], *, now_ms: int) -> Operation[list[int]]:
+    """The counters' values, then each lease set's leases alive at `now_ms`, in one round trip."""
+    commands = [Command.of("GET", key) for key in counters]
+    commands += [Command.of("ZCOUNT", key, f"({now_ms}", "+inf") for key in lease_sets]
+    if not commands:
+        return []
+    values = yield commands
+    return [int(value or 0) for value in values]
+
+
+# --- Usage -----------------------------------------------------------------------------------------
+
+
+def usage_count_once(*, owner: str, unit: int, increments: Mapping[str, int], ttl_s: int) -> Operation[bool]:
+    """Add `increments` unless unit `unit` of `owner` was counted before; True if counted now."""
+    arguments = [unit, int(ttl_s), *_increment_arguments(increments)]
+    reply = yield ScriptCall(
+        scripts.USAGE_COUNT_ONCE, [keys.usage_counted(owner), keys.LIVE_USAGE], arguments
+    )
+    return reply == 1
+
+
+def usage_fold_batches() -> Operation[list[str]]:
+    """The ids of batches claimed and not yet forgotten, sorted."""
+    members = yield Command.of("SMEMBERS", keys.FOLDING_BATCHES)
+    return sorted(_text(member) for member in members)
+
+
+def usage_fold_claim(batch_id: str) -> Operation[bool]:
+    """Move the live counters into batch `batch_id`; False when nothing was counted since."""
+    batch_keys = [keys.LIVE_USAGE, keys.usage_batch(batch_id), keys.FOLDING_BATCHES]
+    return (yield ScriptCall(scripts.USAGE_CLAIM, batch_keys, [batch_id])) == 1
+
+
+def usage_fold_read(batch_id: str) -> Operation[list[tuple]]:
+    """A batch's (field, amount) pairs."""
+    return _pairs((yield Command.of("HGETALL", keys.usage_batch(batch_id))))
+
+
+def usage_fold_forget(batch_id: str) -> Operation[None]:
+    """Forget a batch (after its counters were committed to the database)."""
+    yield ScriptCall(scripts.USAGE_FORGET, [keys.usage_batch(batch_id), keys.FOLDING_BATCHES], [batch_id])
+
+
+def usage_snapshot() -> Operation[tuple[list[tuple], dict[str, list[tuple]]]]:
+    """The live counters and every unfinished batch's, read at one instant."""
+    snapshot_keys = [keys.LIVE_USAGE, keys.FOLDING_BATCHES]
+    out = yield ScriptCall(scripts.USAGE_SNAPSHOT, snapshot_keys, [keys.FOLDING_PREFIX])
+    live, rest = out[0], out[1:]
+    batches = {
+        _text(batch_id): _pairs(fields) for batch_id, fields in zip(rest[::2], rest[1::2], strict=True)
+    }
+    return _pairs(live), batches
+
+
+# --- Jobs (the job store) --------------------------------------------------------------------------
+
+
+def job_chunk_finish(
+    *,
+    job_id: str,
+    chunk: int,
+    payload: bytes,
+    ttl_s: int,
+    rows: int,
+    tokens: int,
+    counter: str,
+    increments: bytes,
+) -> Operation[bool]:
+    """Write a chunk's result, progress and usage increments once; False if it was finished before."""
+    chunk_keys = [
+        keys.job_key(job_id, "done"),
+        keys.job_chunk_key(job_id, "out", chunk),
+        keys.job_key(job_id, "progress"),
+        keys.job_key(job_id, "uncounted"),
+    ]
+    arguments = [chunk, payload, ttl_s, rows, tokens, counter, increments]
+    return (yield ScriptCall(scripts.JOB_CHUNK_FINISH, chunk_keys, arguments)) == 1
+
+
+def job_delete(job_id: str, chunks: int) -> Operation[None]:
+    """Delete every job store key of the job (keys.job_keys), a thousand per command."""
+    names = keys.job_keys(job_id, chunks)
+    for start in range(0, len(names), 1000):
+        yield Command.of("DEL", *names[start : start + 1000])

@@ -1,0 +1,386 @@
+"""Every Lua script embedsite runs, each a named `Script` object defined once.
+
+A script is run by name and SHA1 (EVALSHA); the transports (embeddings.redis.transport) load its
+source when Redis does not know it (first use, or after a restart), in one place for all of them.
+What each script's KEYS and ARGV are is said above it; the keys are named by embeddings.redis.keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Script:
+    name: str
+    source: str
+    sha: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+
+    def __repr__(self) -> str:
+        return f"Script({self.name!r})"
+
+
+# Gives tokens back to a window counter. A counter whose key has expired meanwhile is not
+# recreated: it would only hold a negative count. Shared by every script that refunds.
+_REFUND = """
+local function refund(counter, amount)
+  if redis.call('EXISTS', counter) == 1 then redis.call('DECRBY', counter, amount) end
+end
+"""
+
+# --- Quotas (embeddings.services.quotas) ---------------------------------------------------------
+
+# KEYS[1..n] window counters (the first r count requests, the others tokens), KEYS[n+1..] lease sets.
+# ARGV: now (ms), tokens, lease member, lease expiry (ms), lease set TTL (ms), n, r; then per
+# counter: limit, window end (ms); then per lease set: limit. Times are on the caller's clock.
+# Returns "admitted,count,...,live,...": 0/1, each counter before this request, each set's live
+# leases (one string: far cheaper for the client to read than an array).
+QUOTA_RESERVE = Script(
+    "quota_reserve",
+    """
+local now = tonumber(ARGV[1])
+local tokens = tonumber(ARGV[2])
+local n = tonumber(ARGV[6])
+local r = tonumber(ARGV[7])
+local admitted = 1
+local result = {0}
+-- Add first and take back if anything is over: atomic all the same (nothing runs in between),
+-- and half the calls of reading every counter before writing it.
+for i = 1, n do
+  local amount = tokens
+  if i <= r then amount = 1 end
+  local count = redis.call('INCRBY', KEYS[i], amount)
+  if count == amount then
+    -- A new counter lives for the rest of its window, and a minute more (a late refund finds it).
+    redis.call('PEXPIRE', KEYS[i], tonumber(ARGV[7 + 2 * i]) - now + 60000)
+  end
+  result[i + 1] = count - amount
+  if count > tonumber(ARGV[6 + 2 * i]) then admitted = 0 end
+end
+for j = 1, #KEYS - n do
+  local key = KEYS[n + j]
+  local limit = tonumber(ARGV[7 + 2 * n + j])
+  local live = redis.call('ZCARD', key)
+  if live >= limit then
+    -- Full: drop the leases of requests whose process died (expired) and count again.
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+    live = redis.call('ZCARD', key)
+  end
+  result[n + j + 1] = live
+  if live >= limit then admitted = 0 end
+end
+if admitted == 1 then
+  for j = 1, #KEYS - n do
+    redis.call('ZADD', KEYS[n + j], tonumber(ARGV[4]), ARGV[3])
+    redis.call('PEXPIRE', KEYS[n + j], ARGV[5])
+  end
+else
+  for i = 1, n do
+    local amount = tokens
+    if i <= r then amount = 1 end
+    redis.call('DECRBY', KEYS[i], amount)
+  end
+end
+result[1] = admitted
+return table.concat(result, ',')
+""",
+)
+
+# Settles one request in one round trip. KEYS[1..r] token counters to refund, KEYS[r+1..#KEYS-1]
+# lease sets, KEYS[#KEYS] the live usage hash. ARGV: r, lease member, r refund amounts, then usage
+# field/amount pairs.
+QUOTA_SETTLE = Script(
+    "quota_settle",
+    _REFUND
+    + """
+local r = tonumber(ARGV[1])
+for i = 1, r do
+  refund(KEYS[i], ARGV[2 + i])
+end
+for j = r + 1, #KEYS - 1 do
+  redis.call('ZREM', KEYS[j], ARGV[2])
+end
+local usage = KEYS[#KEYS]
+for k = 3 + r, #ARGV, 2 do
+  redis.call('HINCRBY', usage, ARGV[k], ARGV[k + 1])
+end
+return 1
+""",
+)
+
+# Refunds a finished job's unused tokens once. KEYS: the settled marker, then the token counters.
+# ARGV: ttl, amount.
+QUOTA_REFUND_ONCE = Script(
+    "quota_refund_once",
+    _REFUND
+    + """
+if not redis.call('SET', KEYS[1], 1, 'NX', 'EX', ARGV[1]) then
+  return 0
+end
+for i = 2, #KEYS do
+  refund(KEYS[i], ARGV[2])
+end
+return 1
+""",
+)
+
+# --- Usage (embeddings.services.usage) -----------------------------------------------------------
+
+# Counts one unit's increments (a job's chunk) once. KEYS: the owner's marker bitmap, the live hash.
+# ARGV: the unit's bit, ttl seconds, then field/amount pairs. A bitmap: one bit per chunk (a
+# million-input job's marker is 600 bytes) for as long as the increments may be offered again.
+USAGE_COUNT_ONCE = Script(
+    "usage_count_once",
+    """
+if redis.call('SETBIT', KEYS[1], ARGV[1], 1) == 1 then
+    return 0
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+for k = 3, #ARGV, 2 do
+    redis.call('HINCRBY', KEYS[2], ARGV[k], ARGV[k + 1])
+end
+return 1
+""",
+)
+
+# Renames the live hash to a batch and records the batch (atomic: a HINCRBY lands either in the
+# batch or in a fresh live hash). KEYS: live hash, batch hash, batches set. ARGV: batch id.
+USAGE_CLAIM = Script(
+    "usage_claim",
+    """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('RENAME', KEYS[1], KEYS[2])
+redis.call('SADD', KEYS[3], ARGV[1])
+return 1
+""",
+)
+
+# Everything not yet in the database, read at one instant: the live hash, then each unfinished
+# batch's id and fields. KEYS: live hash, batches set. ARGV: the batch key prefix. (Batch keys are
+# built in the script: fine on one Redis, not on a cluster.)
+USAGE_SNAPSHOT = Script(
+    "usage_snapshot",
+    """
+local out = {redis.call('HGETALL', KEYS[1])}
+for _, batch_id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+    table.insert(out, batch_id)
+    table.insert(out, redis.call('HGETALL', ARGV[1] .. batch_id))
+end
+return out
+""",
+)
+
+# --- Jobs (embeddings.services.job_store, jobs) --------------------------------------------------
+
+# KEYS: done set, result key, progress hash, uncounted usage hash.
+# ARGV: chunk number, payload, ttl seconds, rows, tokens, counter ("completed" or "failed"), the
+# chunk's usage increments (orjson; empty: none), kept until the critical Redis has counted them.
+JOB_CHUNK_FINISH = Script(
+    "job_chunk_finish",
+    """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
+    return 0
+end
+if ARGV[6] == 'completed' then
+    redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+end
+redis.call('HINCRBY', KEYS[3], ARGV[6], ARGV[4])
+redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[5])
+redis.call('HINCRBY', KEYS[3], 'chunks_done', 1)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+if ARGV[7] ~= '' then
+    redis.call('HSET', KEYS[4], ARGV[1], ARGV[7])
+    redis.call('EXPIRE', KEYS[4], ARGV[3])
+end
+return 1
+""",
+)
+
+# --- Chunk leases (embeddings.services.job_leases): times in ms of the job store's clock ---------
+
+_NOW = """
+local function now_ms()
+    local t = redis.call('TIME')
+    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function deadline(lease)
+    if not lease then return nil end
+    return tonumber(string.match(lease, '^%d+'))
+end
+"""
+
+# Takes the next chunk number from the job's counter and records it handed out.
+# KEYS: next, sent. ARGV: ttl, chunks. Returns the number (>= chunks: none left).
+_TAKE_NEXT_BODY = """
+local function take_next(next_key, sent_key, ttl, chunks, now)
+    local chunk = redis.call('INCR', next_key) - 1
+    redis.call('EXPIRE', next_key, ttl)
+    if chunk < chunks then
+        redis.call('HSET', sent_key, chunk, now)
+        redis.call('EXPIRE', sent_key, ttl)
+    end
+    return chunk
+end
+"""
+
+JOB_CHUNK_TAKE_NEXT = Script(
+    "job_chunk_take_next",
+    (
+        _NOW
+        + _TAKE_NEXT_BODY
+        + """
+return take_next(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), now_ms())
+"""
+    ),
+)
+
+# One successor per finished chunk (a redelivered chunk hands out none).
+# KEYS: handoff, next, sent. ARGV: chunk, ttl, chunks. Returns the successor, or -1.
+JOB_CHUNK_HANDOFF = Script(
+    "job_chunk_handoff",
+    (
+        _NOW
+        + _TAKE_NEXT_BODY
+        + """
+if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 0 then
+    return -1
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return take_next(KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[3]), now_ms())
+"""
+    ),
+)
+
+# Marks a chunk handed out again, due in ARGV[2] ms (a watchdog re-send, or a retry's countdown).
+# KEYS: sent. ARGV: chunk, delay ms, ttl.
+JOB_CHUNK_MARK_SENT = Script(
+    "job_chunk_mark_sent",
+    (
+        _NOW
+        + """
+redis.call('HSET', KEYS[1], ARGV[1], now_ms() + tonumber(ARGV[2]))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+    ),
+)
+
+# A chunk starts: its lease, and a run counted unless it was finished before (a redelivery).
+# KEYS: lease, runs, started, done. ARGV: chunk, lease ms, owner, ttl.
+JOB_LEASE_TAKE = Script(
+    "job_lease_take",
+    (
+        _NOW
+        + """
+local now = now_ms()
+redis.call('HSET', KEYS[1], ARGV[1], (now + tonumber(ARGV[2])) .. ' ' .. ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 0 then
+    redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+    redis.call('HSET', KEYS[3], ARGV[1], now)
+    redis.call('EXPIRE', KEYS[2], ARGV[4])
+    redis.call('EXPIRE', KEYS[3], ARGV[4])
+end
+return now
+"""
+    ),
+)
+
+# The heartbeat. KEYS: lease. ARGV: chunk, lease ms, owner.
+JOB_LEASE_RENEW = Script(
+    "job_lease_renew",
+    (
+        _NOW
+        + """
+redis.call('HSET', KEYS[1], ARGV[1], (now_ms() + tonumber(ARGV[2])) .. ' ' .. ARGV[3])
+return 1
+"""
+    ),
+)
+
+# The chunk's run ended (finished, failed, or gave up for a retry). KEYS: lease, sent, done,
+# handoff. ARGV: chunk. A finished chunk that handed out its successor is no longer in flight.
+JOB_LEASE_RELEASE = Script(
+    "job_lease_release",
+    """
+redis.call('HDEL', KEYS[1], ARGV[1])
+if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 and redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then
+    redis.call('HDEL', KEYS[2], ARGV[1])
+end
+return 1
+""",
+)
+
+# Live leases of a job (a cancelled job ends once none is left). KEYS: lease.
+JOB_LIVE_LEASES = Script(
+    "job_live_leases",
+    (
+        _NOW
+        + """
+local now, live = now_ms(), 0
+local leases = redis.call('HGETALL', KEYS[1])
+for i = 1, #leases, 2 do
+    local due = deadline(leases[i + 1])
+    if due and due > now then live = live + 1 end
+end
+return live
+"""
+    ),
+)
+
+# The watchdog's pass over one job (embeddings.services.job_leases explains it). KEYS: sent, lease,
+# done, handoff, next. ARGV: stall ms, ttl, chunks. Returns {lost running, never started, successors handed
+# out, chunks still in flight}; the first three are marked handed out now.
+JOB_CHUNKS_SCAN = Script(
+    "job_chunks_scan",
+    (
+        _NOW
+        + _TAKE_NEXT_BODY
+        + """
+local now, stall, ttl, chunks = now_ms(), tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local lost, stalled, successors = {}, {}, {}
+local sent = redis.call('HGETALL', KEYS[1])
+for i = 1, #sent, 2 do
+    local chunk, handed_at = sent[i], tonumber(sent[i + 1])
+    local due = deadline(redis.call('HGET', KEYS[2], chunk))
+    local alive = due and due > now
+    if redis.call('SISMEMBER', KEYS[3], chunk) == 1 then
+        if not alive then
+            if redis.call('HSETNX', KEYS[4], chunk, 1) == 1 then
+                redis.call('EXPIRE', KEYS[4], ttl)
+                local successor = take_next(KEYS[5], KEYS[1], ttl, chunks, now)
+                if successor < chunks then table.insert(successors, successor) end
+            end
+            redis.call('HDEL', KEYS[1], chunk)
+            redis.call('HDEL', KEYS[2], chunk)
+        end
+    elseif alive then
+        -- running: its worker's heartbeat keeps the lease
+    elseif due then
+        redis.call('HDEL', KEYS[2], chunk)
+        redis.call('HSET', KEYS[1], chunk, now)
+        table.insert(lost, tonumber(chunk))
+    elseif now - handed_at >= stall then
+        redis.call('HSET', KEYS[1], chunk, now)
+        table.insert(stalled, tonumber(chunk))
+    end
+end
+return {lost, stalled, successors, redis.call('HLEN', KEYS[1])}
+"""
+    ),
+)
+
+# Forgets a folded batch: its hash and its id, together. KEYS: batch hash, batches set. ARGV: id.
+USAGE_FORGET = Script(
+    "usage_forget",
+    """
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[1])
+return 1
+""",
+)

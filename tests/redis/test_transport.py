@@ -1,0 +1,80 @@
+"""The Redis package: packing, the key layout, and one operation run alike by every transport."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import redis.asyncio
+
+from embeddings.redis import keys, operations, scripts
+from embeddings.redis.connections import redis_lean_async, redis_sync
+from embeddings.redis.transport import Command, PackedRun, ScriptCall, _packed, run_async, run_sync, single
+
+
+@pytest.mark.unit
+def test_packed_commands_are_what_redis_py_sends():
+    arguments = ["EVALSHA", "ab" * 20, 2, PackedRun.of(["k1", b"k\r\n2"]), -7, 1.5, "é", PackedRun.of([3])]
+    flat = ["EVALSHA", "ab" * 20, 2, "k1", b"k\r\n2", -7, 1.5, "é", 3]
+    expected = b"".join(redis.connection.Connection().pack_command(*flat))
+    assert _packed(arguments) == expected
+
+
+@pytest.mark.unit
+def test_a_jobs_keys_share_its_hash_tag_and_cover_every_kind():
+    names = keys.job_keys("job_abc", 2)
+    assert len(names) == len(set(names)) == len(keys.JOB_KINDS) + 2 * len(keys.CHUNK_KINDS)
+    assert all(name.startswith("job:{job_abc}:") for name in names)
+    assert keys.job_chunk_key("job_abc", "out", 1) in names
+    with pytest.raises(ValueError):
+        keys.job_key("job_abc", "settled")  # the marker lives in the critical Redis, not here
+    scope = keys.quota_scope(tenant_id=4, key_id=9, level="key")
+    assert keys.quota_counter(scope, window="rpm", start=60) == "quota:{t4}:k9:rpm:60"
+    assert keys.quota_leases(keys.quota_scope(tenant_id=4, key_id=None, level="tenant")) == (
+        "quota:{t4}:t:concurrent"
+    )
+
+
+@pytest.mark.unit
+def test_every_script_has_its_own_name_and_sha():
+    defined = [value for value in vars(scripts).values() if isinstance(value, scripts.Script)]
+    assert len({script.name for script in defined}) == len(defined) > 10
+    assert len({script.sha for script in defined}) == len(defined)
+
+
+def _count_twice(owner: str):
+    """One operation of a script and a pipelined pair of plain commands."""
+    first = yield from operations.usage_count_once(owner=owner, unit=3, increments={"f": 2}, ttl_s=60)
+    again = yield from operations.usage_count_once(owner=owner, unit=3, increments={"f": 2}, ttl_s=60)
+    live, bit = yield [
+        Command.of("HGET", keys.LIVE_USAGE, "f"),
+        Command.of("GETBIT", keys.usage_counted(owner), 3),
+    ]
+    return first, again, int(live), bit
+
+
+async def test_one_operation_runs_alike_on_every_transport_and_reloads_flushed_scripts(service_redis):
+    client = redis_sync()
+    assert redis_lean_async() is not None  # plain TCP: the lean client
+    redis_py = redis.asyncio.Redis.from_url(service_redis.url)
+    try:
+        client.script_flush()  # as after a Redis restart: each transport must load it again
+        results = [run_sync(_count_twice("sync"), client)]
+        client.script_flush()
+        results.append(await run_async(_count_twice("lean")))
+        client.script_flush()
+        results.append(await run_async(_count_twice("redis-py"), client=redis_py))
+    finally:
+        await redis_py.aclose()
+    assert results == [(True, False, 2, 1), (True, False, 4, 1), (True, False, 6, 1)]
+
+
+async def test_an_error_reply_in_a_pipeline_leaves_the_lean_connection_in_step(service_redis):
+    redis_sync().set("a-string", "x")
+    with pytest.raises(redis.exceptions.ResponseError):
+        await run_async(single([Command.of("HGET", "a-string", "f"), Command.of("GET", "a-string")]))
+    assert await run_async(single(Command.of("GET", "a-string"))) == b"x"
+    assert await run_async(single([Command.of("GET", "a-string")])) == [b"x"]  # a batch of one
+    assert run_sync(single([Command.of("GET", "a-string")]), redis_sync()) == [b"x"]
+    call = ScriptCall(scripts.QUOTA_SETTLE, [keys.LIVE_USAGE], [0, "", "g", 5])
+    assert await run_async(single(call)) == 1
+    assert redis_sync().hget(keys.LIVE_USAGE, "g") == b"5"
