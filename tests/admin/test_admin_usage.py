@@ -21,21 +21,14 @@ from embeddings.models import UsageBucket
 from embeddings.services.keys import api_key_create
 from embeddings.services.usage_reports import USAGE_CSV_HEADER, utc_day_start
 from embeddings.triton.server import free_port
+from tests.factories import usage_bucket
 
 pytestmark = pytest.mark.django_db
 
 
-def bucket(tenant, api_key, hour, *, tokens=0, requests=0, model="all-MiniLM-L6-v2", endpoint="embeddings"):
-    return UsageBucket.objects.create(
-        tenant=tenant,
-        api_key=api_key,
-        model=model,
-        endpoint=endpoint,
-        hour=hour,
-        tokens=tokens,
-        requests=requests,
-        succeeded=requests,
-    )
+def bucket(tenant, api_key, hour, *, requests=0, **counters):
+    """Usage whose requests all succeeded."""
+    return usage_bucket(tenant, api_key, hour, requests=requests, succeeded=requests, **counters)
 
 
 def bars(page: str, chart_id: str) -> list[tuple[str, int]]:

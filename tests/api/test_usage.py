@@ -18,20 +18,15 @@ from embeddings.services.quotas import quota_release
 from embeddings.services.usage import UsageEvent, usage_fold
 from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.server import free_port
+from tests.factories import usage_bucket
 
 JUNE_1 = datetime(2026, 6, 1, tzinfo=UTC)
 JUNE = {"start": "2026-06-01", "end": "2026-06-30"}
 
 
-def bucket(tenant_with_key, *, hour: datetime, model="all-MiniLM-L6-v2", key=True, **counters):
-    return UsageBucket.objects.create(
-        tenant=tenant_with_key.tenant,
-        api_key=tenant_with_key.api_key if key else None,
-        model=model,
-        endpoint="openai",
-        hour=hour,
-        **counters,
-    )
+def bucket(tenant_with_key, *, hour: datetime, key=True, **counters):
+    api_key = tenant_with_key.api_key if key else None
+    return usage_bucket(tenant_with_key.tenant, api_key, hour, endpoint="openai", **counters)
 
 
 @pytest.fixture

@@ -18,25 +18,15 @@ from embeddings.services.usage_reports import (
     top_keys,
     usage_csv_rows,
 )
+from tests.factories import usage_bucket
 
 pytestmark = pytest.mark.django_db
 
 NOW = datetime(2026, 6, 12, 15, 30, tzinfo=UTC)
 
 
-def bucket(
-    tenant, api_key, hour: datetime, *, tokens=0, requests=0, model="m", endpoint="embeddings", **more
-):
-    return UsageBucket.objects.create(
-        tenant=tenant,
-        api_key=api_key,
-        model=model,
-        endpoint=endpoint,
-        hour=hour,
-        tokens=tokens,
-        requests=requests,
-        **more,
-    )
+def bucket(tenant, api_key, hour: datetime, *, model="m", **counters):
+    return usage_bucket(tenant, api_key, hour, model=model, **counters)
 
 
 def test_summary_counts_this_utc_month_and_day_of_this_tenant_only(alpha, beta):
