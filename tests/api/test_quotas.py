@@ -326,12 +326,15 @@ async def test_requests_per_minute_is_exact_across_two_workers(live):
     responses = await burst(live, headers, [{"model": "minilm", "input": "x"}] * 200)
     answered = answered_since(answered_before, requests_answered_by_worker(live.prometheus_dir))
     ok = [r for r in responses if r.status_code == 200]
-    refused = [r for r in responses if r.status_code == 429]
-    assert (len(ok), len(refused)) == (50, 150)
+    # A burst this size may also meet a worker's MAX_INFLIGHT_TRITON_CALLS before its quota is
+    # reserved (429, overloaded: nothing reserved, so the count below stays exact).
+    outcomes = [outcome(r) for r in responses]
+    assert set(outcomes) <= {"served", "over_quota", "overloaded"}, outcomes
+    refused = [r for r, what in zip(responses, outcomes, strict=True) if what == "over_quota"]
+    assert len(ok) == 50 and refused, outcomes
     # Each admitted request saw a distinct count: nothing was admitted twice or skipped.
     assert sorted(int(r.headers["x-ratelimit-remaining-requests"]) for r in ok) == list(range(50))
     for response in refused:
-        assert response.json()["error"]["code"] == "rate_limit_exceeded"
         assert response.headers["x-ratelimit-limit-requests"] == "50"
         assert response.headers["x-ratelimit-remaining-requests"] == "0"
         assert 1 <= int(response.headers["retry-after"]) <= 60
