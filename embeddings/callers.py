@@ -19,8 +19,11 @@ if TYPE_CHECKING:
 class QuotaLimitValues:
     """One level's limits (a tenant's or a key's); None = no limit at that level."""
 
+    requests_per_second: int | None = None
     requests_per_minute: int | None = None
+    request_burst: int | None = None
     tokens_per_minute: int | None = None
+    token_burst: int | None = None
     tokens_per_day: int | None = None
     tokens_per_month: int | None = None
     max_inputs_per_request: int | None = None
@@ -37,6 +40,7 @@ class QuotaLimitValues:
         return any(
             value is not None
             for value in (
+                self.requests_per_second,
                 self.requests_per_minute,
                 self.tokens_per_minute,
                 self.tokens_per_day,

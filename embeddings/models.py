@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
@@ -56,11 +58,38 @@ class QuotaLimits(models.Model):
     """Limits a tenant (or one of its keys) is held to; blank means no limit at that level.
 
     A tenant's limits count everything its keys do together; a key's own limits count that key
-    alone, on top of its tenant's (see embeddings/services/quotas.py).
+    alone, on top of its tenant's (see embeddings/services/quotas.py). Request and token rates are
+    smooth (a sustained rate and a burst); the daily and monthly budgets are UTC calendar windows.
     """
 
-    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
-    tokens_per_minute = models.PositiveBigIntegerField(null=True, blank=True)
+    requests_per_second = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Sustained request rate"
+    )
+    requests_per_minute = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Sustained request rate: RPM/60 a second",
+    )
+    request_burst = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Requests that may arrive at once. Blank: one second of the request rate",
+    )
+    tokens_per_minute = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Sustained token rate: TPM/60 a second",
+    )
+    token_burst = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Tokens that may arrive at once, and so the largest request. "
+        "Blank: one minute of the token rate",
+    )
     tokens_per_day = models.PositiveBigIntegerField(null=True, blank=True, help_text="UTC day")
     tokens_per_month = models.PositiveBigIntegerField(
         null=True, blank=True, help_text="UTC calendar month: the budget"
@@ -71,8 +100,11 @@ class QuotaLimits(models.Model):
     max_inputs_per_job = models.PositiveIntegerField(null=True, blank=True)
 
     QUOTA_FIELDS = (
+        "requests_per_second",
         "requests_per_minute",
+        "request_burst",
         "tokens_per_minute",
+        "token_burst",
         "tokens_per_day",
         "tokens_per_month",
         "max_inputs_per_request",
@@ -80,6 +112,20 @@ class QuotaLimits(models.Model):
         "max_concurrent_jobs",
         "max_inputs_per_job",
     )
+
+    def clean(self) -> None:
+        super().clean()
+        errors = {}
+        if (
+            self.request_burst is not None
+            and self.requests_per_second is None
+            and self.requests_per_minute is None
+        ):
+            errors["request_burst"] = "A burst needs a request rate (per second or per minute)."
+        if self.token_burst is not None and self.tokens_per_minute is None:
+            errors["token_burst"] = "A burst needs a token rate (tokens per minute)."
+        if errors:
+            raise ValidationError(errors)
 
     class Meta:
         abstract = True

@@ -506,6 +506,12 @@ if QUOTA_REDIS_FAILURE not in {"closed", "open"}:
 # A concurrency lease (max_concurrent_requests) left by a process that died mid-request frees
 # itself after this long; above the longest request (Triton deadline and retries).
 QUOTA_LEASE_SECONDS = env_float("QUOTA_LEASE_SECONDS", 120.0, minimum=1)
+# The burst of a request or token rate whose burst is blank, as seconds of that rate: a request
+# rate bursts one second's worth (at least one request), so a 6,000 RPM tenant sends 100 at once,
+# then 100 a second; a token burst defaults to a whole minute's, so one request may still carry
+# up to the TPM (the largest request a token rate admits is its burst).
+RATE_LIMIT_REQUEST_BURST_SECONDS = env_float("RATE_LIMIT_REQUEST_BURST_SECONDS", 1.0, minimum=0.001)
+RATE_LIMIT_TOKEN_BURST_SECONDS = env_float("RATE_LIMIT_TOKEN_BURST_SECONDS", 60.0, minimum=0.001)
 # How often Celery beat folds Redis's usage counters into UsageBucket rows.
 USAGE_FOLD_INTERVAL_S = env_float("USAGE_FOLD_INTERVAL_S", 60.0, minimum=1)
 # How often Celery beat makes Triton serve what the catalog says (services/model_serving.py): a

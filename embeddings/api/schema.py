@@ -26,14 +26,22 @@ class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):
 
 
 RATELIMIT_HEADERS = {
-    "x-ratelimit-limit-requests": "The binding requests-per-minute limit (tenant's or key's)",
-    "x-ratelimit-remaining-requests": "Requests left in that window",
-    "x-ratelimit-reset-requests": 'Until that window resets, e.g. "1s", "6m0s"',
-    "x-ratelimit-limit-tokens": "The binding token limit (per minute, day or month; tenant's or key's)",
-    "x-ratelimit-remaining-tokens": "Tokens left in that window",
-    "x-ratelimit-reset-tokens": 'Until that window resets, e.g. "20ms", "6m0s"',
+    "x-ratelimit-limit-requests": "The binding request limit (tenant's or key's): a request rate's burst",
+    "x-ratelimit-remaining-requests": "Requests that may pass now",
+    "x-ratelimit-reset-requests": 'Until that bucket is full again, e.g. "625ms", "1m0s"',
+    "x-ratelimit-limit-tokens": "The binding token limit (tenant's or key's): the token rate's burst, "
+    "or the day's or month's budget",
+    "x-ratelimit-remaining-tokens": "Tokens that may pass now",
+    "x-ratelimit-reset-tokens": "Until that bucket is full again or that budget window ends, "
+    'e.g. "20ms", "6m0s"',
 }
-RETRY_AFTER = {"Retry-After": "Seconds to wait before retrying"}
+RETRY_AFTER = {
+    "Retry-After": ("Seconds to wait before retrying", "integer"),
+    "retry-after-ms": (
+        "Milliseconds until every limit that refused the request would admit it (429 only)",
+        "integer",
+    ),
+}
 
 
 def _header(description: str, kind: str = "string") -> dict:
@@ -52,7 +60,9 @@ def ratelimit_headers_hook(result, generator, request, public):
                 for name, description in RATELIMIT_HEADERS.items():
                     headers[name] = _header(f"{description}. Sent only when such a limit applies.")
                 if status in ("429", "503"):
-                    headers["Retry-After"] = _header(RETRY_AFTER["Retry-After"], "integer")
+                    for name, (description, kind) in RETRY_AFTER.items():
+                        if status == "429" or name == "Retry-After":
+                            headers[name] = _header(description, kind)
     return result
 
 

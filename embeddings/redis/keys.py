@@ -8,8 +8,12 @@ one, so the script stays on one slot. Times: `<start>` is a window's start in ep
 Critical Redis (REDIS_URL)
 
     key                                   type     TTL                       written by
-    quota:{t<tenant>}:t:<w>:<start>       string   rest of window + 60 s     quota reserve (w: rpm,
-    quota:{t<tenant>}:k<key>:<w>:<start>  string   rest of window + 60 s     tpm, tpd, tpmo), settle
+    quota:{t<tenant>}:t:rate:<r>          string   until the bucket is full  quota reserve (r: rps,
+    quota:{t<tenant>}:k<key>:rate:<r>     string   + 1 s                     rpm, tpm; the rate's
+                                                                             theoretical arrival time,
+                                                                             µs, Redis clock), settle
+    quota:{t<tenant>}:t:<w>:<start>       string   rest of window + 60 s     quota reserve (w: tpd,
+    quota:{t<tenant>}:k<key>:<w>:<start>  string   rest of window + 60 s     tpmo), settle
     quota:{t<tenant>}:t:concurrent        zset     QUOTA_LEASE_SECONDS + 1 s quota reserve (member:
     quota:{t<tenant>}:k<key>:concurrent   zset     QUOTA_LEASE_SECONDS + 1 s a lease, score: expiry ms)
     usage:live                            hash     none (folded away)        quota settle, count once
@@ -65,8 +69,13 @@ def quota_scope(*, tenant_id: int, key_id: int | None, level: Level) -> str:
     return f"{tag}:t" if level == "tenant" else f"{tag}:k{key_id}"
 
 
+def quota_rate(scope: str, *, rate: str) -> str:
+    """A rate's cell (GCRA): `rate` is the rate's short name (rps, rpm, tpm)."""
+    return f"{scope}:rate:{rate}"
+
+
 def quota_counter(scope: str, *, window: str, start: int) -> str:
-    """A window counter: `window` is the window's short name (rpm, tpm, tpd, tpmo)."""
+    """A budget window counter: `window` is the window's short name (tpd, tpmo)."""
     return f"{scope}:{window}:{start}"
 
 

@@ -10,6 +10,7 @@ each operation reads both.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from embeddings.redis import keys, scripts
 from embeddings.redis.transport import Command, Operation, PackedRun, ScriptCall
@@ -37,10 +38,12 @@ def _increment_arguments(increments: Mapping[str, int]) -> list:
 
 
 def quota_reserve(*, plan_keys: PackedRun, head: Sequence, tail: PackedRun) -> Operation[list[int]]:
-    """Add one request to its counters and lease sets if all have room (QUOTA_RESERVE).
+    """Admit one request to its rate cells, budget counters and lease sets if all have room
+    (QUOTA_RESERVE).
 
-    `plan_keys`: counters (requests first), then lease sets; `head` and `tail` the script's ARGV before
-    and after the per-request part. Returns [admitted, each counter before, each set's live leases].
+    `plan_keys`: cells, counters, then lease sets; `head` and `tail` the script's ARGV before and
+    after the per-request part. Returns [admitted, each cell's TAT ahead of the clock (µs), each
+    counter before, each set's live leases].
     """
     reply = yield ScriptCall(scripts.QUOTA_RESERVE, (plan_keys,), (*head, tail))
     return [int(value) for value in _text(reply).split(",")]
@@ -53,7 +56,8 @@ def quota_settle(
     lease_member: str = "",
     usage: Mapping[str, int] | None = None,
 ) -> Operation[None]:
-    """Refund tokens to counters, drop a lease from its sets and count usage, in one round trip."""
+    """Refund to cells (µs) and counters (tokens), drop a lease from its sets and count usage, in one
+    round trip."""
     script_keys = [key for key, _ in refunds] + list(lease_sets) + [keys.LIVE_USAGE]
     arguments = [len(refunds), lease_member, *(amount for _, amount in refunds)]
     arguments += _increment_arguments(usage or {})
@@ -72,22 +76,30 @@ def quota_forget_settled(job_id: str) -> Operation[None]:
     yield Command.of("DEL", keys.job_settled(job_id))
 
 
-def quota_counts(counters: Sequence[str]) -> Operation[list[int]]:
-    """The counters' values (0 for a counter not created yet)."""
-    if not counters:
-        return []
-    values = yield Command.of("MGET", *counters)
-    return [int(value or 0) for value in values]
+@dataclass(frozen=True)
+class QuotaState:
+    clock_us: int  # Redis's clock
+    arrivals_us: list[int]  # each cell's TAT (0: none, its bucket is full)
+    counts: list[int]  # each counter (0 for a counter not created yet)
+    live: list[int]  # each lease set's leases alive at now_ms
 
 
-def quota_state(counters: Sequence[str], lease_sets: Sequence[str], *, now_ms: int) -> Operation[list[int]]:
-    """The counters' values, then each lease set's leases alive at `now_ms`, in one round trip."""
-    commands = [Command.of("GET", key) for key in counters]
+def quota_state(
+    cells: Sequence[str], counters: Sequence[str], lease_sets: Sequence[str], *, now_ms: int
+) -> Operation[QuotaState]:
+    """The cells, counters and lease sets as they stand, and Redis's clock, in one round trip."""
+    commands = [Command.of("GET", key) for key in (*cells, *counters)]
     commands += [Command.of("ZCOUNT", key, f"({now_ms}", "+inf") for key in lease_sets]
-    if not commands:
-        return []
+    commands.append(Command.of("TIME"))
     values = yield commands
-    return [int(value or 0) for value in values]
+    seconds, microseconds = values[-1]
+    numbers = [int(value or 0) for value in values[:-1]]
+    return QuotaState(
+        clock_us=int(seconds) * 1_000_000 + int(microseconds),
+        arrivals_us=numbers[: len(cells)],
+        counts=numbers[len(cells) : len(cells) + len(counters)],
+        live=numbers[len(cells) + len(counters) :],
+    )
 
 
 # --- Usage -----------------------------------------------------------------------------------------

@@ -34,55 +34,86 @@ end
 
 # --- Quotas (embeddings.services.quotas) ---------------------------------------------------------
 
-# KEYS[1..n] window counters (the first r count requests, the others tokens), KEYS[n+1..] lease sets.
-# ARGV: now (ms), tokens, lease member, lease expiry (ms), lease set TTL (ms), n, r; then per
-# counter: limit, window end (ms); then per lease set: limit. Times are on the caller's clock.
-# Returns "admitted,count,...,live,...": 0/1, each counter before this request, each set's live
-# leases (one string: far cheaper for the client to read than an array).
+# KEYS[1..m] rate cells, KEYS[m+1..m+n] budget counters, KEYS[m+n+1..] lease sets.
+# ARGV: now (ms, the caller's clock: leases), tokens, lease member, lease expiry (ms), lease set TTL
+# (ms), m, n, rate clock (µs; 0: Redis's own TIME, one clock for every host); then per cell: what it
+# counts (0 requests, 1 tokens), interval (µs per unit, may be fractional), tolerance (µs: the
+# burst); then per counter: limit, window end (ms); then per lease set: limit.
+# A cell holds its theoretical arrival time (TAT, µs): admitted when max(TAT, now) + cost - now
+# stays within the tolerance, which then becomes the TAT (GCRA). Nothing is written unless every
+# cell, counter and lease set admits the request.
+# Returns "admitted,ahead,...,count,...,live,...": 0/1; per cell how far its TAT was ahead of the
+# clock before this request (µs, 0 when its bucket was full); each counter before this request;
+# each set's live leases (one string: far cheaper for the client to read than an array).
 QUOTA_RESERVE = Script(
     "quota_reserve",
     """
 local now = tonumber(ARGV[1])
 local tokens = tonumber(ARGV[2])
-local n = tonumber(ARGV[6])
-local r = tonumber(ARGV[7])
+local m = tonumber(ARGV[6])
+local n = tonumber(ARGV[7])
+local clock = tonumber(ARGV[8])
+if clock == 0 then
+  local time = redis.call('TIME')
+  clock = tonumber(time[1]) * 1000000 + tonumber(time[2])
+end
 local admitted = 1
 local result = {0}
+local arrivals = {}
+-- The cells share the tenant's hash tag, so one MGET reads them all.
+local tats = {}
+if m > 0 then tats = redis.call('MGET', unpack(KEYS, 1, m)) end
+for i = 1, m do
+  local at = 6 + 3 * i
+  local amount = tokens
+  if ARGV[at] == '0' then amount = 1 end
+  local tat = tonumber(tats[i] or 0)
+  if tat < clock then tat = clock end
+  local arrival = tat + math.ceil(amount * tonumber(ARGV[at + 1]))
+  arrivals[i] = arrival
+  result[i + 1] = tat - clock  -- below 1e14: table.concat writes it exactly
+  if arrival - clock > tonumber(ARGV[at + 2]) then admitted = 0 end
+end
+local counters_at = 8 + 3 * m
 -- Add first and take back if anything is over: atomic all the same (nothing runs in between),
 -- and half the calls of reading every counter before writing it.
 for i = 1, n do
-  local amount = tokens
-  if i <= r then amount = 1 end
-  local count = redis.call('INCRBY', KEYS[i], amount)
-  if count == amount then
+  local key = KEYS[m + i]
+  local count = redis.call('INCRBY', key, tokens)
+  if count == tokens then
     -- A new counter lives for the rest of its window, and a minute more (a late refund finds it).
-    redis.call('PEXPIRE', KEYS[i], tonumber(ARGV[7 + 2 * i]) - now + 60000)
+    redis.call('PEXPIRE', key, tonumber(ARGV[counters_at + 2 * i]) - now + 60000)
   end
-  result[i + 1] = count - amount
-  if count > tonumber(ARGV[6 + 2 * i]) then admitted = 0 end
+  result[m + i + 1] = count - tokens
+  if count > tonumber(ARGV[counters_at + 2 * i - 1]) then admitted = 0 end
 end
-for j = 1, #KEYS - n do
-  local key = KEYS[n + j]
-  local limit = tonumber(ARGV[7 + 2 * n + j])
+local leases_at = counters_at + 2 * n
+for j = 1, #KEYS - m - n do
+  local key = KEYS[m + n + j]
+  local limit = tonumber(ARGV[leases_at + j])
   local live = redis.call('ZCARD', key)
   if live >= limit then
     -- Full: drop the leases of requests whose process died (expired) and count again.
     redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
     live = redis.call('ZCARD', key)
   end
-  result[n + j + 1] = live
+  result[m + n + j + 1] = live
   if live >= limit then admitted = 0 end
 end
 if admitted == 1 then
-  for j = 1, #KEYS - n do
-    redis.call('ZADD', KEYS[n + j], tonumber(ARGV[4]), ARGV[3])
-    redis.call('PEXPIRE', KEYS[n + j], ARGV[5])
+  for i = 1, m do
+    -- The cell is worth keeping only while its bucket is not full again.
+    local keep_ms = math.ceil((arrivals[i] - clock) / 1000) + 1000
+    -- A number argument is written with %.17g: exact for these integers (below 2^53).
+    redis.call('SET', KEYS[i], arrivals[i], 'PX', keep_ms)
+  end
+  for j = 1, #KEYS - m - n do
+    redis.call('ZADD', KEYS[m + n + j], tonumber(ARGV[4]), ARGV[3])
+    redis.call('PEXPIRE', KEYS[m + n + j], ARGV[5])
   end
 else
   for i = 1, n do
-    local amount = tokens
-    if i <= r then amount = 1 end
-    redis.call('DECRBY', KEYS[i], amount)
+    redis.call('DECRBY', KEYS[m + i], tokens)
   end
 end
 result[1] = admitted
@@ -90,9 +121,10 @@ return table.concat(result, ',')
 """,
 )
 
-# Settles one request in one round trip. KEYS[1..r] token counters to refund, KEYS[r+1..#KEYS-1]
-# lease sets, KEYS[#KEYS] the live usage hash. ARGV: r, lease member, r refund amounts, then usage
-# field/amount pairs.
+# Settles one request in one round trip. KEYS[1..r] token cells and counters to refund (a cell's
+# TAT moves back by the tokens' time, a counter by the tokens), KEYS[r+1..#KEYS-1] lease sets,
+# KEYS[#KEYS] the live usage hash. ARGV: r, lease member, r refund amounts, then usage field/amount
+# pairs.
 QUOTA_SETTLE = Script(
     "quota_settle",
     _REFUND

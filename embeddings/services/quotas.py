@@ -1,29 +1,39 @@
-"""Quotas and rate limits, enforced in Redis: one atomic Lua script checks and reserves every window.
+"""Quotas and rate limits, enforced in Redis: one atomic Lua script checks and reserves them all.
 
 A tenant's limits count all its keys together; a key's own (non-blank) limits count that key alone,
-on top of its tenant's. Blank means no limit at that level. Windows are fixed and aligned to UTC:
+on top of its tenant's. Blank means no limit at that level.
 
-    requests_per_minute, tokens_per_minute   the UTC minute
-    tokens_per_day                           the UTC day
-    tokens_per_month                         the UTC calendar month (the budget)
-    max_concurrent_requests                  a lease set per level (sorted set scored by expiry)
+    requests_per_second, requests_per_minute  request rates  (GCRA cells; burst: request_burst)
+    tokens_per_minute                         a token rate   (a GCRA cell; burst: token_burst)
+    tokens_per_day                            the UTC day            (a budget window counter)
+    tokens_per_month                          the UTC calendar month (the budget)
+    max_concurrent_requests                   a lease set per level (sorted set scored by expiry)
+
+A rate is a generic cell rate (GCRA: a token bucket that stores only its "theoretical arrival
+time", TAT): a sustained rate of one unit every `interval`, and a burst of B units at once. A
+request costing c units (1 request, or its tokens) is admitted when max(TAT, now) + c·interval
+lies within B·interval of now, and that becomes the new TAT. So B requests pass at once, then one
+every interval, smoothly: no window boundary lets twice the rate through, and a request larger
+than the burst can never pass (it is refused as too large). A blank burst is a second of a request
+rate (RATE_LIMIT_REQUEST_BURST_SECONDS) and a minute of a token rate
+(RATE_LIMIT_TOKEN_BURST_SECONDS); rates run on Redis's clock, the same for every host.
 
 `quota_reserve` runs the reserve script once per request, after tokenisation and before inference: it
-looks at every applicable counter and lease set, and only if *all* of them have room does the
-request stay added (1 to the request counters, the tokens to the token counters, a lease to each
+looks at every applicable cell, budget counter and lease set, and only if *all* of them have room does
+the request stay added (the cells' new TATs, the tokens to the budget counters, a lease to each
 lease set); otherwise the script leaves everything as it was.
 So the limits hold exactly under any concurrency, across processes and machines: there is no
 read-then-write gap. `quota_release` (the settle script) frees the leases and, when inference failed,
-gives the tokens back, adding the request's usage counters in the same round trip. A process
-that dies mid-request leaks nothing for long: its leases expire after QUOTA_LEASE_SECONDS and
-counters expire after their window.
+gives the tokens back (to the token cell and the budgets), adding the request's usage counters in the
+same round trip. A process that dies mid-request leaks nothing for long: its leases expire after
+QUOTA_LEASE_SECONDS, cells once their bucket is full again and counters after their window.
 
-Counters exist only for windows that have a limit (an unlimited tenant costs no Redis work for
-quotas), so a limit set in the middle of a window starts counting from zero. The window is chosen
-from the caller's clock (`now`, injectable for tests); all keys of one tenant share the hash tag
-`{t<id>}`, so one script only touches one Redis Cluster slot.
+Keys exist only for limits that are set (an unlimited tenant costs no Redis work for quotas), so a
+budget set in the middle of a window starts counting from zero. Budget windows are chosen from the
+caller's clock (`now`, injectable for tests; a test that passes `now` runs the rates on it too); all
+keys of one tenant share the hash tag `{t<id>}`, so one script only touches one Redis Cluster slot.
 
-This module is the policy: windows, plans, refusal messages and headers. The scripts, keys and
+This module is the policy: rates, windows, plans, refusal messages and headers. The scripts, keys and
 transports are embeddings.redis's; each operation here is one generator (`reserve_operation`,
 `settle_operation`, `status_operation`) run by the asyncio transport for requests and by the
 blocking one for Celery workers and the admin.
@@ -56,6 +66,9 @@ logger = logging.getLogger(__name__)
 
 # The wall clock that picks windows, when a caller passes no `now`; tests pin it to stay in one window.
 clock = time.time
+# Rates run on Redis's clock, the same for every host; a test that pins `clock` may turn this off to
+# run them on its pinned clock too.
+rates_on_redis_clock = True
 
 # Whose quotas apply: the caller, defined once in embeddings/callers.py (old names kept for callers).
 QuotaSubject = QuotaHolder = Caller
@@ -64,7 +77,24 @@ Level = redis_keys.Level
 Kind = Literal["requests", "tokens"]
 
 
-# --- Windows ---------------------------------------------------------------------------------------
+# --- Rates and budget windows ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rate:
+    limit_name: str  # the QuotaLimits field of the sustained rate
+    short: str  # in the Redis key (embeddings.redis.keys.quota_rate)
+    kind: Kind
+    period_s: int  # the rate is limit_name's value per period_s seconds
+    burst_name: str  # the QuotaLimits field of its burst
+    label: str  # in messages, as OpenAI words them
+
+
+RATES = (
+    Rate("requests_per_second", "rps", "requests", 1, "request_burst", "requests per second (RPS)"),
+    Rate("requests_per_minute", "rpm", "requests", 60, "request_burst", "requests per minute (RPM)"),
+    Rate("tokens_per_minute", "tpm", "tokens", 60, "token_burst", "tokens per minute (TPM)"),
+)
 
 
 @dataclass(frozen=True)
@@ -72,23 +102,18 @@ class Window:
     limit_name: str  # the QuotaLimits field
     short: str  # in the Redis key (embeddings.redis.keys.quota_counter)
     kind: Kind
-    label: str  # in messages, as OpenAI words them
+    label: str  # in messages
 
 
+# Budgets stay calendar windows: a tenant buys tokens per day or month, not a rate.
 WINDOWS = (
-    Window("requests_per_minute", "rpm", "requests", "requests per minute (RPM)"),
-    Window("tokens_per_minute", "tpm", "tokens", "tokens per minute (TPM)"),
     Window("tokens_per_day", "tpd", "tokens", "tokens per day"),
     Window("tokens_per_month", "tpmo", "tokens", "tokens per month"),
 )
-BUDGET_WINDOWS = frozenset({"tokens_per_day", "tokens_per_month"})
 
 
 def window_bounds(limit_name: str, now: float) -> tuple[int, int]:
     """(start, reset) of the UTC window that holds `now`, in epoch seconds."""
-    if limit_name in ("requests_per_minute", "tokens_per_minute"):
-        start = int(now // 60 * 60)
-        return start, start + 60
     if limit_name == "tokens_per_day":
         start = int(now // 86400 * 86400)
         return start, start + 86400
@@ -114,9 +139,56 @@ def _levels(subject: QuotaSubject) -> list[tuple[Level, QuotaLimitValues]]:
     return levels
 
 
+def _who(level: Level) -> str:
+    return "this API key" if level == "key" else "this tenant"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One rate of one level that this request is held to (GCRA), its times in microseconds."""
+
+    key: str
+    level: Level
+    rate: Rate
+    limit: int  # the configured rate: units per rate.period_s
+    burst: int  # units admitted at once
+    interval_us: float  # between two units at the sustained rate
+    tolerance_us: int  # how far ahead of now the TAT may run: the burst
+
+    @classmethod
+    def of(cls, key: str, level: Level, rate: Rate, limit: int, burst: int | None) -> Cell:
+        if burst is None:
+            seconds = (
+                settings.RATE_LIMIT_REQUEST_BURST_SECONDS
+                if rate.kind == "requests"
+                else settings.RATE_LIMIT_TOKEN_BURST_SECONDS
+            )
+            burst = max(1, math.ceil(round(limit * seconds / rate.period_s, 6)))
+        if limit <= 0:  # a zero rate (only from old data or the shell) admits nothing
+            return cls(key, level, rate, 0, burst, float(UNREACHABLE_US), 0)
+        interval = rate.period_s * 1_000_000 / limit
+        if rate.kind == "requests":
+            # A whole number of microseconds, so that exactly `burst` requests fit.
+            interval = float(math.ceil(interval))
+        return cls(key, level, rate, limit, burst, interval, math.ceil(burst * interval))
+
+    def cost_us(self, amount: int) -> int:
+        """What `amount` units move the TAT; the script computes the same (IEEE doubles both)."""
+        return math.ceil(amount * self.interval_us)
+
+    def available(self, ahead_us: float) -> int:
+        """Units admissible at once while the TAT is `ahead_us` ahead of now."""
+        if self.limit <= 0:
+            return 0
+        return max(0, min(self.burst, math.floor((self.tolerance_us - ahead_us) / self.interval_us)))
+
+
+UNREACHABLE_US = 10**15  # ~31 years: a cost no tolerance admits
+
+
 @dataclass(frozen=True)
 class Counter:
-    """One window counter of one level that this request is held to."""
+    """One budget window counter of one level that this request is held to."""
 
     key: str
     level: Level
@@ -135,22 +207,19 @@ class LeaseSet:
 
 @dataclass(frozen=True)
 class QuotaPlan:
-    """The counters (request counters first) and lease sets that hold one subject in one minute,
-    and the constant part of the reserve script's arguments, packed once."""
+    """The rate cells, budget counters and lease sets that hold one subject in one minute, and the
+    constant part of the reserve script's arguments, packed once."""
 
+    cells: tuple[Cell, ...]
     counters: tuple[Counter, ...]
     leases: tuple[LeaseSet, ...]
-    requests_counters: int
-    keys: PackedRun  # the counters' keys, then the lease sets'
-    tail: PackedRun  # per counter: limit, window end (ms); per lease set: limit
+    keys: PackedRun  # the cells' keys, the counters', then the lease sets'
+    tail: (
+        PackedRun  # per cell: kind, interval, tolerance; per counter: limit, window end (ms); per set: limit
+    )
 
     def counters_for(self, tokens: int) -> list[Counter]:
-        return [
-            c
-            if c.window.kind == "requests"
-            else Counter(c.key, c.level, c.window, c.limit, tokens, c.reset_at)
-            for c in self.counters
-        ]
+        return [Counter(c.key, c.level, c.window, c.limit, tokens, c.reset_at) for c in self.counters]
 
 
 _plans: dict[tuple, QuotaPlan] = {}
@@ -169,30 +238,35 @@ def quota_plan(subject: QuotaSubject, *, now: float) -> QuotaPlan:
 
 
 def _make_plan(subject: QuotaSubject, now: float) -> QuotaPlan:
+    cells: list[Cell] = []
     counters: list[Counter] = []
     leases: list[LeaseSet] = []
     for level, limits in _levels(subject):
         scope = _scope(subject, level)
+        for rate in RATES:
+            limit = getattr(limits, rate.limit_name)
+            if limit is not None:
+                key = redis_keys.quota_rate(scope, rate=rate.short)
+                cells.append(Cell.of(key, level, rate, limit, getattr(limits, rate.burst_name)))
         for window in WINDOWS:
             limit = getattr(limits, window.limit_name)
-            if limit is None:
-                continue
-            start, reset_at = window_bounds(window.limit_name, now)
-            amount = 1 if window.kind == "requests" else 0
-            key = redis_keys.quota_counter(scope, window=window.short, start=start)
-            counters.append(Counter(key, level, window, limit, amount, reset_at))
+            if limit is not None:
+                start, reset_at = window_bounds(window.limit_name, now)
+                key = redis_keys.quota_counter(scope, window=window.short, start=start)
+                counters.append(Counter(key, level, window, limit, 0, reset_at))
         if limits.max_concurrent_requests is not None:
             leases.append(LeaseSet(redis_keys.quota_leases(scope), level, limits.max_concurrent_requests))
-    counters.sort(key=lambda counter: counter.window.kind != "requests")  # stable: requests first
-    keys = [c.key for c in counters] + [lease.key for lease in leases]
-    tail: list[int] = []
+    keys = [c.key for c in cells] + [c.key for c in counters] + [lease.key for lease in leases]
+    tail: list = []
+    for cell in cells:
+        tail += [0 if cell.rate.kind == "requests" else 1, repr(cell.interval_us), cell.tolerance_us]
     for counter in counters:
         tail += [counter.limit, counter.reset_at * 1000]
     tail += [lease.limit for lease in leases]
     return QuotaPlan(
+        cells=tuple(cells),
         counters=tuple(counters),
         leases=tuple(leases),
-        requests_counters=sum(c.window.kind == "requests" for c in counters),
         keys=PackedRun.of(keys),
         tail=PackedRun.of(tail),
     )
@@ -216,85 +290,125 @@ def duration_text(seconds: float) -> str:
     return f"{secs}s"
 
 
-def ratelimit_headers(counters: Sequence[Counter], counts: Sequence[int], now: float) -> dict[str, str]:
-    """x-ratelimit-{limit,remaining,reset}-{requests,tokens} of the binding window of each kind.
+@dataclass(frozen=True)
+class Standing:
+    """Where one limit stands for the headers: what may pass at once, what may pass now, and in
+    how many seconds it is back to `limit`."""
 
-    `counts` are the counters' values (after this request when it was admitted). The binding window
-    is the one with the least remaining (then the latest reset). A kind without any limit has no
-    headers.
+    kind: Kind
+    limit: int
+    remaining: int
+    reset_s: float
+
+
+def standings(
+    cells: Sequence[Cell],
+    aheads_us: Sequence[float],
+    counters: Sequence[Counter],
+    counts: Sequence[int],
+    now: float,
+) -> list[Standing]:
+    """Each cell's (its burst, what it admits now, when it is full) and each budget counter's."""
+    result = [
+        Standing(cell.rate.kind, cell.burst, cell.available(ahead), max(0.0, ahead) / 1e6)
+        for cell, ahead in zip(cells, aheads_us, strict=True)
+    ]
+    result += [
+        Standing(counter.window.kind, counter.limit, max(0, counter.limit - count), counter.reset_at - now)
+        for counter, count in zip(counters, counts, strict=True)
+    ]
+    return result
+
+
+def ratelimit_headers(items: Sequence[Standing]) -> dict[str, str]:
+    """x-ratelimit-{limit,remaining,reset}-{requests,tokens} of the binding limit of each kind.
+
+    For a rate, `limit` is its burst (what may pass at once), `remaining` what may pass now and
+    `reset` the time until its bucket is full again; for a budget, the window's limit, what is left
+    and the time to the window's end. The binding limit is the one with the least remaining (then
+    the latest reset). A kind without any limit has no headers.
     """
     headers: dict[str, str] = {}
     for kind in ("requests", "tokens"):
-        candidates = [
-            (counter, count)
-            for counter, count in zip(counters, counts, strict=True)
-            if counter.window.kind == kind
-        ]
+        candidates = [item for item in items if item.kind == kind]
         if not candidates:
             continue
-        counter, count = min(candidates, key=lambda pair: (pair[0].limit - pair[1], -pair[0].reset_at))
-        headers[f"x-ratelimit-limit-{kind}"] = str(counter.limit)
-        headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, counter.limit - count))
-        headers[f"x-ratelimit-reset-{kind}"] = duration_text(counter.reset_at - now)
+        binding = min(candidates, key=lambda item: (item.remaining, -item.reset_s))
+        headers[f"x-ratelimit-limit-{kind}"] = str(binding.limit)
+        headers[f"x-ratelimit-remaining-{kind}"] = str(binding.remaining)
+        headers[f"x-ratelimit-reset-{kind}"] = duration_text(binding.reset_s)
     return headers
 
 
 def _refusal(
-    subject: QuotaSubject,
-    counters: Sequence[Counter],
-    leases: Sequence[LeaseSet],
+    plan: QuotaPlan,
+    tokens: int,
+    aheads_us: Sequence[float],
     counts: Sequence[int],
     live: Sequence[int],
     now: float,
 ) -> QuotaExceeded:
-    """The error for a refused request: the most lasting reason (a budget over a minute window)."""
-    headers = ratelimit_headers(counters, counts, now)
-    over = [
+    """The error for a refused request: the most lasting reason (a budget, then a rate, then
+    concurrency), and the time until every limit that refused it would admit it."""
+    counters = plan.counters_for(tokens)
+    headers = ratelimit_headers(standings(plan.cells, aheads_us, counters, counts, now))
+    over_budget = [
         (counter, count)
         for counter, count in zip(counters, counts, strict=True)
-        if count + counter.amount > counter.limit
+        if count + tokens > counter.limit
     ]
-    if over:
-        counter, count = max(over, key=lambda pair: pair[0].reset_at)
-        wait = duration_text(counter.reset_at - now)
-        retry_after_s = max(math.ceil(c.reset_at - now) for c, _ in over)
-        who = "this API key" if counter.level == "key" else "this tenant"
-        if counter.window.limit_name in BUDGET_WINDOWS:
+    over_rate = []  # (cell, seconds until it admits this request)
+    for cell, ahead in zip(plan.cells, aheads_us, strict=True):
+        amount = 1 if cell.rate.kind == "requests" else tokens
+        excess_us = ahead + cell.cost_us(amount) - cell.tolerance_us
+        if excess_us > 0:
+            over_rate.append((cell, excess_us / 1e6))
+    full = [lease for lease, count in zip(plan.leases, live, strict=True) if count >= lease.limit]
+    waits = [counter.reset_at - now for counter, _ in over_budget] + [wait for _, wait in over_rate]
+    wait_s = max(waits, default=1.0)
+    headers |= {"retry-after-ms": str(max(1, math.ceil(wait_s * 1000)))}
+    retry_after_s = max(1, math.ceil(wait_s))
+    if over_budget:
+        counter, count = max(over_budget, key=lambda pair: pair[0].reset_at)
+        message = (
+            f"You exceeded {_who(counter.level)}'s quota of {counter.window.label}: limit {counter.limit}, "
+            f"used {count}, requested {tokens}. It resets in {duration_text(counter.reset_at - now)}."
+        )
+        return QuotaExceeded(
+            message, reason="insufficient_quota", kind="tokens", retry_after_s=retry_after_s, headers=headers
+        )
+    if over_rate:
+        too_large = [
+            c for c, _ in over_rate if c.rate.kind == "tokens" and c.cost_us(tokens) > c.tolerance_us
+        ]
+        if too_large:
+            cell = too_large[0]
             message = (
-                f"You exceeded {who}'s quota of {counter.window.label}: limit {counter.limit}, "
-                f"used {count}, requested {counter.amount}. It resets in {wait}."
-            )
-            return QuotaExceeded(
-                message,
-                reason="insufficient_quota",
-                kind="tokens",
-                retry_after_s=retry_after_s,
-                headers=headers,
-            )
-        if counter.amount > counter.limit:
-            message = (
-                f"Request too large for {who}'s {counter.window.label}: limit {counter.limit}, "
-                f"requested {counter.amount}. Send fewer tokens in one request."
+                f"Request too large for {_who(cell.level)}'s {cell.rate.label}: {cell.limit} with a burst of "
+                f"{cell.burst} tokens, requested {tokens}. Send fewer tokens in one request."
             )
         else:
+            cell = max(over_rate, key=lambda pair: pair[1])[0]
+            unit = cell.rate.kind
+            requested = "" if unit == "requests" else f", requested {tokens} tokens"
             message = (
-                f"Rate limit reached for {who}'s {counter.window.label}: limit {counter.limit}, used "
-                f"{count}, requested {counter.amount}. Please try again in {wait}."
+                f"Rate limit reached for {_who(cell.level)}'s {cell.rate.label}: {cell.limit} with a burst "
+                f"of {cell.burst} {unit}{requested}. Please try again in {duration_text(wait_s)}."
             )
         return QuotaExceeded(
             message,
             reason="rate_limit_exceeded",
-            kind=counter.window.kind,
+            kind=cell.rate.kind,
             retry_after_s=retry_after_s,
             headers=headers,
         )
-    full = next(lease for lease, count in zip(leases, live, strict=True) if count >= lease.limit)
-    who = "this API key" if full.level == "key" else "this tenant"
+    lease = full[0]
     message = (
-        f"Too many concurrent requests for {who}: limit {full.limit}. Retry when one of them has finished."
+        f"Too many concurrent requests for {_who(lease.level)}: limit {lease.limit}. "
+        "Retry when one of them has finished."
     )
     return QuotaExceeded(
-        message, reason="rate_limit_exceeded", kind="requests", retry_after_s=1, headers=headers
+        message, reason="rate_limit_exceeded", kind="requests", retry_after_s=retry_after_s, headers=headers
     )
 
 
@@ -303,23 +417,30 @@ def _refusal(
 
 @dataclass(frozen=True)
 class Reservation:
-    """What one admitted request holds: its tokens in the token counters, and its leases."""
+    """What one admitted request holds: its costs in the rate cells, its tokens in the budget
+    counters, and its leases."""
 
+    cells: tuple[Cell, ...]
     counters: tuple[Counter, ...]
     leases: tuple[LeaseSet, ...]
     lease_member: str
     headers: dict[str, str]
+    tokens: int = 0
 
     def refunds(self) -> list[tuple[str, int]]:
-        """(counter, tokens) to give back when the request failed: its tokens, not its request."""
-        return [(c.key, c.amount) for c in self.counters if c.window.kind == "tokens" and c.amount]
+        """(key, amount) to give back when the request failed: its tokens (to the token cells, as
+        time, and to the budgets), not its request."""
+        if not self.tokens:
+            return []
+        refunds = [(c.key, c.cost_us(self.tokens)) for c in self.cells if c.rate.kind == "tokens"]
+        return refunds + [(c.key, c.amount) for c in self.counters]
 
     @property
     def holds_anything(self) -> bool:
-        return bool(self.counters or self.leases)
+        return bool(self.cells or self.counters or self.leases)
 
 
-def _reserve_head(plan: QuotaPlan, tokens: int, member: str, now: float) -> list:
+def _reserve_head(plan: QuotaPlan, tokens: int, member: str, now: float, rate_clock_us: int) -> list:
     lease_ms = int(settings.QUOTA_LEASE_SECONDS * 1000)
     now_ms = int(now * 1000)
     return [
@@ -328,17 +449,25 @@ def _reserve_head(plan: QuotaPlan, tokens: int, member: str, now: float) -> list
         member,
         now_ms + lease_ms,
         lease_ms + 1000,
+        len(plan.cells),
         len(plan.counters),
-        plan.requests_counters,
+        rate_clock_us,
     ]
+
+
+def _rate_clock_us(now: float | None) -> int:
+    """The rates' clock for the scripts: 0 for Redis's own, else `now` (or the pinned clock) in µs."""
+    if now is None and rates_on_redis_clock:
+        return 0
+    return round((clock() if now is None else now) * 1_000_000)
 
 
 def _check_inputs(subject: QuotaSubject, inputs: int) -> None:
     for level, limits in _levels(subject):
         if limits.max_inputs_per_request is not None and inputs > limits.max_inputs_per_request:
-            who = "this API key" if level == "key" else "this tenant"
             raise LimitExceeded(
-                f"{inputs} inputs in one request; {who} may send at most {limits.max_inputs_per_request}",
+                f"{inputs} inputs in one request; "
+                f"{_who(level)} may send at most {limits.max_inputs_per_request}",
                 param="input",
             )
 
@@ -348,20 +477,28 @@ def reserve_operation(
 ) -> Operation[Reservation]:
     """`quota_reserve` as an operation, for either transport (embeddings.redis.transport)."""
     _check_inputs(subject, inputs)
+    rate_clock_us = _rate_clock_us(now)
     now = clock() if now is None else now
     plan = quota_plan(subject, now=now)
     member = os.urandom(8).hex()
     if not plan.keys:
-        return Reservation((), (), member, {})
-    head = _reserve_head(plan, tokens, member, now)
+        return Reservation((), (), (), member, {}, tokens)
+    head = _reserve_head(plan, tokens, member, now, rate_clock_us)
     values = yield from operations.quota_reserve(plan_keys=plan.keys, head=head, tail=plan.tail)
-    counters = plan.counters_for(tokens)
-    counts = values[1 : 1 + len(counters)]
-    live = values[1 + len(counters) :]
+    cells_end = 1 + len(plan.cells)
+    aheads = values[1:cells_end]
+    counts = values[cells_end : cells_end + len(plan.counters)]
+    live = values[cells_end + len(plan.counters) :]
     if not values[0]:
-        raise _refusal(subject, counters, plan.leases, counts, live, now)
-    after = [count + counter.amount for count, counter in zip(counts, counters, strict=True)]
-    return Reservation(tuple(counters), plan.leases, member, ratelimit_headers(counters, after, now))
+        raise _refusal(plan, tokens, aheads, counts, live, now)
+    counters = plan.counters_for(tokens)
+    after_aheads = [
+        ahead + cell.cost_us(1 if cell.rate.kind == "requests" else tokens)
+        for cell, ahead in zip(plan.cells, aheads, strict=True)
+    ]
+    after_counts = [count + tokens for count in counts]
+    headers = ratelimit_headers(standings(plan.cells, after_aheads, counters, after_counts, now))
+    return Reservation(plan.cells, tuple(counters), plan.leases, member, headers, tokens)
 
 
 async def quota_reserve(
@@ -482,7 +619,7 @@ class RequestQuota:
             # Leases expire after QUOTA_LEASE_SECONDS; a lost refund stays counted.
             _log_redis_failure("could not settle a request's quota and usage", error)
             return
-        if not succeeded and self.reservation is not None and self.reservation.counters:
+        if not succeeded and self.reservation is not None and self.reservation.refunds():
             self.headers = None  # the refund changed them: the view reads them afresh
 
     async def _record(self, outcome: Outcome) -> None:
@@ -520,44 +657,82 @@ def _log_redis_failure(what: str, error: Exception) -> None:
 # --- Current state -------------------------------------------------------------------------------
 
 
-def status_operation(subject: QuotaSubject, now: float) -> Operation[dict]:
-    """`quota_status` as an operation, for either transport."""
+def status_operation(subject: QuotaSubject, now: float | None) -> Operation[dict]:
+    """`quota_status` as an operation, for either transport (rates on Redis's clock unless `now`
+    is pinned, as for reserving)."""
+    rate_clock_us, now = _rate_clock_us(now), clock() if now is None else now
     plan = quota_plan(subject, now=now)
-    counters = [c.key for c in plan.counters]
-    lease_sets = [lease.key for lease in plan.leases]
-    values = yield from operations.quota_state(counters, lease_sets, now_ms=int(now * 1000))
-    return _status_from(subject, plan, values, now)
+    state = yield from _state_operation(plan, now)
+    return _status_from(subject, plan, _aheads(state, rate_clock_us), state, now)
 
 
-def _status_from(subject: QuotaSubject, plan: QuotaPlan, values: Sequence[int], now: float) -> dict:
-    """{"enabled", "tenant": {...}, "key": {...} or None}; each window {limit, used, remaining,
-    resets_at, reset_in_s} (all None but the limit's absence when it has no limit)."""
-    counts = {(c.level, c.window.limit_name): value for c, value in zip(plan.counters, values, strict=False)}
-    resets = {(c.level, c.window.limit_name): c.reset_at for c in plan.counters}
-    in_use = iter(values[len(plan.counters) :])
+def _state_operation(plan: QuotaPlan, now: float) -> Operation[operations.QuotaState]:
+    return (
+        yield from operations.quota_state(
+            [c.key for c in plan.cells],
+            [c.key for c in plan.counters],
+            [lease.key for lease in plan.leases],
+            now_ms=int(now * 1000),
+        )
+    )
+
+
+def _aheads(state: operations.QuotaState, rate_clock_us: int) -> list[float]:
+    """How far each cell's TAT runs ahead of the rate clock (µs; 0 when its bucket is full):
+    Redis's (`rate_clock_us` 0) or a pinned one."""
+    rate_clock_us = rate_clock_us or state.clock_us
+    return [max(0, arrival - rate_clock_us) for arrival in state.arrivals_us]
+
+
+def _status_from(
+    subject: QuotaSubject, plan: QuotaPlan, aheads: list[float], state: operations.QuotaState, now: float
+) -> dict:
+    """{"enabled", "tenant": {...}, "key": {...} or None}. Each rate {limit, burst, used, remaining,
+    resets_at, reset_in_s}: `remaining` may pass at once now, `used` is burst - remaining and it
+    is full again at `resets_at`. Each budget window {limit, used, remaining, resets_at,
+    reset_in_s}. A limit that is not set is all None."""
+    entries: dict[tuple[Level, str], dict] = {}
+    for cell, ahead in zip(plan.cells, aheads, strict=True):
+        remaining = cell.available(ahead)
+        entries[(cell.level, cell.rate.limit_name)] = {
+            "limit": cell.limit,
+            "burst": cell.burst,
+            "used": cell.burst - remaining,
+            "remaining": remaining,
+            **_reset(now + ahead / 1e6, now),
+        }
+    for counter, used in zip(plan.counters, state.counts, strict=True):
+        entries[(counter.level, counter.window.limit_name)] = {
+            "limit": counter.limit,
+            "used": used,
+            "remaining": max(0, counter.limit - used),
+            **_reset(counter.reset_at, now),
+        }
+    live = iter(state.live)
     status: dict = {"enabled": settings.QUOTAS_ENABLED, "tenant": None, "key": None}
     for level, limits in _levels(subject):
         entry: dict = {}
+        for rate in RATES:
+            entry[rate.limit_name] = entries.get(
+                (level, rate.limit_name),
+                {
+                    "limit": None,
+                    "burst": None,
+                    "used": None,
+                    "remaining": None,
+                    "resets_at": None,
+                    "reset_in_s": None,
+                },
+            )
         for window in WINDOWS:
-            limit = getattr(limits, window.limit_name)
-            if limit is None:
-                entry[window.limit_name] = {
-                    "limit": None, "used": None, "remaining": None, "resets_at": None, "reset_in_s": None
-                }  # fmt: skip
-                continue
-            used = counts[(level, window.limit_name)]
-            reset_at = resets[(level, window.limit_name)]
-            entry[window.limit_name] = {
-                "limit": limit,
-                "used": used,
-                "remaining": max(0, limit - used),
-                "resets_at": datetime.fromtimestamp(reset_at, UTC).isoformat().replace("+00:00", "Z"),
-                "reset_in_s": round(reset_at - now, 3),
-            }
+            entry[window.limit_name] = entries.get(
+                (level, window.limit_name),
+                {"limit": None, "used": None, "remaining": None, "resets_at": None, "reset_in_s": None},
+            )
         concurrent = limits.max_concurrent_requests
         entry["concurrent_requests"] = {
             "limit": concurrent,
-            "in_use": int(next(in_use)) if concurrent is not None else None,
+            "in_use": int(next(live)) if concurrent is not None else None,
         }
         for name in ("max_inputs_per_request", "max_concurrent_jobs", "max_inputs_per_job"):
             entry[name] = getattr(limits, name)
@@ -565,12 +740,21 @@ def _status_from(subject: QuotaSubject, plan: QuotaPlan, values: Sequence[int], 
     return status
 
 
+def _reset(at: float, now: float) -> dict:
+    return {
+        "resets_at": datetime.fromtimestamp(at, UTC)
+        .isoformat(timespec="seconds" if at == int(at) else "milliseconds")
+        .replace("+00:00", "Z"),
+        "reset_in_s": round(at - now, 3),
+    }
+
+
 async def quota_status(principal: QuotaSubject, *, now: float | None = None) -> dict:
     """The principal's limits and where it stands in each window (tenant and key levels).
 
     Raises redis.exceptions.RedisError when Redis does not answer.
     """
-    return await run_async(status_operation(principal, clock() if now is None else now))
+    return await run_async(status_operation(principal, now))
 
 
 def quota_status_sync(tenant_id: int, key_id: int | None = None, *, now: float | None = None) -> dict:
@@ -582,7 +766,7 @@ def quota_status_sync(tenant_id: int, key_id: int | None = None, *, now: float |
     if key_id is not None:
         key_limits = QuotaLimitValues.of(ApiKey.objects.get(pk=key_id, tenant_id=tenant_id))
     subject = QuotaHolder(tenant.pk, key_id, QuotaLimitValues.of(tenant), key_limits)
-    return run_sync(status_operation(subject, clock() if now is None else now), redis_sync())
+    return run_sync(status_operation(subject, now), redis_sync())
 
 
 async def quota_headers(subject: QuotaSubject, *, now: float | None = None) -> dict[str, str]:
@@ -590,13 +774,14 @@ async def quota_headers(subject: QuotaSubject, *, now: float | None = None) -> d
     the current state, read without reserving. Empty when no limit applies or Redis fails."""
     if not settings.QUOTAS_ENABLED:
         return {}
-    now = clock() if now is None else now
-    counters = quota_plan(subject, now=now).counters
-    if not counters:
+    rate_clock_us, now = _rate_clock_us(now), clock() if now is None else now
+    plan = quota_plan(subject, now=now)
+    if not plan.cells and not plan.counters:
         return {}
     try:
-        counts = await run_async(operations.quota_counts([c.key for c in counters]))
+        state = await run_async(_state_operation(plan, now))
     except RedisError as error:
         _log_redis_failure("could not read the rate-limit state for headers", error)
         return {}
-    return ratelimit_headers(counters, counts, now)
+    aheads = _aheads(state, rate_clock_us)
+    return ratelimit_headers(standings(plan.cells, aheads, plan.counters, state.counts, now))

@@ -53,6 +53,11 @@ def quota_limits_update(*, owner: Tenant | ApiKey, limits: dict[str, int | None]
         raise ValueError(f"not quota limits: {', '.join(sorted(unknown))}")
     for name, value in limits.items():
         setattr(owner, name, value)
+    # Raises ValidationError (a burst without its rate, a rate below 1) before anything is saved.
+    owner.clean_fields(
+        exclude=[field.name for field in owner._meta.fields if field.name not in owner.QUOTA_FIELDS]
+    )
+    owner.clean()
     owner.save(update_fields=list(limits))
 
 

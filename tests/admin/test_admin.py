@@ -284,6 +284,21 @@ def test_create_tenant_twice_fails_clearly():
         call_command("create_tenant", "--name", "Acme", stdout=io.StringIO())
 
 
+def test_create_tenant_sets_rates_and_bursts_and_refuses_a_burst_without_its_rate():
+    call_command(
+        "create_tenant", "--name", "Rated", "--requests-per-second", "80", "--request-burst", "50",
+        "--tokens-per-minute", "150000", stdout=io.StringIO(),
+    )  # fmt: skip
+    rated = Tenant.objects.get(slug="rated")
+    assert (rated.requests_per_second, rated.request_burst, rated.tokens_per_minute) == (80, 50, 150_000)
+    assert rated.token_burst is None  # the documented default: a minute of the rate
+    with pytest.raises(CommandError, match="A burst needs a token rate"):
+        call_command("create_tenant", "--name", "Burst only", "--token-burst", "10", stdout=io.StringIO())
+    with pytest.raises(CommandError, match="greater than or equal to 1"):
+        call_command("create_tenant", "--name", "Zero", "--requests-per-second", "0", stdout=io.StringIO())
+    assert not Tenant.objects.filter(name__in=["Burst only", "Zero"]).exists()
+
+
 def test_a_models_result_dtype_is_set_and_filtered_in_the_admin(admin_client):
     model = EmbeddingModel.objects.create(
         name="minilm-admin", triton_model="minilm", dimensions=384, max_tokens=256

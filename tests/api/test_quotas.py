@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from datetime import UTC, datetime
 
@@ -36,10 +37,12 @@ RATELIMIT_HEADERS = {
 
 @pytest.fixture(autouse=True)
 def one_window(monkeypatch):
-    """In-process requests all fall 30 s into one UTC minute (the clock pinned): a test's burst
-    never straddles a window boundary. The server processes below run on the real clock."""
+    """In-process requests all fall 30 s into one UTC minute (the clock pinned, for the rates too):
+    no bucket refills during a test and no budget window ends. The server processes below run on
+    the real clock, the rates on Redis's."""
     pinned = time.time() // 60 * 60 + 30
     monkeypatch.setattr(quotas, "clock", lambda: pinned)
+    monkeypatch.setattr(quotas, "rates_on_redis_clock", False)
     return pinned
 
 
@@ -77,20 +80,25 @@ def usage_by_outcome(tenant_id: int) -> dict[str, int]:
     return totals
 
 
-async def test_requests_per_minute_over_http_with_headers(client, alpha, beta):
-    await limit(alpha, requests_per_minute=3, tokens_per_minute=10_000)
+async def test_a_request_rate_over_http_with_headers(client, alpha, beta):
+    await limit(alpha, requests_per_minute=3, request_burst=3, tokens_per_minute=10_000)
     responses = [await embed(client, alpha) for _ in range(5)]
     assert [r.status_code for r in responses] == [200, 200, 200, 429, 429]
     assert [r.headers["x-ratelimit-remaining-requests"] for r in responses] == ["2", "1", "0", "0", "0"]
+    # The bucket is full again a burst's worth of the rate (20 s a request) after the last admission.
+    resets = [r.headers["x-ratelimit-reset-requests"] for r in responses]
+    assert resets == ["20s", "40s", "1m0s", "1m0s", "1m0s"]
     for response in responses:
         assert set(response.headers) >= RATELIMIT_HEADERS
         assert response.headers["x-ratelimit-limit-requests"] == "3"
-        assert response.headers["x-ratelimit-reset-requests"] == "30s"
     refused = responses[3]
     error = refused.json()["error"]
     assert (error["code"], error["type"]) == ("rate_limit_exceeded", "requests")
-    assert "requests per minute" in error["message"]
-    assert refused.headers["retry-after"] == "30"
+    assert error["message"] == (
+        "Rate limit reached for this tenant's requests per minute (RPM): 3 with a burst of 3 requests. "
+        "Please try again in 20s."
+    )
+    assert refused.headers["retry-after"] == "20" and refused.headers["retry-after-ms"] == "20000"
     # The refused requests spent no tokens; the other tenant is not limited at all.
     assert (
         responses[2].headers["x-ratelimit-remaining-tokens"]
@@ -134,7 +142,13 @@ async def test_merged_requests_that_fail_are_each_refunded(client, alpha, beta, 
     """Two tenants' concurrent requests merged into calls that Triton (paused) never answers: each
     request fails on its own account, and each tenant gets back exactly the tokens it reserved."""
     for who in (alpha, beta):
-        await limit(who, requests_per_minute=100, tokens_per_minute=1000, max_concurrent_requests=100)
+        await limit(
+            who,
+            requests_per_minute=100,
+            request_burst=100,
+            tokens_per_minute=1000,
+            max_concurrent_requests=100,
+        )
     assert (await embed(client, alpha, "warm up")).status_code == 200  # the model's metadata is known
     used_before = (await status(alpha))["tenant"]["tokens_per_minute"]["used"]
     settings.TRITON_TIMEOUT_S = 1.0
@@ -168,7 +182,7 @@ async def test_budget_exhaustion_is_insufficient_quota(client, alpha, one_window
 
 
 async def test_a_key_limit_stricter_than_its_tenants(client, alpha):
-    await limit(alpha, requests_per_minute=10, key={"requests_per_minute": 1})
+    await limit(alpha, requests_per_minute=10, request_burst=10, key={"requests_per_minute": 1})
     assert (await embed(client, alpha)).status_code == 200
     refused = await embed(client, alpha)
     assert refused.status_code == 429 and "this API key" in refused.json()["error"]["message"]
@@ -206,7 +220,9 @@ async def test_concurrent_requests_limit(client, alpha, triton_server):
 
 
 async def test_tokens_are_refunded_when_triton_fails(client, alpha, settings):
-    await limit(alpha, requests_per_minute=10, tokens_per_minute=1000, max_concurrent_requests=1)
+    await limit(
+        alpha, requests_per_minute=10, request_burst=10, tokens_per_minute=1000, max_concurrent_requests=1
+    )
     settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"
     settings.TRITON_TIMEOUT_S = 2.0
     reset_clients()
@@ -222,7 +238,7 @@ async def test_tokens_are_refunded_when_triton_fails(client, alpha, settings):
 
 
 async def test_ratelimit_headers_on_every_authenticated_v1_response(client, alpha):
-    await limit(alpha, requests_per_minute=5, tokens_per_day=1000)
+    await limit(alpha, requests_per_minute=5, request_burst=5, tokens_per_day=1000)
     await embed(client, alpha)
     for response in (
         await client.get("/v1/models", headers=alpha.headers),
@@ -237,7 +253,7 @@ async def test_ratelimit_headers_on_every_authenticated_v1_response(client, alph
 
 
 async def test_every_endpoint_is_metered(client, alpha):
-    await limit(alpha, requests_per_minute=3)
+    await limit(alpha, requests_per_minute=3, request_burst=3)
     assert (
         await client.post("/v1/embedding", json=[{"query": "a"}], headers=alpha.headers)
     ).status_code == 200
@@ -297,14 +313,6 @@ def live_tenant(server: LiveServer, slug: str, **limits: int) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def within_one_minute_window() -> None:
-    """Start at least 20 s before the next UTC minute, so a burst of a few seconds stays in one
-    window (exactness is per window; the reset itself is tested with an injected clock)."""
-    into_minute = time.time() % 60
-    if into_minute > 40:
-        time.sleep(60 - into_minute + 0.05)
-
-
 @pytest.fixture
 def live(uvicorn_server, redis_server) -> LiveServer:
     redis.Redis.from_url(redis_server.url).flushdb()
@@ -319,11 +327,14 @@ async def burst(server: LiveServer, headers: dict, bodies: list[dict]) -> list[h
         )
 
 
-async def test_requests_per_minute_is_exact_across_two_workers(live):
-    headers = live_tenant(live, "rpm50", requests_per_minute=50)
-    within_one_minute_window()
+async def test_a_burst_is_exact_across_two_workers(live):
+    """200 requests at once against a burst of 50 and a rate of one a minute: exactly 50 pass,
+    whichever of the two worker processes serves them."""
+    headers = live_tenant(live, "burst50", requests_per_minute=1, request_burst=50)
     answered_before = requests_answered_by_worker(live.prometheus_dir)
+    started = time.monotonic()
     responses = await burst(live, headers, [{"model": "minilm", "input": "x"}] * 200)
+    elapsed = time.monotonic() - started
     answered = answered_since(answered_before, requests_answered_by_worker(live.prometheus_dir))
     ok = [r for r in responses if r.status_code == 200]
     # A burst this size may also meet a worker's MAX_INFLIGHT_TRITON_CALLS before its quota is
@@ -331,16 +342,46 @@ async def test_requests_per_minute_is_exact_across_two_workers(live):
     outcomes = [outcome(r) for r in responses]
     assert set(outcomes) <= {"served", "over_quota", "overloaded"}, outcomes
     refused = [r for r, what in zip(responses, outcomes, strict=True) if what == "over_quota"]
+    assert elapsed < 60, "the rate would have added a request"
     assert len(ok) == 50 and refused, outcomes
-    # Each admitted request saw a distinct count: nothing was admitted twice or skipped.
+    # Each admitted request saw a distinct bucket: nothing was admitted twice or skipped.
     assert sorted(int(r.headers["x-ratelimit-remaining-requests"]) for r in ok) == list(range(50))
     for response in refused:
         assert response.headers["x-ratelimit-limit-requests"] == "50"
         assert response.headers["x-ratelimit-remaining-requests"] == "0"
-        assert 1 <= int(response.headers["retry-after"]) <= 60
+        # The next request fits one interval (60 s) after the burst's first, less the time gone.
+        assert 0 < int(response.headers["retry-after-ms"]) <= 60_000
     # Both worker processes answered part of this burst (each counts what it answers in a file of
     # its own), so the exactness above held across processes, not within one.
     assert len(answered) == 2 and sum(answered.values()) == 200, answered
+
+
+async def test_after_its_burst_a_rate_admits_its_rate_across_two_workers(live):
+    """Clients that always have a request waiting, on both workers, for a few seconds: the burst
+    passes, then the rate, within one request either way of what the measured time allows."""
+    rate, burst_size, seconds = 5, 10, 4.0
+    headers = live_tenant(live, "rate5", requests_per_second=rate, request_burst=burst_size)
+    body = {"model": "minilm", "input": "x"}
+    sends: list[float] = []
+    answers: list[tuple[float, int]] = []
+
+    async def client_loop(http: httpx2.AsyncClient, until: float) -> None:
+        while time.monotonic() < until:
+            sends.append(time.monotonic())
+            response = await http.post("/v1/embeddings", json=body, headers=headers)
+            answers.append((time.monotonic(), response.status_code))
+            assert outcome(response) in ("served", "over_quota", "overloaded"), response.text
+
+    async with httpx2.AsyncClient(base_url=live.base_url, timeout=60) as http:
+        until = time.monotonic() + seconds
+        await asyncio.gather(*(client_loop(http, until) for _ in range(8)))
+    admitted = sum(status == 200 for _, status in answers)
+    # Every admission happened between the first send and the last answer; while any client was
+    # sending (first answer to last send) a request was always waiting, so the bucket never idled.
+    most = burst_size + rate * (max(at for at, _ in answers) - min(sends))
+    least = burst_size + rate * (max(sends) - min(at for at, _ in answers))
+    assert least - 1 <= admitted <= most + 1, (least, admitted, most)
+    assert sum(status == 429 for _, status in answers) > 0
 
 
 def outcome(response) -> str:
@@ -356,12 +397,14 @@ def outcome(response) -> str:
     return error["code"]
 
 
-async def test_tokens_per_minute_is_exact_across_two_workers(live):
-    headers = live_tenant(live, "tpm", tokens_per_minute=2000)
+async def test_a_token_burst_is_exact_across_two_workers(live):
+    # 60 tokens a minute: the bucket refills by one token a second while the burst runs.
+    headers = live_tenant(live, "tpm", tokens_per_minute=60, token_burst=2000)
     texts = [" ".join(["token"] * ((i * 13) % 60 + 1)) for i in range(200)]
-    within_one_minute_window()
     answered_before = requests_answered_by_worker(live.prometheus_dir)
+    started = time.monotonic()
     responses = await burst(live, headers, [{"model": "minilm", "input": text} for text in texts])
+    refilled = math.ceil(time.monotonic() - started)
     answered = answered_since(answered_before, requests_answered_by_worker(live.prometheus_dir))
     assert len(answered) == 2 and sum(answered.values()) == 200, answered  # both workers answered
     accepted = sum(r.json()["usage"]["total_tokens"] for r in responses if r.status_code == 200)
@@ -372,5 +415,6 @@ async def test_tokens_per_minute_is_exact_across_two_workers(live):
     assert set(outcomes.values()) <= {"served", "over_quota", "overloaded", "quota_unavailable"}, outcomes
     assert "served" in outcomes.values()
     refused = [text for text, r in zip(texts, responses, strict=True) if outcomes[id(r)] == "over_quota"]
-    assert refused and accepted <= 2000
+    assert refused and accepted <= 2000 + refilled
+    # A refused request did not fit what was left when it came; no more than that was admitted later.
     assert all(accepted + tokens_of([text]) > 2000 for text in refused)

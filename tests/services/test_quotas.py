@@ -22,7 +22,6 @@ from embeddings.services.quotas import (
     quota_reserve_sync,
     quota_status,
     quota_status_sync,
-    window_bounds,
 )
 from embeddings.services.usage import LIVE_USAGE_KEY
 from embeddings.tooling.local_redis import RedisServer
@@ -43,55 +42,79 @@ async def outcome(subject, tokens: int, now: float = NOW):
         return refusal
 
 
-async def test_requests_per_minute_is_exact_under_concurrency(service_redis):
-    subject = holder({"requests_per_minute": 50})
+def tat_ahead_us(key: str, now: float = NOW) -> int:
+    """How far a rate cell's theoretical arrival time runs ahead of `now` (µs)."""
+    return int(redis_sync().get(key)) - round(now * 1_000_000)
+
+
+async def test_a_request_rate_admits_exactly_its_burst_at_once_then_its_rate(service_redis):
+    subject = holder({"requests_per_second": 10, "request_burst": 50})
     results = await asyncio.gather(*(outcome(subject, 1) for _ in range(200)))
     refused = [r for r in results if isinstance(r, QuotaExceeded)]
     assert len(results) - len(refused) == 50
-    assert {(r.reason, r.kind, r.retry_after_s) for r in refused} == {("rate_limit_exceeded", "requests", 30)}
+    # The next request fits one interval (100 ms) after the burst's; the bucket is full in 5 s.
+    assert {(r.reason, r.kind, r.retry_after_s) for r in refused} == {("rate_limit_exceeded", "requests", 1)}
+    assert refused[0].headers["retry-after-ms"] == "100"
+    assert refused[0].headers["x-ratelimit-limit-requests"] == "50"
     assert refused[0].headers["x-ratelimit-remaining-requests"] == "0"
-    assert refused[0].headers["x-ratelimit-reset-requests"] == "30s"
+    assert refused[0].headers["x-ratelimit-reset-requests"] == "5s"
+    assert "10 with a burst of 50 requests. Please try again in 100ms" in refused[0].message
+    # Then exactly the rate: one more at +100 ms, none at +150 ms, ten more a second later.
+    assert isinstance(await outcome(subject, 1, NOW + 0.099), QuotaExceeded)
+    assert not isinstance(await outcome(subject, 1, NOW + 0.1), QuotaExceeded)
+    assert isinstance(await outcome(subject, 1, NOW + 0.15), QuotaExceeded)
+    later = await asyncio.gather(*(outcome(subject, 1, NOW + 1.1) for _ in range(30)))
+    assert sum(not isinstance(r, QuotaExceeded) for r in later) == 10
 
 
-async def test_tokens_per_minute_never_overshoots_and_refuses_only_what_would(service_redis):
-    subject = holder({"tokens_per_minute": 1000})
+async def test_a_minute_boundary_lets_no_second_burst_through(service_redis):
+    # Fixed windows admitted 60 in the last second of a minute and 60 more in the first of the
+    # next; a rate of 60 a minute with a burst of 60 admits one a second after its burst.
+    before_boundary = NOW + 29.5  # 12:00:59.5
+    subject = holder({"requests_per_minute": 60, "request_burst": 60})
+    first = await asyncio.gather(*(outcome(subject, 1, before_boundary) for _ in range(80)))
+    second = await asyncio.gather(*(outcome(subject, 1, before_boundary + 1) for _ in range(80)))
+    assert sum(not isinstance(r, QuotaExceeded) for r in first) == 60
+    assert sum(not isinstance(r, QuotaExceeded) for r in second) == 1
+
+
+async def test_a_blank_burst_is_a_second_of_the_request_rate_and_a_minute_of_the_token_rate(service_redis):
+    admitted = await outcome(holder({"requests_per_minute": 6000, "tokens_per_minute": 150_000}), 100)
+    assert admitted.headers["x-ratelimit-limit-requests"] == "100"
+    assert admitted.headers["x-ratelimit-remaining-requests"] == "99"
+    assert admitted.headers["x-ratelimit-reset-requests"] == "10ms"
+    assert admitted.headers["x-ratelimit-limit-tokens"] == "150000"
+    assert admitted.headers["x-ratelimit-remaining-tokens"] == "149900"
+    assert admitted.headers["x-ratelimit-reset-tokens"] == "40ms"  # 100 tokens at 2,500 a second
+    # A small rate still admits one request at once.
+    assert not isinstance(await outcome(holder({"requests_per_minute": 3}, tenant_id=2), 1), QuotaExceeded)
+
+
+async def test_a_token_rate_never_overshoots_its_burst_and_refuses_only_what_would(service_redis):
+    subject = holder({"tokens_per_minute": 60_000, "token_burst": 1000})  # 1 ms a token
     sizes = [(i * 37) % 120 + 1 for i in range(100)]
     results = await asyncio.gather(*(outcome(subject, size) for size in sizes))
     accepted = sum(size for size, r in zip(sizes, results, strict=True) if not isinstance(r, QuotaExceeded))
     assert accepted <= 1000
     refused = [size for size, r in zip(sizes, results, strict=True) if isinstance(r, QuotaExceeded)]
-    assert refused, "the sizes add up to far more than the limit"
-    # Counters only grow, so a refused request would still overshoot at the end.
+    assert refused, "the sizes add up to far more than the burst"
+    # The bucket only drains meanwhile (the clock is pinned): a refused request would still overshoot.
     assert all(accepted + size > 1000 for size in refused)
-    assert int(redis_sync().get(f"quota:{{t1}}:t:tpm:{int(NOW // 60 * 60)}")) == accepted
+    assert tat_ahead_us("quota:{t1}:t:rate:tpm") == accepted * 1000
 
 
-async def test_windows_reset_at_the_boundary(service_redis):
-    subject = holder({"requests_per_minute": 2, "tokens_per_minute": 100})
-    await outcome(subject, 60)
-    assert isinstance(await outcome(subject, 60, NOW + 29), QuotaExceeded)
-    admitted = await outcome(subject, 40, NOW + 29)
+async def test_a_large_token_request_waits_for_enough_bucket(service_redis):
+    subject = holder({"tokens_per_minute": 6000, "token_burst": 1000})  # 100 tokens a second
+    assert not isinstance(await outcome(subject, 1000), QuotaExceeded)
+    refusal = await outcome(subject, 500)
+    assert refusal.kind == "tokens" and refusal.headers["retry-after-ms"] == "5000"
+    assert refusal.retry_after_s == 5
+    assert "requested 500 tokens. Please try again in 5s" in refusal.message
+    # Many small requests meanwhile cannot starve it of more than they take, nor push it past the burst.
+    assert isinstance(await outcome(subject, 500, NOW + 4.99), QuotaExceeded)
+    admitted = await outcome(subject, 500, NOW + 5)
     assert admitted.headers["x-ratelimit-remaining-tokens"] == "0"
-    assert admitted.headers["x-ratelimit-remaining-requests"] == "0"
-    assert admitted.headers["x-ratelimit-reset-requests"] == "1s"
-    next_minute = await outcome(subject, 100, NOW + 30)
-    assert next_minute.headers == {
-        "x-ratelimit-limit-requests": "2",
-        "x-ratelimit-remaining-requests": "1",
-        "x-ratelimit-reset-requests": "1m0s",
-        "x-ratelimit-limit-tokens": "100",
-        "x-ratelimit-remaining-tokens": "0",
-        "x-ratelimit-reset-tokens": "1m0s",
-    }
-
-
-def test_window_bounds_are_utc_minute_day_and_calendar_month():
-    december = datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()
-    start, reset = window_bounds("tokens_per_month", december)
-    assert datetime.fromtimestamp(start, UTC) == datetime(2026, 12, 1, tzinfo=UTC)
-    assert datetime.fromtimestamp(reset, UTC) == datetime(2027, 1, 1, tzinfo=UTC)
-    assert window_bounds("tokens_per_day", december)[1] - december == 1
-    assert window_bounds("requests_per_minute", NOW) == (NOW - 30, NOW + 30)
+    assert admitted.headers["x-ratelimit-reset-tokens"] == "10s"
 
 
 async def test_budget_exhaustion_is_insufficient_quota_and_never_partial(service_redis):
@@ -109,20 +132,55 @@ async def test_budget_exhaustion_is_insufficient_quota_and_never_partial(service
     assert not isinstance(await outcome(subject, 1, month_end), QuotaExceeded)
 
 
-async def test_a_request_larger_than_the_token_limit_says_so(service_redis):
+async def test_the_readme_worked_example(service_redis):
+    """README "Quotas and rate limits": the numbers of its worked example."""
+    subject = holder(
+        {
+            "requests_per_second": 80,
+            "request_burst": 50,
+            "tokens_per_minute": 150_000,
+            "tokens_per_month": 10**8,
+        }
+    )
+    at_once = await asyncio.gather(*(outcome(subject, 1) for _ in range(70)))
+    refused = [r for r in at_once if isinstance(r, QuotaExceeded)]
+    assert len(refused) == 20
+    assert (refused[0].retry_after_s, refused[0].headers["retry-after-ms"]) == (1, "13")
+    assert refused[0].headers["x-ratelimit-remaining-requests"] == "0"
+    assert refused[0].headers["x-ratelimit-reset-requests"] == "625ms"
+    # A client that keeps sending (every 6.25 ms here) gets 80 in the next second, one every 12.5 ms.
+    keeps_sending = [await outcome(subject, 1, NOW + k / 160 + 2e-6) for k in range(1, 161)]
+    admitted = [k for k, r in enumerate(keeps_sending, start=1) if not isinstance(r, QuotaExceeded)]
+    assert admitted == list(range(2, 161, 2))
+    later = NOW + 10  # both buckets full again
+    assert not isinstance(await outcome(subject, 140_000, later), QuotaExceeded)
+    waits = await outcome(subject, 20_000, later)
+    assert waits.kind == "tokens" and waits.headers["retry-after-ms"] == "4000"
+    assert "Request too large" in (await outcome(subject, 160_000, later + 3600)).message
+
+
+async def test_a_request_larger_than_the_token_burst_says_so(service_redis):
     refusal = await outcome(holder({"tokens_per_minute": 100}), 101)
     assert refusal.reason == "rate_limit_exceeded" and refusal.kind == "tokens"
-    assert "Request too large" in refusal.message
+    assert (
+        "Request too large for this tenant's tokens per minute (TPM): 100 with a burst of 100"
+        in refusal.message
+    )
+    # Even an empty bucket never admits it; one as large as the burst passes.
+    assert isinstance(await outcome(holder({"tokens_per_minute": 100}), 101, NOW + 3600), QuotaExceeded)
+    assert not isinstance(await outcome(holder({"tokens_per_minute": 100}), 100, NOW + 3600), QuotaExceeded)
 
 
 async def test_refund_gives_tokens_back_but_the_request_still_counts(service_redis):
-    subject = holder({"requests_per_minute": 10, "tokens_per_minute": 100, "tokens_per_month": 1000})
+    subject = holder(
+        {"requests_per_second": 1, "request_burst": 10, "tokens_per_minute": 100, "tokens_per_month": 1000}
+    )
     reservation = await outcome(subject, 80)
     await quota_release(reservation=reservation, refund=True)
     status = await quota_status(subject, now=NOW)
     assert status["tenant"]["tokens_per_minute"]["used"] == 0
     assert status["tenant"]["tokens_per_month"]["used"] == 0
-    assert status["tenant"]["requests_per_minute"]["used"] == 1
+    assert status["tenant"]["requests_per_second"]["used"] == 1
     kept = await outcome(subject, 100)
     await quota_release(reservation=kept, refund=False)
     assert (await quota_status(subject, now=NOW))["tenant"]["tokens_per_minute"]["remaining"] == 0
@@ -154,8 +212,9 @@ async def test_concurrency_limit_is_exact_under_concurrency(service_redis):
 
 
 async def test_a_key_limit_is_on_top_of_its_tenants_and_the_tenant_counts_all_keys(service_redis):
-    strict = holder({"requests_per_minute": 5}, {"requests_per_minute": 2}, key_id=10)
-    other = holder({"requests_per_minute": 5}, key_id=11)
+    tenant_rate = {"requests_per_minute": 5, "request_burst": 5}
+    strict = holder(tenant_rate, {"requests_per_minute": 2, "request_burst": 2}, key_id=10)
+    other = holder(tenant_rate, key_id=11)
     results = [await outcome(strict, 1) for _ in range(3)]
     assert [isinstance(r, QuotaExceeded) for r in results] == [False, False, True]
     assert "this API key" in results[2].message
@@ -163,8 +222,8 @@ async def test_a_key_limit_is_on_top_of_its_tenants_and_the_tenant_counts_all_ke
     results = [await outcome(other, 1) for _ in range(4)]
     assert [isinstance(r, QuotaExceeded) for r in results] == [False, False, False, True]
     assert "this tenant" in results[3].message
-    # Headers name the binding window: the key's, with less left.
-    fresh = holder({"requests_per_minute": 5}, {"requests_per_minute": 2}, key_id=12)
+    # Headers name the binding limit: the key's, with less left.
+    fresh = holder(tenant_rate, {"requests_per_minute": 2, "request_burst": 2}, key_id=12)
     admitted = await outcome(fresh, 1, NOW + 60)
     assert admitted.headers["x-ratelimit-limit-requests"] == "2"
     assert admitted.headers["x-ratelimit-remaining-requests"] == "1"
@@ -293,7 +352,7 @@ async def test_redis_down_fails_closed_or_open_quickly(stopped_redis, settings, 
 
 
 async def test_scripts_are_reloaded_after_redis_forgets_them(service_redis):
-    subject = holder({"requests_per_minute": 5, "max_concurrent_requests": 2})
+    subject = holder({"requests_per_minute": 5, "request_burst": 5, "max_concurrent_requests": 2})
     first = await outcome(subject, 1)
     redis_sync().script_flush()  # as after a Redis restart
     second = await outcome(subject, 1)
@@ -334,7 +393,7 @@ async def test_the_lean_client_selects_the_database_of_the_url(service_redis, se
 
 async def test_pooled_connections_survive_a_redis_restart(tmp_path, settings):
     port = free_port()
-    subject = holder({"requests_per_minute": 5})
+    subject = holder({"requests_per_minute": 5, "request_burst": 5})
     with RedisServer(port=port, data_dir=tmp_path, persistent=False) as server:
         settings.REDIS_URL = server.url
         reset_redis_clients()

@@ -152,7 +152,7 @@ def broker_round_trip(url: str) -> dict:
 
 def test_a_full_job_store_leaves_quota_checks_and_the_broker_unaffected(local_stores, settings):
     tenant = tenant_create(name="Alpha")
-    tenant.requests_per_minute, tenant.tokens_per_day = 2, 1_000_000
+    tenant.requests_per_minute, tenant.request_burst, tenant.tokens_per_day = 2, 2, 1_000_000
     tenant.save()
     model = embedding_model_register_local(repository=Path(settings.TRITON_MODEL_REPOSITORY))
     stored = fill_job_store(redis_job_store(), JOB_STORE_MAXMEMORY_MB)

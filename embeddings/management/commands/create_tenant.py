@@ -1,5 +1,6 @@
 """Create a tenant from the shell."""
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 from django.db import IntegrityError, transaction
 
@@ -9,7 +10,8 @@ from embeddings.services.tenants import quota_limits_update, tenant_create
 
 class Command(BaseCommand):
     help = (
-        "Create a tenant: create_tenant --name 'Acme' [--slug acme] [--requests-per-minute 60 ...] "
+        "Create a tenant: create_tenant --name 'Acme' [--slug acme] "
+        "[--requests-per-second 80 --request-burst 50 --tokens-per-minute 150000 ...] "
         "[--job-storage-budget-bytes 2147483648]"
     )
 
@@ -34,6 +36,6 @@ class Command(BaseCommand):
                 )
                 if limits:
                     quota_limits_update(owner=tenant, limits=limits)
-        except (IntegrityError, ValueError) as error:
+        except (IntegrityError, ValueError, ValidationError) as error:
             raise CommandError(f"Cannot create tenant {name!r}: {error}") from error
         self.stdout.write(tenant.slug)
