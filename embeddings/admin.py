@@ -59,8 +59,9 @@ logger = logging.getLogger(__name__)
 WEBHOOK_OVERLAP_HOURS = 24
 API_KEY_READONLY_FIELDS = ("public_id", "secret_hash", "created_at", "revoked_at", "last_used_at")
 TENANT_QUOTAS_HELP = (
-    "Blank: unlimited. A tenant's limits count the requests and tokens of all its keys together; "
-    "months and days are UTC."
+    "Blank: unlimited. A tenant's limits count the requests and tokens of all its keys together. "
+    "Rates are smooth: a sustained rate, and a burst that may arrive at once (blank: a second of a "
+    "request rate, a minute of a token rate); the day and month budgets are UTC calendar windows."
 )
 KEY_QUOTAS_HELP = (
     "Optional overrides for this key alone, on top of its tenant's limits. Blank: the tenant's limits only."
@@ -77,7 +78,7 @@ def with_quota_help(formfield, db_field, blank_means: str):
 
 
 def live_quota_state(tenant: Tenant) -> tuple[list[dict], str | None]:
-    """The tenant's current windows as Redis counts them: rows for the page, or why there are none.
+    """The tenant's rates and budgets as Redis holds them now: rows for the page, or why there are none.
 
     The page's numbers come from the database; this is extra, and the page renders without it.
     """
@@ -93,9 +94,13 @@ def live_quota_state(tenant: Tenant) -> tuple[list[dict], str | None]:
         if isinstance(window, dict) and window.get("limit") is not None and "used" in window:
             rows.append(
                 {
+                    "limit_name": name,
                     "name": name.replace("_", " "),
                     "used": f"{window['used']:,}",
-                    "limit": f"{window['limit']:,}",
+                    # A rate's "used" is what its bucket lacks of its burst: "of" is the burst.
+                    "limit": f"{window['limit']:,}"
+                    if window.get("burst") is None
+                    else f"{window['burst']:,} (burst; rate {window['limit']:,})",
                     "resets_at": window.get("resets_at") or "-",
                 }
             )

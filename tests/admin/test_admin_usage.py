@@ -118,6 +118,33 @@ def test_tenant_quotas_are_editable_and_blank_means_unlimited(admin_client, alph
     assert alpha.tokens_per_day is None and alpha.max_concurrent_requests is None
 
 
+def test_a_burst_without_its_rate_is_a_form_error_not_saved(admin_client, alpha):
+    url = reverse("admin:embeddings_tenant_change", args=[alpha.pk])
+    form = {
+        "name": "Alpha",
+        "slug": "alpha",
+        "is_active": "on",
+        "allow_all_models": "on",
+        "request_burst": "50",
+        "token_burst": "1000",
+        "tokens_per_minute": "",
+        "api_keys-TOTAL_FORMS": "0",
+        "api_keys-INITIAL_FORMS": "0",
+    }
+    response = admin_client.post(url, form)
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert "A burst needs a request rate (per second or per minute)." in page
+    assert "A burst needs a token rate (tokens per minute)." in page
+    alpha.refresh_from_db()
+    assert alpha.request_burst is None and alpha.token_burst is None
+
+    response = admin_client.post(url, form | {"requests_per_second": "80", "tokens_per_minute": "150000"})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    alpha.refresh_from_db()
+    assert (alpha.requests_per_second, alpha.request_burst, alpha.token_burst) == (80, 50, 1000)
+
+
 def test_key_quota_overrides_are_editable(admin_client, alpha):
     api_key, _ = api_key_create(tenant=alpha, name="ci")
     url = reverse("admin:embeddings_apikey_change", args=[api_key.pk])

@@ -324,3 +324,38 @@ def test_the_admin_is_styled_by_its_stylesheet(docs_server, browser_page, static
     )
     save_screenshot(page, "admin-index")
     assert_static_served(static_responses)
+
+
+def test_an_admin_sets_a_burst_and_sees_the_bucket_drain(docs_server, browser_page):
+    """A tenant made by `create_tenant` with a rate of one request a minute; its burst set in the
+    admin; three requests through the real server; the tenant page shows the bucket Redis holds."""
+    env = {name: value for name, value in docs_server.env.items() if name != "PROMETHEUS_MULTIPROC_DIR"}
+    manage(env, "create_tenant", "--name", "Rated", "--slug", "rated", "--requests-per-minute", "1")
+    key = manage(env, "create_api_key", "--tenant", "rated")
+    page = browser_page
+    page.goto(f"{docs_server.base_url}/admin/embeddings/tenant/?q=rated")
+    page.fill("#id_username", "root")
+    page.fill("#id_password", "a-long-password")
+    page.click("input[type=submit]")
+    page.click("#result_list tbody tr a")  # the tenant's name
+    page.fill("#id_request_burst", "50")
+    page.click("input[name=_continue]")
+    assert "was changed successfully" in page.locator(".messagelist").inner_text()
+    for _ in range(3):
+        response = httpx2.post(
+            f"{docs_server.base_url}/v1/embeddings",
+            json={"model": "minilm", "input": "hello"},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        assert response.headers["x-ratelimit-limit-requests"] == "50"
+    page.reload()
+    row = page.locator('#usage-live tr[data-limit="requests_per_minute"]')
+    cells = row.locator("td").all_inner_texts()
+    # Three requests taken from a burst of 50 that refills one a minute: 3 used (or 2 if a
+    # minute passed on a very slow machine), full again in about three minutes.
+    assert cells[0] in ("3", "2") and cells[1] == "50 (burst; rate 1)", cells
+    assert row.locator("th").inner_text() == "requests per minute"
+    page.locator("#usage-live").scroll_into_view_if_needed()
+    save_screenshot(page, "admin-tenant-rates")
