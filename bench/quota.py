@@ -9,8 +9,8 @@ next to nothing), interleaved across four configurations so drift hits all of th
     off               quotas disabled; the key's tenant and key have every limit set
     on, no limits     quotas enabled; a tenant without limits (no quota work, usage still counted)
     on, tenant        quotas enabled; the tenant has RPM, TPM, day, month and concurrency limits
-    on, tenant + key  the same, and the key has its own five: the script checks 8 counters and
-                      2 lease sets, then a second script releases the leases
+    on, tenant + key  the same, and the key has its own five: the script checks 4 rate cells,
+                      4 budget counters and 2 lease sets, then a second script releases the leases
 
 Every configuration authenticates (the key is cached in process) and counts usage in Redis in one
 round trip; the difference from `off` is the quota work: one more round trip (the reserve script,
@@ -21,7 +21,8 @@ Then, against the same Redis, the asyncio transports (embeddings.redis.transport
 path's operations back to back, interleaved, for the `tenant + key` plan: the hand-written lean
 client against redis-py's asyncio client, with its pure-Python parser and (when hiredis is
 importable) with hiredis: reserve, settle (release with usage) and status, p50/p90 in
-microseconds. Prints tables and writes bench/results/quota.json.
+microseconds; and the reserve script's own time inside Redis (INFO commandstats, microseconds per
+call). Prints tables and writes bench/results/quota.json.
 """
 
 from __future__ import annotations
@@ -212,7 +213,22 @@ def measure_transports(env: dict[str, str], rounds: int) -> dict:
                 await client.aclose()
         return timings
 
+    async def script_time_in_redis() -> float:
+        """Microseconds per call Redis spends running the reserve script (its own clock)."""
+        client = redis.asyncio.Redis.from_url(env["REDIS_URL"])
+        try:
+            await client.config_resetstat()
+            for _ in range(rounds):
+                reservation = await run_async(reserve_operation(subject, 1, 1, None))
+                await client.zrem(reservation.leases[0].key, reservation.lease_member)
+                await client.zrem(reservation.leases[1].key, reservation.lease_member)
+            stats = await client.info("commandstats")
+            return float(stats["cmdstat_evalsha"]["usec_per_call"])
+        finally:
+            await client.aclose()
+
     timings = asyncio.run(run())
+    reserve_script_us = asyncio.run(script_time_in_redis())
     rows = [
         {
             "operation": operation,
@@ -222,7 +238,12 @@ def measure_transports(env: dict[str, str], rounds: int) -> dict:
         }
         for (operation, name), values in timings.items()
     ]
-    return {"hiredis": bool(redis.utils.HIREDIS_AVAILABLE), "rounds": rounds, "rows": rows}
+    return {
+        "hiredis": bool(redis.utils.HIREDIS_AVAILABLE),
+        "rounds": rounds,
+        "rows": rows,
+        "reserve_script_us_in_redis": reserve_script_us,
+    }
 
 
 def main() -> None:
@@ -296,6 +317,7 @@ def main() -> None:
     print("-" * 47)
     for row in transports["rows"]:
         print(f"{row['operation']:<10} {row['transport']:<18} {row['p50_us']:>8.1f} {row['p90_us']:>8.1f}")
+    print(f"\nThe reserve script inside Redis: {transports['reserve_script_us_in_redis']:.1f} us per call")
     result = {
         "rows": rows,
         "transports": transports,
