@@ -1,6 +1,8 @@
 """API errors as declarative classes, rendered by one handler in OpenAI's error shape.
 
-    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ..., "request_id": ...}}
+
+(`request_id`, the response's X-Request-Id, in every error answered within a request.)
 
 ApiError (500 server_error)
 ├── BadRequest (400 invalid_request_error)            malformed JSON, unparsable body, a Host not
@@ -51,6 +53,7 @@ from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.http import HttpRequest, HttpResponse
 from rest_framework import exceptions as drf
 
+from embeddings.observability.context import current_request_id
 from embeddings.services.errors import (
     InferenceTimeout,
     InvalidRequest,
@@ -98,14 +101,12 @@ class ApiError(Exception):
         super().__init__(self.message)
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.error_code,
-            }
-        }
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.error_code}
+        # Served within a request: its id (X-Request-Id), for a tenant to quote and us to find.
+        request_id = current_request_id()
+        if request_id is not None:
+            error["request_id"] = request_id
+        return {"error": error}
 
 
 class BadRequest(ApiError):
