@@ -30,6 +30,14 @@ def logging_as_django(**kwargs) -> None:
     logging.config.dictConfig(settings.LOGGING)
 
 
+@signals.celeryd_init.connect
+def no_banner_in_json(instance=None, **kwargs) -> None:
+    # The worker's startup banner is plain text on stdout: with JSON logs, lines only. (Beat prints
+    # its banner before any hook: `celery --quiet beat`, as runstack starts it.)
+    if settings.LOG_FORMAT == "json" and instance is not None:
+        instance.quiet = True
+
+
 @signals.worker_init.connect
 @signals.worker_process_init.connect
 def tracing_in_worker(**kwargs) -> None:

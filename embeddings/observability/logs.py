@@ -43,4 +43,6 @@ def text_formatter() -> logging.Formatter:
 
 
 def json_formatter() -> logging.Formatter:
+    # Python's warnings (Celery's as root, deprecations) become log lines too: none escapes JSON.
+    logging.captureWarnings(True)
     return JsonFormatter("{levelname}{name}{message}", style="{", rename_fields=JSON_RENAMED, timestamp=True)

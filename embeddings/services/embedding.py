@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -302,8 +302,8 @@ async def _gather_or_cancel(calls: Sequence[Awaitable[np.ndarray]]) -> list[np.n
         raise
 
 
-@contextlib.contextmanager
-def _tokens_in_flight(tokens: int) -> Iterator[None]:
+@contextlib.asynccontextmanager
+async def _tokens_in_flight(tokens: int) -> AsyncIterator[None]:
     TOKENS_IN_FLIGHT.inc(tokens)
     try:
         yield

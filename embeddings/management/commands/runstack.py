@@ -37,9 +37,11 @@ def start_celery(role: str, log_path: Path, env: dict[str, str] | None = None) -
         "worker": ["worker", "--pool", "solo", "--without-gossip", "--without-mingle"],
         "beat": ["beat"],
     }[role]
+    # No plain-text startup banner among JSON log lines.
+    quiet = ["--quiet"] if settings.LOG_FORMAT == "json" else []
     with log_path.open("ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "embedsite", *arguments, "--loglevel", "INFO"],
+            [sys.executable, "-m", "celery", "-A", "embedsite", *quiet, *arguments, "--loglevel", "INFO"],
             cwd=settings.BASE_DIR,
             env=env,
             stdout=log,
