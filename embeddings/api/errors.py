@@ -100,10 +100,10 @@ class ApiError(Exception):
         self.headers = headers or {}
         super().__init__(self.message)
 
-    def body(self) -> dict[str, Any]:
+    def body(self, *, with_request_id: bool = True) -> dict[str, Any]:
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.error_code}
         # Served within a request: its id (X-Request-Id), for a tenant to quote and us to find.
-        request_id = current_request_id()
+        request_id = current_request_id() if with_request_id else None
         if request_id is not None:
             error["request_id"] = request_id
         return {"error": error}
@@ -206,8 +206,8 @@ class RateLimited(ApiError):
         # OpenAI's rate-limit errors say which limit in `type`: "requests" or "tokens".
         self.limit_type = limit_type
 
-    def body(self) -> dict[str, Any]:
-        body = super().body()
+    def body(self, *, with_request_id: bool = True) -> dict[str, Any]:
+        body = super().body(with_request_id=with_request_id)
         if self.limit_type:
             body["error"]["type"] = self.limit_type
         return body

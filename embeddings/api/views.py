@@ -56,7 +56,7 @@ def _error_response(description: str, *errors: Exception) -> OpenApiResponse:
     examples = [
         OpenApiExample(
             f"{type(error).__name__}: {as_api_error(error).error_code}",
-            value=as_api_error(error).body(),
+            value=as_api_error(error).body(with_request_id=False),
             response_only=True,
         )
         for error in errors

@@ -1,0 +1,126 @@
+"""Log lines: the request's fields added to every line, JSON or text, nothing of a key; tracing's
+switch read from the standard OTEL_* variables."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+from embeddings.observability import context, logs, tracing
+from tests.processes import REPO_ROOT
+
+
+def logged(formatter: logging.Formatter, emit) -> list[str]:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(formatter)
+    handler.addFilter(logs.RequestContextFilter())
+    logger = logging.getLogger("embedsite.test_logs")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        emit(logger)
+    finally:
+        logger.removeHandler(handler)
+    return stream.getvalue().splitlines()
+
+
+def test_json_lines_carry_the_requests_fields_and_extra_wins():
+    def emit(logger):
+        logger.info("outside any request")
+        token = context.begin(context.RequestContext(request_id="r-1", tenant="acme", key_id="k1"))
+        try:
+            context.annotate(endpoint="openai", model="m", inputs=2, tokens=7)
+            logger.warning("served %s", "it", extra={"status": 200, "model": "from-extra"})
+        finally:
+            context.end(token)
+
+    outside, inside = map(json.loads, logged(logs.json_formatter(), emit))
+    assert outside["message"] == "outside any request" and "request_id" not in outside
+    assert set(outside) == {"timestamp", "level", "logger", "message"}
+    assert inside == inside | {
+        "level": "WARNING",
+        "logger": "embedsite.test_logs",
+        "message": "served it",
+        "request_id": "r-1",
+        "tenant": "acme",
+        "key_id": "k1",
+        "endpoint": "openai",
+        "inputs": 2,
+        "tokens": 7,
+        "status": 200,
+        "model": "from-extra",
+    }
+    assert inside["timestamp"].endswith("+00:00")
+
+
+def test_text_lines_show_the_request_id_or_a_dash():
+    def emit(logger):
+        logger.info("before")
+        token = context.begin(context.RequestContext(request_id="r-2"))
+        try:
+            logger.info("during")
+        finally:
+            context.end(token)
+
+    before, during = logged(logs.text_formatter(), emit)
+    assert before.endswith("INFO embedsite.test_logs [-]: before")
+    assert during.endswith("INFO embedsite.test_logs [r-2]: during")
+
+
+def test_an_unknown_log_format_stops_startup():
+    done = subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=REPO_ROOT,
+        env={**_environment(), "LOG_FORMAT": "xml"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "LOG_FORMAT must be text or json, not 'xml'" in done.stderr
+
+
+def _environment() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if not name.startswith("OTEL_")}
+
+
+@pytest.mark.parametrize(
+    ("environment", "wanted"),
+    [
+        ({}, False),
+        ({"OTEL_SERVICE_NAME": "x"}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}, True),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces"}, True),
+        ({"OTEL_TRACES_EXPORTER": "console"}, True),
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}, False),
+        ({"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}, False),
+    ],
+)
+def test_tracing_is_on_only_when_the_otel_variables_ask(environment, wanted):
+    assert tracing.wanted(environment) is wanted
+
+
+@pytest.mark.parametrize(
+    "environment",
+    [
+        {"OTEL_TRACES_EXPORTER": "zipkin"},
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+    ],
+)
+def test_an_exporter_we_do_not_ship_stops_startup(environment):
+    with pytest.raises(ImproperlyConfigured):
+        tracing.wanted(environment)
+
+
+def test_off_spans_cost_one_shared_no_op():
+    assert not tracing.enabled()
+    assert tracing.span("a") is tracing.span("b", attribute=1)
+    assert tracing.captured() is None and tracing.log_ids() is None
