@@ -9,6 +9,7 @@ readable line with the request id in brackets.
 
 from __future__ import annotations
 
+import io
 import logging
 
 from pythonjsonlogger.json import JsonFormatter
@@ -46,3 +47,24 @@ def json_formatter() -> logging.Formatter:
     # Python's warnings (Celery's as root, deprecations) become log lines too: none escapes JSON.
     logging.captureWarnings(True)
     return JsonFormatter("{levelname}{name}{message}", style="{", rename_fields=JSON_RENAMED, timestamp=True)
+
+
+class LogLines(io.TextIOBase):
+    """A text stream whose every line becomes an INFO record of `logger`: what a command prints for
+    people (runstack's announcements) joins the JSON log stream instead of breaking it."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            if line.strip():
+                self.logger.info(line.strip())
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending.strip():
+            self.logger.info(self.pending.strip())
+        self.pending = ""

@@ -124,3 +124,19 @@ def test_off_spans_cost_one_shared_no_op():
     assert not tracing.enabled()
     assert tracing.span("a") is tracing.span("b", attribute=1)
     assert tracing.captured() is None and tracing.log_ids() is None
+
+
+def test_what_a_command_prints_becomes_json_log_lines():
+    def emit(logger):
+        lines = logs.LogLines(logger)
+        lines.write("Triton ready: gRPC 127.0.0.1:8001\n  health  http://127.0.0.1:8080/health\n\npartial ")
+        lines.write("line")
+        lines.flush()
+
+    records = [json.loads(line) for line in logged(logs.json_formatter(), emit)]
+    assert [record["message"] for record in records] == [
+        "Triton ready: gRPC 127.0.0.1:8001",
+        "health  http://127.0.0.1:8080/health",
+        "partial line",
+    ]
+    assert {record["level"] for record in records} == {"INFO"}
