@@ -75,6 +75,7 @@ def test_text_lines_show_the_request_id_or_a_dash():
     assert during.endswith("INFO embedsite.test_logs [r-2]: during")
 
 
+@pytest.mark.integration
 def test_an_unknown_log_format_stops_startup():
     done = subprocess.run(
         [sys.executable, "manage.py", "check"],
