@@ -83,7 +83,10 @@ class ApiView(APIView):
             response = self.handle_exception(exc)
         if self.principal is not None:
             await self.add_ratelimit_headers(response)
-        request_context.annotate(endpoint=self.endpoint, model=self.model_name)
+        match = request._request.resolver_match
+        request_context.annotate(
+            endpoint=self.endpoint, model=self.model_name, route=f"/{match.route}" if match else ""
+        )
         with tracing.span("serialize", endpoint=self.endpoint):
             self.response = rendered(self.finalize_response(request, response, *args, **kwargs))
         arrived = request._request.META.get(ARRIVED)

@@ -34,6 +34,8 @@ class RequestContext:
     # A Celery task's name and a job's public id, for work a request caused.
     task: str = ""
     job: str = ""
+    # The route's pattern (`/v1/jobs/<str:job_id>`), for the server span's name; not logged.
+    route: str = ""
 
     def log_fields(self) -> dict[str, str | int]:
         """The fields known so far, for a log line (empty ones left out)."""

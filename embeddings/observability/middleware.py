@@ -50,7 +50,7 @@ class RequestIdMiddleware:
                 message = {**message, "headers": [*message.get("headers", ()), header]}
             elif kind == "http.response.body" and not message.get("more_body", False):
                 # The server span ends with the last body message: annotated before it.
-                _annotate(server_span, request)
+                _annotate(server_span, request, scope.get("method", ""))
             await send(message)
 
         token = context.begin(request)
@@ -63,9 +63,13 @@ class RequestIdMiddleware:
             context.end(token)
 
 
-def _annotate(span, request: context.RequestContext) -> None:
+def _annotate(span, request: context.RequestContext, method: str) -> None:
     if span is None:
         return
+    if request.route and span.is_recording():
+        # Named by route, not path: one name for every job's `GET /v1/jobs/<str:job_id>`.
+        span.update_name(f"{method} {request.route}")
+        span.set_attribute("http.route", request.route)
     tracing.annotate(
         span,
         **{

@@ -137,6 +137,7 @@ def test_one_request_is_one_trace_down_to_triton_and_its_logs_name_it(traced_sta
     # The request's span: the root (the client sent no trace context), with who asked what.
     assert server.service == SERVICE
     assert server.parent_span_id == ""
+    assert (server.name, server.attributes["http.route"]) == ("POST /v1/embeddings", "/v1/embeddings")
     assert server.attributes["embedsite.tenant"] == "jobs"
     assert server.attributes["embedsite.endpoint"] == "openai"
     assert server.attributes["embedsite.model"] == MODEL
@@ -212,6 +213,20 @@ def test_a_jobs_chunks_run_in_its_submissions_trace_and_log_its_request_id(trace
     spans = receiver.wait_for(chunks_ran, timeout_s=HANG_DEADLINE_S)
     server = server_span(spans, request_id)
     assert server.attributes["embedsite.job"] == job_id
+    # Reading the job: its span is named by the route, not by the job's id.
+    read = httpx2.get(
+        f"{traced_stack.base_url}/v1/jobs/{job_id}",
+        headers={**traced_stack.headers, "X-Request-Id": "trace-test-job-read"},
+        timeout=HANG_DEADLINE_S,
+    )
+    assert read.status_code == 200
+    read_span = server_span(
+        receiver.wait_for(
+            lambda spans: server_span(spans, "trace-test-job-read") is not None, timeout_s=HANG_DEADLINE_S
+        ),
+        "trace-test-job-read",
+    )
+    assert read_span.name == "GET /v1/jobs/<str:job_id>"
     trace = [span for span in spans if span.trace_id == server.trace_id]
     by_id = {span.span_id: span for span in trace}
 
