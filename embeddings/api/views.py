@@ -159,6 +159,11 @@ def log_request(
         result.total_tokens,
         result.inference_s * 1000,
         user,
+        # As fields of their own in JSON lines (README "Observability").
+        extra={
+            "tokenization_ms": round(result.tokenization_s * 1000, 3),
+            "inference_ms": round(result.inference_s * 1000, 3),
+        },
     )
 
 

@@ -187,6 +187,8 @@ def test_one_request_is_one_trace_down_to_triton_and_its_logs_name_it(traced_sta
     }
     assert access[0]["key_id"] and access[0]["key_id"] in traced_stack.api_key
     assert access[0]["duration_ms"] > 0 and access[0]["timestamp"]
+    [embedded] = [line for line in mine if line["logger"] == "embeddings.requests"]
+    assert 0 < embedded["inference_ms"] < access[0]["duration_ms"] and embedded["tokenization_ms"] > 0
     # The key's secret is in no line.
     secret = traced_stack.api_key.rsplit("_", 1)[1]
     assert secret not in server_log.read_text()
