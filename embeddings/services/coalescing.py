@@ -175,16 +175,17 @@ class Coalescer:
             self.calls_in_flight -= 1
             self._schedule_pump(asyncio.get_running_loop())
 
-    async def _send(self, batch: list[Waiter]) -> None:
+    async def _send(self, batch: list[Waiter], *, asked_again: bool = False) -> None:
         # Waiters dropped between forming the call and sending it are left out.
         batch = [waiter for waiter in batch if not waiter.result.done()]
         if not batch:
             return
         input_ids, attention_mask = merged_inputs(batch)
         self._observe(input_ids.shape[0], input_ids.size)
-        sent = time.perf_counter()
-        for waiter in batch:
-            self._observe_queued(sent - waiter.queued)
+        if not asked_again:  # a row's queue time is its wait for its first call
+            sent = time.perf_counter()
+            for waiter in batch:
+                self._observe_queued(sent - waiter.queued)
         try:
             # The call may run until the latest deadline; earlier ones end their own wait.
             with tracing.batch_span(
@@ -200,7 +201,7 @@ class Coalescer:
         except (TritonInvalidInput, TritonModelError) as error:
             if len(batch) > 1 and not isinstance(error, TritonModelNotLoaded):
                 # Possibly one request's rows: ask again for each alone, so only that one fails.
-                await asyncio.gather(*(self._send([waiter]) for waiter in batch))
+                await asyncio.gather(*(self._send([waiter], asked_again=True) for waiter in batch))
                 return
             self._fail(batch, error)
             return
