@@ -7,6 +7,8 @@ import json
 import re
 
 import httpx2
+import promql_parser
+import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -14,23 +16,21 @@ from tests.processes import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "deploy"
 MODEL = "all-MiniLM-L6-v2"
-PROMQL_WORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan"}
+# Grafana's interval variables, replaced as Grafana replaces them before sending a query.
+GRAFANA_INTERVALS = re.compile(r"\$__(?:rate_interval|interval|range)\b")
 
 
 def metric_names(expression: str) -> set[str]:
-    """The metric names a PromQL expression selects: every identifier that is not a function
-    (followed by `(`), a keyword, a label (in `{...}` or a `by (...)` clause), a range or a
-    string."""
-    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expression)
-    text = re.sub(r"\{[^}]*\}", " ", text)
-    text = re.sub(r"\[[^\]]*\]", " ", text)
-    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
-    names = set()
-    for match in re.finditer(r"(?<![\w.$])[A-Za-z_:][A-Za-z0-9_:]*", text):
-        if text[match.end() :].lstrip().startswith("("):
-            continue
-        if match.group().lower() not in PROMQL_WORDS:
-            names.add(match.group())
+    """The metric names a PromQL expression selects, read from its syntax tree (promql-parser,
+    which refuses an expression Prometheus would refuse)."""
+    tree = promql_parser.parse(GRAFANA_INTERVALS.sub("5m", expression))
+    names: set[str] = set()
+
+    def visit(node) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            names.add(node.name)
+
+    promql_parser.walk(tree, visit)
     return names
 
 
@@ -69,6 +69,8 @@ def test_metric_names_are_read_from_promql():
         '(rate(a_seconds_bucket{endpoint=~"x|y"}[$__rate_interval])))'
         " / clamp_min(sum(rate(b_total[5m])), 1e-9) > 0.5 and c_gauge offset 5m"
     ) == {"a_seconds_bucket", "b_total", "c_gauge"}
+    with pytest.raises(ValueError):
+        metric_names("sum(rate(a_total[5m])")
 
 
 def test_the_files_name_the_alerts_and_panels_the_issue_asks_for():
