@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import logging
 
+from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
 from embeddings.observability import context, tracing
@@ -46,7 +47,14 @@ def text_formatter() -> logging.Formatter:
 def json_formatter() -> logging.Formatter:
     # Python's warnings (Celery's as root, deprecations) become log lines too: none escapes JSON.
     logging.captureWarnings(True)
-    return JsonFormatter("{levelname}{name}{message}", style="{", rename_fields=JSON_RENAMED, timestamp=True)
+    return JsonFormatter(
+        "{levelname}{name}{message}",
+        style="{",
+        rename_fields=JSON_RENAMED,
+        # uvicorn's lines carry their message again with terminal colours: left out.
+        reserved_attrs=[*RESERVED_ATTRS, "color_message"],
+        timestamp=True,
+    )
 
 
 class LogLines(io.TextIOBase):

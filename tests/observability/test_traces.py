@@ -170,6 +170,7 @@ def test_one_request_is_one_trace_down_to_triton_and_its_logs_name_it(traced_sta
     # The request's log lines: JSON, with its id and its trace id; the access line says the rest.
     server_log, _ = traced_stack.logs
     lines = json_lines(server_log)
+    assert not [line for line in lines if "color_message" in line]
     mine = [line for line in lines if line.get("request_id") == request_id]
     assert mine and all(line["trace_id"] == server.trace_id for line in mine)
     access = [line for line in mine if line["logger"] == "embedsite.access"]
