@@ -1,9 +1,9 @@
 """OpenTelemetry traces, exported over OTLP/HTTP, on only when the standard OTEL_* variables ask.
 
 Off (no OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_TRACES_EXPORTER,
-or OTEL_SDK_DISABLED=true) nothing of OpenTelemetry is imported: no provider, no instrumentation,
-and `span()` hands back one shared no-op context manager. On, `setup()` installs the SDK's tracer
-provider (service name, resource attributes and sampler from OTEL_SERVICE_NAME,
+or OTEL_SDK_DISABLED=true) this module imports nothing of OpenTelemetry: no provider, no
+instrumentation, and `span()` hands back one shared no-op context manager. On, `setup()` installs
+the SDK's tracer provider (service name, resource attributes and sampler from OTEL_SERVICE_NAME,
 OTEL_RESOURCE_ATTRIBUTES, OTEL_TRACES_SAMPLER[_ARG], as the SDK reads them), a batching OTLP/HTTP
 exporter (OTEL_EXPORTER_OTLP_* as the exporter reads them), and the instrumentations: the gRPC
 clients (both our Triton transports: a span per call, the W3C trace context in the call's

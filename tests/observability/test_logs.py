@@ -141,3 +141,41 @@ def test_what_a_command_prints_becomes_json_log_lines():
         "partial line",
     ]
     assert {record["level"] for record in records} == {"INFO"}
+
+
+@pytest.mark.integration
+def test_with_otel_unset_the_served_app_installs_no_tracing():
+    script = """
+import asyncio, sys
+import django
+django.setup()
+import grpc
+import httpx2
+original_channel = grpc.aio.insecure_channel
+from embedsite.asgi import application
+
+async def main():
+    transport = httpx2.ASGITransport(app=application)
+    async with httpx2.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        answer = await client.post("/v1/embeddings", json={"input": "x"})
+        assert answer.status_code == 401 and answer.headers["x-request-id"]
+
+asyncio.run(main())
+from opentelemetry import trace
+print(type(trace.get_tracer_provider()).__name__)
+print(grpc.aio.insecure_channel is original_channel)
+loaded = ("opentelemetry.instrumentation", "opentelemetry.exporter", "opentelemetry.sdk.trace")
+print(sorted(name for name in sys.modules if name.startswith(loaded)))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        env={**_environment(), "DJANGO_SETTINGS_MODULE": "embedsite.settings", "LOG_FORMAT": "json"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    # No provider set (the API's proxy), gRPC channels as grpc makes them, no instrumentation,
+    # exporter or tracing SDK loaded. (redis-py imports the SDK's metrics module when present.)
+    assert done.stdout.strip().splitlines()[-3:] == ["ProxyTracerProvider", "True", "[]"]
