@@ -1,4 +1,5 @@
-"""Our Prometheus metrics: requests, inputs and tokens, where the time goes, in-flight calls, Triton errors.
+"""Our Prometheus metrics: requests, inputs and tokens, where the time goes, in-flight calls and
+tokens, batches, queue time, Triton errors, the job backlog.
 
 Exported at /metrics by django-prometheus's view. With PROMETHEUS_MULTIPROC_DIR set (runstack sets
 it for its uvicorn workers before they start), prometheus_client keeps every value in a per-process
@@ -67,6 +68,45 @@ TRITON_IN_FLIGHT = Gauge(
     "Inference calls in flight to Triton, summed over the server's worker processes.",
     multiprocess_mode="livesum",
 )
+# Request latency as the client sees it, from arrival at Django to the rendered response (the p99
+# alert in deploy/prometheus reads it).
+REQUEST_SECONDS = Histogram(
+    "embedsite_request_seconds",
+    "Time to answer one API request, from its arrival to its rendered response, by endpoint.",
+    ["endpoint"],
+    buckets=DURATION_BUCKETS,
+)
+# The seed's queue time: how long a sub-batch waited for its turn (the fair scheduler's room and,
+# merged, for the call it left in) before it was sent to Triton.
+QUEUE_SECONDS = Histogram(
+    "embedsite_queue_seconds",
+    "Time one sub-batch waited in this process before it was sent to Triton, by Triton model.",
+    ["model"],
+    buckets=DURATION_BUCKETS,
+)
+TOKENS_IN_FLIGHT = Gauge(
+    "embedsite_tokens_in_flight",
+    "Padded tokens of sub-batches at Triton (granted by the fair scheduler), summed over workers.",
+    multiprocess_mode="livesum",
+)
+# Set from the database when /metrics is scraped (embeddings/api/metrics_export.py): the most
+# recent reading of any worker process is the one reported.
+JOBS_ACTIVE = Gauge(
+    "embedsite_jobs_active",
+    "Jobs not yet finished, by status (queued, running, cancelling).",
+    ["status"],
+    multiprocess_mode="mostrecent",
+)
+JOB_INPUTS_PENDING = Gauge(
+    "embedsite_job_inputs_pending",
+    "Inputs of unfinished jobs not yet embedded (the job backlog).",
+    multiprocess_mode="mostrecent",
+)
+JOB_OLDEST_ACTIVE_SECONDS = Gauge(
+    "embedsite_job_oldest_active_seconds",
+    "Age of the oldest unfinished job (0 when none).",
+    multiprocess_mode="mostrecent",
+)
 TRITON_ERRORS = Counter(
     "embedsite_triton_errors",
     "Failed Triton calls, by Triton model and error kind (TritonUnavailable, TritonTimeout, ...).",
@@ -74,8 +114,10 @@ TRITON_ERRORS = Counter(
 )
 
 
-def request_observed(*, endpoint: str, model: str, status: int) -> None:
+def request_observed(*, endpoint: str, model: str, status: int, seconds: float | None = None) -> None:
     REQUESTS.labels(endpoint, model, str(status)).inc()
+    if seconds is not None:
+        REQUEST_SECONDS.labels(endpoint).observe(seconds)
 
 
 def embedded_observed(*, endpoint: str, model: str, inputs: int, tokens: int) -> None:
@@ -83,9 +125,19 @@ def embedded_observed(*, endpoint: str, model: str, inputs: int, tokens: int) ->
     TOKENS.labels(endpoint, model).inc(tokens)
 
 
+# Error kinds whose counters exist from a model's first call (at 0), so rate() and the alerts in
+# deploy/prometheus see them before the first failure.
+TRITON_ERROR_KINDS = ("TritonUnavailable", "TritonTimeout", "TritonModelNotLoaded", "TritonModelError")
+_errors_initialised: set[str] = set()
+
+
 @contextmanager
 def triton_call_observed(model: str) -> Iterator[None]:
     """Times a successful Triton call; counts a failed one by its exception class."""
+    if model not in _errors_initialised:
+        _errors_initialised.add(model)
+        for kind in TRITON_ERROR_KINDS:
+            TRITON_ERRORS.labels(model, kind)
     started = time.perf_counter()
     try:
         yield

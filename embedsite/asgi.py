@@ -23,7 +23,11 @@ from embeddings import lifecycle, metrics  # noqa: E402
 from embeddings.api.errors import ShuttingDown, json_error_response  # noqa: E402
 from embeddings.api.handler import LeanASGIHandler  # noqa: E402
 from embeddings.consumers import JobProgressConsumer, UnknownRouteConsumer  # noqa: E402
+from embeddings.observability import tracing  # noqa: E402
+from embeddings.observability.middleware import RequestIdMiddleware  # noqa: E402
 
+# Before any client is made: the gRPC and Celery instrumentations patch what makes them.
+tracing.setup("web")
 api_asgi_app = LeanASGIHandler()
 
 
@@ -56,6 +60,11 @@ websocket_router = URLRouter(
     ]
 )
 
+# Outermost: the server span (tracing on), then the request id every response and log line carries.
 application = ProtocolTypeRouter(
-    {"http": http_router, "websocket": websocket_router, "lifespan": metrics.lifespan}
+    {
+        "http": tracing.asgi_application(RequestIdMiddleware(http_router)),
+        "websocket": tracing.asgi_application(RequestIdMiddleware(websocket_router)),
+        "lifespan": metrics.lifespan,
+    }
 )

@@ -46,7 +46,11 @@ class ServerConfig(uvicorn.Config):
             loop="uvloop",
             http="httptools",
             ws="websockets-sansio",
+            # Our access log line (embeddings/observability/middleware.py) names the request id,
+            # tenant and timings; uvicorn's would only repeat its first half.
             access_log=False,
+            # Django's LOGGING (LOG_FORMAT) formats uvicorn's lines too, in every worker.
+            log_config=None,
             timeout_graceful_shutdown=timeout_s,
         )
         self.shutdown_drain_s = drain_s

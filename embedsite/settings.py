@@ -316,11 +316,24 @@ STORAGES = {
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
 }
 
+# Log lines (README "Observability"): `text`, readable, with the request id in brackets, or `json`,
+# one object a line with the request's fields (embeddings/observability/logs.py); web, Celery
+# worker and beat alike. LOG_ACCESS: one line per HTTP request (logger embedsite.access).
+LOG_FORMAT = env_str("LOG_FORMAT", "text").strip().lower()
+if LOG_FORMAT not in {"text", "json"}:
+    raise ImproperlyConfigured(f"LOG_FORMAT must be text or json, not {LOG_FORMAT!r}")
+LOG_ACCESS = env_bool("LOG_ACCESS", True)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {"request_context": {"()": "embeddings.observability.logs.RequestContextFilter"}},
+    "formatters": {
+        "text": {"()": "embeddings.observability.logs.text_formatter"},
+        "json": {"()": "embeddings.observability.logs.json_formatter"},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT, "filters": ["request_context"]}
+    },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
     # django-axes announces itself at INFO in every process (each manage.py command); its lockout
     # and failed-login lines come from other loggers and stay.

@@ -2,10 +2,9 @@
 
 from django.contrib import admin
 from django.urls import include, path
-from django_prometheus.exports import ExportToDjangoView
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
-from embeddings.api import health
+from embeddings.api import health, metrics_export
 from embeddings.api.errors import json_not_found, json_server_error
 
 urlpatterns = [
@@ -13,7 +12,7 @@ urlpatterns = [
     path("health", health.health, name="health"),
     path("ready", health.ready, name="ready"),
     # Sums the worker processes' values when PROMETHEUS_MULTIPROC_DIR is set (runstack sets it).
-    path("metrics", ExportToDjangoView, name="prometheus-django-metrics"),
+    path("metrics", metrics_export.metrics, name="prometheus-django-metrics"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("explorer/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
     # Our template drops the stock one's Google Fonts links: the docs work offline.

@@ -26,6 +26,8 @@ from embeddings.api.middleware import ARRIVED
 from embeddings.api.rendering import OrjsonParser, OrjsonRenderer
 from embeddings.callers import Caller
 from embeddings.metrics import request_observed
+from embeddings.observability import context as request_context
+from embeddings.observability import tracing
 from embeddings.services.quotas import RequestQuota, quota_headers
 
 
@@ -81,8 +83,19 @@ class ApiView(APIView):
             response = self.handle_exception(exc)
         if self.principal is not None:
             await self.add_ratelimit_headers(response)
-        self.response = rendered(self.finalize_response(request, response, *args, **kwargs))
-        request_observed(endpoint=self.endpoint, model=self.model_name, status=self.response.status_code)
+        match = request._request.resolver_match
+        request_context.annotate(
+            endpoint=self.endpoint, model=self.model_name, route=f"/{match.route}" if match else ""
+        )
+        with tracing.span("serialize", endpoint=self.endpoint):
+            self.response = rendered(self.finalize_response(request, response, *args, **kwargs))
+        arrived = request._request.META.get(ARRIVED)
+        request_observed(
+            endpoint=self.endpoint,
+            model=self.model_name,
+            status=self.response.status_code,
+            seconds=None if arrived is None else time.perf_counter() - arrived,
+        )
         return self.response
 
     async def options(self, request: Request, *args, **kwargs) -> Response:
@@ -90,14 +103,18 @@ class ApiView(APIView):
         return Response(status=204)
 
     async def authenticate(self, request: Request) -> None:
-        for authenticator in request.authenticators:
-            result = await authenticator.authenticate(request)
-            if result is not None:
-                request._authenticator = authenticator
-                request.user, request.auth = result
-                self.principal = result[0]
-                return
-        request._not_authenticated()
+        with tracing.span("authenticate"):
+            for authenticator in request.authenticators:
+                result = await authenticator.authenticate(request)
+                if result is not None:
+                    request._authenticator = authenticator
+                    request.user, request.auth = result
+                    self.principal = result[0]
+                    request_context.annotate(
+                        tenant=self.principal.tenant_slug, key_id=self.principal.key_public_id
+                    )
+                    return
+            request._not_authenticated()
 
     def request_quota(self, model_name: str) -> RequestQuota:
         """The quota and usage bookkeeping for this request's embedding call (embeddings_create)."""

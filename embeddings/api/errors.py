@@ -1,6 +1,8 @@
 """API errors as declarative classes, rendered by one handler in OpenAI's error shape.
 
-    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ..., "request_id": ...}}
+
+(`request_id`, the response's X-Request-Id, in every error answered within a request.)
 
 ApiError (500 server_error)
 ├── BadRequest (400 invalid_request_error)            malformed JSON, unparsable body, a Host not
@@ -51,6 +53,7 @@ from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.http import HttpRequest, HttpResponse
 from rest_framework import exceptions as drf
 
+from embeddings.observability.context import current_request_id
 from embeddings.services.errors import (
     InferenceTimeout,
     InvalidRequest,
@@ -97,15 +100,13 @@ class ApiError(Exception):
         self.headers = headers or {}
         super().__init__(self.message)
 
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.error_code,
-            }
-        }
+    def body(self, *, with_request_id: bool = True) -> dict[str, Any]:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.error_code}
+        # Served within a request: its id (X-Request-Id), for a tenant to quote and us to find.
+        request_id = current_request_id() if with_request_id else None
+        if request_id is not None:
+            error["request_id"] = request_id
+        return {"error": error}
 
 
 class BadRequest(ApiError):
@@ -205,8 +206,8 @@ class RateLimited(ApiError):
         # OpenAI's rate-limit errors say which limit in `type`: "requests" or "tokens".
         self.limit_type = limit_type
 
-    def body(self) -> dict[str, Any]:
-        body = super().body()
+    def body(self, *, with_request_id: bool = True) -> dict[str, Any]:
+        body = super().body(with_request_id=with_request_id)
         if self.limit_type:
             body["error"]["type"] = self.limit_type
         return body

@@ -105,7 +105,11 @@ def _error_response(description: str, error: ApiError) -> dict:
     return {
         "description": description,
         "content": {
-            "application/json": {"schema": ERROR_SCHEMA, "examples": {name: {"value": error.body()}}}
+            # Built while serving /api/schema/: not that request's id.
+            "application/json": {
+                "schema": ERROR_SCHEMA,
+                "examples": {name: {"value": error.body(with_request_id=False)}},
+            }
         },
     }
 

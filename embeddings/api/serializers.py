@@ -298,6 +298,7 @@ class ErrorDetailSerializer(serializers.Serializer):
     type = serializers.CharField()
     param = serializers.CharField(allow_null=True)
     code = serializers.CharField(allow_null=True)
+    request_id = serializers.CharField(required=False, help_text="The response's X-Request-Id")
 
 
 class ErrorSerializer(serializers.Serializer):

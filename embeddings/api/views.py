@@ -56,7 +56,7 @@ def _error_response(description: str, *errors: Exception) -> OpenApiResponse:
     examples = [
         OpenApiExample(
             f"{type(error).__name__}: {as_api_error(error).error_code}",
-            value=as_api_error(error).body(),
+            value=as_api_error(error).body(with_request_id=False),
             response_only=True,
         )
         for error in errors
@@ -159,6 +159,11 @@ def log_request(
         result.total_tokens,
         result.inference_s * 1000,
         user,
+        # As fields of their own in JSON lines (README "Observability").
+        extra={
+            "tokenization_ms": round(result.tokenization_s * 1000, 3),
+            "inference_ms": round(result.inference_s * 1000, 3),
+        },
     )
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embeddings.observability import tracing
 from embeddings.triton import TritonInvalidInput, TritonModelError, TritonModelNotLoaded
 
 # (input_ids, attention_mask, deadline) -> FP32 [rows, dimensions]; the deadline is monotonic.
@@ -40,6 +41,9 @@ class Waiter:
     attention_mask: np.ndarray
     deadline: float
     result: asyncio.Future
+    # When its request asked for room (perf_counter), for the queue time; its trace context.
+    queued: float = 0.0
+    trace_context: object = None
 
     @property
     def rows(self) -> int:
@@ -80,6 +84,7 @@ class Coalescer:
         max_tokens: int,
         max_calls: int,
         observe: Callable[[int, int], None] = lambda rows, tokens: None,
+        observe_queued: Callable[[float], None] = lambda seconds: None,
     ) -> None:
         if max_rows < 1 or max_tokens < 1 or max_calls < 1:
             raise ValueError("max_rows, max_tokens and max_calls must be at least 1")
@@ -89,6 +94,7 @@ class Coalescer:
         self.calls_in_flight = 0
         self._call = call
         self._observe = observe
+        self._observe_queued = observe_queued
         self._pending: deque[Waiter] = deque()
         self._pump_scheduled = False
         # Strong references to the running calls (the loop keeps only weak ones).
@@ -99,11 +105,24 @@ class Coalescer:
         return sum(1 for waiter in self._pending if not waiter.result.done())
 
     async def embed(
-        self, input_ids: np.ndarray, attention_mask: np.ndarray, *, deadline: float
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        *,
+        deadline: float,
+        queued: float | None = None,
     ) -> np.ndarray:
-        """These rows' vectors, computed in a call shared with other requests' rows."""
+        """These rows' vectors, computed in a call shared with other requests' rows. `queued`: when
+        the rows started waiting (perf_counter; default now), for the queue time."""
         loop = asyncio.get_running_loop()
-        waiter = Waiter(input_ids, attention_mask, deadline, loop.create_future())
+        waiter = Waiter(
+            input_ids,
+            attention_mask,
+            deadline,
+            loop.create_future(),
+            queued=time.perf_counter() if queued is None else queued,
+            trace_context=tracing.captured(),
+        )
         self._pending.append(waiter)
         self._schedule_pump(loop)
         # Cancelling this (deadline, client gone) cancels the future: the waiter is then skipped.
@@ -156,20 +175,33 @@ class Coalescer:
             self.calls_in_flight -= 1
             self._schedule_pump(asyncio.get_running_loop())
 
-    async def _send(self, batch: list[Waiter]) -> None:
+    async def _send(self, batch: list[Waiter], *, asked_again: bool = False) -> None:
         # Waiters dropped between forming the call and sending it are left out.
         batch = [waiter for waiter in batch if not waiter.result.done()]
         if not batch:
             return
         input_ids, attention_mask = merged_inputs(batch)
         self._observe(input_ids.shape[0], input_ids.size)
+        if not asked_again:  # a row's queue time is its wait for its first call
+            sent = time.perf_counter()
+            for waiter in batch:
+                self._observe_queued(sent - waiter.queued)
         try:
             # The call may run until the latest deadline; earlier ones end their own wait.
-            vectors = await self._call(input_ids, attention_mask, max(waiter.deadline for waiter in batch))
+            with tracing.batch_span(
+                "triton.batch",
+                [waiter.trace_context for waiter in batch],
+                requests=len(batch),
+                rows=int(input_ids.shape[0]),
+                tokens=int(input_ids.size),
+            ):
+                vectors = await self._call(
+                    input_ids, attention_mask, max(waiter.deadline for waiter in batch)
+                )
         except (TritonInvalidInput, TritonModelError) as error:
             if len(batch) > 1 and not isinstance(error, TritonModelNotLoaded):
                 # Possibly one request's rows: ask again for each alone, so only that one fails.
-                await asyncio.gather(*(self._send([waiter]) for waiter in batch))
+                await asyncio.gather(*(self._send([waiter], asked_again=True) for waiter in batch))
                 return
             self._fail(batch, error)
             return

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,10 +22,14 @@ from django.conf import settings
 from embeddings.metrics import (
     BATCH_ROWS,
     BATCH_TOKENS,
+    QUEUE_SECONDS,
     TOKENIZATION_SECONDS,
+    TOKENS_IN_FLIGHT,
     TRITON_IN_FLIGHT,
     triton_call_observed,
 )
+from embeddings.observability import context as request_context
+from embeddings.observability import tracing
 from embeddings.services.errors import (
     InferenceTimeout,
     InvalidRequest,
@@ -167,6 +171,16 @@ def _tokenize(
     token_ids: Sequence[Sequence[int]] | None,
     options: EmbeddingOptions,
 ) -> tuple[TokenizedBatch, TextTokenizer, float]:
+    with tracing.span("tokenize", model=target.triton_model):
+        return _tokenize_timed(target, texts, token_ids, options)
+
+
+def _tokenize_timed(
+    target: EmbeddingTarget,
+    texts: Sequence[str] | None,
+    token_ids: Sequence[Sequence[int]] | None,
+    options: EmbeddingOptions,
+) -> tuple[TokenizedBatch, TextTokenizer, float]:
     started = time.perf_counter()
     count = len(token_ids if token_ids is not None else texts or ())
     if target.max_inputs is not None and count > target.max_inputs:
@@ -288,6 +302,15 @@ async def _gather_or_cancel(calls: Sequence[Awaitable[np.ndarray]]) -> list[np.n
         raise
 
 
+@contextlib.asynccontextmanager
+async def _tokens_in_flight(tokens: int) -> AsyncIterator[None]:
+    TOKENS_IN_FLIGHT.inc(tokens)
+    try:
+        yield
+    finally:
+        TOKENS_IN_FLIGHT.dec(tokens)
+
+
 async def _infer(
     target: EmbeddingTarget,
     texts: Sequence[str] | None,
@@ -307,11 +330,15 @@ async def _infer(
     coalesce = settings.COALESCE_REQUESTS and not takes_text and len(groups) == 1 and spec.max_batch_size > 0
 
     async def run(group: SubBatch) -> np.ndarray:
-        async with scheduler.slot(share, group.cost):
+        queued = time.perf_counter()
+        async with scheduler.slot(share, group.cost), _tokens_in_flight(group.cost):
             if coalesce:
                 # Shares one Triton call with other requests' rows (embeddings/services/coalescing.py).
                 coalescer = request_coalescer(model, version, max_rows=spec.max_batch_size)
-                return await coalescer.embed(*_sub_batch_inputs(batch, group), deadline=deadline)
+                return await coalescer.embed(
+                    *_sub_batch_inputs(batch, group), deadline=deadline, queued=queued
+                )
+            QUEUE_SECONDS.labels(model).observe(time.perf_counter() - queued)
             BATCH_ROWS.labels(model).observe(len(group.rows))
             BATCH_TOKENS.labels(model).observe(group.cost)
             options = {
@@ -357,15 +384,18 @@ async def embeddings_create(
         batch, _, tokenization_s = await asyncio.to_thread(_tokenize, target, texts, token_ids, options)
     else:
         batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
+    request_context.annotate(inputs=len(batch), tokens=batch.total_tokens)
     with inflight_gate:
         if quota is not None:
-            await quota.reserve(inputs=len(batch), tokens=batch.total_tokens)
+            with tracing.span("quota.reserve"):
+                await quota.reserve(inputs=len(batch), tokens=batch.total_tokens)
         try:
             with triton_call_observed(target.triton_model):
                 started = time.perf_counter()
                 try:
                     async with asyncio.timeout(deadline - time.monotonic()):
-                        vectors = await _infer(target, texts, token_ids, batch, deadline)
+                        with tracing.span("inference", model=target.triton_model, rows=len(batch)):
+                            vectors = await _infer(target, texts, token_ids, batch, deadline)
                 except TritonModelNotLoaded as error:
                     raise _not_loaded(target) from error
                 except TimeoutError:
@@ -378,10 +408,12 @@ async def embeddings_create(
             vectors = _postprocess(target, vectors, options)
         except BaseException:  # a Triton error, a bad output, the deadline, or the client went away
             if quota is not None:
-                await quota.settle(succeeded=False)
+                with tracing.span("quota.settle", succeeded=False):
+                    await quota.settle(succeeded=False)
             raise
     if quota is not None:
-        await quota.settle(succeeded=True)
+        with tracing.span("quota.settle", succeeded=True):
+            await quota.settle(succeeded=True)
     return EmbeddingResult(target.triton_model, vectors, batch.token_counts, tokenization_s, inference_s)
 
 
@@ -433,7 +465,11 @@ def embeddings_create_sync(
     batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
     client = triton_sync_client()
     model, version = target.triton_model, target.triton_version
-    with triton_call_observed(model), _model_not_loaded_named(target):
+    with (
+        triton_call_observed(model),
+        _model_not_loaded_named(target),
+        tracing.span("inference", model=model, rows=len(batch)),
+    ):
         started = time.perf_counter()
         spec = client.model_metadata(model, version)
         takes_text = _takes_text(spec, token_ids)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from django.conf import settings
 
-from embeddings.metrics import BATCH_ROWS, BATCH_TOKENS
+from embeddings.metrics import BATCH_ROWS, BATCH_TOKENS, QUEUE_SECONDS
 from embeddings.services.coalescing import Coalescer, remaining_s
 from embeddings.services.scheduling import FairScheduler
 from embeddings.tokenization import TextTokenizer, tokenizer_for
@@ -93,8 +93,16 @@ def request_coalescer(model: str, version: str, *, max_rows: int) -> Coalescer:
             BATCH_ROWS.labels(model).observe(rows)
             BATCH_TOKENS.labels(model).observe(tokens)
 
+        def observe_queued(seconds: float) -> None:
+            QUEUE_SECONDS.labels(model).observe(seconds)
+
         coalescer = per_model[(model, version)] = Coalescer(
-            call, max_rows=max_rows, max_tokens=wanted[1], max_calls=wanted[2], observe=observe
+            call,
+            max_rows=max_rows,
+            max_tokens=wanted[1],
+            max_calls=wanted[2],
+            observe=observe,
+            observe_queued=observe_queued,
         )
     return coalescer
 

@@ -59,6 +59,7 @@ from django.utils import timezone
 
 from embeddings.callers import NO_LIMITS, Caller
 from embeddings.models import ApiKey, EmbeddingJob, EmbeddingModel, Tenant
+from embeddings.observability import context as request_context
 from embeddings.redis import keys as redis_keys
 from embeddings.redis.connections import redis_job_store, redis_sync
 from embeddings.services.embedding import (
@@ -372,6 +373,10 @@ def job_create(
         except BaseException:
             _undo(job, reservation)
             raise
+    # The submitting request's id goes with this line and, in their message headers, with every
+    # chunk task (embeddings/observability/celery_hooks.py): the job's logs name the request.
+    request_context.annotate(job=job.public_id)
+    logger.info("job %s submitted: %d inputs in %d chunks", job.public_id, job.total, job.chunks)
     return job, True
 
 

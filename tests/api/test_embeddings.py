@@ -26,7 +26,8 @@ def assert_error(response, status: int, code: str | None = None, param: str | No
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert set(error) == {"message", "type", "param", "code", "request_id"} and error["message"]
+    assert error["request_id"] == response.headers["x-request-id"]
     if code is not None:
         assert error["code"] == code, error
     if param is not None:

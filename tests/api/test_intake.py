@@ -213,7 +213,9 @@ def test_a_short_body_times_out_with_408(raw):
     assert time.monotonic() - started >= idle * 0.9
     assert status == 408, body
     error = json.loads(body)["error"]
-    assert error["code"] == "request_timeout" and set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "request_timeout"
+    assert set(error) == {"message", "type", "param", "code", "request_id"}
+    assert error["request_id"] == headers["x-request-id"]
     assert headers["connection"] == "close" and raw.closed_by_server()
 
 

@@ -55,7 +55,8 @@ def stored_nothing() -> bool:
 def assert_error(response, status: int, code: str | None = None, param: str | None = None) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    assert set(error) == {"message", "type", "param", "code", "request_id"}
+    assert error["request_id"] == response.headers["x-request-id"]
     if code is not None:
         assert error["code"] == code, error
     if param is not None:

@@ -82,7 +82,8 @@ async def get_usage(client, who, **params):
 def assert_error(response, status: int, param: str | None):
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
+    assert set(error) == {"message", "type", "param", "code", "request_id"}
+    assert error["request_id"] == response.headers["x-request-id"]
     assert error["param"] == param
     return error
 

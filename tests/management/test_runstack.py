@@ -4,7 +4,9 @@ they hang (stopped here with SIGSTOP, so only SIGKILL ends them)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from tests.conftest import require_exported_model
 from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
 from tests.triton.test_server_process_group import group_processes, stubs_of, wait_until_no_live_member
 
+CELERY_SIGNAL_NOTICE = re.compile(r"worker: (Warm|Cold) shutdown \(MainProcess\)")
 START_DEADLINE_S = 240  # against hanging only: Triton, Celery and uvicorn start on a loaded machine
 
 
@@ -54,6 +57,8 @@ def test_when_triton_dies_runstack_stops_everything_and_leaves_no_stub(tmp_path)
         # MiniLM is not among the models Triton loads at start: the catalog's reconcile at start
         # loads it, as it loads every registered model.
         "TRITON_STARTUP_MODELS": "minilm_tokenizer",
+        # Every process's lines as JSON (README "Observability"), runstack's own included.
+        "LOG_FORMAT": "json",
     }
     for inherited in ("PROMETHEUS_MULTIPROC_DIR", "CELERY_BROKER_URL"):
         env.pop(inherited, None)
@@ -91,7 +96,31 @@ def test_when_triton_dies_runstack_stops_everything_and_leaves_no_stub(tmp_path)
         stop_process_group(runstack)
     output = log.read_text()
     assert runstack.returncode != 0
-    assert "Triton exited unexpectedly" in output and "Stopped." in output, output[-3000:]
+    outputs = {
+        "runstack": log,
+        "worker": tmp_path / "celery-worker.log",
+        "beat": tmp_path / "celery-beat.log",
+    }
+    # Every line of every process is one JSON object, but the notice Celery's signal handler writes
+    # straight to the worker's stdout (no logging in a signal handler).
+    records = {
+        name: [
+            json.loads(line)
+            for line in path.read_text().splitlines()
+            if line.strip() and not CELERY_SIGNAL_NOTICE.fullmatch(line)
+        ]
+        for name, path in outputs.items()
+    }
+    assert all(records.values()), records
+    messages = [record["message"] for record in records["runstack"]]
+    assert any(message.startswith("embedsite on http://127.0.0.1:") for message in messages), messages
+    assert "Stopped." in messages, output[-3000:]
+    [failure] = [
+        record
+        for record in records["runstack"]
+        if record["logger"] == "embedsite.runstack" and record["level"] == "ERROR"
+    ]
+    assert failure["message"].startswith("Triton exited unexpectedly"), failure
     wait_until_no_live_member(triton)
     assert [name for name in regions if Path("/dev/shm", name).exists()] == []
     # Both Redis, the Celery worker and beat, uvicorn: each its own group, none left.

@@ -150,3 +150,27 @@ def merged_inputs_of(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray,
     from embeddings.services.coalescing import Waiter
 
     return merged_inputs([Waiter(ids, mask, 0.0, None) for ids, mask in parts])  # type: ignore[arg-type]
+
+
+async def test_each_rows_queue_time_is_its_wait_for_its_first_call():
+    model = FakeModel()
+    model.release = asyncio.Event()
+    waits: list[float] = []
+    coalescer = Coalescer(model, max_rows=64, max_tokens=2048, max_calls=1, observe_queued=waits.append)
+    first = asyncio.ensure_future(coalescer.embed(*rows(1), deadline=far()))
+    await asyncio.sleep(0.01)
+    # Two more wait behind the first call; one holds a bad row, so their merged call is split.
+    queued = time.perf_counter()
+    later = [
+        asyncio.ensure_future(coalescer.embed(*rows(token), deadline=far(), queued=queued))
+        for token in (2, BAD_TOKEN)
+    ]
+    await asyncio.sleep(0.05)
+    released = time.perf_counter()
+    model.release.set()
+    outcomes = await asyncio.gather(first, *later, return_exceptions=True)
+    assert isinstance(outcomes[2], TritonInvalidInput)
+    # Once per request's rows (the split's second calls count no second wait); the later two waited
+    # for the first call to return.
+    assert len(waits) == 3
+    assert all(wait >= released - queued for wait in waits[1:])

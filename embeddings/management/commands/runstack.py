@@ -1,6 +1,7 @@
 """Run the whole local service: Redis (the critical one and the job store), Celery (worker, beat),
 Triton, then the ASGI server (`manage.py serve`); Ctrl-C stops all."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -9,8 +10,9 @@ import threading
 from pathlib import Path
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, OutputWrapper
 
+from embeddings.observability.logs import LogLines
 from embeddings.services.model_serving import write_serving_states
 from embeddings.tooling.local_redis import RedisServerError, local_redis_servers
 from embeddings.tooling.local_triton import local_triton_server
@@ -37,9 +39,11 @@ def start_celery(role: str, log_path: Path, env: dict[str, str] | None = None) -
         "worker": ["worker", "--pool", "solo", "--without-gossip", "--without-mingle"],
         "beat": ["beat"],
     }[role]
+    # No plain-text startup banner among JSON log lines.
+    quiet = ["--quiet"] if settings.LOG_FORMAT == "json" else []
     with log_path.open("ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "embedsite", *arguments, "--loglevel", "INFO"],
+            [sys.executable, "-m", "celery", "-A", "embedsite", *quiet, *arguments, "--loglevel", "INFO"],
             cwd=settings.BASE_DIR,
             env=env,
             stdout=log,
@@ -71,6 +75,19 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=settings.SERVER_PORT)
 
     def handle(self, *args, workers, host, port, **options):
+        # With LOG_FORMAT=json what runstack says is log lines too, among the web server's (same
+        # terminal), its last error included; in text, plain lines as before.
+        if settings.LOG_FORMAT != "json":
+            self.run_stack(self.stdout, workers=workers, host=host, port=port)
+            return
+        logger = logging.getLogger("embedsite.runstack")
+        try:
+            self.run_stack(OutputWrapper(LogLines(logger)), workers=workers, host=host, port=port)
+        except CommandError as error:
+            logger.error("%s", error)
+            sys.exit(1)
+
+    def run_stack(self, out: OutputWrapper, *, workers: int, host: str, port: int) -> None:
         stop = threading.Event()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())
@@ -84,19 +101,19 @@ class Command(BaseCommand):
             for role, redis_server in redis_servers.items():
                 redis_server.start()
                 redis_server.wait_until_ready()
-                self.stdout.write(
+                out.write(
                     f"Redis ({role}) ready: {redis_server.url} (data: {redis_server.data_dir}, "
                     f"maxmemory {redis_server.maxmemory_mb} MiB, noeviction)"
                 )
             settings.RUN_DIR.mkdir(parents=True, exist_ok=True)
             for role, log_path in celery_logs.items():
                 celery[role] = start_celery(role, log_path)
-            self.stdout.write(f"Starting Triton (log: {triton_log}) ...")
+            out.write(f"Starting Triton (log: {triton_log}) ...")
             triton.start()
             triton.wait_until_ready(settings.TRITON_STARTUP_TIMEOUT_S)
-            self.stdout.write(f"Triton ready: gRPC {triton.grpc_target}")
+            out.write(f"Triton ready: gRPC {triton.grpc_target}")
             # The catalog's models are served before the web server takes its first request.
-            write_serving_states(self.stdout)
+            write_serving_states(out)
             # Set before the workers import prometheus_client: each writes its values to files
             # there, and /metrics (whichever worker answers) sums them.
             web_env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(fresh_prometheus_dir())}
@@ -112,12 +129,11 @@ class Command(BaseCommand):
             )  # fmt: skip
             base = f"http://{host}:{port}"
             manage = f"{sys.executable} manage.py"
-            self.stdout.write(
-                self.style.SUCCESS(
-                    f"embedsite on {base}  ({workers} worker(s), Triton gRPC {triton.grpc_target})"
-                )
+            out.write(
+                f"embedsite on {base}  ({workers} worker(s), Triton gRPC {triton.grpc_target})",
+                self.style.SUCCESS if out is self.stdout else None,
             )
-            self.stdout.write(
+            out.write(
                 f"  API docs   {base}/explorer/   {base}/redoc/   schema {base}/api/schema/\n"
                 f"  admin      {base}/admin/   (first: {manage} createsuperuser)\n"
                 f"  health     {base}/health   {base}/ready   {base}/metrics\n"
@@ -157,4 +173,4 @@ class Command(BaseCommand):
             triton.stop()
             for redis_server in redis_servers.values():
                 redis_server.stop()  # last: the others may still write to it while stopping
-            self.stdout.write("Stopped.")
+            out.write("Stopped.")
