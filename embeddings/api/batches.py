@@ -47,7 +47,7 @@ class BatchErrorSerializer(serializers.Serializer):
 
 
 class BatchErrorsSerializer(serializers.Serializer):
-    object = serializers.ChoiceField(choices=["list"])
+    object = serializers.CharField(help_text='Always "list".')
     data = BatchErrorSerializer(many=True)
 
 
@@ -59,7 +59,7 @@ class BatchRequestCountsSerializer(serializers.Serializer):
 
 class BatchObjectSerializer(serializers.Serializer):
     id = serializers.CharField()
-    object = serializers.ChoiceField(choices=["batch"])
+    object = serializers.CharField(help_text='Always "batch".')
     endpoint = serializers.CharField()
     model = serializers.CharField(allow_null=True)
     errors = BatchErrorsSerializer(allow_null=True)
@@ -85,7 +85,7 @@ class BatchObjectSerializer(serializers.Serializer):
 
 
 class BatchListSerializer(serializers.Serializer):
-    object = serializers.ChoiceField(choices=["list"])
+    object = serializers.CharField(help_text='Always "list".')
     data = BatchObjectSerializer(many=True)
     first_id = serializers.CharField(allow_null=True)
     last_id = serializers.CharField(allow_null=True)
@@ -200,16 +200,6 @@ class BatchListCreateView(ApiView):
             ),
         },
         examples=[
-            OpenApiExample(
-                "Embeddings in 24h",
-                value={
-                    "input_file_id": BATCH_EXAMPLE["input_file_id"],
-                    "endpoint": "/v1/embeddings",
-                    "completion_window": "24h",
-                    "metadata": {"corpus": "wiki-2026-11"},
-                },
-                request_only=True,
-            ),
             OpenApiExample(
                 "Validating",
                 value={**BATCH_EXAMPLE, "status": "validating", "in_progress_at": None},

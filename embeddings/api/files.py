@@ -42,18 +42,18 @@ EXPIRES_AFTER_MIN_S, EXPIRES_AFTER_MAX_S = 3600, 30 * 24 * 3600
 
 class FileObjectSerializer(serializers.Serializer):
     id = serializers.CharField()
-    object = serializers.ChoiceField(choices=["file"])
+    object = serializers.CharField(help_text='Always "file".')
     bytes = serializers.IntegerField()
     created_at = serializers.IntegerField()
     expires_at = serializers.IntegerField(allow_null=True)
     filename = serializers.CharField()
-    purpose = serializers.ChoiceField(choices=StoredFile.Purpose.values)
+    purpose = serializers.CharField(help_text="`batch` (uploaded) or `batch_output` (a batch's results).")
     status = serializers.ChoiceField(choices=["processed"])
     status_details = serializers.CharField(allow_null=True)
 
 
 class FileListSerializer(serializers.Serializer):
-    object = serializers.ChoiceField(choices=["list"])
+    object = serializers.CharField(help_text='Always "list".')
     data = FileObjectSerializer(many=True)
     first_id = serializers.CharField(allow_null=True)
     last_id = serializers.CharField(allow_null=True)
@@ -62,7 +62,7 @@ class FileListSerializer(serializers.Serializer):
 
 class FileDeletedSerializer(serializers.Serializer):
     id = serializers.CharField()
-    object = serializers.ChoiceField(choices=["file"])
+    object = serializers.CharField(help_text='Always "file".')
     deleted = serializers.BooleanField()
 
 
