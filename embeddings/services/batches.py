@@ -257,9 +257,9 @@ class _Models:
         return model
 
 
-def _lines(handle: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """(line number, line) of the file, never reading more than one line's limit at once; an
-    overlong line comes back cut at the limit plus one byte (and is refused as too long)."""
+def _lines(handle: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, line) of the file, never holding more than one line's limit at once; an
+    overlong line comes back as None (and is refused as too long)."""
     number = 0
     while True:
         raw = handle.readline(max_line_bytes + 2)
@@ -269,15 +269,15 @@ def _lines(handle: IO[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes]
         if len(raw) > max_line_bytes + 1 and not raw.endswith(b"\n"):
             while raw and not raw.endswith(b"\n"):  # skip the rest of the overlong line
                 raw = handle.readline(1 << 20)
-            yield number, b"\x00" * (max_line_bytes + 1)
+            yield number, None
             continue
         yield number, raw
 
 
 def _parse_line(
-    raw: bytes, *, endpoint: str, parse_body: ParseBody, render_error: RenderError, models: _Models
+    raw: bytes | None, *, endpoint: str, parse_body: ParseBody, render_error: RenderError, models: _Models
 ) -> tuple[LineRequest, EmbeddingModel]:
-    if len(raw.rstrip(b"\r\n")) > settings.MAX_REQUEST_BODY_BYTES:
+    if raw is None or len(raw.rstrip(b"\r\n")) > settings.MAX_REQUEST_BODY_BYTES:
         raise _LineProblem(
             "line_too_long", f"The line is longer than {settings.MAX_REQUEST_BODY_BYTES} bytes."
         )
@@ -388,11 +388,17 @@ def batch_validate(*, batch_id: int, parse_body: ParseBody, render_error: Render
     tokens = output_bytes = inputs = 0
     seen: set[str] = set()
     errors: list[dict] = []
+    try:
+        handle = file_open(batch.input_file)
+    except OSError as error:  # deleted from the storage under its row, or the storage unreadable
+        logger.warning("batch %s: input file unreadable: %s", batch.public_id, error)
+        _fail(batch, [_refusal("file_unreadable", "The input file could not be read; upload it again.")])
+        return
     invalid = tempfile.TemporaryFile()  # noqa: SIM115 (closed below)
     try:
-        with file_open(batch.input_file) as handle:
+        with handle:
             for number, raw in _lines(handle, settings.MAX_REQUEST_BODY_BYTES):
-                if not raw.strip():
+                if raw is not None and not raw.strip():
                     continue
                 if len(lines) + len(errors) >= settings.BATCH_MAX_REQUESTS:
                     message = f"The batch has more than {settings.BATCH_MAX_REQUESTS} requests."
