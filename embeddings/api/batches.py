@@ -11,7 +11,7 @@ from rest_framework.response import Response
 
 from embeddings.api import serializers as s
 from embeddings.api.base import ApiView
-from embeddings.api.errors import NotFound, PayloadTooLarge, ValidationFailed
+from embeddings.api.errors import NotFound, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
 from embeddings.api.files import tenant_file
 from embeddings.api.views import AUTH_ERRORS, _error_response, validated
 from embeddings.callers import Caller
@@ -194,6 +194,10 @@ class BatchListCreateView(ApiView):
                 "The input file is larger than BATCH_MAX_INPUT_FILE_BYTES",
                 PayloadTooLarge("The input file has 250000000 bytes; a batch's may have at most 200000000."),
             ),
+            415: _error_response(
+                "A body that is not JSON",
+                UnsupportedMediaType('Unsupported media type "text/plain" in request.'),
+            ),
             422: _error_response(
                 "An unknown endpoint or completion window, or a file whose purpose is not `batch`",
                 ValidationFailed('endpoint: "/v1/chat/completions" is not a valid choice.', param="endpoint"),
@@ -217,7 +221,14 @@ class BatchListCreateView(ApiView):
         operation_id="list_batches",
         summary="Your batches, newest first",
         parameters=[BatchListQuery],
-        responses={200: BatchListSerializer, **AUTH_ERRORS},
+        responses={
+            200: BatchListSerializer,
+            **AUTH_ERRORS,
+            422: _error_response(
+                "A bad limit or `after`",
+                ValidationFailed("limit: Ensure this value is less than or equal to 100.", param="limit"),
+            ),
+        },
         tags=["batches"],
     )
     async def get(self, request: Request) -> Response:

@@ -18,7 +18,13 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from embeddings.api.base import ApiView
-from embeddings.api.errors import BadRequest, NotFound, PayloadTooLarge
+from embeddings.api.errors import (
+    BadRequest,
+    NotFound,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    ValidationFailed,
+)
 from embeddings.api.jobs import _form_fields, in_threads
 from embeddings.api.rendering import MultipartUploadParser, OrjsonParser
 from embeddings.api.views import AUTH_ERRORS, _error_response, validated
@@ -130,6 +136,12 @@ def _expires_after(fields: dict) -> int | None:
     return value
 
 
+def _printable(name: str | None) -> str:
+    """The client's file name without control characters (PostgreSQL refuses NUL; logs and
+    terminals are better without the others)."""
+    return "".join(character for character in name or "" if character.isprintable())[:255]
+
+
 def _upload(request: Request, principal: Caller) -> dict:
     """Check the form and store its file (sync: it copies the spooled upload to the storage)."""
     fields = _form_fields(request.data)
@@ -155,7 +167,7 @@ def _upload(request: Request, principal: Caller) -> dict:
     stored = file_create(
         tenant_id=principal.tenant_id,
         purpose=purpose,
-        filename=upload.name or "upload.jsonl",
+        filename=_printable(upload.name) or "upload.jsonl",
         content=upload.file,
         expires_at=expires_after_seconds(expires_s),
     )
@@ -216,6 +228,14 @@ class FileListCreateView(ApiView):
             ),
             **AUTH_ERRORS,
             413: _error_response("The upload is too large", PayloadTooLarge("The upload is larger than ...")),
+            415: _error_response(
+                "A body that is neither multipart nor JSON",
+                UnsupportedMediaType('Unsupported media type "text/plain" in request.'),
+            ),
+            422: _error_response(
+                "A form field or file part sent twice",
+                ValidationFailed("file: sent 2 times in the form; send it once", param="file"),
+            ),
         },
         examples=[OpenApiExample("Uploaded", value=FILE_EXAMPLE, response_only=True, status_codes=["200"])],
         tags=["files"],
@@ -229,7 +249,14 @@ class FileListCreateView(ApiView):
         operation_id="list_files",
         summary="Your files",
         parameters=[FileListQuery],
-        responses={200: FileListSerializer, **AUTH_ERRORS},
+        responses={
+            200: FileListSerializer,
+            **AUTH_ERRORS,
+            422: _error_response(
+                "A bad limit, order or `after`",
+                ValidationFailed("limit: Ensure this value is less than or equal to 10000.", param="limit"),
+            ),
+        },
         tags=["files"],
     )
     async def get(self, request: Request) -> Response:

@@ -360,7 +360,13 @@ def _fail(batch: Batch, errors: list[dict]) -> None:
 
 
 def _refusal(code: str, message: str) -> dict:
-    return {"code": code, "message": message, "param": None, "line": None}
+    return {"code": code, "message": _storable(message), "param": None, "line": None}
+
+
+def _storable(text: str | None) -> str | None:
+    """Text a tenant's line may have put in an error message, as PostgreSQL's JSONB stores it
+    (which refuses NUL)."""
+    return None if text is None else text.replace("\x00", "\\u0000")
 
 
 def batch_validate(*, batch_id: int, parse_body: ParseBody, render_error: RenderError) -> None:
@@ -421,9 +427,9 @@ def batch_validate(*, batch_id: int, parse_body: ParseBody, render_error: Render
                 except _LineProblem as problem:
                     errors.append(
                         {
-                            "code": problem.code,
-                            "message": problem.message,
-                            "param": problem.param,
+                            "code": _storable(problem.code),
+                            "message": _storable(problem.message),
+                            "param": _storable(problem.param),
                             "line": number,
                         }
                     )
