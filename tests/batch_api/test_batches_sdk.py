@@ -24,7 +24,7 @@ import pytest
 from embeddings.management.commands.runstack import start_celery
 from tests.api.raw_http import RawHttp
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import manage, stop_process_group
+from tests.processes import REPO_ROOT, manage, stop_process_group
 
 MODEL = "all-MiniLM-L6-v2"
 CHUNK_SIZE = 64
@@ -479,3 +479,17 @@ def test_a_worker_sigkilled_mid_batch_leaves_every_custom_id_exactly_once(client
     taken_over = [line for line in worker_log.read_text().splitlines() if "watchdog: job" in line]
     assert taken_over, worker_log.read_text()[-3000:]
     print("\n" + "\n".join(taken_over))
+
+
+def test_the_readme_example_runs_as_written(job_stack):
+    """The README's SDK example, run as written against the stack (only the URL and key differ)."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme[readme.index("### Batch API (OpenAI-compatible)") :]
+    code = section[section.index("```python\n") + len("```python\n") :]
+    code = code[: code.index("```")].replace("http://localhost:8080/v1", f"{job_stack.base_url}/v1")
+    namespace: dict = {"KEY": job_stack.api_key}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["batch"].status == "completed"
+    assert (
+        namespace["record"]["custom_id"] == "doc-1" and namespace["record"]["response"]["status_code"] == 200
+    )
