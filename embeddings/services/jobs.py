@@ -25,6 +25,10 @@ in the critical Redis (REDIS_URL). Life of a job:
     job_expire_due (beat) jobs past expires_at become expired and their Redis data goes (and
                    the bytes they held).
 
+Batches (embeddings.services.batches) run as jobs whose inputs are OpenAI request lines: their
+chunks write output lines (services/batch_lines.py) instead of vectors, and job_finalize hands the
+ended job's batch to its finalisation; /v1/jobs does not list them.
+
 Fair share: a job never has more than JOB_CHUNKS_IN_FLIGHT chunks in the broker. Each finished
 chunk hands out one successor, taken from the job's Redis counter `next`, and only once per chunk
 (the `handoff` hash), so a redelivered chunk neither sends extra chunks nor loses the job's slot.
