@@ -691,7 +691,8 @@ def _usage(job: EmbeddingJob, outcome: str, inputs: int, tokens: int, started: f
             tenant_id=job.tenant_id,
             api_key_id=job.api_key_id,
             model=job.model.name,
-            endpoint="jobs",
+            # A batch's failed chunk counts under its own endpoint (its lines count there).
+            endpoint="batches" if Batch.objects.filter(job_id=job.pk).exists() else "jobs",
             outcome=outcome,
             inputs=inputs if outcome == "succeeded" else 0,
             tokens=tokens if outcome == "succeeded" else 0,

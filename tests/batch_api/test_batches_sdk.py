@@ -32,6 +32,7 @@ CHUNK_SIZE = 64
 LEASE_S, WATCHDOG_S = "3", "1"
 # Small, so that refusing an upload over it costs the shared machine little.
 FILES_MAX_UPLOAD_BYTES = 8_000_000
+BATCH_MAX_REQUESTS, BATCH_MAX_INPUTS = 10_000, 20_000
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,9 @@ def job_stack(triton_server, redis_server, tmp_path_factory) -> Iterator[JobStac
             "JOB_CHUNK_LEASE_S": LEASE_S,
             "BATCH_STALL_S": "2",
             "FILES_MAX_UPLOAD_BYTES": str(FILES_MAX_UPLOAD_BYTES),
+            # Exactly the 10,000-line batch; the bad-lines batch's 3,000-input line fits.
+            "BATCH_MAX_REQUESTS": str(BATCH_MAX_REQUESTS),
+            "BATCH_MAX_INPUTS": str(BATCH_MAX_INPUTS),
         },
     ) as stack:
         yield stack
@@ -332,6 +336,39 @@ def test_a_file_of_nothing_valid_fails_the_batch(client, job_stack):
     assert done.status == "failed" and done.failed_at is not None
     assert [error.line for error in done.errors.data] == [1, 2]
     assert done.output_file_id is None
+
+
+def test_a_batch_over_the_limits_fails_naming_them(client, job_stack):
+    over_requests = [request_line(f"r-{index}", {"model": MODEL, "input": "x"}) for index in range(10_001)]
+    over_inputs = [request_line(f"i-{index}", {"model": MODEL, "input": ["x"] * 2048}) for index in range(10)]
+    for lines, code in ((over_requests, "too_many_requests"), (over_inputs, "too_many_inputs")):
+        batch = client.batches.create(
+            input_file_id=upload(client, lines).id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+        done = finished(client, job_stack, batch.id)
+        assert done.status == "failed" and [error.code for error in done.errors.data] == [code], done
+
+
+def test_quota_refusals_fail_the_batch_as_they_refuse_a_job(job_stack):
+    """A batch's tokens are reserved as a job's are: a tenant whose daily budget cannot hold them,
+    or whose job storage budget cannot hold its output, gets the batch failed with the code a job
+    submission gets, and nothing runs."""
+    lines = [
+        request_line(f"q-{index}", {"model": MODEL, "input": "a text of some length"}) for index in range(20)
+    ]
+    for slug, limit, code in (
+        ("poor", ["--tokens-per-day", "50"], "insufficient_quota"),
+        ("cramped", ["--job-storage-budget-bytes", "4096"], "job_storage_budget_exceeded"),
+    ):
+        manage(job_stack.env, "create_tenant", "--name", slug, "--slug", slug, *limit)
+        with sdk_client(job_stack, manage(job_stack.env, "create_api_key", "--tenant", slug)) as tenant:
+            batch = tenant.batches.create(
+                input_file_id=upload(tenant, lines).id, endpoint="/v1/embeddings", completion_window="24h"
+            )
+            done = finished(tenant, job_stack, batch.id)
+            assert done.status == "failed" and done.output_file_id is None, done
+            assert [error.code for error in done.errors.data] == [code], done.errors
+            assert done.usage.input_tokens == 0
 
 
 def test_batch_parameters_are_checked(client, http):
