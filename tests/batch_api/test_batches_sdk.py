@@ -128,6 +128,14 @@ def assert_same_answer(batch_body: dict, sync_body: dict) -> None:
     assert np.abs(vectors(batch_body) - vectors(sync_body)).max() < 1e-5
 
 
+EXPIRE_FILES = """
+from datetime import timedelta
+from django.utils import timezone
+from embeddings.services.files import files_expire_due
+print(files_expire_due(now=timezone.now() + timedelta(hours=2)))
+"""
+
+
 def test_files_create_list_retrieve_content_delete(client, job_stack, other_key):
     content = request_line("a", {"model": MODEL, "input": "hello"}) * 3
     created = client.files.create(file=("mine.jsonl", io.BytesIO(content)), purpose="batch")
@@ -151,6 +159,10 @@ def test_files_create_list_retrieve_content_delete(client, job_stack, other_key)
     assert {created.id, expiring.id} <= {item.id for item in listed.data}
     page = client.files.list(limit=1, order="asc")
     assert len(page.data) == 1 and page.has_more
+    # The SDK's auto-pagination follows `after` through every page, oldest first.
+    every = [item.id for item in client.files.list(limit=1, order="asc")]
+    assert every == [item.id for item in client.files.list(order="asc").data]
+    assert every[-2:] == [created.id, expiring.id] and len(set(every)) == len(every)
 
     # Another tenant's file is not found, for every route.
     with sdk_client(job_stack, other_key) as other:
@@ -163,12 +175,21 @@ def test_files_create_list_retrieve_content_delete(client, job_stack, other_key)
                 call()
         assert created.id not in {item.id for item in other.files.list().data}
 
+    # Past its expires_at a file is gone: expired by beat's sweep, its bytes deleted.
+    stored = manage(job_stack.env, "shell", "-c", EXPIRE_FILES)
+    assert stored.splitlines()[-1] == "1"
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(expiring.id)
+    assert not any(path.name == expiring.id for path in (job_stack.logs[0].parent / "files").rglob("*"))
+    assert any(path.name == created.id for path in (job_stack.logs[0].parent / "files").rglob("*"))
+
     deleted = client.files.delete(created.id)
     assert (deleted.id, deleted.object, deleted.deleted) == (created.id, "file", True)
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(created.id)
     with pytest.raises(openai.NotFoundError):
         client.files.content(created.id)
+    assert not any(path.name == created.id for path in (job_stack.logs[0].parent / "files").rglob("*"))
 
 
 def test_hostile_uploads_get_openai_errors_never_a_500(http, client):
@@ -402,6 +423,8 @@ def test_another_tenants_batch_and_file_are_not_found(client, job_stack, other_k
                 input_file_id=input_file.id, endpoint="/v1/embeddings", completion_window="24h"
             )
         assert batch.id not in {item.id for item in other.batches.list().data}
+    every = [item.id for item in client.batches.list(limit=1)]  # the SDK follows `after`
+    assert every == [item.id for item in client.batches.list(limit=100).data] and every[0] == batch.id
     finished(client, job_stack, batch.id)
     # A batch's job is not one of /v1/jobs.
     assert client.get("/jobs", cast_to=object)["data"] == []
