@@ -51,7 +51,10 @@ def job_stack(triton_server, redis_server, tmp_path_factory) -> Iterator[JobStac
             "BATCH_MAX_INPUTS": str(BATCH_MAX_INPUTS),
         },
     ) as stack:
+        original = stack.worker
         yield stack
+        if stack.worker is not original:  # the worker the kill test started in its place
+            stop_process_group(stack.worker)
 
 
 @pytest.fixture(scope="module")
@@ -517,11 +520,12 @@ def test_a_worker_sigkilled_mid_batch_leaves_every_custom_id_exactly_once(client
     env = {**job_stack.env, "JOB_WATCHDOG_INTERVAL_S": WATCHDOG_S}
     worker_log, beat_log = job_stack.logs[1].with_name("worker2.log"), job_stack.logs[1].with_name("beat.log")
     worker, beat = start_celery("worker", worker_log, env=env), start_celery("beat", beat_log, env=env)
+    job_stack.worker = worker  # serves the tests after this one; stopped with the stack
+    job_stack.logs.append(worker_log)
     try:
         done = finished(client, job_stack, batch.id)
     finally:
         stop_process_group(beat)
-        stop_process_group(worker)
     assert done.status == "completed", done
     records = file_lines(client, done.output_file_id)
     assert sorted(record["custom_id"] for record in records) == sorted(f"k-{index}" for index in range(count))
@@ -542,12 +546,21 @@ def test_a_worker_sigkilled_mid_batch_leaves_every_custom_id_exactly_once(client
 
 
 def test_the_readme_example_runs_as_written(job_stack):
-    """The README's SDK example, run as written against the stack (only the URL and key differ)."""
+    """The README's SDK example, run as written against the stack: only the URL, the key and the
+    poll's sleep differ (shorter, and failing past a deadline rather than polling forever)."""
     readme = (REPO_ROOT / "README.md").read_text()
     section = readme[readme.index("### Batch API (OpenAI-compatible)") :]
     code = section[section.index("```python\n") + len("```python\n") :]
     code = code[: code.index("```")].replace("http://localhost:8080/v1", f"{job_stack.base_url}/v1")
-    namespace: dict = {"KEY": job_stack.api_key}
+    assert code.count("time.sleep(5)") == 1
+    code = code.replace("time.sleep(5)", "poll_sleep()")
+    deadline = time.monotonic() + 300
+
+    def poll_sleep() -> None:
+        assert time.monotonic() < deadline, job_stack.logs_tail()
+        time.sleep(0.2)
+
+    namespace: dict = {"KEY": job_stack.api_key, "poll_sleep": poll_sleep}
     exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["batch"].status == "completed"
     assert (
