@@ -337,3 +337,88 @@ class JobStorageHold(models.Model):
 
     def __str__(self) -> str:
         return f"{self.public_id}: {self.stored_bytes} bytes"
+
+
+class StoredFile(models.Model):
+    """A file of OpenAI's Files API (/v1/files): its bytes in the "files" storage, its facts here."""
+
+    class Purpose(models.TextChoices):
+        BATCH = "batch"
+        BATCH_OUTPUT = "batch_output"
+
+    public_id = models.CharField(max_length=40, unique=True, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="files")
+    purpose = models.CharField(max_length=20, choices=Purpose.choices)
+    filename = models.CharField(max_length=255)
+    bytes = models.PositiveBigIntegerField(default=0)
+    storage_name = models.CharField(max_length=255, help_text="Its name in the files storage")
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "created_at"]), models.Index(fields=["expires_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.public_id} ({self.filename})"
+
+
+class Batch(models.Model):
+    """A batch of OpenAI's Batch API (/v1/batches), run as an EmbeddingJob whose inputs are its lines."""
+
+    class Status(models.TextChoices):
+        VALIDATING = "validating"
+        FAILED = "failed"
+        IN_PROGRESS = "in_progress"
+        FINALIZING = "finalizing"
+        COMPLETED = "completed"
+        EXPIRED = "expired"
+        CANCELLING = "cancelling"
+        CANCELLED = "cancelled"
+
+    public_id = models.CharField(max_length=40, unique=True, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="batches")
+    api_key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="batches"
+    )
+    job = models.OneToOneField(
+        EmbeddingJob, null=True, blank=True, on_delete=models.SET_NULL, related_name="batch"
+    )
+    input_file_public_id = models.CharField(max_length=40)
+    input_file = models.ForeignKey(
+        StoredFile, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    output_file = models.ForeignKey(
+        StoredFile, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    error_file = models.ForeignKey(
+        StoredFile, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    endpoint = models.CharField(max_length=64)
+    completion_window = models.CharField(max_length=16)
+    metadata = models.JSONField(null=True, blank=True)
+    model = models.CharField(max_length=200, blank=True, help_text="The first line's model")
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.VALIDATING)
+    # Per-line problems found while validating (OpenAI's errors.data[]), at most BATCH_MAX_ERRORS_KEPT.
+    errors = models.JSONField(default=list, blank=True)
+    total = models.PositiveIntegerField(default=0)
+    completed = models.PositiveIntegerField(default=0)
+    failed = models.PositiveIntegerField(default=0)
+    invalid_lines = models.PositiveIntegerField(default=0, help_text="Lines refused while validating")
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+    in_progress_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    finalizing_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    failed_at = models.DateTimeField(null=True, blank=True)
+    expired_at = models.DateTimeField(null=True, blank=True)
+    cancelling_at = models.DateTimeField(null=True, blank=True)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+    # When a worker last took the batch's validation or finalisation (the watchdog re-sends stale ones).
+    handed_out_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "-created_at"]), models.Index(fields=["status"])]
+
+    def __str__(self) -> str:
+        return f"{self.public_id}: {self.status}"

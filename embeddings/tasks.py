@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import logging
 
+import redis
 from celery import shared_task
 from django.conf import settings
 
-from embeddings.services.errors import InvalidRequest, LimitExceeded, ModelNotLoaded
+from embeddings.api.batch_lines import line_body_parse, line_error_render
+from embeddings.services.batches import batch_finalize, batch_validate, batches_expire_due, batches_watch
+from embeddings.services.errors import (
+    InvalidRequest,
+    JobQueueUnavailable,
+    JobStoreUnavailable,
+    LimitExceeded,
+    ModelNotLoaded,
+    QuotaUnavailable,
+)
+from embeddings.services.files import files_expire_due
 from embeddings.services.job_callbacks import CallbackRetry, job_callback_deliver
 from embeddings.services.job_storage import job_storage_sweep
 from embeddings.services.jobs import (
@@ -84,7 +95,7 @@ def job_chunk_task(self, job_id: int, chunk: int) -> None:
     """Embed one chunk of a job. Idempotent (a chunk is written and counted once, and hands out one
     successor), so a redelivery after a lost worker, or the watchdog's re-send, is harmless."""
     try:
-        job_chunk_run(job_id=job_id, chunk=chunk)
+        job_chunk_run(job_id=job_id, chunk=chunk, render_error=line_error_render)
     except CHUNK_FAILURES as error:
         logger.warning("job %s chunk %s failed: %s", job_id, chunk, error)
         message = f"Some inputs could not be embedded: {error}"
@@ -109,6 +120,8 @@ def job_expire_task() -> int:
     every JOB_EXPIRE_INTERVAL_S). Idempotent: an expired job is skipped, a released hold is gone."""
     expired = job_expire_due()
     job_storage_sweep()
+    batches_expire_due()
+    files_expire_due()
     return expired
 
 
@@ -116,7 +129,37 @@ def job_expire_task() -> int:
 def job_watchdog_task() -> int:
     """Re-send the chunks of dead workers (beat, every JOB_WATCHDOG_INTERVAL_S). Idempotent: what it
     re-sends is marked sent in the same script that decides it, and chunk tasks are idempotent."""
-    return job_watchdog()
+    touched = job_watchdog()
+    return touched + batches_watch()
+
+
+# --- Batches (embeddings/services/batches.py) ------------------------------------------------------
+
+# What a batch's validation may meet that passes: it is tried again later.
+BATCH_RETRYABLE = (QuotaUnavailable, JobQueueUnavailable, JobStoreUnavailable, redis.RedisError)
+
+
+@shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)
+def batch_validate_task(self, batch_id: int) -> None:
+    """Validate a batch's lines and start its job. Idempotent: the job is created under the batch's
+    id as idempotency key, and a batch that left `validating` is not validated again."""
+    try:
+        batch_validate(batch_id=batch_id, parse_body=line_body_parse, render_error=line_error_render)
+    except BATCH_RETRYABLE as error:
+        if self.request.retries >= settings.JOB_CHUNK_RETRIES:
+            logger.warning(
+                "batch %s: validation given up for now (the watchdog retries): %s", batch_id, error
+            )
+            return
+        raise self.retry(exc=error, countdown=chunk_retry_countdown(self.request.retries)) from error
+
+
+@shared_task(acks_late=True, reject_on_worker_lost=True)
+def batch_finalize_task(batch_id: int) -> None:
+    """Write a finished batch's output and error files. Idempotent: the files are written under
+    new names and the batch's final status is set once; a second run finds it final (or, racing,
+    deletes the files it wrote)."""
+    batch_finalize(batch_id=batch_id)
 
 
 @shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)

@@ -580,6 +580,25 @@ JOB_EXPIRE_INTERVAL_S = env_float("JOB_EXPIRE_INTERVAL_S", 300.0, minimum=0.1)
 JOB_STORAGE_TENANT_BUDGET_BYTES = env_int("JOB_STORAGE_TENANT_BUDGET_BYTES", 1 << 30, minimum=0)
 JOB_STORAGE_GLOBAL_BUDGET_BYTES = env_int("JOB_STORAGE_GLOBAL_BUDGET_BYTES", 1536 << 20, minimum=0)
 
+# --- Files and batches (OpenAI's /v1/files and /v1/batches; embeddings/services/files.py) -------
+# Uploaded and output files live in the "files" storage: a directory every web and worker process
+# shares (a volume in compose/Kubernetes), or any Django storage backend named by FILES_STORAGE_BACKEND.
+FILES_STORAGE_DIR = Path(env_str("FILES_STORAGE_DIR", str(RUN_DIR / "files")))
+STORAGES["files"] = {
+    "BACKEND": env_str("FILES_STORAGE_BACKEND", "django.core.files.storage.FileSystemStorage"),
+    "OPTIONS": {"location": str(FILES_STORAGE_DIR)},
+}
+# OpenAI's limits: 512 MB a file, 200 MB for a batch's input.
+FILES_MAX_UPLOAD_BYTES = env_int("FILES_MAX_UPLOAD_BYTES", 512 * 1000 * 1000, minimum=1024)
+BATCH_MAX_INPUT_FILE_BYTES = env_int("BATCH_MAX_INPUT_FILE_BYTES", 200 * 1000 * 1000, minimum=1024)
+BATCH_MAX_REQUESTS = env_int("BATCH_MAX_REQUESTS", 50_000, minimum=1)
+BATCH_MAX_INPUTS = env_int("BATCH_MAX_INPUTS", 50_000, minimum=1)
+# How long a batch's output and error files are kept (OpenAI: 30 days).
+BATCH_OUTPUT_TTL_S = env_int("BATCH_OUTPUT_TTL_S", 30 * 24 * 3600, minimum=60)
+# A batch whose validation or finalisation has not moved for this long is handed to a worker again
+# (its task was lost with a worker); both are idempotent.
+BATCH_STALL_S = env_float("BATCH_STALL_S", 120.0, minimum=1.0)
+
 # --- Channel layer: job progress to WebSocket watchers (WS /ws/v1/jobs/<id>) ---------------------
 # On the same Redis under its own key prefix; web processes and Celery workers must share it.
 CHANNEL_LAYERS = {

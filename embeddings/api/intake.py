@@ -28,6 +28,8 @@ from embeddings.api.errors import ApiError, BadRequest, PayloadTooLarge, Request
 MULTIPART_ENVELOPE_BYTES = 64 * 1024
 # The job submission route, whose multipart uploads may be up to JOB_MAX_UPLOAD_BYTES.
 JOB_UPLOAD_ROUTE = "jobs"
+# POST /v1/files, whose uploads may be up to FILES_MAX_UPLOAD_BYTES.
+FILE_UPLOAD_ROUTE = "files"
 
 
 class BodyRefused(Exception):
@@ -56,19 +58,23 @@ def _header(scope: dict, name: bytes) -> list[bytes]:
     return [value for key, value in scope.get("headers", ()) if key.lower() == name]
 
 
-def _is_job_upload(scope: dict) -> bool:
+def _upload_route(scope: dict) -> str | None:
+    """The route name of a multipart POST (an upload), else None."""
     content_type = b";".join(_header(scope, b"content-type")).lower()
     if scope["method"] != "POST" or not content_type.startswith(b"multipart/form-data"):
-        return False
+        return None
     try:
-        return resolve(scope["path"]).url_name == JOB_UPLOAD_ROUTE
+        return resolve(scope["path"]).url_name
     except Resolver404:
-        return False
+        return None
 
 
 def body_limits(scope: dict) -> BodyLimits:
-    if _is_job_upload(scope):
+    route = _upload_route(scope)
+    if route == JOB_UPLOAD_ROUTE:
         max_bytes, param = settings.JOB_MAX_UPLOAD_BYTES + MULTIPART_ENVELOPE_BYTES, "file"
+    elif route == FILE_UPLOAD_ROUTE:
+        max_bytes, param = settings.FILES_MAX_UPLOAD_BYTES + MULTIPART_ENVELOPE_BYTES, "file"
     else:
         max_bytes, param = settings.MAX_REQUEST_BODY_BYTES, None
     return BodyLimits(

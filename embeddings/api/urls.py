@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from embeddings.api import jobs, usage, views
+from embeddings.api import batches, files, jobs, usage, views
 
 urlpatterns = [
     path("v1/embeddings", views.OpenAIEmbeddingsView.as_view(), name="openai-embeddings"),
@@ -17,4 +17,10 @@ urlpatterns = [
     path("v1/jobs/<str:job_id>", jobs.JobDetailView.as_view(), name="job-detail"),
     path("v1/jobs/<str:job_id>/cancel", jobs.JobCancelView.as_view(), name="job-cancel"),
     path("v1/jobs/<str:job_id>/results", jobs.JobResultsView.as_view(), name="job-results"),
+    path("v1/files", files.FileListCreateView.as_view(), name="files"),
+    path("v1/files/<str:file_id>", files.FileDetailView.as_view(), name="file-detail"),
+    path("v1/files/<str:file_id>/content", files.FileContentView.as_view(), name="file-content"),
+    path("v1/batches", batches.BatchListCreateView.as_view(), name="batches"),
+    path("v1/batches/<str:batch_id>", batches.BatchDetailView.as_view(), name="batch-detail"),
+    path("v1/batches/<str:batch_id>/cancel", batches.BatchCancelView.as_view(), name="batch-cancel"),
 ]

@@ -46,7 +46,7 @@ from embeddings.services.embedding import (
     embeddings_create,
 )
 from embeddings.services.errors import ModelNotLoaded, QuotaUnavailable
-from embeddings.services.result_dtypes import base64_rows
+from embeddings.services.openai_embeddings import embeddings_response_body
 
 logger = logging.getLogger("embeddings.requests")
 
@@ -231,14 +231,13 @@ class OpenAIEmbeddingsView(ApiView):
             quota=self.request_quota(model.name),
         )
         log_request(request, self.endpoint, model, result, params.get("user", ""))
-        if params["encoding_format"] == "base64":
-            embeddings = base64_rows(result.vectors)
-        else:
-            embeddings = list(result.vectors)
-        data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(embeddings)]
-        return embedding_response(
-            {"object": "list", "data": data, "model": model.name, "usage": usage(result)}, result
+        body = embeddings_response_body(
+            model_name=model.name,
+            vectors=result.vectors,
+            total_tokens=result.total_tokens,
+            encoding_format=params["encoding_format"],
         )
+        return embedding_response(body, result)
 
 
 class SeedEmbeddingView(ApiView):

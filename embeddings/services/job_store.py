@@ -151,6 +151,18 @@ class JobStore:
             chunk, payload, rows=len(vectors), tokens=tokens, counter="completed", usage=usage
         )
 
+    def finish_chunk_lines(
+        self, chunk: int, lines: bytes, *, rows: int, tokens: int, usage: dict[str, int] | None = None
+    ) -> bool:
+        """Write a batch chunk's output lines (JSONL bytes) and count `rows` of them completed, once,
+        as finish_chunk does for vectors; False if the chunk was already finished."""
+        return self._finish(chunk, lines, rows=rows, tokens=tokens, counter="completed", usage=usage)
+
+    def chunk_lines(self, chunk: int) -> bytes | None:
+        """A finished batch chunk's output lines; None if it has none (failed, expired)."""
+        raw = self.client.get(self.key("out", chunk))
+        return raw or None
+
     def fail_chunk(self, chunk: int, *, rows: int, usage: dict[str, int] | None = None) -> bool:
         """Count a chunk's inputs as failed (and keep its usage increments), once; False if the
         chunk was already finished."""

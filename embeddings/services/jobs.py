@@ -25,6 +25,10 @@ in the critical Redis (REDIS_URL). Life of a job:
     job_expire_due (beat) jobs past expires_at become expired and their Redis data goes (and
                    the bytes they held).
 
+Batches (embeddings.services.batches) run as jobs whose inputs are OpenAI request lines: their
+chunks write output lines (services/batch_lines.py) instead of vectors, and job_finalize hands the
+ended job's batch to its finalisation; /v1/jobs does not list them.
+
 Fair share: a job never has more than JOB_CHUNKS_IN_FLIGHT chunks in the broker. Each finished
 chunk hands out one successor, taken from the job's Redis counter `next`, and only once per chunk
 (the `handoff` hash), so a redelivered chunk neither sends extra chunks nor loses the job's slot.
@@ -58,10 +62,11 @@ from django.db.models import Q
 from django.utils import timezone
 
 from embeddings.callers import NO_LIMITS, Caller
-from embeddings.models import ApiKey, EmbeddingJob, EmbeddingModel, Tenant
+from embeddings.models import ApiKey, Batch, EmbeddingJob, EmbeddingModel, Tenant
 from embeddings.observability import context as request_context
 from embeddings.redis import keys as redis_keys
 from embeddings.redis.connections import redis_job_store, redis_sync
+from embeddings.services.batch_lines import LineRequest, RenderError, batch_chunk_embed
 from embeddings.services.embedding import (
     EmbeddingOptions,
     EmbeddingTarget,
@@ -112,6 +117,7 @@ ACTIVE = (Status.QUEUED, Status.RUNNING, Status.CANCELLING)
 ENCODING_FORMATS = ("float", "base64")
 CHUNK_TASK = "embeddings.tasks.job_chunk_task"
 CALLBACK_TASK = "embeddings.tasks.job_callback_task"
+BATCH_FINALIZE_TASK = "embeddings.tasks.batch_finalize_task"
 PUBLIC_ID_ALPHABET = string.ascii_lowercase + string.digits
 # Progress events at most this often per job (each finished chunk when chunks are slower).
 EVENT_INTERVAL_S = 0.5
@@ -137,6 +143,11 @@ class JobSpec:
     callback_url: str = ""
     # How the results are stored (services/result_dtypes.py); None: the model's result_dtype.
     result_dtype: str | None = None
+    # A batch's job (services/batches.py): each input is one request line, whose token estimate,
+    # chunk size and output size the batch computes; None: a plain job's.
+    token_estimate: int | None = None
+    chunk_size: int | None = None
+    result_bytes_per_input: int | None = None
 
 
 # --- Redis -----------------------------------------------------------------------------------------
@@ -313,8 +324,13 @@ def job_create(
     _validate(spec, tenant, api_key)
     model = spec.model
     subject = _job_quota_subject(tenant, api_key)
-    estimate = job_token_estimate(model, spec.texts)
-    size = settings.JOB_CHUNK_SIZE
+    estimate = job_token_estimate(model, spec.texts) if spec.token_estimate is None else spec.token_estimate
+    size = spec.chunk_size or settings.JOB_CHUNK_SIZE
+    dims = spec.dimensions or model.dimensions
+    result_dtype = spec.result_dtype or model.result_dtype
+    if spec.result_bytes_per_input is not None:
+        # A batch's output lines, held as if float32 values: admitted by their estimated bytes.
+        dims, result_dtype = math.ceil(spec.result_bytes_per_input / 4), "float32"
     chunks = math.ceil(len(spec.texts) / size)
     now = timezone.now()
     job = EmbeddingJob(
@@ -333,8 +349,8 @@ def job_create(
         total=len(spec.texts),
         chunk_size=size,
         chunks=chunks,
-        dims=spec.dimensions or model.dimensions,
-        result_dtype=spec.result_dtype or model.result_dtype,
+        dims=dims,
+        result_dtype=result_dtype,
         has_ids=spec.ids is not None,
         reserved_tokens=estimate,
         created_at=now,
@@ -422,8 +438,11 @@ def _send_chunk(job_id: int, chunk: int, priority: int = CHUNK_PRIORITY) -> None
 
 def job_for_tenant(*, tenant_id: int, public_id: str) -> EmbeddingJob | None:
     """The tenant's job with this public id; None for an unknown id or another tenant's job."""
+    # A batch's job is reached through /v1/batches only.
     return (
-        EmbeddingJob.objects.select_related("model").filter(tenant_id=tenant_id, public_id=public_id).first()
+        EmbeddingJob.objects.select_related("model")
+        .filter(tenant_id=tenant_id, public_id=public_id, batch__isnull=True)
+        .first()
     )
 
 
@@ -433,7 +452,7 @@ def jobs_for_tenant(
     """The tenant's jobs, newest first, `limit` of them after the job `after` (a cursor); has_more."""
     jobs = (
         EmbeddingJob.objects.select_related("model")
-        .filter(tenant_id=tenant_id)
+        .filter(tenant_id=tenant_id, batch__isnull=True)
         .order_by("-created_at", "-id")
     )
     if after:
@@ -581,14 +600,15 @@ def _mark_started(job: EmbeddingJob) -> None:
         _publish(job, force=True)
 
 
-def job_chunk_run(*, job_id: int, chunk: int) -> None:
+def job_chunk_run(*, job_id: int, chunk: int, render_error: RenderError | None = None) -> None:
     """Embed one chunk of a job and write it once; hand out the job's next chunk.
 
     Runs under the chunk's lease (ChunkLease: renewed by a heartbeat while it embeds, so a long
     chunk is never re-sent while its worker lives). Triton errors (TritonUnavailable, TritonTimeout,
     ...) propagate: the Celery task retries them and calls job_chunk_give_up after the last. A
     chunk that ran before (redelivered, or re-sent by the watchdog) writes and counts nothing
-    again, and hands out no second successor.
+    again, and hands out no second successor. A batch's chunk (its inputs are request lines)
+    writes OpenAI's output lines instead of vectors, their errors rendered by `render_error`.
     """
     job = EmbeddingJob.objects.select_related("model").filter(pk=job_id).first()
     if job is None:
@@ -606,20 +626,59 @@ def job_chunk_run(*, job_id: int, chunk: int) -> None:
             texts = store.chunk_inputs(chunk)
             if texts is None:  # deleted or expired under us
                 return
-            started = time.perf_counter()
-            result = embeddings_create_sync(
-                target=job_embedding_target(job.model),
-                texts=texts,
-                options=EmbeddingOptions(dimensions=job.dimensions, normalize=job.normalize),
-            )
-            if store.is_cancelled():
-                _finish_cancelled(job)
+            if Batch.objects.filter(job_id=job.pk).exists():
+                written = _batch_chunk_run(job, store, chunk, texts, render_error)
+            else:
+                written = _vectors_chunk_run(job, store, chunk, texts)
+            if not written:
                 return
-            usage = _usage(job, "succeeded", len(texts), result.total_tokens, started)
-            store.finish_chunk(chunk, result.vectors, tokens=result.total_tokens, usage=usage)
         # Also when the chunk was done before: its first run may have died before counting.
         _count_usage(store, chunk)
         _after_chunk(job, store, chunk)
+
+
+def _vectors_chunk_run(job: EmbeddingJob, store: JobStore, chunk: int, texts: list[str]) -> bool:
+    """Embed a job's chunk of texts and write its vectors once; False if the job was cancelled
+    meanwhile (it is finished as cancelled)."""
+    started = time.perf_counter()
+    result = embeddings_create_sync(
+        target=job_embedding_target(job.model),
+        texts=texts,
+        options=EmbeddingOptions(dimensions=job.dimensions, normalize=job.normalize),
+    )
+    if store.is_cancelled():
+        _finish_cancelled(job)
+        return False
+    usage = _usage(job, "succeeded", len(texts), result.total_tokens, started)
+    store.finish_chunk(chunk, result.vectors, tokens=result.total_tokens, usage=usage)
+    return True
+
+
+def _batch_chunk_run(
+    job: EmbeddingJob, store: JobStore, chunk: int, texts: list[str], render_error: RenderError | None
+) -> bool:
+    """Embed a batch's chunk of request lines and write its output lines once; False if the job
+    was cancelled meanwhile (it is finished as cancelled)."""
+    if render_error is None:
+        raise ValueError("a batch's chunk needs render_error (the API's error table)")
+    lines = [LineRequest.decode(text) for text in texts]
+    models = {
+        model.name: model for model in EmbeddingModel.objects.filter(name__in={line.model for line in lines})
+    }
+    output = batch_chunk_embed(
+        lines=lines,
+        models=models,
+        tenant_id=job.tenant_id,
+        api_key_id=job.api_key_id,
+        render_error=render_error,
+    )
+    if store.is_cancelled():
+        _finish_cancelled(job)
+        return False
+    store.finish_chunk_lines(
+        chunk, output.payload, rows=output.succeeded, tokens=output.tokens, usage=output.usage
+    )
+    return True
 
 
 def job_chunk_retry_scheduled(*, job_id: int, chunk: int, delay_s: float) -> None:
@@ -637,7 +696,8 @@ def _usage(job: EmbeddingJob, outcome: str, inputs: int, tokens: int, started: f
             tenant_id=job.tenant_id,
             api_key_id=job.api_key_id,
             model=job.model.name,
-            endpoint="jobs",
+            # A batch's failed chunk counts under its own endpoint (its lines count there).
+            endpoint="batches" if Batch.objects.filter(job_id=job.pk).exists() else "jobs",
             outcome=outcome,
             inputs=inputs if outcome == "succeeded" else 0,
             tokens=tokens if outcome == "succeeded" else 0,
@@ -732,12 +792,26 @@ def job_finalize(*, job_id: int, status: str, publish: bool = True) -> bool:
         job.save(update_fields=["error_code", "error_message"])
     if publish:
         _publish(job, force=True)
+    _hand_batch_over(job)
     if job.callback_url:
         try:
             current_app.send_task(CALLBACK_TASK, args=[job.pk])
         except Exception as error:  # the job is done either way; the callback is best effort
             logger.warning("could not enqueue the callback of job %s: %s", job.public_id, error)
     return True
+
+
+def _hand_batch_over(job: EmbeddingJob) -> None:
+    """A batch's job has ended: its batch's output files are written next (services/batches.py);
+    the batch watchdog hands it over if this message is lost."""
+    batch_id = Batch.objects.filter(job_id=job.pk).values_list("pk", flat=True).first()
+    if batch_id is None:
+        return
+    Batch.objects.filter(pk=batch_id).update(handed_out_at=timezone.now())
+    try:
+        current_app.send_task(BATCH_FINALIZE_TASK, args=[batch_id])
+    except Exception as error:  # the batch watchdog sends it again
+        logger.warning("could not enqueue the finalisation of job %s's batch: %s", job.public_id, error)
 
 
 def _free_inputs(job: EmbeddingJob, store: JobStore, completed: int) -> None:

@@ -21,6 +21,12 @@ API_OPERATIONS = {
     "/v1/jobs/{job_id}": {"get", "delete"},
     "/v1/jobs/{job_id}/cancel": {"post"},
     "/v1/jobs/{job_id}/results": {"get"},
+    "/v1/files": {"get", "post"},
+    "/v1/files/{file_id}": {"get", "delete"},
+    "/v1/files/{file_id}/content": {"get"},
+    "/v1/batches": {"get", "post"},
+    "/v1/batches/{batch_id}": {"get"},
+    "/v1/batches/{batch_id}/cancel": {"post"},
 }
 EMBEDDING_ERRORS = {"400", "401", "403", "404", "413", "422", "429", "503", "504"}
 

@@ -1,0 +1,322 @@
+"""/v1/files: OpenAI's Files API (upload, list, retrieve, download, delete) over services/files.py.
+
+The upload's size is enforced while it arrives (embeddings/api/intake.py: FILES_MAX_UPLOAD_BYTES
+for this route), spooled to disk, then copied to the files storage a piece at a time.
+"""
+
+from __future__ import annotations
+
+import orjson
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.files.uploadedfile import UploadedFile
+from django.http import StreamingHttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import serializers
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from embeddings.api.base import ApiView
+from embeddings.api.errors import (
+    BadRequest,
+    NotFound,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    ValidationFailed,
+)
+from embeddings.api.jobs import _form_fields, in_threads
+from embeddings.api.rendering import MultipartUploadParser, OrjsonParser
+from embeddings.api.views import AUTH_ERRORS, _error_response, validated
+from embeddings.callers import Caller
+from embeddings.models import StoredFile
+from embeddings.services.files import (
+    expires_after_seconds,
+    file_create,
+    file_delete,
+    file_for_tenant,
+    file_object,
+    file_pieces,
+    files_for_tenant,
+)
+
+# What a client may upload: batch input files (the other purposes OpenAI knows have no use here).
+UPLOAD_PURPOSES = (StoredFile.Purpose.BATCH,)
+# OpenAI's bounds for expires_after.seconds: an hour to 30 days.
+EXPIRES_AFTER_MIN_S, EXPIRES_AFTER_MAX_S = 3600, 30 * 24 * 3600
+
+
+class FileObjectSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(help_text='Always "file".')
+    bytes = serializers.IntegerField()
+    created_at = serializers.IntegerField()
+    expires_at = serializers.IntegerField(allow_null=True)
+    filename = serializers.CharField()
+    purpose = serializers.CharField(help_text="`batch` (uploaded) or `batch_output` (a batch's results).")
+    status = serializers.ChoiceField(choices=["processed"])
+    status_details = serializers.CharField(allow_null=True)
+
+
+class FileListSerializer(serializers.Serializer):
+    object = serializers.CharField(help_text='Always "list".')
+    data = FileObjectSerializer(many=True)
+    first_id = serializers.CharField(allow_null=True)
+    last_id = serializers.CharField(allow_null=True)
+    has_more = serializers.BooleanField()
+
+
+class FileDeletedSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(help_text='Always "file".')
+    deleted = serializers.BooleanField()
+
+
+class FileUploadRequest(serializers.Serializer):
+    file = serializers.FileField(help_text="JSONL: one batch request a line.")
+    purpose = serializers.ChoiceField(choices=list(UPLOAD_PURPOSES))
+    expires_after = serializers.JSONField(
+        required=False,
+        help_text='`{"anchor": "created_at", "seconds": 3600..2592000}` (form fields '
+        "`expires_after[anchor]`, `expires_after[seconds]`).",
+    )
+
+
+class FileListQuery(serializers.Serializer):
+    purpose = serializers.CharField(required=False, allow_blank=True)
+    limit = serializers.IntegerField(min_value=1, max_value=10000, default=10000)
+    order = serializers.ChoiceField(choices=["asc", "desc"], default="desc")
+    after = serializers.CharField(required=False, allow_blank=True, max_length=64)
+
+
+FILE_EXAMPLE = {
+    "id": "file-9Xc2mQ4RkTz8LpA1bYv3Wn0e",
+    "object": "file",
+    "bytes": 120000,
+    "created_at": 1767225600,
+    "expires_at": None,
+    "filename": "requests.jsonl",
+    "purpose": "batch",
+    "status": "processed",
+    "status_details": None,
+}
+FILE_ID_PARAMETER = OpenApiParameter(
+    "file_id", OpenApiTypes.STR, OpenApiParameter.PATH, description="The file's id."
+)
+FILE_NOT_FOUND = _error_response(
+    "No file of yours has this id (another tenant's file is not found either)",
+    NotFound("You have no file 'file-0123'.", param="file_id", code="file_not_found"),
+)
+
+
+def _expires_after(fields: dict) -> int | None:
+    """The seconds of `expires_after`, sent as form fields `expires_after[anchor]` and
+    `expires_after[seconds]` (as the SDKs send it) or as one JSON field."""
+    anchor, seconds = fields.pop("expires_after[anchor]", None), fields.pop("expires_after[seconds]", None)
+    whole = fields.pop("expires_after", None)
+    if whole is not None:
+        try:
+            parsed = orjson.loads(whole) if isinstance(whole, str) else whole
+            anchor, seconds = parsed.get("anchor"), parsed.get("seconds")
+        except (ValueError, AttributeError):
+            raise BadRequest("expires_after must be a JSON object", param="expires_after") from None
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise BadRequest("expires_after.anchor must be 'created_at'", param="expires_after.anchor")
+    try:
+        value = int(str(seconds))
+    except ValueError:
+        raise BadRequest("expires_after.seconds must be an integer", param="expires_after.seconds") from None
+    if not EXPIRES_AFTER_MIN_S <= value <= EXPIRES_AFTER_MAX_S:
+        raise BadRequest(
+            f"expires_after.seconds must be between {EXPIRES_AFTER_MIN_S} and {EXPIRES_AFTER_MAX_S}",
+            param="expires_after.seconds",
+        )
+    return value
+
+
+def _printable(name: str | None) -> str:
+    """The client's file name without control characters (PostgreSQL refuses NUL; logs and
+    terminals are better without the others)."""
+    return "".join(character for character in name or "" if character.isprintable())[:255]
+
+
+def _upload(request: Request, principal: Caller) -> dict:
+    """Check the form and store its file (sync: it copies the spooled upload to the storage)."""
+    fields = _form_fields(request.data)
+    upload = fields.pop("file", None)
+    purpose = fields.pop("purpose", None)
+    if purpose not in UPLOAD_PURPOSES:
+        allowed = ", ".join(repr(str(p)) for p in UPLOAD_PURPOSES)
+        raise BadRequest(
+            f"purpose must be one of {allowed}, got {purpose!r}", param="purpose", code="invalid_purpose"
+        )
+    if not isinstance(upload, UploadedFile):
+        raise BadRequest("file: the upload needs a `file` part", param="file")
+    expires_s = _expires_after(fields)
+    if fields:
+        raise BadRequest(f"Unknown form field(s): {', '.join(sorted(fields))}", param=sorted(fields)[0])
+    if upload.size > settings.BATCH_MAX_INPUT_FILE_BYTES:
+        raise PayloadTooLarge(
+            f"A batch input file may have at most {settings.BATCH_MAX_INPUT_FILE_BYTES} bytes; "
+            f"this one has {upload.size}.",
+            param="file",
+        )
+    upload.seek(0)
+    stored = file_create(
+        tenant_id=principal.tenant_id,
+        purpose=purpose,
+        filename=_printable(upload.name) or "upload.jsonl",
+        content=upload.file,
+        expires_at=expires_after_seconds(expires_s),
+    )
+    return file_object(stored)
+
+
+def tenant_file(principal: Caller, file_id: str) -> StoredFile:
+    stored = file_for_tenant(tenant_id=principal.tenant_id, public_id=file_id)
+    if stored is None:
+        raise NotFound(f"You have no file {file_id!r}.", param="file_id", code="file_not_found")
+    return stored
+
+
+@sync_to_async
+def _file_list(principal: Caller, params: dict) -> tuple[list[dict], bool]:
+    files, has_more = files_for_tenant(
+        tenant_id=principal.tenant_id,
+        purpose=params.get("purpose") or None,
+        limit=params["limit"],
+        order=params["order"],
+        after=params.get("after") or None,
+    )
+    return [file_object(stored) for stored in files], has_more
+
+
+@sync_to_async
+def _file_read(principal: Caller, file_id: str) -> dict:
+    return file_object(tenant_file(principal, file_id))
+
+
+@sync_to_async
+def _file_delete(principal: Caller, file_id: str) -> str:
+    stored = tenant_file(principal, file_id)
+    file_delete(stored=stored)
+    return stored.public_id
+
+
+class FileListCreateView(ApiView):
+    endpoint = "files"
+    parser_classes = [MultipartUploadParser, OrjsonParser]
+
+    @extend_schema(
+        operation_id="create_file",
+        summary="Upload a file (OpenAI-compatible)",
+        description=(
+            "A multipart/form-data upload: `file` and `purpose` (`batch`), optionally `expires_after`. "
+            "At most FILES_MAX_UPLOAD_BYTES (512 MB) bytes, refused as it arrives; a batch input "
+            "file at most BATCH_MAX_INPUT_FILE_BYTES (200 MB)."
+        ),
+        request={"multipart/form-data": FileUploadRequest},
+        responses={
+            200: FileObjectSerializer,
+            400: _error_response(
+                "An unknown purpose, no file part, a bad expires_after",
+                BadRequest(
+                    "purpose must be one of 'batch', got 'fine-tune'", param="purpose", code="invalid_purpose"
+                ),
+            ),
+            **AUTH_ERRORS,
+            413: _error_response("The upload is too large", PayloadTooLarge("The upload is larger than ...")),
+            415: _error_response(
+                "A body that is neither multipart nor JSON",
+                UnsupportedMediaType('Unsupported media type "text/plain" in request.'),
+            ),
+            422: _error_response(
+                "A form field or file part sent twice",
+                ValidationFailed("file: sent 2 times in the form; send it once", param="file"),
+            ),
+        },
+        examples=[OpenApiExample("Uploaded", value=FILE_EXAMPLE, response_only=True, status_codes=["200"])],
+        tags=["files"],
+    )
+    async def post(self, request: Request) -> Response:
+        if not request.content_type.startswith("multipart/form-data"):
+            raise BadRequest("Upload a file as multipart/form-data with `file` and `purpose` parts.")
+        return Response(await sync_to_async(_upload)(request, request.user))
+
+    @extend_schema(
+        operation_id="list_files",
+        summary="Your files",
+        parameters=[FileListQuery],
+        responses={
+            200: FileListSerializer,
+            **AUTH_ERRORS,
+            422: _error_response(
+                "A bad limit, order or `after`",
+                ValidationFailed("limit: Ensure this value is less than or equal to 10000.", param="limit"),
+            ),
+        },
+        tags=["files"],
+    )
+    async def get(self, request: Request) -> Response:
+        params = validated(FileListQuery, request.query_params.dict())
+        data, has_more = await _file_list(request.user, params)
+        return Response(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": has_more,
+            }
+        )
+
+
+class FileDetailView(ApiView):
+    endpoint = "file"
+
+    @extend_schema(
+        operation_id="retrieve_file",
+        summary="One file",
+        parameters=[FILE_ID_PARAMETER],
+        responses={200: FileObjectSerializer, **AUTH_ERRORS, 404: FILE_NOT_FOUND},
+        tags=["files"],
+    )
+    async def get(self, request: Request, file_id: str) -> Response:
+        return Response(await _file_read(request.user, file_id))
+
+    @extend_schema(
+        operation_id="delete_file",
+        summary="Delete a file",
+        parameters=[FILE_ID_PARAMETER],
+        responses={200: FileDeletedSerializer, **AUTH_ERRORS, 404: FILE_NOT_FOUND},
+        tags=["files"],
+    )
+    async def delete(self, request: Request, file_id: str) -> Response:
+        public_id = await _file_delete(request.user, file_id)
+        return Response({"id": public_id, "object": "file", "deleted": True})
+
+
+class FileContentView(ApiView):
+    endpoint = "file_content"
+
+    @extend_schema(
+        operation_id="download_file",
+        summary="A file's content (streamed)",
+        parameters=[FILE_ID_PARAMETER],
+        responses={
+            (200, "application/octet-stream"): OpenApiResponse(OpenApiTypes.BINARY, description="The bytes"),
+            **AUTH_ERRORS,
+            404: FILE_NOT_FOUND,
+        },
+        tags=["files"],
+    )
+    async def get(self, request: Request, file_id: str):
+        stored = await sync_to_async(tenant_file)(request.user, file_id)
+        response = StreamingHttpResponse(
+            in_threads(lambda: file_pieces(stored)), content_type="application/octet-stream"
+        )
+        response["Content-Length"] = str(stored.bytes)
+        response["Content-Disposition"] = f'attachment; filename="{stored.public_id}.jsonl"'
+        return response

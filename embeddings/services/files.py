@@ -1,0 +1,157 @@
+"""OpenAI's Files API: files kept in the "files" storage (STORAGES["files"]), their facts in StoredFile.
+
+The bytes go through Django's storage API, so they live wherever FILES_STORAGE_BACKEND puts them (a
+directory every web and worker process shares by default, object storage a setting away) and
+survive any process's restart. A file is written under a fresh random name and its row saved only
+once it is whole, so a reader never sees half a file; deleting removes the row first, then the
+bytes (a failure in between leaves bytes nobody can name, never a row without bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import string
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from typing import IO
+
+from django.core.files import File
+from django.core.files.storage import Storage, storages
+from django.db.models import Q
+from django.utils import timezone
+
+from embeddings.models import StoredFile
+from embeddings.services.errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_ID_ALPHABET = string.ascii_letters + string.digits
+READ_PIECE_BYTES = 256 * 1024
+
+
+def files_storage() -> Storage:
+    return storages["files"]
+
+
+def _new_public_id() -> str:
+    return "file-" + "".join(secrets.choice(PUBLIC_ID_ALPHABET) for _ in range(24))
+
+
+def _storage_name(tenant_id: int, public_id: str) -> str:
+    # Tenant and id only: a client's file name never becomes a path.
+    return f"tenant-{tenant_id}/{public_id}"
+
+
+def file_create(
+    *,
+    tenant_id: int,
+    purpose: str,
+    filename: str,
+    content: IO[bytes],
+    expires_at: datetime | None = None,
+) -> StoredFile:
+    """Store `content` (a binary file object, read a piece at a time) as a new file of the tenant."""
+    public_id = _new_public_id()
+    storage = files_storage()
+    name = storage.save(_storage_name(tenant_id, public_id), File(content))
+    try:
+        return StoredFile.objects.create(
+            public_id=public_id,
+            tenant_id=tenant_id,
+            purpose=purpose,
+            filename=filename[:255],
+            bytes=storage.size(name),
+            storage_name=name,
+            expires_at=expires_at,
+        )
+    except BaseException:
+        storage.delete(name)
+        raise
+
+
+def file_for_tenant(*, tenant_id: int, public_id: str) -> StoredFile | None:
+    """The tenant's live file with this id; None for an unknown, expired or another tenant's id."""
+    return (
+        StoredFile.objects.filter(tenant_id=tenant_id, public_id=public_id)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))
+        .first()
+    )
+
+
+def files_for_tenant(
+    *, tenant_id: int, purpose: str | None, limit: int, order: str, after: str | None
+) -> tuple[list[StoredFile], bool]:
+    """A page of the tenant's live files by creation time (`order` "asc" or "desc"), after the
+    file `after`; has_more."""
+    files = StoredFile.objects.filter(tenant_id=tenant_id).filter(
+        Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now())
+    )
+    if purpose:
+        files = files.filter(purpose=purpose)
+    descending = order == "desc"
+    files = files.order_by(*(("-created_at", "-id") if descending else ("created_at", "id")))
+    if after:
+        cursor = StoredFile.objects.filter(tenant_id=tenant_id, public_id=after).first()
+        if cursor is None:
+            raise InvalidRequest(f"No file {after!r} to list after", param="after")
+        if descending:
+            files = files.filter(
+                Q(created_at__lt=cursor.created_at) | Q(created_at=cursor.created_at, id__lt=cursor.pk)
+            )
+        else:
+            files = files.filter(
+                Q(created_at__gt=cursor.created_at) | Q(created_at=cursor.created_at, id__gt=cursor.pk)
+            )
+    page = list(files[: limit + 1])
+    return page[:limit], len(page) > limit
+
+
+def file_open(stored: StoredFile) -> IO[bytes]:
+    return files_storage().open(stored.storage_name, "rb")
+
+
+def file_pieces(stored: StoredFile) -> Iterator[bytes]:
+    """The file's bytes, READ_PIECE_BYTES at a time (for a streamed download)."""
+    with file_open(stored) as handle:
+        while piece := handle.read(READ_PIECE_BYTES):
+            yield piece
+
+
+def file_delete(*, stored: StoredFile) -> None:
+    StoredFile.objects.filter(pk=stored.pk).delete()
+    try:
+        files_storage().delete(stored.storage_name)
+    except OSError as error:  # the row is gone: nobody can reach the bytes any more
+        logger.warning("file %s: bytes not deleted: %s", stored.public_id, error)
+
+
+def files_expire_due(*, now: datetime | None = None) -> int:
+    """Delete every file past its expires_at; how many."""
+    now = now or timezone.now()
+    expired = 0
+    for stored in StoredFile.objects.filter(expires_at__lte=now).iterator():
+        file_delete(stored=stored)
+        expired += 1
+    return expired
+
+
+def expires_after_seconds(seconds: int | None, *, now: datetime | None = None) -> datetime | None:
+    if seconds is None:
+        return None
+    return (now or timezone.now()) + timedelta(seconds=seconds)
+
+
+def file_object(stored: StoredFile) -> dict:
+    """The API representation of a file (OpenAI's FileObject)."""
+    return {
+        "id": stored.public_id,
+        "object": "file",
+        "bytes": stored.bytes,
+        "created_at": int(stored.created_at.timestamp()),
+        "expires_at": None if stored.expires_at is None else int(stored.expires_at.timestamp()),
+        "filename": stored.filename,
+        "purpose": stored.purpose,
+        "status": "processed",
+        "status_details": None,
+    }

@@ -1,0 +1,133 @@
+"""A batch chunk's lines without Triton: grouping, the per-request limits each line is held to, and the
+line reader's bound on an overlong line. The embedding call is a fake here (the boundary); the
+SDK tests run the same code on the real stack."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import orjson
+import pytest
+
+from embeddings.models import EmbeddingModel
+from embeddings.services import batch_lines
+from embeddings.services.batch_lines import LineRequest, batch_chunk_embed
+from embeddings.services.batches import _lines
+from embeddings.services.embedding import EmbeddingResult
+from embeddings.services.errors import InvalidRequest, LimitExceeded
+
+pytestmark = pytest.mark.unit
+
+MODEL = EmbeddingModel(
+    name="m",
+    triton_model="m",
+    dimensions=4,
+    max_tokens=16,
+    max_inputs_per_request=3,
+    max_tokens_per_request=10,
+)
+
+
+def line(custom_id: str, texts: list[str], **options) -> LineRequest:
+    return LineRequest(
+        custom_id=custom_id,
+        model="m",
+        texts=texts,
+        token_ids=None,
+        dimensions=options.get("dimensions"),
+        encoding_format=options.get("encoding_format", "float"),
+    )
+
+
+class FakeEmbedding:
+    """Each text's vector is its length repeated; each text costs len(text) tokens; a text "bad"
+    is refused as a model refuses an input. Records every call's texts and limits."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[str], int | None, int | None]] = []
+
+    def __call__(self, *, target, texts=None, token_ids=None, options):
+        self.calls.append((list(texts), target.max_inputs, target.max_total_tokens))
+        if target.max_inputs is not None and len(texts) > target.max_inputs:
+            raise LimitExceeded(f"{len(texts)} inputs in one request", param="input")
+        if "bad" in texts:
+            raise InvalidRequest("bad input", param="input")
+        counts = np.array([len(text) for text in texts])
+        if target.max_total_tokens is not None and counts.sum() > target.max_total_tokens:
+            raise LimitExceeded(f"{counts.sum()} tokens", param="input")
+        width = options.dimensions or 4
+        vectors = np.repeat(counts[:, None].astype(np.float32), width, axis=1)
+        return EmbeddingResult("m", vectors, counts, 0.0, 0.0)
+
+
+def render(error: Exception) -> tuple[int, dict]:
+    status = 413 if isinstance(error, LimitExceeded) else 422
+    return status, {
+        "error": {"message": str(error), "type": "invalid_request_error", "param": "input", "code": "x"}
+    }
+
+
+def run(monkeypatch, lines: list[LineRequest]) -> tuple[list[dict], FakeEmbedding, batch_lines.ChunkOutput]:
+    fake = FakeEmbedding()
+    monkeypatch.setattr(batch_lines, "embeddings_create_sync", fake)
+    output = batch_chunk_embed(
+        lines=lines, models={"m": MODEL}, tenant_id=1, api_key_id=None, render_error=render
+    )
+    return [orjson.loads(raw) for raw in output.payload.splitlines()], fake, output
+
+
+def test_lines_of_one_kind_share_one_call_and_keep_their_order(monkeypatch):
+    lines = [
+        line("a", ["xx"]),
+        line("b", ["yyy", "z"], dimensions=2),
+        line("c", ["w"], encoding_format="base64"),
+    ]
+    records, fake, output = run(monkeypatch, lines)
+    assert [record["custom_id"] for record in records] == ["a", "b", "c"]
+    # One call per (model, dimensions, kind), without the per-request limits.
+    assert fake.calls == [(["xx", "w"], None, None), (["yyy", "z"], None, None)]
+    assert records[0]["response"]["body"]["data"][0]["embedding"] == [2.0] * 4
+    assert records[1]["response"]["body"]["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
+    assert isinstance(records[2]["response"]["body"]["data"][0]["embedding"], str)
+    assert (output.succeeded, output.tokens) == (3, 7)
+    requests = {name: amount for name, amount in output.usage.items() if name.split("|")[4] == "requests"}
+    assert list(requests.values()) == [3]
+
+
+def test_a_line_over_a_request_limit_gets_the_answer_it_would_get_alone(monkeypatch):
+    lines = [
+        line("ok", ["aa"]),
+        line("wide", ["a", "b", "c", "d"]),
+        line("long", ["x" * 11]),
+        line("fine", ["b"]),
+    ]
+    records, fake, output = run(monkeypatch, lines)
+    by_id = {record["custom_id"]: record for record in records}
+    assert [record["custom_id"] for record in records] == ["ok", "wide", "long", "fine"]
+    assert by_id["wide"]["response"]["status_code"] == 413  # more inputs than a request may have
+    assert by_id["long"]["response"]["status_code"] == 413  # more tokens than a request may have
+    assert by_id["ok"]["response"]["status_code"] == by_id["fine"]["response"]["status_code"] == 200
+    # Each refused line was asked alone, with the request's own limits.
+    assert (["a", "b", "c", "d"], 3, 10) in fake.calls and (["x" * 11], 3, 10) in fake.calls
+    assert output.succeeded == 2
+
+
+def test_a_refused_input_fails_its_line_only(monkeypatch):
+    records, _, output = run(monkeypatch, [line("a", ["x"]), line("b", ["bad"]), line("c", ["y"])])
+    assert [record["response"]["status_code"] for record in records] == [200, 422, 200]
+    assert records[1]["response"]["body"]["error"]["message"] == "bad input" and records[1]["error"] is None
+    assert output.succeeded == 2
+
+
+def test_the_line_reader_never_holds_an_overlong_line():
+    data = b'{"a": 1}\n' + b"x" * 5000 + b"\n\n" + b"last"
+    reads = []
+
+    class Counting(io.BytesIO):
+        def readline(self, size=-1):
+            reads.append(size)
+            return super().readline(size)
+
+    assert list(_lines(Counting(data), 100)) == [(1, b'{"a": 1}\n'), (2, None), (3, b"\n"), (4, b"last")]
+    assert all(0 < size <= 1 << 20 for size in reads)
