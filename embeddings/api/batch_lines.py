@@ -26,6 +26,7 @@ def line_body_parse(body: dict) -> dict:
 
 
 def line_error_render(error: Exception) -> tuple[int, dict]:
-    """The status and OpenAI error body the API answers `error` with."""
+    """The status and OpenAI error body the API answers `error` with; the line's own request id is
+    beside it, in its response (not that of the request that created the batch)."""
     answer = as_api_error(error)
-    return answer.status, answer.body()
+    return answer.status, answer.body(with_request_id=False)

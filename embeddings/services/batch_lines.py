@@ -83,6 +83,9 @@ def new_request_ids() -> tuple[str, str]:
 
 def output_line(custom_id: str, status_code: int, body: dict) -> bytes:
     line_id, request_id = new_request_ids()
+    if status_code >= 400 and isinstance(body.get("error"), dict):
+        # As the API puts a request's id in its error body: this line's own.
+        body = {**body, "error": {**body["error"], "request_id": request_id}}
     record = {
         "id": line_id,
         "custom_id": custom_id,

@@ -211,7 +211,8 @@ def test_hostile_uploads_get_openai_errors_never_a_500(http, client):
         files = {"file": ("x.jsonl", data)} if data is not None else None
         response = http.post("/v1/files", data=fields, files=files or {"other": ("y", b"1")})
         assert response.status_code == 400, response.text
-        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert set(response.json()["error"]) == {"message", "type", "param", "code", "request_id"}
+        assert response.json()["error"]["request_id"] == response.headers["x-request-id"]
     response = http.post("/v1/files", json={"purpose": "batch"})
     assert response.status_code == 400
     # Sent twice: refused, not one silently dropped.
@@ -352,7 +353,11 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
     (refused,) = [record for record in errors if record["custom_id"] == "too-many-inputs"]
     sync = http.post("/v1/embeddings", json={"model": MODEL, "input": ["x"] * 3000})
     assert refused["response"]["status_code"] == sync.status_code == 413
-    assert refused["response"]["body"] == sync.json() and refused["error"] is None
+    # Each error body carries its own request's id, as the API's do: the line's, and the sync call's.
+    line_error, sync_error = refused["response"]["body"]["error"], sync.json()["error"]
+    assert line_error.pop("request_id") == refused["response"]["request_id"]
+    assert sync_error.pop("request_id") == sync.headers["x-request-id"]
+    assert line_error == sync_error and refused["error"] is None
     # Refused while validating: no response, an error naming the line.
     assert all(record["response"] is None for record in errors if record is not refused)
     assert {record["custom_id"] for record in errors} >= {"wrong-url", "wrong-method", "bad-input", None}

@@ -68,9 +68,9 @@ def redis_now_ms() -> int:
 
 
 def logged_at(line: str) -> float:
-    """The unix time of a Celery log line `[2026-11-23 18:05:56,367: INFO/...] ...`."""
-    stamp = line[1 : line.index(": ")]
-    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    """The unix time of a worker's log line `2026-11-23 18:05:56,367 INFO celery.app.trace [...]: ...`
+    (Celery logs through Django's LOGGING, LOG_FORMAT=text)."""
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def task_lines(logs: list[Path], task: str, outcome: str = "succeeded") -> list[str]:
