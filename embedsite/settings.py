@@ -435,6 +435,11 @@ TRITON_RETRIES = env_int("TRITON_RETRIES", 2, minimum=0)
 # One attempt of a call to Triton may take this long before it is sent again (to another replica)
 # within TRITON_TIMEOUT_S; 0: a third of it with several replicas, all of it with one.
 TRITON_ATTEMPT_TIMEOUT_S = env_float("TRITON_ATTEMPT_TIMEOUT_S", 0.0, minimum=0)
+# Ping Triton connections with calls in flight this often (seconds), dropping one whose ping goes
+# unanswered as long; 0: every 2 s with several replicas (a silent one found out within 4 s), every
+# 360 s with one. Below 300 s each Triton must run with --grpc-http2-min-recv-ping-interval-without-data
+# at or under it (the local Triton, compose and Kubernetes pass 1000 ms), or it answers GOAWAY.
+TRITON_KEEPALIVE_S = env_float("TRITON_KEEPALIVE_S", 0.0, minimum=0)
 TRITON_MAX_MESSAGE_BYTES = env_int("TRITON_MAX_MESSAGE_BYTES", 256 * 1024 * 1024, minimum=4 * 1024 * 1024)
 
 MODEL_NAME = env_str("MODEL_NAME", "minilm")

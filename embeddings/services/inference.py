@@ -33,7 +33,15 @@ def _client_options() -> dict:
         "max_message_bytes": settings.TRITON_MAX_MESSAGE_BYTES,
         "model_load_timeout_s": settings.TRITON_MODEL_LOAD_TIMEOUT_S,
         "attempt_timeout_s": triton_attempt_timeout_s(),
+        "keepalive_s": triton_keepalive_s(),
     }
+
+
+def triton_keepalive_s() -> float | None:
+    """TRITON_KEEPALIVE_S, or by default 2 s with several replicas and 360 s (None) with one."""
+    if settings.TRITON_KEEPALIVE_S:
+        return settings.TRITON_KEEPALIVE_S
+    return 2.0 if TritonTarget.of_grpc_target(settings.TRITON_GRPC_TARGET).replicated else None
 
 
 def triton_attempt_timeout_s() -> float | None:

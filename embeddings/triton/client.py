@@ -22,6 +22,7 @@ failed to load, or not that version) raises `TritonModelNotLoaded` at once, with
 
 import asyncio
 import itertools
+import json
 import os
 import random
 import re
@@ -54,34 +55,73 @@ from .targets import TritonTarget, replica_endpoints
 # gRPC's default receive cap is 4 MiB, about 1,000 vectors of 1024 floats.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
-# Triton's gRPC server keeps gRPC core's keepalive defaults: keepalive_permit_without_calls=0,
-# http2 min_recv_ping_interval_without_data=300 s and max_ping_strikes=2; a client pinging
-# more often, or while no call is in flight, collects strikes and is sent GOAWAY
-# (ENHANCE_YOUR_CALM), failing its calls. So: ping only during calls, and no more often than
-# every 360 s. Dead peers during a call are caught sooner by the call's deadline anyway.
+# Triton's gRPC server keeps gRPC core's keepalive defaults unless told otherwise:
+# keepalive_permit_without_calls=0, http2 min_recv_ping_interval_without_data=300 s and
+# max_ping_strikes=2; a client pinging more often, or while no call is in flight, collects strikes
+# and is sent GOAWAY (ENHANCE_YOUR_CALM), failing its calls. So by default: ping only during calls,
+# and no more often than every 360 s; a single Triton's death during a call is caught by the call's
+# deadline. A connection to one of several replicas is pinged every `keepalive_s` (TRITON_KEEPALIVE_S)
+# instead, so a replica that went silent is found out within twice that and its calls go elsewhere:
+# its Triton must accept such pings (TRITON_PING_FLAGS in server.py, which the local Triton, compose
+# and Kubernetes pass).
 KEEPALIVE_TIME_MS = 360_000
 KEEPALIVE_TIMEOUT_MS = 20_000
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """gRPC channel arguments shared by the async and the sync channels."""
+def channel_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, keepalive_s: float | None = None
+) -> list[tuple[str, int | str]]:
+    """gRPC channel arguments shared by the async and the sync channels; `keepalive_s`: ping each
+    connection that has calls in flight this often, and drop it when a ping goes unanswered as
+    long (also its TCP user timeout)."""
+    keepalive_ms = KEEPALIVE_TIME_MS if keepalive_s is None else max(1000, round(keepalive_s * 1000))
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS if keepalive_s is None else keepalive_ms),
         ("grpc.keepalive_permit_without_calls", 0),
-        ("grpc.http2.max_pings_without_data", 2),
+        # With fast pings, as many as the call needs (a long inference sends no data meanwhile).
+        ("grpc.http2.max_pings_without_data", 2 if keepalive_s is None else 0),
         # Without it gRPC shares one subchannel (one TCP connection) among equal channels,
         # and a pool of N channels would be one connection.
         ("grpc.use_local_subchannel_pool", 1),
         # After a Triton restart, reconnect within seconds instead of backing off up to 120 s.
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 5_000),
-        # Every address the target resolves to, in turn, skipping those whose connection failed
-        # (gRPC's default, pick_first, would send everything to the first).
-        ("grpc.lb_policy_name", "round_robin"),
+        ("grpc.service_config", SERVICE_CONFIG),
     ]
+
+
+# How each channel spreads its calls over the replicas, all of it gRPC's own: round_robin takes every
+# address the target resolves to in turn, skipping those whose connection failed (the default,
+# pick_first, would send everything to the first); outlier detection takes a replica out for a
+# while (5 s, then longer each time) when half its calls in a second failed, as calls to a replica
+# that answers nothing do (each attempt times out): without it round_robin keeps choosing that
+# replica while its connection looks open, and every other call waits out an attempt there. Never
+# more than half the replicas are taken out; with one replica it does nothing.
+SERVICE_CONFIG = json.dumps(
+    {
+        "loadBalancingConfig": [
+            {
+                "outlier_detection_experimental": {
+                    "interval": "1s",
+                    "baseEjectionTime": "5s",
+                    "maxEjectionTime": "30s",
+                    "maxEjectionPercent": 50,
+                    "failurePercentageEjection": {
+                        "threshold": 50,
+                        "enforcementPercentage": 100,
+                        "minimumHosts": 2,
+                        # Per channel and second: a pool's channels each see few calls.
+                        "requestVolume": 1,
+                    },
+                    "childPolicy": [{"round_robin": {}}],
+                }
+            }
+        ]
+    }
+)
 
 
 # Calls that may be sent again when an attempt times out: reads and inference (a pure function).
@@ -305,7 +345,8 @@ class _TritonClientBase:
     max_message_bytes: gRPC send/receive cap. model_load_timeout_s: the deadline of `model_load`
     and `model_unload` (Triton answers once the model is loaded or failed, or unloaded).
     attempt_timeout_s: how long one attempt of a repeatable call may take before it is sent again
-    (to another replica) within the deadline; None: the whole deadline.
+    (to another replica) within the deadline; None: the whole deadline. keepalive_s: ping
+    connections with calls in flight this often (channel_options); None: every 360 s.
     """
 
     def __init__(
@@ -320,6 +361,7 @@ class _TritonClientBase:
         retry_backoff_max_s: float = 2.0,
         model_load_timeout_s: float = 300.0,
         attempt_timeout_s: float | None = None,
+        keepalive_s: float | None = None,
     ) -> None:
         if (
             channels < 1
@@ -342,7 +384,7 @@ class _TritonClientBase:
         self.model_load_timeout_s = model_load_timeout_s
         self.attempt_timeout_s = attempt_timeout_s
         self.replicas = TritonTarget.of_grpc_target(target)
-        self._options = channel_options(max_message_bytes)
+        self._options = channel_options(max_message_bytes, keepalive_s)
         self._max_message_bytes = max_message_bytes
         self._round_robin = itertools.count()
         self._specs: dict[tuple[str, str], ModelSpec] = {}
@@ -410,7 +452,10 @@ class _TritonClientBase:
             self.forget_model(call.model)
         if isinstance(failure, TritonModelNotLoaded) and self.replicas.replicated and attempt < self.retries:
             return 0.0  # another replica may serve it (one still loading it, or restarted)
-        if isinstance(failure, TritonUnavailable) and attempt < self.retries:
+        # With replicas, a connection that breaks fails every call on it at once, retries just sent
+        # there included: two more attempts let them reach another replica.
+        unavailable_retries = self.retries + (2 if self.replicas.replicated else 0)
+        if isinstance(failure, TritonUnavailable) and attempt < unavailable_retries:
             backoff = min(self.retry_backoff_max_s, self.retry_backoff_s * 2**attempt)
             delay = backoff * random.uniform(0.5, 1.0)
             if time.monotonic() + delay < deadline:
