@@ -12,7 +12,7 @@ MODEL_ONNX := model_repository/minilm/1/model.onnx
 PROTOCOL := embeddings/triton/protocol/grpc_service_pb2.py
 COMPOSE := $(VENV)/bin/docker-compose
 
-.PHONY: run test setup bench bench-api bench-peers bench-quota bench-jobs lint clean-venv
+.PHONY: run test setup bench bench-api bench-peers bench-quota bench-replicas bench-jobs lint clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
 # Two local Redis servers, as deployments run them (README "Job store and critical Redis"): job data
@@ -54,6 +54,10 @@ bench-peers: setup
 bench-quota: setup
 	$(PY) bench/quota.py
 
+## bench-replicas: one Triton replica against two, throughput and how the calls split (table and JSON)
+bench-replicas: setup
+	$(PY) bench/replicas.py
+
 ## bench-jobs: a 100,000-text job end to end vs raw ONNX Runtime, download times and memory (JSON)
 bench-jobs: setup
 	$(PY) bench/jobs.py $(BENCH_ARGS)
@@ -71,7 +75,8 @@ setup: .run/.system-packages .run/secret_key $(VENV)/.installed $(PROTOCOL) $(MO
 # Debian packages the stack runs: redis-server (quotas, usage, Celery's broker); chromium for the
 # admin's browser test (tests/admin/test_browser.py drives it headless with Playwright); postgresql,
 # whose binaries the tests run a throwaway cluster of their own with (its service is never used).
-SYSTEM_PACKAGES := redis-server chromium postgresql
+# iproute2: the multi-host test's network namespaces (tests/netns.py).
+SYSTEM_PACKAGES := redis-server chromium postgresql iproute2
 .run/.system-packages: Makefile
 	mkdir -p .run
 	dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES))

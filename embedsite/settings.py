@@ -95,18 +95,14 @@ def database_from_url(url: str, *, conn_max_age: int = 0, conn_health_checks: bo
 
 
 def triton_grpc_target(url: str, default_port: int) -> str:
-    """The seed proxy's TRITON_SERVER_URL may be `host`, `host:port` or `http://host[:port]`."""
-    if "://" not in url:
-        url = f"grpc://{url}"
-    parts = urlsplit(url)
-    if not parts.hostname:
-        raise ImproperlyConfigured(f"TRITON_SERVER_URL has no host: {url!r}")
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    """The target gRPC dials for TRITON_SERVER_URL: the seed proxy's `host`, `host:port` or
+    `http://host[:port]`, `dns:///name:port`, or a list of IP replicas (embeddings/triton/targets.py)."""
+    from embeddings.triton.targets import parse_triton_target
+
     try:
-        port = parts.port or default_port
-    except ValueError:
-        raise ImproperlyConfigured(f"TRITON_SERVER_URL has a bad port: {url!r}") from None
-    return f"{host}:{port}"
+        return parse_triton_target(url, default_port).grpc_target
+    except ValueError as error:
+        raise ImproperlyConfigured(f"TRITON_SERVER_URL {url!r}: {error}") from None
 
 
 # Used only with DJANGO_DEBUG on and no key given; refused as a key anywhere else.
@@ -449,6 +445,14 @@ TRITON_GRPC_TARGET = triton_grpc_target(TRITON_SERVER_URL, TRITON_SERVER_GRPC_PO
 TRITON_GRPC_CHANNELS = env_int("TRITON_GRPC_CHANNELS", 4, minimum=1)
 TRITON_TIMEOUT_S = env_float("TRITON_TIMEOUT_S", 30.0, minimum=0.001)
 TRITON_RETRIES = env_int("TRITON_RETRIES", 2, minimum=0)
+# One attempt of a call to Triton may take this long before it is sent again (to another replica)
+# within TRITON_TIMEOUT_S; 0: a third of it with several replicas, all of it with one.
+TRITON_ATTEMPT_TIMEOUT_S = env_float("TRITON_ATTEMPT_TIMEOUT_S", 0.0, minimum=0)
+# Ping Triton connections with calls in flight this often (seconds), dropping one whose ping goes
+# unanswered as long; 0: every 2 s with several replicas (a silent one found out within 4 s), every
+# 360 s with one. Below 300 s each Triton must run with --grpc-http2-min-recv-ping-interval-without-data
+# at or under it (the local Triton, compose and Kubernetes pass 1000 ms), or it answers GOAWAY.
+TRITON_KEEPALIVE_S = env_float("TRITON_KEEPALIVE_S", 0.0, minimum=0)
 TRITON_MAX_MESSAGE_BYTES = env_int("TRITON_MAX_MESSAGE_BYTES", 256 * 1024 * 1024, minimum=4 * 1024 * 1024)
 
 MODEL_NAME = env_str("MODEL_NAME", "minilm")

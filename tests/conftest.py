@@ -65,6 +65,16 @@ def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonSe
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def second_triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    """Another Triton serving model_repository/: a second replica beside `triton_server`."""
+    server = start_triton(
+        tmp_path_factory.mktemp("replica"), [Path(settings.TRITON_MODEL_REPOSITORY)], name="replica"
+    )
+    yield server
+    server.stop()
+
+
 def write_finished_export(repository: Path, *, dims: int = 384, max_tokens: int = 256) -> None:
     """A finished minilm version 1 as far as the catalog reads it (no Triton loads it): model.onnx and
     tokenizer.json in place, export.json (written last) describing them."""

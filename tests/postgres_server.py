@@ -49,8 +49,13 @@ class PostgresServer:
     password (as a deployment would, through DATABASE_URL); the socket only serves the owner.
     """
 
-    def __init__(self, *, port: int):
+    def __init__(self, *, port: int, host: str = "127.0.0.1", netns: str | None = None, clients: str = ""):
+        """`netns`: run postgres in that network namespace (tests/netns.py), listening on `host`;
+        `clients`: a network (CIDR) whose hosts may connect too, with the password."""
         self.port = port
+        self.host = host
+        self.netns = netns
+        self.clients = clients
         self.password = secrets.token_urlsafe(24)
         self.directory = Path(tempfile.mkdtemp(prefix="embedsite-postgres-"))
         self.data_dir = self.directory / "data"
@@ -59,7 +64,7 @@ class PostgresServer:
         self.run_as = pwd.getpwnam("postgres") if os.geteuid() == 0 else None
 
     def url(self, database: str) -> str:
-        return f"postgres://{SUPERUSER}:{quote(self.password, safe='')}@127.0.0.1:{self.port}/{database}"
+        return f"postgres://{SUPERUSER}:{quote(self.password, safe='')}@{self.host}:{self.port}/{database}"
 
     def _user_options(self) -> dict:
         if self.run_as is None:
@@ -85,11 +90,22 @@ class PostgresServer:
         password_file.unlink()
         if done.returncode != 0:
             raise PostgresServerError(f"initdb failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        if self.clients:
+            with (self.data_dir / "pg_hba.conf").open("a") as hba:
+                hba.write(f"host all all {self.clients} scram-sha-256\n")
+        launcher, user_options = [], self._user_options()
+        if self.netns is not None:
+            # Into the namespace as root, then down to the postgres user (setpriv, util-linux).
+            launcher = ["ip", "netns", "exec", self.netns]
+            if self.run_as is not None:
+                launcher += ["setpriv", f"--reuid={self.run_as.pw_uid}", f"--regid={self.run_as.pw_gid}",
+                             "--clear-groups"]  # fmt: skip
+            user_options = {}
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 [
-                    postgres, "-D", str(self.data_dir), "-p", str(self.port),
-                    "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={self.directory}",
+                    *launcher, postgres, "-D", str(self.data_dir), "-p", str(self.port),
+                    "-c", f"listen_addresses={self.host}", "-c", f"unix_socket_directories={self.directory}",
                     "-c", "unix_socket_permissions=0700",
                     # Room for every stack a test run has up at once (uvicorn workers, Celery, the tests).
                     "-c", "max_connections=300",
@@ -97,7 +113,7 @@ class PostgresServer:
                     "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
                 ],
                 cwd=self.directory, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=die_with_parent, **self._user_options(),
+                start_new_session=True, preexec_fn=die_with_parent, **user_options,
             )  # fmt: skip
 
     def wait_until_ready(self, timeout_s: float = 60.0) -> None:

@@ -118,6 +118,17 @@ def test_scripts_run_as_readme_says(script):
     assert "--quick" in done.stdout
 
 
+def test_the_replicas_bench_runs_as_readme_says():
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "replicas.py"), "--help"],
+        cwd=BENCH.parent,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--shape" in done.stdout and "--rounds" in done.stdout
+
+
 def test_base64_rows_decode_little_endian_float32():
     vectors = np.array([[0.5, -1.0, 2.0], [3.0, 0.25, -0.125]], dtype="<f4")
     payload = {"data": [{"embedding": base64.b64encode(row.tobytes()).decode()} for row in vectors]}

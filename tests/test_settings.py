@@ -32,15 +32,30 @@ from tests.processes import REPO_ROOT
         ("http://triton", "triton:8001"),
         ("grpc://10.0.0.5:7001", "10.0.0.5:7001"),
         ("[::1]:8001", "[::1]:8001"),
+        # Replicas: a list of addresses, or one name that resolves to each of them.
+        ("10.0.0.5:7001, 10.0.0.6", "ipv4:10.0.0.5:7001,10.0.0.6:8001"),
+        ("[fd00::5]:7001,[fd00::6]:7001", "ipv6:[fd00::5]:7001,[fd00::6]:7001"),
+        ("dns:///triton-headless:7001", "dns:///triton-headless:7001"),
+        ("dns:triton", "dns:///triton:8001"),
     ],
 )
-def test_triton_url_forms_of_the_seed_proxy(url, target):
+def test_triton_url_forms_of_the_seed_proxy_and_of_replicas(url, target):
     assert triton_grpc_target(url, 8001) == target
 
 
-def test_triton_url_with_bad_port_fails_loudly():
-    with pytest.raises(ImproperlyConfigured):
-        triton_grpc_target("triton:notaport", 8001)
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("triton:notaport", "bad port"),
+        ("triton-a:8001,triton-b:8001", "one DNS name that resolves to every replica"),
+        ("10.0.0.5,[fd00::6]", "all IPv4 or all IPv6"),
+        ("10.0.0.5,10.0.0.5:8001", "listed twice"),
+        (" , ", "empty"),
+    ],
+)
+def test_a_bad_triton_url_fails_loudly_saying_why(url, why):
+    with pytest.raises(ImproperlyConfigured, match=why):
+        triton_grpc_target(url, 8001)
 
 
 def test_env_int_rejects_garbage_and_out_of_range(monkeypatch):

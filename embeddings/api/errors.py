@@ -74,6 +74,7 @@ from embeddings.tokenization import InputTooLong, TokenizationError
 from embeddings.triton.errors import (
     TritonError,
     TritonInvalidInput,
+    TritonModelMismatch,
     TritonModelNotLoaded,
     TritonTimeout,
     TritonUnavailable,
@@ -360,6 +361,8 @@ ANSWERS: dict[type[Exception], Callable[[Any], ApiError]] = {
         f"The model server has not loaded the model {exc.model!r} (version {exc.version or 'latest'})."
     ),
     TritonInvalidInput: lambda exc: ValidationFailed(f"The model refused the input: {exc}", param="input"),
+    # Says which replicas disagree and how (no secret: what Triton's metadata says of the model).
+    TritonModelMismatch: lambda exc: UpstreamUnavailable(str(exc), code="model_replicas_disagree"),
     # Django's.
     RequestDataTooBig: lambda exc: PayloadTooLarge("The request body is larger than this server accepts."),
     # Django's multipart parser: too many fields or files (DATA_UPLOAD_MAX_NUMBER_*).

@@ -9,6 +9,12 @@ serves everything else for SHUTDOWN_DRAIN_S.
 
 It also reports, under "models", what Triton says of every enabled catalog model (its Triton
 model, pinned version, state and reason); only the default model counts for readiness.
+
+With several Triton replicas (TRITON_SERVER_URL a list or a `dns:///` name) each replica is asked
+on its own, and "replicas" says per replica whether it is live, serves the default model, and its
+inference and execution counts: the process is ready while at least one replica serves the model.
+Replicas that serve the model differently (another version, other inputs or outputs) make it not
+ready, and the model is refused with that reason until they agree again.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from embeddings.redis.connections import redis_async, redis_job_store
 from embeddings.services import catalog
 from embeddings.services.inference import triton_async_client
 from embeddings.services.model_serving import models_serving_states_async
+from embeddings.triton import TritonError, TritonModelNotLoaded
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +97,83 @@ async def check_job_store() -> None:
     await sync_to_async(redis_job_store().ping, thread_sensitive=False)()
 
 
-def readiness_checks() -> dict[str, Callable[[], Awaitable[None]]]:
+class ReplicasCheck:
+    """The "triton" and "model" checks of a replicated Triton: each replica asked once, concurrently."""
+
+    def __init__(self) -> None:
+        self.detail: dict[str, dict] = {}
+        self._task: asyncio.Task | None = None
+
+    async def triton(self) -> None:
+        await self._asked()
+        if not any(replica.get("live") for replica in self.detail.values()):
+            raise NotReady("no Triton replica is live")
+
+    async def model(self) -> None:
+        name, reason = await self._asked()
+        if reason:
+            raise NotReady(reason)
+        if not any(replica.get("model_ready") for replica in self.detail.values()):
+            raise NotReady(f"Triton model {name!r} is ready on no replica")
+
+    def _asked(self) -> Awaitable[tuple[str, str | None]]:
+        # Shielded: one check's timeout must not cancel what the other check awaits too.
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._ask())
+        return asyncio.shield(self._task)
+
+    async def _ask(self) -> tuple[str, str | None]:
+        client = triton_async_client()
+        name, version = await _default_triton_model()
+        endpoints = await asyncio.to_thread(client.replica_endpoints)
+        answers = await asyncio.gather(
+            *(self._ask_one(client, endpoint, name, version) for endpoint in endpoints)
+        )
+        specs = {
+            endpoint: spec for endpoint, spec in zip(endpoints, answers, strict=True) if spec is not None
+        }
+        reason = None
+        if len(set(specs.values())) > 1:
+            served = "; ".join(
+                f"{endpoint} version {', '.join(spec.served_versions) or '?'}, "
+                f"inputs {[t.name for t in spec.inputs]}, "
+                f"outputs {[(t.name, list(t.shape)) for t in spec.outputs]}, max batch {spec.max_batch_size}"
+                for endpoint, spec in sorted(specs.items())
+            )
+            reason = f"Triton's replicas serve model {name!r} differently, so it is not served: {served}"
+        client.refuse_model(name, reason)
+        return name, reason
+
+    async def _ask_one(self, client, endpoint: str, name: str, version: str):
+        # Half the check's time: a replica that answers nothing is reported, not the check timed out.
+        replica = client.replica(endpoint, timeout_s=settings.READY_CHECK_TIMEOUT_S / 2)
+        detail = self.detail[endpoint] = {"live": False, "model_ready": False}
+        try:
+            detail["live"] = await replica.server_live()
+            detail["model_ready"] = await replica.model_ready(name, version)
+            replica.forget_model(name)  # read afresh each time: a replica may change what it serves
+            # Whatever versions it serves, pinned or not: a replica serving only another version is
+            # a disagreement, not merely a replica that is not ready.
+            spec, statistics = await asyncio.gather(
+                replica.model_metadata(name), replica.model_statistics(name)
+            )
+        except TritonModelNotLoaded:
+            return None  # loading, or not loaded yet: not ready there, nothing to compare
+        except TritonError as error:
+            detail["error"] = type(error).__name__
+            return None
+        detail |= {
+            "versions": list(spec.served_versions),
+            "inference_count": statistics.inference_count,
+            "execution_count": statistics.execution_count,
+        }
+        return spec
+
+
+def readiness_checks(replicas: ReplicasCheck | None = None) -> dict[str, Callable[[], Awaitable[None]]]:
     checks = {"triton": check_triton, "model": check_model, "database": check_database}
+    if replicas is not None:
+        checks |= {"triton": replicas.triton, "model": replicas.model}
     if settings.REDIS_URL and settings.READY_CHECK_REDIS:
         checks["redis"] = check_redis
         checks["job_store"] = check_job_store
@@ -142,21 +224,29 @@ async def ready(request: HttpRequest) -> JsonResponse:
         return _readiness_response(
             "shutting down", {"shutdown": "this process is shutting down (SIGTERM)"}, ["shutdown"]
         )
-    checks = readiness_checks()
+    replicas = ReplicasCheck() if triton_async_client().replicas.replicated else None
+    checks = readiness_checks(replicas)
     *outcomes, models = await asyncio.gather(
         *(_run_check(name, check) for name, check in checks.items()), models_report()
     )
     results = dict(zip(checks, outcomes, strict=True))
     failed = [name for name, outcome in results.items() if outcome != "ok"]
-    return _readiness_response("unavailable" if failed else "ready", results, failed, models)
+    detail = None if replicas is None else replicas.detail
+    return _readiness_response("unavailable" if failed else "ready", results, failed, models, detail)
 
 
 def _readiness_response(
-    status: str, checks: dict[str, str], failed: list[str], models: dict | None = None
+    status: str,
+    checks: dict[str, str],
+    failed: list[str],
+    models: dict | None = None,
+    replicas: dict | None = None,
 ) -> JsonResponse:
     body: dict[str, object] = {"status": status, "checks": checks}
     if models is not None:
         body["models"] = models
+    if replicas is not None:
+        body["replicas"] = replicas
     if failed:
         body["failed"] = failed
     response = JsonResponse(body, status=503 if failed else 200)

@@ -18,6 +18,7 @@ from embeddings.tokenization import TextTokenizer, tokenizer_for
 from embeddings.triton import PRIORITY_INTERACTIVE
 from embeddings.triton.client import AsyncTritonClient, TritonClient
 from embeddings.triton.model_exports import model_export_versions
+from embeddings.triton.targets import TritonTarget
 
 _lock = threading.Lock()
 _async_client: AsyncTritonClient | None = None
@@ -31,7 +32,27 @@ def _client_options() -> dict:
         "retries": settings.TRITON_RETRIES,
         "max_message_bytes": settings.TRITON_MAX_MESSAGE_BYTES,
         "model_load_timeout_s": settings.TRITON_MODEL_LOAD_TIMEOUT_S,
+        "attempt_timeout_s": triton_attempt_timeout_s(),
+        "keepalive_s": triton_keepalive_s(),
     }
+
+
+def triton_keepalive_s() -> float | None:
+    """TRITON_KEEPALIVE_S, or by default 2 s with several replicas and 360 s (None) with one."""
+    if settings.TRITON_KEEPALIVE_S:
+        return settings.TRITON_KEEPALIVE_S
+    return 2.0 if TritonTarget.of_grpc_target(settings.TRITON_GRPC_TARGET).replicated else None
+
+
+def triton_attempt_timeout_s() -> float | None:
+    """TRITON_ATTEMPT_TIMEOUT_S, or by default a third of the deadline with several replicas (a
+    silent one costs a call a third of its time, then another replica answers), and the whole
+    deadline with one (no other replica to try)."""
+    if settings.TRITON_ATTEMPT_TIMEOUT_S:
+        return settings.TRITON_ATTEMPT_TIMEOUT_S
+    if TritonTarget.of_grpc_target(settings.TRITON_GRPC_TARGET).replicated:
+        return settings.TRITON_TIMEOUT_S / 3
+    return None
 
 
 def triton_async_client() -> AsyncTritonClient:

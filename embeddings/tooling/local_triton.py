@@ -5,12 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
 from embeddings.triton.server import TritonServer
+from embeddings.triton.targets import TritonTarget
 
 
 def local_triton_server(*, log_path: Path | None = None, extra_repositories: list[Path] = ()) -> TritonServer:
     """A TritonServer on this machine's configured ports, serving the model repository."""
+    if TritonTarget.of_grpc_target(settings.TRITON_GRPC_TARGET).replicated:
+        raise ImproperlyConfigured(
+            "A local Triton is one server: TRITON_SERVER_URL names several replicas "
+            f"({settings.TRITON_GRPC_TARGET}); start each replica on its own host"
+        )
     grpc_host, _, grpc_port = settings.TRITON_GRPC_TARGET.rpartition(":")
     return TritonServer(
         model_repositories=[Path(settings.TRITON_MODEL_REPOSITORY), *extra_repositories],

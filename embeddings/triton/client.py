@@ -7,6 +7,13 @@ a call: awaiting on grpc.aio channels, or blocking on plain grpc channels from a
 thread pool. Both give every call a deadline, retry UNAVAILABLE with exponential backoff and
 jitter inside that deadline, and turn gRPC errors into the exceptions of `errors.py`.
 
+Several replicas (a list of addresses, or a `dns:///` name: embeddings/triton/targets.py) are
+balanced by gRPC's own `round_robin` policy, which skips a replica whose connection fails; a call
+one of them does not answer within `attempt_timeout_s` (a link whose packets are dropped answers
+nothing, not even a refusal) is sent again, within the same deadline, and round-robin takes it to
+another. `replica(endpoint)` gives a client of one replica, for readiness and statistics; a model
+the replicas disagree about is refused (`refuse_model`) rather than served mixed.
+
 Besides inference they speak Triton's model repository API (Triton run with
 --model-control-mode=explicit): `repository_index`, `model_load` (optionally with a JSON
 ModelConfig override) and `model_unload`. A model Triton does not serve (never loaded, unloaded,
@@ -15,6 +22,7 @@ failed to load, or not that version) raises `TritonModelNotLoaded` at once, with
 
 import asyncio
 import itertools
+import json
 import os
 import random
 import re
@@ -34,6 +42,7 @@ from .errors import (
     TritonInvalidInput,
     TritonModelError,
     TritonModelLoadFailed,
+    TritonModelMismatch,
     TritonModelNotLoaded,
     TritonTimeout,
     TritonUnavailable,
@@ -41,35 +50,86 @@ from .errors import (
 from .protocol import grpc_service_pb2 as pb
 from .protocol import grpc_service_pb2_grpc as pb_grpc
 from .protocol import model_config_pb2
+from .targets import TritonTarget, replica_endpoints
 
 # gRPC's default receive cap is 4 MiB, about 1,000 vectors of 1024 floats.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
-# Triton's gRPC server keeps gRPC core's keepalive defaults: keepalive_permit_without_calls=0,
-# http2 min_recv_ping_interval_without_data=300 s and max_ping_strikes=2; a client pinging
-# more often, or while no call is in flight, collects strikes and is sent GOAWAY
-# (ENHANCE_YOUR_CALM), failing its calls. So: ping only during calls, and no more often than
-# every 360 s. Dead peers during a call are caught sooner by the call's deadline anyway.
+# Triton's gRPC server keeps gRPC core's keepalive defaults unless told otherwise:
+# keepalive_permit_without_calls=0, http2 min_recv_ping_interval_without_data=300 s and
+# max_ping_strikes=2; a client pinging more often, or while no call is in flight, collects strikes
+# and is sent GOAWAY (ENHANCE_YOUR_CALM), failing its calls. So by default: ping only during calls,
+# and no more often than every 360 s; a single Triton's death during a call is caught by the call's
+# deadline. A connection to one of several replicas is pinged every `keepalive_s` (TRITON_KEEPALIVE_S)
+# instead, so a replica that went silent is found out within twice that and its calls go elsewhere:
+# its Triton must accept such pings (TRITON_PING_FLAGS in server.py, which the local Triton, compose
+# and Kubernetes pass).
 KEEPALIVE_TIME_MS = 360_000
 KEEPALIVE_TIMEOUT_MS = 20_000
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """gRPC channel arguments shared by the async and the sync channels."""
+def channel_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, keepalive_s: float | None = None
+) -> list[tuple[str, int | str]]:
+    """gRPC channel arguments shared by the async and the sync channels; `keepalive_s`: ping each
+    connection that has calls in flight this often, and drop it when a ping goes unanswered as
+    long (also its TCP user timeout)."""
+    keepalive_ms = KEEPALIVE_TIME_MS if keepalive_s is None else max(1000, round(keepalive_s * 1000))
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS if keepalive_s is None else keepalive_ms),
         ("grpc.keepalive_permit_without_calls", 0),
-        ("grpc.http2.max_pings_without_data", 2),
+        # With fast pings, as many as the call needs (a long inference sends no data meanwhile).
+        ("grpc.http2.max_pings_without_data", 2 if keepalive_s is None else 0),
         # Without it gRPC shares one subchannel (one TCP connection) among equal channels,
         # and a pool of N channels would be one connection.
         ("grpc.use_local_subchannel_pool", 1),
         # After a Triton restart, reconnect within seconds instead of backing off up to 120 s.
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 5_000),
+        ("grpc.service_config", SERVICE_CONFIG),
     ]
+
+
+# How each channel spreads its calls over the replicas, all of it gRPC's own: round_robin takes every
+# address the target resolves to in turn, skipping those whose connection failed (the default,
+# pick_first, would send everything to the first); outlier detection takes a replica out for a
+# while (5 s, then longer each time) when half its calls in a second failed, as calls to a replica
+# that answers nothing do (each attempt times out): without it round_robin keeps choosing that
+# replica while its connection looks open, and every other call waits out an attempt there. Never
+# more than half the replicas are taken out; with one replica it does nothing.
+SERVICE_CONFIG = json.dumps(
+    {
+        "loadBalancingConfig": [
+            {
+                "outlier_detection_experimental": {
+                    "interval": "1s",
+                    "baseEjectionTime": "5s",
+                    "maxEjectionTime": "30s",
+                    "maxEjectionPercent": 50,
+                    "failurePercentageEjection": {
+                        "threshold": 50,
+                        "enforcementPercentage": 100,
+                        "minimumHosts": 2,
+                        # Per channel and second: a pool's channels each see few calls.
+                        "requestVolume": 1,
+                    },
+                    "childPolicy": [{"round_robin": {}}],
+                }
+            }
+        ]
+    }
+)
+
+
+# Calls that may be sent again when an attempt times out: reads and inference (a pure function).
+# Loading and unloading models are not: they have their own long deadline.
+_REPEATABLE = frozenset(
+    {"ModelInfer", "ModelMetadata", "ModelConfig", "ModelReady", "ServerLive", "ServerReady",
+     "ModelStatistics", "RepositoryIndex"}
+)  # fmt: skip
 
 
 # Triton's dynamic batcher serves lower levels first when the model config sets priority_levels
@@ -157,6 +217,8 @@ class ModelSpec:
     outputs: tuple[TensorSpec, ...]
     # 0: the model does not batch; otherwise the most rows one ModelInfer call may carry.
     max_batch_size: int
+    # Every version the server serves, oldest first.
+    served_versions: tuple[str, ...] = ()
 
     def input(self, name: str) -> TensorSpec | None:
         return next((tensor for tensor in self.inputs if tensor.name == name), None)
@@ -200,6 +262,10 @@ class Call:
     model: str = ""
     version: str = ""
 
+    @property
+    def repeatable(self) -> bool:
+        return self.method in _REPEATABLE
+
 
 # An operation yields a Call (and is sent its response) or a list of Calls (and is sent the
 # list of responses, in the same order), and returns its result.
@@ -224,6 +290,7 @@ def _model_spec(
         inputs=tensors(metadata.inputs),
         outputs=tensors(metadata.outputs),
         max_batch_size=config.max_batch_size,
+        served_versions=tuple(served),
     )
 
 
@@ -277,6 +344,9 @@ class _TritonClientBase:
     retry_backoff_s * 2**attempt (at most retry_backoff_max_s) with jitter.
     max_message_bytes: gRPC send/receive cap. model_load_timeout_s: the deadline of `model_load`
     and `model_unload` (Triton answers once the model is loaded or failed, or unloaded).
+    attempt_timeout_s: how long one attempt of a repeatable call may take before it is sent again
+    (to another replica) within the deadline; None: the whole deadline. keepalive_s: ping
+    connections with calls in flight this often (channel_options); None: every 360 s.
     """
 
     def __init__(
@@ -290,6 +360,8 @@ class _TritonClientBase:
         retry_backoff_s: float = 0.1,
         retry_backoff_max_s: float = 2.0,
         model_load_timeout_s: float = 300.0,
+        attempt_timeout_s: float | None = None,
+        keepalive_s: float | None = None,
     ) -> None:
         if (
             channels < 1
@@ -310,29 +382,80 @@ class _TritonClientBase:
         self.retry_backoff_s = retry_backoff_s
         self.retry_backoff_max_s = retry_backoff_max_s
         self.model_load_timeout_s = model_load_timeout_s
-        self._options = channel_options(max_message_bytes)
+        self.attempt_timeout_s = attempt_timeout_s
+        self.replicas = TritonTarget.of_grpc_target(target)
+        self._options = channel_options(max_message_bytes, keepalive_s)
+        self._max_message_bytes = max_message_bytes
         self._round_robin = itertools.count()
         self._specs: dict[tuple[str, str], ModelSpec] = {}
+        # Model name -> why it is refused: its replicas disagree (set by readiness checks).
+        self._refused: dict[str, str] = {}
+        self._replica_clients: dict[str, _TritonClientBase] = {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.target!r}, channels={self.channels})"
 
+    # Replicas.
+
+    def replica_endpoints(self) -> list[str]:
+        """Each replica's "address:port" (resolving a `dns:///` name: blocking)."""
+        return replica_endpoints(self.replicas)
+
+    def replica(self, endpoint: str, *, timeout_s: float) -> Any:
+        """A client of one replica (no retries), kept for the next time; for readiness and
+        statistics, never for inference."""
+        client = self._replica_clients.get(endpoint)
+        if client is None:
+            client = self._replica_clients[endpoint] = type(self)(
+                endpoint,
+                channels=1,
+                timeout_s=timeout_s,
+                retries=0,
+                max_message_bytes=self._max_message_bytes,
+            )
+        return client
+
+    def refuse_model(self, name: str, reason: str | None) -> None:
+        """Refuse calls for `name` with TritonModelMismatch(reason), or serve it again (None)."""
+        if reason is None:
+            self._refused.pop(name, None)
+        elif self._refused.get(name) != reason:
+            self._refused[name] = reason
+            self.forget_model(name)
+
     # Retries and errors, used by both transports.
 
-    def _retry_delay(self, error: grpc.RpcError, call: Call, attempt: int, deadline: float) -> float:
+    def _attempt_timeout(self, call: Call, remaining: float) -> tuple[float, bool]:
+        """(timeout of this attempt, whether it is shorter than what is left of the deadline)."""
+        if self.attempt_timeout_s is not None and call.repeatable and self.attempt_timeout_s < remaining:
+            return self.attempt_timeout_s, True
+        return remaining, False
+
+    def _retry_delay(
+        self, error: grpc.RpcError, call: Call, attempt: int, deadline: float, *, cut_short: bool = False
+    ) -> float:
         """Seconds to wait before retrying `call`, or raise our exception for `error`.
 
-        Only UNAVAILABLE is retried (Triton unreachable, restarting, or the connection dropped:
+        UNAVAILABLE is retried (Triton unreachable, restarting, or the connection dropped:
         inference is a pure function, so sending it again is safe), and only while the retry
-        still fits in the call's deadline.
+        still fits in the call's deadline. An attempt `cut_short` by attempt_timeout_s is sent
+        again at once, as often as the deadline allows: a replica that answers nothing costs
+        each call one attempt, not the call.
         """
+        if cut_short and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() < deadline:
+            return 0.0
         failure = error_from_rpc(
             error, target=self.target, method=call.method, model=call.model, version=call.version
         )
         if isinstance(failure, TritonModelNotLoaded):
             # Its spec may describe a version that is gone, or come back different once loaded again.
-            self._forget_model(call.model)
-        if isinstance(failure, TritonUnavailable) and attempt < self.retries:
+            self.forget_model(call.model)
+        if isinstance(failure, TritonModelNotLoaded) and self.replicas.replicated and attempt < self.retries:
+            return 0.0  # another replica may serve it (one still loading it, or restarted)
+        # With replicas, a connection that breaks fails every call on it at once, retries just sent
+        # there included: two more attempts let them reach another replica.
+        unavailable_retries = self.retries + (2 if self.replicas.replicated else 0)
+        if isinstance(failure, TritonUnavailable) and attempt < unavailable_retries:
             backoff = min(self.retry_backoff_max_s, self.retry_backoff_s * 2**attempt)
             delay = backoff * random.uniform(0.5, 1.0)
             if time.monotonic() + delay < deadline:
@@ -352,7 +475,7 @@ class _TritonClientBase:
             )
         return remaining
 
-    def _forget_model(self, name: str) -> None:
+    def forget_model(self, name: str) -> None:
         """Drop the cached specs of every version of `name` (it was loaded, unloaded or is gone)."""
         for key in [key for key in self._specs if key[0] == name]:
             self._specs.pop(key, None)
@@ -370,6 +493,8 @@ class _TritonClientBase:
         return (yield Call("ModelReady", request, name, version)).ready
 
     def _model_spec_op(self, name: str, version: str) -> Operation:
+        if name in self._refused:
+            raise TritonModelMismatch(self._refused[name], target=self.target, model=name)
         key = (name, version)
         if key not in self._specs:
             metadata, config = yield [
@@ -454,7 +579,7 @@ class _TritonClientBase:
             yield Call("RepositoryModelLoad", request, name)
         finally:
             # Loaded, reloaded with another config, or failed: what was cached may be untrue now.
-            self._forget_model(name)
+            self.forget_model(name)
 
     def _model_unload_op(self, name: str, unload_dependents: bool) -> Operation:
         parameters = {"unload_dependents": pb.ModelRepositoryParameter(bool_param=unload_dependents)}
@@ -462,7 +587,7 @@ class _TritonClientBase:
         try:
             yield Call("RepositoryModelUnload", request, name)
         finally:
-            self._forget_model(name)
+            self.forget_model(name)
 
     def _embed_op(
         self, model: str, version: str, output_name: str | None, priority: int, make_inputs, *arguments
@@ -607,6 +732,9 @@ class AsyncTritonClient(_TritonClientBase):
         )
 
     async def close(self) -> None:
+        replicas, self._replica_clients = list(self._replica_clients.values()), {}
+        for replica in replicas:
+            await replica.close()
         channels, loop = self._channel_pool, self._loop
         self._channel_pool, self._stubs, self._loop = [], [], None
         # Channels of another (possibly closed) loop cannot be awaited from this one: dropped.
@@ -628,10 +756,11 @@ class AsyncTritonClient(_TritonClientBase):
         deadline = time.monotonic() + budget_s
         for attempt in itertools.count():
             method = getattr(self._stub(), call.method)
+            timeout, cut_short = self._attempt_timeout(call, self._remaining(deadline, call, budget_s))
             try:
-                return await method(call.request, timeout=self._remaining(deadline, call, budget_s))
+                return await method(call.request, timeout=timeout)
             except grpc.RpcError as error:
-                delay = self._retry_delay(error, call, attempt, deadline)
+                delay = self._retry_delay(error, call, attempt, deadline, cut_short=cut_short)
             await asyncio.sleep(delay)
 
     async def _gather(self, calls: list[Call], timeout_s: float | None = None) -> list[Any]:
@@ -770,6 +899,9 @@ class TritonClient(_TritonClientBase):
         return self._run(self._embed_op(model, version, output_name, priority, text_inputs, texts), timeout_s)
 
     def close(self) -> None:
+        replicas, self._replica_clients = list(self._replica_clients.values()), {}
+        for replica in replicas:
+            replica.close()
         with self._lock:
             channels, executor = self._channel_pool, self._executor
             self._channel_pool, self._stubs, self._executor, self._pid = [], [], None, None
@@ -805,10 +937,11 @@ class TritonClient(_TritonClientBase):
         deadline = time.monotonic() + budget_s
         for attempt in itertools.count():
             method = getattr(self._stub(), call.method)
+            timeout, cut_short = self._attempt_timeout(call, self._remaining(deadline, call, budget_s))
             try:
-                return method(call.request, timeout=self._remaining(deadline, call, budget_s))
+                return method(call.request, timeout=timeout)
             except grpc.RpcError as error:
-                delay = self._retry_delay(error, call, attempt, deadline)
+                delay = self._retry_delay(error, call, attempt, deadline, cut_short=cut_short)
             time.sleep(delay)
 
     def _gather(self, calls: list[Call], timeout_s: float | None = None) -> list[Any]:

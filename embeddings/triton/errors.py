@@ -8,6 +8,8 @@
     │   ├── TritonModelNotLoaded    Triton has no ready version of the model (or of the version
     │   │                           asked for): unknown, never loaded, unloaded, failed to load;
     │   │                           raised at once, never retried (503)
+    │   ├── TritonModelMismatch     Triton's replicas serve different versions or signatures of
+    │   │                           the model: refused rather than mixed (503)
     │   └── TritonModelLoadFailed   a load through the model repository API failed; `reason`
     │                               is Triton's
     └── TritonInvalidInput      Triton (or the client, before sending) refused the
@@ -55,6 +57,10 @@ class TritonModelNotLoaded(TritonModelError):
     def __init__(self, message: str, *, version: str = "", **context: str) -> None:
         super().__init__(message, **context)
         self.version = version
+
+
+class TritonModelMismatch(TritonModelError):
+    """Triton's replicas disagree about `model` (its versions, inputs, outputs or batch size)."""
 
 
 class TritonModelLoadFailed(TritonModelError):

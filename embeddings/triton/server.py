@@ -106,6 +106,11 @@ _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
 PR_SET_PDEATHSIG = 1
 
 
+# Lets clients ping connections with calls in flight every second or more (TRITON_KEEPALIVE_S):
+# Triton's default treats pings closer than 300 s as abuse and closes the connection.
+TRITON_PING_FLAGS = ("--grpc-http2-min-recv-ping-interval-without-data=1000",)
+
+
 def die_with_parent() -> None:
     """Linux: SIGTERM this child when its parent dies (a killed test run, a crashed launcher)."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -334,6 +339,7 @@ class TritonServer:
             f"--http-port={self.http_port}",
             f"--metrics-address={self.address}",
             f"--metrics-port={self.metrics_port}",
+            *TRITON_PING_FLAGS,
             "--pinned-memory-pool-byte-size=0",
             "--exit-timeout-secs=10",
             # Larger shared-memory regions between Triton and the Python stub: fewer resizes

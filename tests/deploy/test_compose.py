@@ -10,6 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from embeddings.triton.server import TRITON_PING_FLAGS
 from tests.deploy.env_files import (
     generated_secret,
     read_env_file,
@@ -80,7 +81,7 @@ def test_the_cpu_profile_runs_triton_on_the_cpu_config_under_the_same_name(cpu_s
     assert "devices" not in triton.get("deploy", {}).get("resources", {}).get("reservations", {})
     # The app reaches whichever Triton runs as `triton`.
     assert triton["networks"]["default"]["aliases"] == ["triton"]
-    assert services["web"]["environment"]["TRITON_SERVER_URL"] == "triton"
+    assert services["web"]["environment"]["TRITON_SERVER_URL"] == "dns:///triton:8001"
     assert (REPO_ROOT / "model_repository" / "minilm" / "configs" / "cpu.pbtxt").is_file()
 
 
@@ -95,6 +96,8 @@ def test_the_app_reads_the_model_config_triton_runs(tmp_path: Path, profile: str
     for app in APP_SERVICES:
         config_name = services[app]["environment"]["TRITON_MODEL_CONFIG_NAME"]
         assert f"--model-config-name={config_name}" in triton["command"], app
+    # The app may ping its calls' connections often (TRITON_KEEPALIVE_S): Triton must allow it.
+    assert set(TRITON_PING_FLAGS) <= set(triton["command"])
 
 
 @pytest.mark.parametrize("secret", SECRETS)

@@ -12,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from embeddings.triton.server import TRITON_PING_FLAGS
 from tests.deploy.env_files import generated_secret, read_env_file, settings_check_deploy, write_env_file
 from tests.processes import REPO_ROOT
 
@@ -214,8 +215,9 @@ def test_triton_gets_a_gpu_and_a_headless_service_the_app_is_pointed_at(base: li
     service = by_kind(base, "Service")["embedsite-triton"]
     assert service["spec"]["clusterIP"] == "None"
     config = config_of(base)
-    assert config["TRITON_SERVER_URL"] == service["metadata"]["name"]
     grpc = next(port for port in service["spec"]["ports"] if port["name"] == "grpc")
+    # Each pod behind the name, by gRPC's own resolver: balanced and checked one by one by /ready.
+    assert config["TRITON_SERVER_URL"] == f"dns:///{service['metadata']['name']}:{grpc['port']}"
     assert grpc["port"] == int(config["TRITON_SERVER_GRPC_PORT"])
 
 
@@ -239,6 +241,8 @@ def test_the_app_reads_the_model_config_triton_runs(variant: str, request: pytes
     assert "--model-control-mode=explicit" in server["command"]
     assert [arg for arg in server["command"] if arg.startswith("--load-model")] == ["--load-model=minilm"]
     assert f"--model-config-name={config_of(documents)['TRITON_MODEL_CONFIG_NAME']}" in server["command"]
+    # The app may ping its calls' connections often (TRITON_KEEPALIVE_S): Triton must allow it.
+    assert set(TRITON_PING_FLAGS) <= set(server["command"])
 
 
 def test_secrets_live_only_in_the_operators_secret_env(base: list[dict]) -> None:

@@ -25,6 +25,7 @@ from embeddings.triton import (
 from embeddings.triton import client as client_module
 from embeddings.triton.client import channel_options, error_from_rpc, text_inputs, token_inputs
 from embeddings.triton.protocol import grpc_service_pb2 as pb
+from embeddings.triton.server import TRITON_PING_FLAGS
 
 pytestmark = pytest.mark.unit
 
@@ -58,6 +59,10 @@ def test_keepalive_never_pings_idle_connections_nor_faster_than_triton_allows():
     # Triton's default grpc-http2-min-recv-ping-interval-without-data is 300 s.
     assert options["grpc.keepalive_time_ms"] > 300_000
     assert options["grpc.max_receive_message_length"] >= 256 * 1024 * 1024
+    # Faster pings (replicas) no faster than the Triton we start allows.
+    fast = dict(channel_options(keepalive_s=0.2))
+    allowed_ms = int(TRITON_PING_FLAGS[0].rsplit("=", 1)[1])
+    assert fast["grpc.keepalive_time_ms"] >= allowed_ms and fast["grpc.keepalive_permit_without_calls"] == 0
 
 
 class FakeStub:

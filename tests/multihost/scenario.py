@@ -1,0 +1,368 @@
+"""The multi-host scenario, run inside the client host by tests/multihost/test_scale_out.py.
+
+Hosts (tests/netns.py): db (PostgreSQL and Redis), triton-a and triton-b (`manage.py runtriton`),
+web-a and web-b (`manage.py serve`, as runstack, compose and Kubernetes start it, both given the
+two Tritons as TRITON_SERVER_URL), worker-a and worker-b (`celery worker`, as runstack starts it;
+beat beside worker-b), and this client. Phases:
+
+1. quota: 120 requests at once, split over both web hosts, against a burst of 40 and a rate of one
+   a minute: exactly 40 may pass.
+2. failover: clients sending all the time to both web hosts; triton-b's link drops every packet for
+   12 s, then comes back. Every answer, its time and status; triton-b's executions read each 0.5 s.
+3. worker: a job; worker-a SIGKILLed while it holds a chunk's lease; the job completes on worker-b,
+   each chunk's result stored once and its usage counted once.
+4. web: clients on both web hosts; web-a SIGKILLed; what web-b answered meanwhile.
+
+Everything started here is stopped here; the test deletes the hosts. Writes what it measured as
+JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx2
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from embeddings.triton.server import die_with_parent  # noqa: E402
+from tests.netns import Host, Network  # noqa: E402
+from tests.postgres_server import PostgresServer  # noqa: E402
+
+PYTHON = sys.executable
+TRITON_PORT, WEB_PORT, REDIS_PORT, POSTGRES_PORT = 8001, 8080, 6379, 5432
+MODEL = "all-MiniLM-L6-v2"
+
+
+class Processes:
+    """Processes started on hosts, each logging to a file; all stopped at the end."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.running: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, host: Host, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        log = (self.workdir / f"{name}.log").open("ab")
+        process = subprocess.Popen(
+            host.command(*argv), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+        self.running[name] = process
+        return process
+
+    def kill(self, name: str) -> None:
+        process = self.running[name]
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")
+
+    def stop_all(self) -> None:
+        for process in self.running.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.running.values():
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+
+
+def manage(host: Host, env: dict[str, str], *arguments: str) -> str:
+    done = subprocess.run(
+        host.command(PYTHON, "manage.py", *arguments), cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"manage.py {' '.join(arguments)} failed:\n{done.stdout}\n{done.stderr}")
+    return done.stdout.strip()
+
+
+def wait_for(what: str, check, timeout_s: float, processes: Processes, name: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{what} not ready in {timeout_s} s" + (f":\n{processes.log(name)[-3000:]}" if name else "")
+            )
+        time.sleep(0.25)
+
+
+def executions(address: str) -> int | None:
+    """The replica's model executions, or None when it does not answer within 0.4 s."""
+    from embeddings.triton.client import TritonClient
+
+    try:
+        with TritonClient(f"{address}:{TRITON_PORT}", retries=0, timeout_s=0.4) as client:
+            return client.model_statistics("minilm").execution_count
+    except Exception:
+        return None
+
+
+async def send(http: httpx2.AsyncClient, base: str, key: str, text: str) -> tuple[float, float, str, int]:
+    started = time.monotonic()
+    try:
+        response = await http.post(
+            f"{base}/v1/embeddings",
+            json={"model": MODEL, "input": text},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        status = response.status_code
+    except httpx2.HTTPError:
+        status = 0  # no answer: refused or reset
+    return started, time.monotonic(), base, status
+
+
+async def steady_load(bases: list[str], key: str, seconds: float, clients: int, events, start: float) -> list:
+    """`clients` loops, each always with one request waiting, alternating over `bases`, from
+    `start` (time.monotonic()) for `seconds`; `events`: (at seconds, callable) run meanwhile on a
+    thread. Each answer as (sent, answered, base, status), times from `start`."""
+    answers: list = []
+
+    async def loop(number: int) -> None:
+        async with httpx2.AsyncClient(timeout=60) as http:
+            sent = 0
+            while time.monotonic() - start < seconds:
+                answers.append(
+                    await send(http, bases[(number + sent) % len(bases)], key, f"load {number} {sent}")
+                )
+                sent += 1
+
+    async def timeline() -> None:
+        for at, action in events:
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            await asyncio.to_thread(action)
+
+    await asyncio.gather(timeline(), *(loop(number) for number in range(clients)))
+    return [(s - start, e - start, base, status) for s, e, base, status in answers]
+
+
+async def burst(bases: list[str], key: str, count: int) -> list[int]:
+    async with httpx2.AsyncClient(timeout=60, limits=httpx2.Limits(max_connections=count)) as http:
+        answers = await asyncio.gather(
+            *(send(http, bases[i % len(bases)], key, "burst") for i in range(count))
+        )
+    return [status for *_, status in answers]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--network", type=Path, required=True)
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    network = Network.described(args.network)
+    hosts = network.hosts
+    processes = Processes(args.workdir)
+    db = hosts["db"].address
+    postgres = PostgresServer(port=POSTGRES_PORT, host=db, netns=hosts["db"].netns, clients="192.0.2.0/24")
+    result: dict = {}
+    try:
+        processes.start(
+            "redis", hosts["db"],
+            ["redis-server", "--bind", db, "--port", str(REDIS_PORT), "--save", "", "--appendonly", "no",
+             "--protected-mode", "no"],
+            dict(os.environ),
+        )  # fmt: skip
+        postgres.start()
+        postgres.wait_until_ready()
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "embedsite.settings",
+            "DATABASE_URL": postgres.create_database("embedsite"),
+            "REDIS_URL": f"redis://{db}:{REDIS_PORT}/0",
+            "JOB_STORE_URL": f"redis://{db}:{REDIS_PORT}/1",
+            "TRITON_SERVER_URL": ",".join(
+                f"{hosts[n].address}:{TRITON_PORT}" for n in ("triton-a", "triton-b")
+            ),
+            "TRITON_ATTEMPT_TIMEOUT_S": "2",
+            "DJANGO_ALLOWED_HOSTS": ",".join(hosts[n].address for n in ("web-a", "web-b")),
+            "JOB_CHUNK_LEASE_S": "3",
+            "JOB_WATCHDOG_INTERVAL_S": "1",
+            "JOB_STALL_S": "600",
+            "JOB_CHUNK_SIZE": "8",
+            "READY_CHECK_TIMEOUT_S": "3",
+        }
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        os.environ.update({name: env[name] for name in ("DATABASE_URL", "REDIS_URL", "JOB_STORE_URL")})
+        os.environ["DJANGO_SETTINGS_MODULE"] = "embedsite.settings"
+        import django
+
+        django.setup()
+        import redis
+
+        wait_for("redis", lambda: redis.Redis(host=db, port=REDIS_PORT).ping(), 30, processes, "redis")
+        manage(hosts["web-a"], env, "migrate", "--noinput")
+
+        for name in ("triton-a", "triton-b"):
+            address = hosts[name].address
+            run_dir = args.workdir / name
+            run_dir.mkdir()
+            processes.start(
+                name, hosts[name], [PYTHON, "manage.py", "runtriton"],
+                {**env, "TRITON_SERVER_URL": f"{address}:{TRITON_PORT}", "EMBEDSITE_RUN_DIR": str(run_dir)},
+            )  # fmt: skip
+        for name in ("triton-a", "triton-b"):
+            wait_for(name, lambda n=name: executions(hosts[n].address) is not None, 300, processes, name)
+        manage(hosts["web-a"], env, "register_local_model")
+        keys = {}
+        for slug, limits in (
+            ("load", []),
+            ("exact", ["--requests-per-minute", "1", "--request-burst", "40"]),
+        ):
+            manage(hosts["web-a"], env, "create_tenant", "--name", slug, "--slug", slug, *limits)
+            keys[slug] = manage(hosts["web-a"], env, "create_api_key", "--tenant", slug)
+
+        bases = {}
+        for name in ("web-a", "web-b"):
+            run_dir = args.workdir / name
+            (run_dir / "prometheus").mkdir(parents=True)
+            address = hosts[name].address
+            processes.start(
+                name, hosts[name], [PYTHON, "manage.py", "serve", "--host", address, "--port", str(WEB_PORT),
+                                    "--workers", "1"],
+                {**env, "EMBEDSITE_RUN_DIR": str(run_dir),
+                 "PROMETHEUS_MULTIPROC_DIR": str(run_dir / "prometheus")},
+            )  # fmt: skip
+            bases[name] = f"http://{address}:{WEB_PORT}"
+        for name, base in bases.items():
+            wait_for(
+                name,
+                lambda b=base: httpx2.get(f"{b}/ready", timeout=5).status_code == 200,
+                120,
+                processes,
+                name,
+            )
+        ready = httpx2.get(f"{bases['web-a']}/ready", timeout=10).json()
+        result["ready_replicas"] = ready.get("replicas")
+
+        for name in ("worker-a", "worker-b"):
+            processes.start(
+                name, hosts[name],
+                [PYTHON, "-m", "celery", "-A", "embedsite", "worker", "--pool", "solo", "--without-gossip",
+                 "--without-mingle", "--loglevel", "INFO"],
+                {**env, "EMBEDSITE_RUN_DIR": str(args.workdir / name)},
+            )  # fmt: skip
+        (args.workdir / "beat").mkdir()
+        processes.start(
+            "beat", hosts["worker-b"],
+            [PYTHON, "-m", "celery", "-A", "embedsite", "beat", "--loglevel", "INFO"],
+            {**env, "EMBEDSITE_RUN_DIR": str(args.workdir / "beat")},
+        )  # fmt: skip
+        both = [bases["web-a"], bases["web-b"]]
+
+        # 1. Quotas across the two web hosts.
+        result["quota"] = {"statuses": asyncio.run(burst(both, keys["exact"], 120)), "burst": 40}
+
+        # 2. A Triton replica's link drops every packet, then comes back.
+        samples: list[tuple[float, int | None]] = []
+        stop_sampling = threading.Event()
+        clock_start = time.monotonic()
+
+        def sample() -> None:
+            while not stop_sampling.is_set():
+                samples.append((time.monotonic() - clock_start, executions(hosts["triton-b"].address)))
+                stop_sampling.wait(0.5)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        drop_at, restore_at, seconds = 4.0, 16.0, 30.0
+        answers = asyncio.run(
+            steady_load(
+                both, keys["load"], seconds, 6,
+                [(drop_at, lambda: network.drop("triton-b")),
+                 (restore_at, lambda: network.restore("triton-b"))],
+                clock_start,
+            )
+        )  # fmt: skip
+        stop_sampling.set()
+        sampler.join()
+        result["failover"] = {
+            "drop_at": drop_at,
+            "restore_at": restore_at,
+            "answers": answers,
+            "samples": samples,
+        }
+
+        # 3. A worker SIGKILLed while it holds a chunk's lease.
+        result["worker"] = kill_a_worker_mid_job(processes, bases["web-b"], keys["load"])
+
+        # 4. A web host killed under load.
+        killed_at = 3.0
+        answers = asyncio.run(
+            steady_load(
+                both, keys["load"], 10.0, 4, [(killed_at, lambda: processes.kill("web-a"))], time.monotonic()
+            )
+        )
+        result["web"] = {"killed_at": killed_at, "answers": answers, "bases": bases}
+    finally:
+        args.out.write_text(json.dumps(result))
+        processes.stop_all()
+        postgres.stop()
+
+
+def kill_a_worker_mid_job(processes: Processes, base: str, key: str) -> dict:
+    from embeddings.redis.connections import redis_job_store
+    from embeddings.services.job_leases import chunk_runs
+    from embeddings.services.job_store import JobStore
+    from tests.worker_stack import job_usage
+
+    texts = [f"document {i} " + "about the replicas of a model server " * 20 for i in range(160)]
+    headers = {"Authorization": f"Bearer {key}"}
+    job = httpx2.post(
+        f"{base}/v1/jobs", json={"model": MODEL, "input": texts}, headers=headers, timeout=60
+    ).json()
+    store = JobStore(redis_job_store(), job["id"], ttl_s=3600)
+    worker_pid = processes.running["worker-a"].pid
+    deadline = time.monotonic() + 180
+    victim = None
+    while victim is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"worker-a took no chunk:\n{processes.log('worker-a')[-3000:]}")
+        for field, value in store.client.hgetall(store.key("lease")).items():
+            _, owner = value.decode().split(" ")
+            if int(owner.rsplit(":", 1)[1]) == worker_pid and not store.is_chunk_done(int(field)):
+                victim = int(field)
+        time.sleep(0.02)
+    processes.kill("worker-a")
+    killed_done = store.is_chunk_done(victim)
+    while True:
+        job = httpx2.get(f"{base}/v1/jobs/{job['id']}", headers=headers, timeout=30).json()
+        if job["status"] in ("completed", "failed") or time.monotonic() > deadline + 180:
+            break
+        time.sleep(0.5)
+    rows = httpx2.get(
+        f"{base}/v1/jobs/{job['id']}/results", params={"format": "jsonl"}, headers=headers, timeout=120
+    ).text.splitlines()
+    return {
+        "status": job["status"],
+        "counts": job["counts"],
+        "indexes": sorted(json.loads(row)["index"] for row in rows),
+        "total": len(texts),
+        "victim_chunk": victim,
+        "victim_done_before_kill": killed_done,
+        "runs": chunk_runs(store).runs,
+        "usage": job_usage(),
+        "prompt_tokens": job["usage"]["prompt_tokens"],
+    }
+
+
+if __name__ == "__main__":
+    main()
