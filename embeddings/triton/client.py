@@ -450,12 +450,14 @@ class _TritonClientBase:
         if isinstance(failure, TritonModelNotLoaded):
             # Its spec may describe a version that is gone, or come back different once loaded again.
             self.forget_model(call.model)
-        if isinstance(failure, TritonModelNotLoaded) and self.replicas.replicated and attempt < self.retries:
-            return 0.0  # another replica may serve it (one still loading it, or restarted)
-        # With replicas, a connection that breaks fails every call on it at once, retries just sent
-        # there included: two more attempts let them reach another replica.
-        unavailable_retries = self.retries + (2 if self.replicas.replicated else 0)
-        if isinstance(failure, TritonUnavailable) and attempt < unavailable_retries:
+        # With replicas: another may serve a model one does not (still loading it, restarted), and a
+        # connection that breaks fails every call on it at once, retries just sent there included.
+        # Four more attempts, backing off, last past the second in which outlier detection takes a
+        # failing replica out of the rotation (with none serving the model: a 503 in ~2 s).
+        retryable = isinstance(failure, TritonUnavailable) or (
+            self.replicas.replicated and isinstance(failure, TritonModelNotLoaded)
+        )
+        if retryable and attempt < self.retries + (4 if self.replicas.replicated else 0):
             backoff = min(self.retry_backoff_max_s, self.retry_backoff_s * 2**attempt)
             delay = backoff * random.uniform(0.5, 1.0)
             if time.monotonic() + delay < deadline:
