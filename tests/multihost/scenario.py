@@ -9,7 +9,9 @@ beat beside worker-b), and this client. Phases:
    a minute: exactly 40 may pass.
 2. failover: clients sending all the time to both web hosts; triton-b's link drops every packet for
    12 s, then comes back. Every answer, its time and status; triton-b's executions read each 0.5 s.
-3. worker: a job; worker-a SIGKILLed while it holds a chunk's lease; the job completes on worker-b,
+3. jobs: one tenant's 40-chunk job, then another tenant's 2-chunk job, on the two workers: the
+   small one waits for at most the big one's chunks already queued (fair share across hosts); then
+   a job with worker-a SIGKILLed while it holds a chunk's lease: the job completes on worker-b,
    each chunk's result stored once and its usage counted once.
 4. web: clients on both web hosts; web-a SIGKILLed; what web-b answered meanwhile.
 
@@ -226,6 +228,8 @@ def main() -> None:
         for slug, limits in (
             ("load", []),
             ("exact", ["--requests-per-minute", "1", "--request-burst", "40"]),
+            ("bulk", []),
+            ("small", []),
         ):
             manage(hosts["web-a"], env, "create_tenant", "--name", slug, "--slug", slug, *limits)
             keys[slug] = manage(hosts["web-a"], env, "create_api_key", "--tenant", slug)
@@ -301,7 +305,8 @@ def main() -> None:
             "samples": samples,
         }
 
-        # 3. A worker SIGKILLed while it holds a chunk's lease.
+        # 3. Jobs on workers of two hosts: fair share, then a worker SIGKILLed holding a chunk's lease.
+        result["fair_share"] = fair_share(bases["web-a"], keys["bulk"], keys["small"], processes)
         result["worker"] = kill_a_worker_mid_job(processes, bases["web-b"], keys["load"])
 
         # 4. A web host killed under load.
@@ -318,7 +323,54 @@ def main() -> None:
         postgres.stop()
 
 
+def fair_share(base: str, bulk_key: str, small_key: str, processes: Processes) -> dict:
+    """The chunks of a big job that started while a later, small job of another tenant waited."""
+    from django.conf import settings
+
+    from embeddings.models import EmbeddingJob
+    from embeddings.redis.connections import redis_job_store
+    from embeddings.services.job_leases import chunk_runs
+    from embeddings.services.job_store import JobStore
+
+    def submit(key: str, count: int) -> str:
+        texts = [f"fair share {key[-6:]} {i}" for i in range(count)]
+        headers = {"Authorization": f"Bearer {key}"}
+        answer = httpx2.post(
+            f"{base}/v1/jobs", json={"model": MODEL, "input": texts}, headers=headers, timeout=60
+        )
+        return answer.json()["id"]
+
+    big, small = submit(bulk_key, 320), submit(small_key, 16)
+    deadline = time.monotonic() + 240
+    jobs = {}
+    while len(jobs) < 2:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the fair-share jobs did not finish")
+        jobs = {
+            job.public_id: job
+            for job in EmbeddingJob.objects.filter(public_id__in=[big, small], status="completed")
+        }
+        time.sleep(0.2)
+    started = {
+        public_id: chunk_runs(JobStore(redis_job_store(), public_id, ttl_s=3600)).started_ms
+        for public_id in (big, small)
+    }
+    small_created_ms = jobs[small].created_at.timestamp() * 1000
+    small_done_ms = max(started[small].values())
+    worker_chunks = {name: processes.log(name).count("job_chunk_task") for name in ("worker-a", "worker-b")}
+    return {
+        "big_chunks": len(started[big]),
+        "small_chunks": len(started[small]),
+        "big_started_meanwhile": sorted(
+            chunk for chunk, at in started[big].items() if small_created_ms <= at <= small_done_ms
+        ),
+        "chunks_in_flight": settings.JOB_CHUNKS_IN_FLIGHT,
+        "worker_chunk_lines": worker_chunks,
+    }
+
+
 def kill_a_worker_mid_job(processes: Processes, base: str, key: str) -> dict:
+    from embeddings.models import EmbeddingJob
     from embeddings.redis.connections import redis_job_store
     from embeddings.services.job_leases import chunk_runs
     from embeddings.services.job_store import JobStore
@@ -359,7 +411,7 @@ def kill_a_worker_mid_job(processes: Processes, base: str, key: str) -> dict:
         "victim_chunk": victim,
         "victim_done_before_kill": killed_done,
         "runs": chunk_runs(store).runs,
-        "usage": job_usage(),
+        "usage": job_usage(EmbeddingJob.objects.get(public_id=job["id"]).tenant_id),
         "prompt_tokens": job["usage"]["prompt_tokens"],
     }
 

@@ -84,6 +84,19 @@ def test_a_triton_host_that_drops_every_packet_costs_no_request_and_rejoins(scen
     assert rejoined is not None, f"triton-b took no calls after it came back: {after}"
 
 
+def test_the_fair_share_between_tenants_holds_across_worker_hosts(scenario):
+    """As tests/test_job_tasks.py's one-worker test, with a worker on each of two hosts: while the
+    small job waits, only the big job's chunks already queued start (JOB_CHUNKS_IN_FLIGHT, and
+    one more per worker that started as the small job was committed); without fair share most of
+    its 40 would."""
+    fair = scenario["fair_share"]
+    meanwhile = fair["big_started_meanwhile"]
+    print(f"\nfair share: {len(meanwhile)} of the big job's 40 chunks started while the small job waited")
+    assert (fair["big_chunks"], fair["small_chunks"]) == (40, 2)
+    assert len(meanwhile) <= fair["chunks_in_flight"] + 2, fair
+    assert all(lines > 0 for lines in fair["worker_chunk_lines"].values()), fair["worker_chunk_lines"]
+
+
 def test_a_worker_killed_mid_job_leaves_every_input_done_exactly_once(scenario):
     worker = scenario["worker"]
     total = worker["total"]
