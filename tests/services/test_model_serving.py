@@ -158,8 +158,8 @@ def test_disabling_unloads_and_requests_then_fail_at_once(explicit_triton, monke
     retry_delays = []
     decide = client._retry_delay
 
-    def retry_delay(*arguments):
-        retry_delays.append(decide(*arguments))
+    def retry_delay(*arguments, **options):
+        retry_delays.append(decide(*arguments, **options))
         return retry_delays[-1]
 
     monkeypatch.setattr(client, "_retry_delay", retry_delay)
