@@ -42,6 +42,17 @@ def rendered(response: HttpResponseBase) -> HttpResponseBase:
     return plain
 
 
+def list_page(data: list[dict], has_more: bool) -> dict:
+    """A page of a list as OpenAI answers one (jobs, files, batches)."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
 def error_response(error: ApiError) -> Response:
     return Response(error.body(), status=error.status, headers=error.headers)
 

@@ -10,7 +10,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from embeddings.api import serializers as s
-from embeddings.api.base import ApiView
+from embeddings.api.base import ApiView, list_page
 from embeddings.api.errors import NotFound, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
 from embeddings.api.files import tenant_file
 from embeddings.api.views import AUTH_ERRORS, _error_response, validated
@@ -234,15 +234,7 @@ class BatchListCreateView(ApiView):
     async def get(self, request: Request) -> Response:
         params = validated(BatchListQuery, request.query_params.dict())
         data, has_more = await _list(request.user, params)
-        return Response(
-            {
-                "object": "list",
-                "data": data,
-                "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None,
-                "has_more": has_more,
-            }
-        )
+        return Response(list_page(data, has_more))
 
 
 class BatchDetailView(ApiView):

@@ -17,7 +17,7 @@ from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from embeddings.api.base import ApiView
+from embeddings.api.base import ApiView, list_page
 from embeddings.api.errors import (
     BadRequest,
     NotFound,
@@ -262,15 +262,7 @@ class FileListCreateView(ApiView):
     async def get(self, request: Request) -> Response:
         params = validated(FileListQuery, request.query_params.dict())
         data, has_more = await _file_list(request.user, params)
-        return Response(
-            {
-                "object": "list",
-                "data": data,
-                "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None,
-                "has_more": has_more,
-            }
-        )
+        return Response(list_page(data, has_more))
 
 
 class FileDetailView(ApiView):

@@ -21,7 +21,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from embeddings.api import serializers as s
-from embeddings.api.base import ApiView
+from embeddings.api.base import ApiView, list_page
 from embeddings.api.errors import (
     IdempotencyKeyReused,
     InsufficientQuota,
@@ -423,15 +423,7 @@ class JobListCreateView(ApiView):
     async def get(self, request: Request) -> Response:
         params = validated(s.JobListQuery, request.query_params.dict())
         data, has_more = await _job_list(request.user, params["limit"], params.get("after") or None)
-        return Response(
-            {
-                "object": "list",
-                "data": data,
-                "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None,
-                "has_more": has_more,
-            }
-        )
+        return Response(list_page(data, has_more))
 
 
 class JobDetailView(ApiView):

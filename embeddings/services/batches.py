@@ -42,7 +42,6 @@ from celery import current_app
 from django.conf import settings
 from django.core.files import File
 from django.db import transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from embeddings.models import Batch, EmbeddingJob, EmbeddingModel, StoredFile, Tenant
@@ -70,6 +69,7 @@ from embeddings.services.jobs import (
     job_refreshed,
     job_store,
 )
+from embeddings.services.pages import creation_page
 
 logger = logging.getLogger(__name__)
 
@@ -156,16 +156,8 @@ def batch_for_tenant(*, tenant_id: int, public_id: str) -> Batch | None:
 
 def batches_for_tenant(*, tenant_id: int, limit: int, after: str | None) -> tuple[list[Batch], bool]:
     """The tenant's batches, newest first, `limit` of them after the batch `after`; has_more."""
-    batches = Batch.objects.select_related("job").filter(tenant_id=tenant_id).order_by("-created_at", "-id")
-    if after:
-        cursor = Batch.objects.filter(tenant_id=tenant_id, public_id=after).first()
-        if cursor is None:
-            raise InvalidRequest(f"No batch {after!r} to list after", param="after")
-        batches = batches.filter(
-            Q(created_at__lt=cursor.created_at) | Q(created_at=cursor.created_at, id__lt=cursor.pk)
-        )
-    page = list(batches[: limit + 1])
-    return page[:limit], len(page) > limit
+    batches = Batch.objects.select_related("job").filter(tenant_id=tenant_id)
+    return creation_page(batches, tenant_id=tenant_id, limit=limit, after=after, what="batch")
 
 
 def batch_cancel(*, batch: Batch) -> Batch:

@@ -22,7 +22,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from embeddings.models import StoredFile
-from embeddings.services.errors import InvalidRequest
+from embeddings.services.pages import creation_page
 
 logger = logging.getLogger(__name__)
 
@@ -89,22 +89,9 @@ def files_for_tenant(
     )
     if purpose:
         files = files.filter(purpose=purpose)
-    descending = order == "desc"
-    files = files.order_by(*(("-created_at", "-id") if descending else ("created_at", "id")))
-    if after:
-        cursor = StoredFile.objects.filter(tenant_id=tenant_id, public_id=after).first()
-        if cursor is None:
-            raise InvalidRequest(f"No file {after!r} to list after", param="after")
-        if descending:
-            files = files.filter(
-                Q(created_at__lt=cursor.created_at) | Q(created_at=cursor.created_at, id__lt=cursor.pk)
-            )
-        else:
-            files = files.filter(
-                Q(created_at__gt=cursor.created_at) | Q(created_at=cursor.created_at, id__gt=cursor.pk)
-            )
-    page = list(files[: limit + 1])
-    return page[:limit], len(page) > limit
+    return creation_page(
+        files, tenant_id=tenant_id, limit=limit, after=after, what="file", newest_first=order == "desc"
+    )
 
 
 def file_open(stored: StoredFile) -> IO[bytes]:

@@ -58,7 +58,6 @@ import redis
 from celery import current_app
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from embeddings.callers import NO_LIMITS, Caller
@@ -98,6 +97,7 @@ from embeddings.services.job_storage import (
     job_storage_settle,
 )
 from embeddings.services.job_store import JobStore, inputs_encode
+from embeddings.services.pages import creation_page
 from embeddings.services.quotas import (
     QuotaHolder,
     QuotaLimitValues,
@@ -450,20 +450,8 @@ def jobs_for_tenant(
     *, tenant_id: int, limit: int, after: str | None = None
 ) -> tuple[list[EmbeddingJob], bool]:
     """The tenant's jobs, newest first, `limit` of them after the job `after` (a cursor); has_more."""
-    jobs = (
-        EmbeddingJob.objects.select_related("model")
-        .filter(tenant_id=tenant_id, batch__isnull=True)
-        .order_by("-created_at", "-id")
-    )
-    if after:
-        cursor = EmbeddingJob.objects.filter(tenant_id=tenant_id, public_id=after).first()
-        if cursor is None:
-            raise InvalidRequest(f"No job {after!r} to list after", param="after")
-        jobs = jobs.filter(
-            Q(created_at__lt=cursor.created_at) | Q(created_at=cursor.created_at, id__lt=cursor.pk)
-        )
-    page = list(jobs[: limit + 1])
-    return page[:limit], len(page) > limit
+    jobs = EmbeddingJob.objects.select_related("model").filter(tenant_id=tenant_id, batch__isnull=True)
+    return creation_page(jobs, tenant_id=tenant_id, limit=limit, after=after, what="job")
 
 
 def _timestamp(moment: datetime | None) -> int | None:
