@@ -84,12 +84,8 @@ class BatchObjectSerializer(serializers.Serializer):
     metadata = serializers.DictField(child=serializers.CharField(), allow_null=True)
 
 
-class BatchListSerializer(serializers.Serializer):
-    object = serializers.CharField(help_text='Always "list".')
+class BatchListSerializer(s.ListPageSerializer):
     data = BatchObjectSerializer(many=True)
-    first_id = serializers.CharField(allow_null=True)
-    last_id = serializers.CharField(allow_null=True)
-    has_more = serializers.BooleanField()
 
 
 BATCH_EXAMPLE = {

@@ -27,6 +27,7 @@ from embeddings.api.errors import (
 )
 from embeddings.api.jobs import _form_fields, in_threads
 from embeddings.api.rendering import MultipartUploadParser, OrjsonParser
+from embeddings.api.serializers import ListPageSerializer
 from embeddings.api.views import AUTH_ERRORS, _error_response, validated
 from embeddings.callers import Caller
 from embeddings.models import StoredFile
@@ -58,12 +59,8 @@ class FileObjectSerializer(serializers.Serializer):
     status_details = serializers.CharField(allow_null=True)
 
 
-class FileListSerializer(serializers.Serializer):
-    object = serializers.CharField(help_text='Always "list".')
+class FileListSerializer(ListPageSerializer):
     data = FileObjectSerializer(many=True)
-    first_id = serializers.CharField(allow_null=True)
-    last_id = serializers.CharField(allow_null=True)
-    has_more = serializers.BooleanField()
 
 
 class FileDeletedSerializer(serializers.Serializer):

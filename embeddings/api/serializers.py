@@ -570,12 +570,17 @@ class JobObjectSerializer(serializers.Serializer):
     )
 
 
-class JobListSerializer(serializers.Serializer):
-    object = serializers.CharField(default="list")
-    data = JobObjectSerializer(many=True)
+class ListPageSerializer(serializers.Serializer):
+    """A page of a list as OpenAI answers one (api/base.py list_page); subclasses name `data`'s items."""
+
+    object = serializers.CharField(default="list", help_text='Always "list".')
     first_id = serializers.CharField(allow_null=True)
     last_id = serializers.CharField(allow_null=True)
     has_more = serializers.BooleanField()
+
+
+class JobListSerializer(ListPageSerializer):
+    data = JobObjectSerializer(many=True)
 
 
 class JobDeletedSerializer(serializers.Serializer):
