@@ -1,0 +1,304 @@
+"""Turn bench/gpu.py's JSON into README's GPU tables (Markdown), its findings and the PNG plot.
+
+Run where matplotlib is installed (not on the GPU machine): `.venv/bin/python bench/plot_gpu.py
+bench/results/gpu.json [--png docs/bench-gpu.png] [--markdown PATH]`. The Markdown goes to stdout
+(and to --markdown): the findings (HTTP against Triton-direct at batch 32, embeddings per web core,
+web cores that feed the GPU, each cell's bottleneck), then one table per stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A resource counts as the bottleneck when it is this busy.
+SATURATED = 0.85
+# HTTP that delivers this share of what Triton-direct gives at the same load is limited by Triton.
+MATCHES_TRITON = 0.9
+
+
+def measured(cells: list[dict]) -> list[dict]:
+    """The cells that produced figures (not failed, not skipped)."""
+    return [cell for cell in cells if "emb_per_s" in cell and "error" not in cell]
+
+
+def shapes_in_order(cells: list[dict]) -> list[tuple[str, str]]:
+    seen: list[tuple[str, str]] = []
+    for cell in cells:
+        key = (cell["texts"], cell["shape"])
+        if key not in seen:
+            seen.append(key)
+    return seen
+
+
+def direct_by_shape(result: dict) -> dict[tuple[str, str], dict]:
+    return {(cell["texts"], cell["shape"]): cell for cell in measured(result.get("triton_direct", []))}
+
+
+def embeddings_per_web_core_s(cell: dict) -> float | None:
+    """Embeddings one web core delivers per CPU-second in this cell."""
+    per_1000 = cell.get("web_cpu_s_per_1000")
+    return 1000 / per_1000 if per_1000 else None
+
+
+def bottleneck(cell: dict, direct: dict | None, cpu_count: int | None) -> str:
+    """Which resource limited an HTTP cell: the GPU, the web processes' cores, the machine's cores
+    (web, Triton and wrk share them), or Triton (HTTP as fast as our client straight to Triton)."""
+    gpu = cell.get("gpu_util_mean")
+    if gpu is not None and gpu >= SATURATED * 100:
+        return "GPU"
+    web = cell.get("web_cores_busy")
+    if web is not None and web >= SATURATED * cell["workers"]:
+        return "web CPU"
+    machine = cell.get("machine_cores_busy")
+    if machine is not None and cpu_count and machine >= SATURATED * cpu_count:
+        return "machine CPU"
+    if direct is not None and cell["emb_per_s"] >= MATCHES_TRITON * direct["emb_per_s"]:
+        return "Triton"
+    return "none saturated"
+
+
+def findings(result: dict) -> dict:
+    """The numbers the issue asks for, computed from the cells."""
+    direct = direct_by_shape(result)
+    http = measured(result.get("http", []))
+    found: dict = {"agreement": result.get("agreement", {}), "batch_32": [], "per_core": [], "feed": []}
+    for texts, shape in shapes_in_order(http):
+        cells = [cell for cell in http if (cell["texts"], cell["shape"]) == (texts, shape)]
+        best = max(cells, key=lambda cell: cell["emb_per_s"])
+        per_core = [value for value in map(embeddings_per_web_core_s, cells) if value]
+        reference = direct.get((texts, shape))
+        if cells[0]["batch"] > 1 and reference:
+            found["batch_32"].append(
+                {"texts": texts, "shape": shape, "http": best["emb_per_s"], "workers": best["workers"],
+                 "direct": reference["emb_per_s"], "ratio": best["emb_per_s"] / reference["emb_per_s"]}
+            )  # fmt: skip
+        if per_core:
+            core = statistics.median(per_core)
+            found["per_core"].append({"texts": texts, "shape": shape, "emb_per_web_core_s": core})
+            if reference:
+                found["feed"].append(
+                    {"texts": texts, "shape": shape, "direct": reference["emb_per_s"],
+                     "web_cores": reference["emb_per_s"] / core}
+                )  # fmt: skip
+    return found
+
+
+def _number(value, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def findings_markdown(found: dict) -> str:
+    lines = []
+    agreement = found["agreement"]
+    if agreement:
+        lines.append(
+            f"- Agreement with the float32 ONNX Runtime reference ({agreement.get('texts')} texts): "
+            f"min cosine in process {_number(agreement.get('in_process_min_cosine'), 5)}, "
+            f"through Triton {_number(agreement.get('triton_min_cosine'), 5)}."
+        )
+    for row in found["batch_32"]:
+        lines.append(
+            f"- {row['texts']} texts, {row['shape']}: HTTP {_number(row['http'])} emb/s "
+            f"({row['workers']} workers) = {row['ratio']:.2f} x Triton-direct "
+            f"({_number(row['direct'])} emb/s)."
+        )
+    for row in found["per_core"]:
+        lines.append(
+            f"- {row['texts']} texts, {row['shape']}: {_number(row['emb_per_web_core_s'])} embeddings per "
+            "web-core second (median over worker counts)."
+        )
+    for row in found["feed"]:
+        lines.append(
+            f"- {row['texts']} texts, {row['shape']}: {row['web_cores']:.1f} web cores feed what Triton "
+            f"serves ({_number(row['direct'])} emb/s)."
+        )
+    return "\n".join(lines)
+
+
+def in_process_table(result: dict) -> str:
+    lines = [
+        f"In process ({result.get('in_process_model', '?')}, tokenizer included):",
+        "",
+        "| texts | batch | emb/s | model only emb/s | p50 ms | p99 ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for cell in measured(result.get("in_process", [])):
+        lines.append(
+            f"| {cell['texts']} | {cell['batch']} | {_number(cell['emb_per_s'])} | "
+            f"{_number(cell.get('model_only_emb_per_s'))} | {_number(cell['p50_ms'], 1)} | "
+            f"{_number(cell['p99_ms'], 1)} |"
+        )
+    return "\n".join(lines)
+
+
+def direct_table(result: dict) -> str:
+    lines = [
+        "Our gRPC client straight to Triton (clients x texts per request):",
+        "",
+        "| texts | load | emb/s | p50 ms | p99 ms | errors | GPU % | rows/execution | queue ms | "
+        "compute ms |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for cell in measured(result.get("triton_direct", [])):
+        lines.append(
+            f"| {cell['texts']} | {cell['shape']} | {_number(cell['emb_per_s'])} | "
+            f"{_number(cell['p50_ms'], 1)} | {_number(cell['p99_ms'], 1)} | {cell.get('errors', 0)} | "
+            f"{_number(cell.get('gpu_util_mean'))} | {_number(cell.get('rows_per_execution'), 1)} | "
+            f"{_number(cell.get('queue_ms_per_request'), 1)} | "
+            f"{_number(cell.get('compute_infer_ms_per_execution'), 1)} |"
+        )
+    return "\n".join(lines)
+
+
+def throughput_table(result: dict) -> str:
+    """HTTP emb/s per worker count beside Triton-direct's at the same load."""
+    http = measured(result.get("http", []))
+    direct = direct_by_shape(result)
+    workers = sorted({cell["workers"] for cell in http})
+    header = "| texts | load | Triton direct | " + " | ".join(f"HTTP, workers={n}" for n in workers) + " |"
+    lines = [
+        "Embeddings/s, HTTP service (wrk, base64) against our client straight to Triton:",
+        "",
+        header,
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in workers) + " |",
+    ]
+    for texts, shape in shapes_in_order(http):
+        by_workers = {
+            cell["workers"]: cell for cell in http if (cell["texts"], cell["shape"]) == (texts, shape)
+        }
+        reference = direct.get((texts, shape))
+        row = [texts, shape, _number(reference["emb_per_s"]) if reference else "-"]
+        row += [_number(by_workers[n]["emb_per_s"]) if n in by_workers else "-" for n in workers]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def http_table(result: dict) -> str:
+    cpu_count = result.get("environment", {}).get("cpu_count")
+    direct = direct_by_shape(result)
+    lines = [
+        "Each HTTP cell:",
+        "",
+        "| texts | load | workers | emb/s | p50 ms | p99 ms | errors | GPU % | web CPU s / 1,000 emb | "
+        "web cores busy | machine cores busy | rows/execution | bottleneck |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for cell in measured(result.get("http", [])):
+        limit = bottleneck(cell, direct.get((cell["texts"], cell["shape"])), cpu_count)
+        lines.append(
+            f"| {cell['texts']} | {cell['shape']} | {cell['workers']} | {_number(cell['emb_per_s'])} | "
+            f"{_number(cell['p50_ms'], 1)} | {_number(cell['p99_ms'], 1)} | {cell.get('errors', 0)} | "
+            f"{_number(cell.get('gpu_util_mean'))} | {_number(cell.get('web_cpu_s_per_1000'), 3)} | "
+            f"{_number(cell.get('web_cores_busy'), 1)} | {_number(cell.get('machine_cores_busy'), 1)} | "
+            f"{_number(cell.get('rows_per_execution'), 1)} | {limit} |"
+        )
+    return "\n".join(lines)
+
+
+def failures(result: dict) -> list[str]:
+    lines = [f"- {entry['where']}: {entry['error']}" for entry in result.get("errors", [])]
+    for section in ("in_process", "triton_direct", "http"):
+        for cell in result.get(section, []):
+            if "error" in cell or "skipped" in cell:
+                labels = ", ".join(
+                    str(cell[key]) for key in ("texts", "shape", "workers", "batch") if key in cell
+                )
+                lines.append(f"- {section} ({labels}): {cell.get('error') or cell.get('skipped')}")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    environment = result.get("environment", {})
+    gpus = ", ".join(environment.get("gpus") or []) or "no GPU"
+    parts = [
+        f"Measured on {gpus}, {environment.get('cpu_count')} CPUs, torch {environment.get('torch')} "
+        f"(CUDA {environment.get('torch_cuda')}), Triton configuration "
+        f"`{result.get('options', {}).get('config_name') or 'config.pbtxt'}`, "
+        f"{result.get('options', {}).get('seconds')} s per cell, run {result.get('elapsed_s')} s.",
+        findings_markdown(findings(result)),
+        throughput_table(result),
+        in_process_table(result),
+        direct_table(result),
+        http_table(result),
+    ]
+    missing = failures(result)
+    if missing:
+        parts.append("Cells without figures:\n\n" + "\n".join(missing))
+    return "\n\n".join(part for part in parts if part) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    http = measured(result.get("http", []))
+    direct = direct_by_shape(result)
+    kinds = [kind for kind in ("short", "long") if any(cell["texts"] == kind for cell in http)] or ["short"]
+    figure, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.4), dpi=110, squeeze=False)
+    for axis, kind in zip(axes[0], kinds, strict=True):
+        kind_shapes = [shape for texts, shape in shapes_in_order(http) if texts == kind]
+        for index, shape in enumerate(kind_shapes):
+            texts = kind
+            cells = sorted(
+                (cell for cell in http if (cell["texts"], cell["shape"]) == (texts, shape)),
+                key=lambda cell: cell["workers"],
+            )
+            color = f"C{index % 10}"
+            axis.plot([c["workers"] for c in cells], [c["emb_per_s"] for c in cells], marker="o", color=color,
+                      label=f"HTTP, {shape}")  # fmt: skip
+            if (texts, shape) in direct:
+                axis.axhline(direct[(texts, shape)]["emb_per_s"], color=color, linestyle="--", linewidth=1,
+                             label=f"Triton direct, {shape}")  # fmt: skip
+        anchors = [cell for cell in measured(result.get("in_process", [])) if cell["texts"] == kind]
+        if anchors:
+            best = max(anchors, key=lambda cell: cell["emb_per_s"])
+            axis.axhline(best["emb_per_s"], color="grey", linestyle=":",
+                         label=f"in process, batch {best['batch']}")  # fmt: skip
+        axis.set_yscale("log")
+        axis.set_xticks(sorted({cell["workers"] for cell in http}))
+        axis.set_xlabel("uvicorn workers (manage.py serve --workers)")
+        axis.set_ylabel("embeddings/s")
+        axis.set_title(
+            f"{kind} texts ({result.get('texts', {}).get(kind, {}).get('tokens_mean', 0):.0f} tokens)"
+        )
+        axis.grid(True, alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
+    gpus = ", ".join(result.get("environment", {}).get("gpus") or []) or "no GPU"
+    figure.suptitle(f"embedsite on {gpus}: clients x texts per request", fontsize=10)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("result", type=Path, nargs="?", default=ROOT / "bench" / "results" / "gpu.json")
+    parser.add_argument("--png", type=Path, default=ROOT / "docs" / "bench-gpu.png")
+    parser.add_argument("--markdown", type=Path, help="also write the Markdown here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = json.loads(args.result.read_text())
+    text = markdown(result)
+    sys.stdout.write(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    plot(result, args.png)
+    print(f"\nwritten {args.png}")
+
+
+if __name__ == "__main__":
+    main()

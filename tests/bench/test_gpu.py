@@ -1,0 +1,321 @@
+"""bench/gpu.py's pure parts (wrk output, /proc CPU sums, the cell bookkeeping) and bench/plot_gpu.py's
+findings, tables and plot from a small result; no server is started."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+import gpu  # noqa: E402
+import plot_gpu  # noqa: E402
+
+pytestmark = pytest.mark.unit
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# --- wrk ---------------------------------------------------------------------------------------------
+
+
+def test_parse_wrk_counts_only_answered_requests_as_embeddings():
+    output = "Running 5s test\nRESULT 1000 100 3 5000000 12.5 80.25\nRequests/sec: 200\n"
+    cell = gpu.parse_wrk(output, texts_per_request=32)
+    assert cell["requests"] == 1000
+    assert (cell["status_errors"], cell["socket_errors"], cell["errors"]) == (100, 3, 103)
+    assert cell["seconds"] == 5.0
+    # A 429 is counted by wrk as a request but carries no embeddings.
+    assert cell["embeddings"] == 900 * 32
+    assert cell["emb_per_s"] == 900 * 32 / 5.0
+    assert (cell["p50_ms"], cell["p99_ms"]) == (12.5, 80.25)
+
+
+def test_parse_wrk_without_a_result_line_shows_what_wrk_printed():
+    with pytest.raises(RuntimeError, match="unable to connect"):
+        gpu.parse_wrk("unable to connect to 127.0.0.1:1 Connection refused\n", texts_per_request=1)
+
+
+def test_wrk_script_posts_the_body_verbatim_and_reports_p99():
+    body = {"model": "all-MiniLM-L6-v2", "input": ['say "hi"', "a\\b"], "encoding_format": "base64"}
+    script = gpu.wrk_script(body, {"Authorization": "Bearer es_x"})
+    body_line = next(line for line in script.splitlines() if line.startswith("wrk.body = "))
+    assert json.loads(json.loads(body_line.removeprefix("wrk.body = "))) == body
+    assert 'wrk.headers["Authorization"] = "Bearer es_x"' in script
+    assert "latency:percentile(99)" in script
+
+
+# --- /proc and nvidia-smi ----------------------------------------------------------------------------
+
+
+def fake_process(proc: Path, pid: int, parent: int, command: str, utime: int, stime: int, cutime=0, cstime=0):
+    # Fields after the command: state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
+    # utime stime cutime cstime ...
+    fields = ["S", parent, pid, pid, 0, -1, 0, 0, 0, 0, 0, utime, stime, cutime, cstime, 20, 0, 1]
+    (proc / str(pid)).mkdir()
+    (proc / str(pid) / "stat").write_text(f"{pid} ({command}) " + " ".join(map(str, fields)) + "\n")
+
+
+def test_process_tree_cpu_sums_the_root_and_all_its_descendants_only(tmp_path):
+    fake_process(tmp_path, 100, 1, "python manage.py serve", utime=10, stime=5)
+    fake_process(tmp_path, 101, 100, "python (worker) ) x", utime=200, stime=50)  # parens in the name
+    fake_process(tmp_path, 102, 101, "child", utime=7, stime=3, cutime=40, cstime=0)  # reaped children
+    fake_process(tmp_path, 200, 1, "wrk", utime=999, stime=999)  # not in the tree
+    fake_process(tmp_path, 201, 200, "other", utime=999, stime=999)
+    (tmp_path / "self").mkdir()  # not a pid: skipped
+    total = gpu.process_tree_cpu_seconds(100, proc=tmp_path)
+    assert total == pytest.approx((15 + 250 + 10 + 40) / CLOCK_TICKS)
+    assert gpu.process_tree_cpu_seconds(101, proc=tmp_path) == pytest.approx((250 + 50) / CLOCK_TICKS)
+
+
+def test_process_tree_cpu_of_a_pid_that_is_gone_is_zero(tmp_path):
+    fake_process(tmp_path, 100, 1, "python", utime=10, stime=5)
+    assert gpu.process_tree_cpu_seconds(4242, proc=tmp_path) == 0
+
+
+def test_process_tree_cpu_of_this_process_includes_its_own_time():
+    """The real /proc: the tree of this process counts at least the CPU this process has used, and a
+    busy child's time with it."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        own = os.times()
+        total = gpu.process_tree_cpu_seconds(os.getpid())
+        assert total >= own.user + own.system - 2 / CLOCK_TICKS
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+
+
+def test_parse_proc_stat_counts_busy_ticks_not_idle_or_iowait():
+    line = "cpu  100 2 30 5000 70 4 5 6 0 0\ncpu0 1 1 1 1 1 1 1 1 0 0\n"
+    assert gpu.parse_proc_stat(line) == 100 + 2 + 30 + 4 + 5 + 6
+
+
+def test_parse_gpu_samples_averages_numbers_and_skips_the_rest():
+    assert gpu.parse_gpu_samples("90\n100\n[N/A]\n80\n10") == 70
+    assert gpu.parse_gpu_samples("") is None
+
+
+# --- cells and bookkeeping ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("clients,processes", [(512, 8), (32, 8), (5, 8), (130, 8), (1, 1), (7, 3)])
+def test_split_clients_keeps_every_client_and_no_empty_process(clients, processes):
+    split = gpu.split_clients(clients, processes)
+    assert sum(split) == clients
+    assert len(split) == min(clients, processes)
+    assert min(split) >= 1 and max(split) - min(split) <= 1
+
+
+def test_merge_client_results_sums_processes_over_the_common_wall_clock():
+    parts = [
+        {"latencies": [0.010] * 90 + [0.100] * 10, "errors": [], "started": 100.0, "ended": 105.0},
+        {"latencies": [0.010] * 100, "errors": ["TritonTimeout: late"], "started": 100.5, "ended": 110.0},
+    ]
+    merged = gpu.merge_client_results(parts, batch=32)
+    assert merged["requests"] == 200
+    assert merged["embeddings"] == 200 * 32
+    assert merged["seconds"] == 10.0
+    assert merged["emb_per_s"] == 200 * 32 / 10.0
+    assert merged["p50_ms"] == pytest.approx(10.0)
+    assert merged["p99_ms"] == pytest.approx(100.0)
+    assert merged["errors"] == 1 and merged["first_error"] == "TritonTimeout: late"
+
+
+def test_defaults_are_the_device_run_and_fit_seven_minutes():
+    args = gpu.parse_args([])
+    assert (args.config_name, args.device, args.workers) == ("bundled-gpu", "cuda", [1, 4, 8, 12])
+    cells = gpu.planned_cells(args.workers, args.quick)
+    assert cells == {"in_process": 6, "triton_direct": 8, "http": 32}
+    assert gpu.planned_seconds(args.workers, args.quick, args.seconds) <= 7 * 60
+    # The budget stops the run before the device's 10-minute limit on a command.
+    assert gpu.planned_seconds(args.workers, args.quick, args.seconds) < args.budget_s < 600
+
+
+@pytest.mark.parametrize("bad", ["0", "1,x", "", "-4"])
+def test_worker_lists_are_refused_unless_positive_integers(bad):
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--workers", bad])
+
+
+def test_server_environment_overrides_are_parsed():
+    args = gpu.parse_args(["--server-env", "MAX_INFLIGHT_TRITON_CALLS=512", "--server-env", "X="])
+    assert args.server_env == [("MAX_INFLIGHT_TRITON_CALLS", "512"), ("X", "")]
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--server-env", "NOVALUE"])
+
+
+def test_a_failing_cell_is_recorded_and_the_json_is_written_after_each_cell(tmp_path):
+    out = tmp_path / "gpu.json"
+    run = gpu.Run(gpu.parse_args(["--out", str(out)]))
+
+    def fails():
+        raise ConnectionError("Triton went away")
+
+    run.cell("http", {"texts": "short", "workers": 4}, fails, expected_s=1)
+    written = json.loads(out.read_text())
+    assert written["http"] == [{"texts": "short", "workers": 4, "error": "ConnectionError: Triton went away"}]
+    run.cell("http", {"texts": "long", "workers": 4}, lambda: {"emb_per_s": 5.0}, expected_s=1)
+    assert json.loads(out.read_text())["http"][1] == {"texts": "long", "workers": 4, "emb_per_s": 5.0}
+
+
+def test_a_cell_that_would_overrun_the_budget_is_skipped_not_run(tmp_path):
+    run = gpu.Run(gpu.parse_args(["--out", str(tmp_path / "gpu.json"), "--budget-s", "100"]))
+    called = []
+    entry = run.cell("triton_direct", {"texts": "short"}, lambda: called.append(1) or {}, expected_s=101)
+    assert called == []
+    assert entry["skipped"].startswith("budget")
+    assert json.loads((tmp_path / "gpu.json").read_text())["triton_direct"] == [entry]
+
+
+# --- models in process (ONNX Runtime on CPU; no server) ----------------------------------------------
+
+
+def test_on_cpu_the_in_process_model_falls_back_to_onnx_runtime_only_without_the_encoder(monkeypatch):
+    monkeypatch.setitem(sys.modules, "embeddings.triton.backends.embedsite_torch.encoder", None)
+    model, description = gpu.load_in_process_model("cpu")
+    assert description == "onnxruntime-cpu-float32"
+    tokens = gpu.tokenizer().encode(["a short text"])
+    assert model.embed(tokens.input_ids, tokens.attention_mask).shape == (1, 384)
+    with pytest.raises(ImportError):
+        gpu.load_in_process_model("cuda")
+
+
+def test_the_reference_round_trips_and_is_computed_when_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu, "agreement_texts", lambda: ["a short text", "another text, a little longer"])
+    path = tmp_path / "reference.npz"
+    gpu.write_reference(path)
+    texts, vectors, source = gpu.load_reference(path)
+    assert texts == ["a short text", "another text, a little longer"]
+    assert vectors.dtype == np.float32 and vectors.shape == (2, 384)
+    assert source == str(path)
+    _, computed, source = gpu.load_reference(tmp_path / "missing.npz")
+    assert "computed" in source
+    assert gpu.min_cosine(computed, vectors) > 0.9999
+    assert gpu.min_cosine(vectors, vectors[::-1]) < 0.99  # two different texts do differ
+
+
+def test_the_scripts_run_as_their_docstrings_say():
+    for script, option in (("gpu.py", "--write-reference"), ("plot_gpu.py", "--png")):
+        done = subprocess.run([sys.executable, str(BENCH / script), "--help"], cwd=BENCH.parent,
+                              capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert option in done.stdout
+
+
+# --- bench/plot_gpu.py -------------------------------------------------------------------------------
+
+
+def http_cell(workers, shape, emb_per_s, **extra):
+    clients, batch = (int(part) for part in shape.split(" x "))
+    return {"texts": "short", "workers": workers, "shape": shape, "clients": clients, "batch": batch,
+            "emb_per_s": emb_per_s, "p50_ms": 10.0, "p99_ms": 30.0, "errors": 0, **extra}  # fmt: skip
+
+
+SMALL_RESULT = {
+    "environment": {"cpu_count": 16, "gpus": ["NVIDIA H100 80GB HBM3, 580.00, 81559 MiB"]},
+    "options": {"config_name": "bundled-gpu", "seconds": 5.0},
+    "texts": {"short": {"tokens_mean": 11.2}},
+    "agreement": {"texts": 64, "in_process_min_cosine": 0.99991, "triton_min_cosine": 0.99990},
+    "in_process_model": "torch-cuda-float16",
+    "in_process": [
+        {
+            "texts": "short",
+            "batch": 512,
+            "emb_per_s": 150000.0,
+            "model_only_emb_per_s": 200000.0,
+            "p50_ms": 3.3,
+            "p99_ms": 4.0,
+        },
+        {"texts": "short", "batch": 1, "error": "RuntimeError: CUDA out of memory"},
+    ],
+    "triton_direct": [
+        {
+            "texts": "short",
+            "shape": "32 x 1",
+            "clients": 32,
+            "batch": 1,
+            "emb_per_s": 20000.0,
+            "p50_ms": 1.5,
+            "p99_ms": 3.0,
+            "errors": 0,
+            "gpu_util_mean": 40.0,
+            "rows_per_execution": 12.0,
+        },
+        {
+            "texts": "short",
+            "shape": "32 x 32",
+            "clients": 32,
+            "batch": 32,
+            "emb_per_s": 60000.0,
+            "p50_ms": 15.0,
+            "p99_ms": 25.0,
+            "errors": 0,
+            "gpu_util_mean": 90.0,
+            "rows_per_execution": 256.0,
+        },
+    ],
+    "http": [
+        # 1 worker, single texts: its one core is busy -> web CPU; 0.5 s of CPU per 1,000 -> 2,000/s/core.
+        http_cell(1, "32 x 1", 2000.0, web_cpu_s_per_1000=0.5, web_cores_busy=0.98, gpu_util_mean=5.0),
+        http_cell(4, "32 x 1", 7600.0, web_cpu_s_per_1000=0.5, web_cores_busy=3.9, gpu_util_mean=20.0),
+        # Batch 32: HTTP at 0.9 of Triton-direct with the GPU at 95% -> GPU.
+        http_cell(1, "32 x 32", 30000.0, web_cpu_s_per_1000=0.03, web_cores_busy=0.9, gpu_util_mean=50.0),
+        http_cell(4, "32 x 32", 54000.0, web_cpu_s_per_1000=0.05, web_cores_busy=2.7, gpu_util_mean=95.0),
+        {"texts": "short", "workers": 8, "shape": "32 x 1", "skipped": "budget: 530 s spent of 540"},
+    ],
+    "errors": [{"where": "serve --workers 12", "error": "RuntimeError: did not start"}],
+    "elapsed_s": 410.0,
+}
+
+
+def test_findings_give_the_batch_32_ratio_the_per_core_figure_and_the_cores_to_feed_triton():
+    found = plot_gpu.findings(SMALL_RESULT)
+    assert found["batch_32"] == [
+        {"texts": "short", "shape": "32 x 32", "http": 54000.0, "workers": 4, "direct": 60000.0, "ratio": 0.9}
+    ]
+    per_core = {row["shape"]: row["emb_per_web_core_s"] for row in found["per_core"]}
+    assert per_core["32 x 1"] == pytest.approx(2000.0)
+    assert per_core["32 x 32"] == pytest.approx((1000 / 0.03 + 1000 / 0.05) / 2)  # median of two
+    feed = {row["shape"]: row["web_cores"] for row in found["feed"]}
+    assert feed["32 x 1"] == pytest.approx(20000.0 / 2000.0)
+
+
+@pytest.mark.parametrize(
+    "cell,expected",
+    [
+        (http_cell(4, "32 x 32", 10.0, gpu_util_mean=95.0, web_cores_busy=1.0), "GPU"),
+        (http_cell(4, "32 x 1", 10.0, gpu_util_mean=20.0, web_cores_busy=3.6), "web CPU"),
+        (http_cell(12, "512 x 1", 10.0, web_cores_busy=8.0, machine_cores_busy=15.5), "machine CPU"),
+        (http_cell(4, "32 x 1", 19000.0, web_cores_busy=1.0, machine_cores_busy=4.0), "Triton"),
+        (http_cell(4, "32 x 1", 5000.0, web_cores_busy=1.0, machine_cores_busy=4.0), "none saturated"),
+    ],
+)
+def test_bottleneck_names_the_saturated_resource(cell, expected):
+    direct = {"emb_per_s": 20000.0}
+    assert plot_gpu.bottleneck(cell, direct, cpu_count=16) == expected
+
+
+def test_markdown_has_the_tables_findings_and_the_cells_without_figures():
+    text = plot_gpu.markdown(SMALL_RESULT)
+    assert "NVIDIA H100 80GB HBM3" in text
+    assert "| short | 32 x 1 | 20,000 | 2,000 | 7,600 |" in text  # Triton direct, then workers 1 and 4
+    assert "= 0.90 x Triton-direct" in text
+    assert "2,000 embeddings per web-core second" in text
+    assert "10.0 web cores feed" in text
+    assert "| short | 32 x 32 | 4 | 54,000 |" in text and "| GPU |" in text
+    assert "CUDA out of memory" in text and "budget: 530 s spent of 540" in text
+    assert "serve --workers 12: RuntimeError: did not start" in text
+
+
+def test_plot_writes_a_png_even_for_a_partial_result(tmp_path):
+    path = tmp_path / "gpu.png"
+    plot_gpu.plot(SMALL_RESULT, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "empty.png"
+    plot_gpu.plot({"http": [], "errors": []}, empty)
+    assert empty.exists()
