@@ -12,7 +12,8 @@ MODEL_ONNX := model_repository/minilm/1/model.onnx
 PROTOCOL := embeddings/triton/protocol/grpc_service_pb2.py
 COMPOSE := $(VENV)/bin/docker-compose
 
-.PHONY: run test setup bench bench-api bench-peers bench-quota bench-replicas bench-jobs lint clean-venv
+.PHONY: run test setup bench bench-api bench-peers bench-quota bench-replicas bench-jobs bench-gpu lint \
+	clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
 # Two local Redis servers, as deployments run them (README "Job store and critical Redis"): job data
@@ -61,6 +62,13 @@ bench-replicas: setup
 ## bench-jobs: a 100,000-text job end to end vs raw ONNX Runtime, download times and memory (JSON)
 bench-jobs: setup
 	$(PY) bench/jobs.py $(BENCH_ARGS)
+
+## bench-gpu: on a GPU machine: in process, Triton direct, HTTP at 1-12 workers (JSON; plot: bench/plot_gpu.py)
+# Needs wrk and redis-server on PATH; the JSON is rewritten after every cell, so a run cut short keeps
+# its figures. On a CPU machine: BENCH_ARGS='--device cpu --config-name "" --workers 1,2 --quick'.
+bench-gpu: setup
+	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
+	$(PY) bench/gpu.py $(BENCH_ARGS)
 
 setup: .run/.system-packages .run/secret_key $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated .run/.collected-static \
 	$(COMPOSE)
