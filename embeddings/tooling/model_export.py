@@ -154,6 +154,9 @@ def model_export(
             "dims": dims,
             "max_tokens": max_tokens,
             "vocab_size": int(config.vocab_size),
+            # The GPU backend (embedsite_torch) rebuilds the encoder from model.onnx's weights; the
+            # head count is the one shape it cannot read off them.
+            "attention_heads": _attention_heads(config),
             "pad_token_id": pad_token_id,
             "source": str(source_dir.resolve()),
             "source_package": _source_package(source_dir),
@@ -255,6 +258,8 @@ def model_export_outdated(
         info = model_export_info(repository_dir=repository_dir, name=name, version=version)
     except (ModelExportError, FileNotFoundError) as error:
         return str(error)
+    if "attention_heads" not in info:
+        return "its export.json predates attention_heads (which the GPU backend reads)"
     if info.get("pooling") != pooling:
         return f"it was exported with {info.get('pooling')} pooling, not {pooling}"
     if max_tokens is not None and info.get("max_tokens") != max_tokens:
@@ -266,6 +271,11 @@ def model_export_outdated(
     if installed is None and info.get("source") and info["source"] != str(Path(source_dir).resolve()):
         return f"it was exported from {info['source']}, not {Path(source_dir).resolve()}"
     return None
+
+
+def _attention_heads(config) -> int | None:
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None)
+    return int(heads) if heads else None
 
 
 def _describe(package: dict[str, str] | None) -> str:

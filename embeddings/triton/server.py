@@ -292,7 +292,7 @@ class TritonServer:
 
     def _prepare_backends(self, dist: TritonDistribution) -> Path:
         """A backend directory holding the Python backend with this interpreter's stub beside it, and
-        our python-based backends (`embedsite_onnx`) served through it."""
+        our python-based backends (`embedsite_onnx`, `embedsite_torch`) served through it."""
         backends = self.run_dir / "triton_backends"
         python_dir = backends / "python"
         python_dir.mkdir(parents=True, exist_ok=True)
@@ -312,7 +312,9 @@ class TritonServer:
         for backend in PYTHON_BASED_BACKENDS_DIR.iterdir():
             if (backend / "model.py").is_file():
                 (backends / backend.name).mkdir(exist_ok=True)
-                _copy_if_changed(backend / "model.py", backends / backend.name / "model.py")
+                # model.py and the modules it loads from beside it (embedsite_torch's encoder.py).
+                for source in backend.glob("*.py"):
+                    _copy_if_changed(source, backends / backend.name / source.name)
         return backends
 
     def _environment(self, dist: TritonDistribution) -> dict[str, str]:

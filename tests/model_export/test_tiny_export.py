@@ -112,13 +112,15 @@ def test_the_export_is_a_servable_model_folder(tiny_bert, tmp_path):
     assert json.loads((model_dir / "1" / "tokenizer.json").read_text())["padding"]["direction"] == "Right"
     configs = {
         path: parsed_config(model_dir / path)
-        for path in ("config.pbtxt", "configs/cpu.pbtxt", "configs/gpu.pbtxt")
+        for path in ("config.pbtxt", "configs/cpu.pbtxt", "configs/gpu.pbtxt", "configs/bundled-gpu.pbtxt")
     }
     for path, config in configs.items():
         assert config.name == "tiny_cls", path
         assert [list(output.dims) for output in config.output] == [[128]], path
     assert configs["config.pbtxt"].backend == "embedsite_onnx"
     assert configs["configs/gpu.pbtxt"].platform == "onnxruntime_onnx"
+    assert configs["configs/bundled-gpu.pbtxt"].backend == "embedsite_torch"
+    assert info["attention_heads"] == 2  # what the GPU backend reads besides model.onnx
     # Nothing else: no scratch directory left where Triton looks for versions.
     assert sorted(path.name for path in model_dir.iterdir()) == ["1", "config.pbtxt", "configs"]
 
@@ -253,7 +255,7 @@ def test_the_only_version_may_be_replaced_by_another_width(tmp_path, tiny_bert):
     result = model_export(source_dir=narrow, repository_dir=tmp_path, name="tiny", pooling="mean", version=1)
 
     assert (result.version, result.dims) == (1, 64)
-    for path in ("config.pbtxt", "configs/cpu.pbtxt", "configs/gpu.pbtxt"):
+    for path in ("config.pbtxt", "configs/cpu.pbtxt", "configs/gpu.pbtxt", "configs/bundled-gpu.pbtxt"):
         assert list(parsed_config(tmp_path / "tiny" / path).output[0].dims) == [64], path
     with pytest.raises(ModelExportError, match="64-dimensional embeddings"):
         model_export(source_dir=tiny_bert, repository_dir=tmp_path, name="tiny", pooling="mean")

@@ -15,7 +15,7 @@ from tests.processes import REPO_ROOT
 pytestmark = pytest.mark.unit
 
 MINILM_DIR = REPO_ROOT / "model_repository" / "minilm"
-CONFIG_PATHS = ("config.pbtxt", "configs/cpu.pbtxt", "configs/gpu.pbtxt")
+CONFIG_PATHS = ("config.pbtxt", "configs/cpu.pbtxt", "configs/gpu.pbtxt", "configs/bundled-gpu.pbtxt")
 
 
 def parsed(text: str) -> model_config_pb2.ModelConfig:
@@ -41,9 +41,16 @@ def test_another_models_configs_name_it_and_its_width():
             ("input_ids", model_config_pb2.TYPE_INT64),
             ("attention_mask", model_config_pb2.TYPE_INT64),
         ]
-    bundled, cpu, gpu = (rendered[path] for path in CONFIG_PATHS)
+    bundled, cpu, gpu, bundled_gpu = (rendered[path] for path in CONFIG_PATHS)
     assert bundled.backend == "embedsite_onnx" and not bundled.platform
     assert all(tensor.allow_ragged_batch for tensor in bundled.input)
+    assert bundled_gpu.backend == "embedsite_torch" and not bundled_gpu.platform
+    assert all(tensor.allow_ragged_batch for tensor in bundled_gpu.input)
+    assert [group.kind for group in bundled_gpu.instance_group] == [
+        model_config_pb2.ModelInstanceGroup.KIND_GPU
+    ]
+    # Same priority levels as the CPU model: the client's priorities mean the same on both.
+    assert bundled_gpu.dynamic_batching.priority_levels == bundled.dynamic_batching.priority_levels
     assert cpu.platform == gpu.platform == "onnxruntime_onnx"
     assert [group.kind for group in cpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
     assert [group.kind for group in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]

@@ -1,9 +1,11 @@
 """Triton model configurations of an exported embedding model, rendered from one set of templates.
 
-Every exported model gets the same three files, so a second model is served with MiniLM's tuned
+Every exported model gets the same four files, so a second model is served with MiniLM's tuned
 settings and the bundled and official-container configurations never drift apart:
-`config.pbtxt` (the bundled CPU Triton, embedsite_onnx backend), `configs/cpu.pbtxt` and
-`configs/gpu.pbtxt` (the official container, `--model-config-name cpu|gpu`, onnxruntime backend).
+`config.pbtxt` (the bundled CPU Triton, embedsite_onnx backend), `configs/bundled-gpu.pbtxt` (the
+bundled Triton on a GPU, embedsite_torch backend, `--model-config-name bundled-gpu`), and
+`configs/cpu.pbtxt` and `configs/gpu.pbtxt` (the official container, `--model-config-name cpu|gpu`,
+onnxruntime backend).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ CONFIG_TEMPLATES = {
     "config.pbtxt": "bundled.pbtxt",
     "configs/cpu.pbtxt": "cpu.pbtxt",
     "configs/gpu.pbtxt": "gpu.pbtxt",
+    "configs/bundled-gpu.pbtxt": "bundled_gpu.pbtxt",
 }
 # A Triton model name is a directory name and a quoted string in the config: keep it plain.
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
@@ -30,7 +33,7 @@ def model_name_is_valid(name: str) -> bool:
 
 
 def model_config_texts(*, name: str, dims: int) -> dict[str, str]:
-    """The three configuration files of model `name` with a `dims`-wide embedding, keyed by their
+    """The configuration files of model `name` with a `dims`-wide embedding, keyed by their
     path in the model's folder."""
     if not model_name_is_valid(name):
         raise ValueError(f"invalid Triton model name {name!r}: letters, digits, '_', '.', '-' only")
@@ -43,7 +46,7 @@ def model_config_texts(*, name: str, dims: int) -> dict[str, str]:
 
 
 def model_configs_write(*, model_dir: Path, name: str, dims: int) -> list[Path]:
-    """Write (atomically, each file whole or not at all) the three configurations into `model_dir`;
+    """Write (atomically, each file whole or not at all) the configurations into `model_dir`;
     files already equal to their rendering are left untouched. Returns the paths written."""
     written = []
     for relative, text in model_config_texts(name=name, dims=dims).items():

@@ -73,10 +73,10 @@ def _parameters(model_config: dict) -> dict[str, str]:
 
 
 class TritonPythonModel:
+    runtime_name = "ONNX Runtime"
+
     def initialize(self, args: dict) -> None:
         _require_numpy_1()
-        import onnxruntime
-
         model_config = json.loads(args["model_config"])
         parameters = _parameters(model_config)
         version_dir = Path(args["model_repository"]) / args["model_version"]
@@ -84,6 +84,17 @@ class TritonPythonModel:
         export_info = json.loads(export_info_path.read_text()) if export_info_path.is_file() else {}
 
         _log_export_check(version_dir / MODEL_FILENAME, export_info)
+        self.output_name = model_config["output"][0]["name"]
+        self.max_tokens = export_info.get("max_tokens")
+        self.vocab_size = export_info.get("vocab_size")
+        # Merging a longer request into a group pads every row already there; above this many padding
+        # tokens it is cheaper to run the longer request in a group of its own.
+        self.merge_padding_tokens = int(parameters.get("merge_padding_tokens", "512"))
+        self.load_runtime(args, version_dir / MODEL_FILENAME, parameters)
+
+    def load_runtime(self, args: dict, model_path: Path, parameters: dict[str, str]) -> None:
+        """Load what runs the model (here ONNX Runtime on CPU; the GPU backend overrides it)."""
+        import onnxruntime
 
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = int(parameters.get("intra_op_threads", "0"))
@@ -95,14 +106,8 @@ class TritonPythonModel:
         options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.session = onnxruntime.InferenceSession(
-            str(version_dir / MODEL_FILENAME), options, providers=["CPUExecutionProvider"]
+            str(model_path), options, providers=["CPUExecutionProvider"]
         )
-        self.output_name = model_config["output"][0]["name"]
-        self.max_tokens = export_info.get("max_tokens")
-        self.vocab_size = export_info.get("vocab_size")
-        # Merging a longer request into a group pads every row already there; above this many padding
-        # tokens it is cheaper to run the longer request in a group of its own.
-        self.merge_padding_tokens = int(parameters.get("merge_padding_tokens", "512"))
 
     def execute(self, requests: list) -> list:
         responses: list = [None] * len(requests)
@@ -128,7 +133,7 @@ class TritonPythonModel:
             except Exception as error:  # one failed run must answer its own requests, not the whole batch
                 for index, _, _ in group:
                     responses[index] = pb_utils.InferenceResponse(
-                        error=pb_utils.TritonError(f"ONNX Runtime failed: {error}")
+                        error=pb_utils.TritonError(f"{self.runtime_name} failed: {error}")
                     )
                 continue
             offset = 0
@@ -181,9 +186,17 @@ class TritonPythonModel:
         return groups
 
     def _run(self, group: list) -> np.ndarray:
-        length = max(input_ids.shape[1] for _, input_ids, _ in group)
+        length = self.padded_length(max(input_ids.shape[1] for _, input_ids, _ in group))
         input_ids = np.concatenate([_pad(ids, length) for _, ids, _ in group])
         attention_mask = np.concatenate([_pad(mask, length) for _, _, mask in group])
+        return self.run_padded(input_ids, attention_mask)
+
+    def padded_length(self, longest: int) -> int:
+        """The sequence length a group runs at (ONNX Runtime: its longest request's)."""
+        return longest
+
+    def run_padded(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """[rows, length] int64 -> [rows, dims] float32."""
         (embeddings,) = self.session.run(
             [self.output_name], {"input_ids": input_ids, "attention_mask": attention_mask}
         )
