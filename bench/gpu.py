@@ -74,9 +74,11 @@ class LoadShape:
 
 LOAD_SHAPES = (LoadShape(32, 1), LoadShape(128, 1), LoadShape(512, 1), LoadShape(32, 32))
 QUICK_LOAD_SHAPES = (LoadShape(32, 1), LoadShape(32, 32))
-# Fixed costs of a run besides its cells (seconds): Triton loading the model, each server start with
-# its warm-up, the agreement check and stopping everything; what `planned_seconds` adds to the cells.
+# Fixed costs of a run besides its cells (seconds): Triton loading the model, the in-process model,
+# the agreement check, the database and Redis of the HTTP stack, each server start with its warm-up
+# and stop; what `planned_seconds` adds to the cells.
 TRITON_START_S = 60.0
+STACK_START_S = 20.0
 SERVER_START_S = 20.0
 CELL_OVERHEAD_S = 2.0
 
@@ -232,7 +234,7 @@ def planned_seconds(workers: list[int], quick: bool, seconds: float) -> float:
     cells = planned_cells(workers, quick)
     measured = cells["in_process"] * in_process_seconds(seconds)
     measured += (cells["triton_direct"] + cells["http"]) * (wrk_seconds(seconds) + CELL_OVERHEAD_S)
-    return measured + TRITON_START_S + SERVER_START_S * len(workers)
+    return measured + TRITON_START_S + STACK_START_S + SERVER_START_S * len(workers)
 
 
 def wrk_seconds(seconds: float) -> int:
@@ -337,6 +339,7 @@ def load_in_process_model(device: str):
     while the encoder module cannot be imported. Returns (model, description)."""
     try:
         import torch
+
         from embeddings.triton.backends.embedsite_torch.encoder import load_encoder
     except ImportError:
         if device != "cpu":
@@ -725,7 +728,12 @@ def measure_all(run: Run, workdir: Path, stack: ExitStack) -> None:
             def measure(kind_texts=kind_texts, batch=batch, seconds=seconds):
                 if model is None:
                     raise RuntimeError("no in-process model (see errors)")
-                return measure_in_process(model, tok, kind_texts, batch, seconds)
+                sampler = GpuSampler()
+                try:
+                    result = measure_in_process(model, tok, kind_texts, batch, seconds)
+                finally:
+                    result_gpu = sampler.stop()
+                return {**result, "gpu_util_mean": result_gpu}
 
             run.cell("in_process", {"texts": kind, "batch": batch}, measure, seconds + 5)
     if model is not None:
@@ -842,7 +850,7 @@ def triton_direct_cell(
     time.sleep(max(0.0, start_at - time.time()))
     observation.start()
     try:
-        parts = [future.result(timeout=seconds + 120) for future in futures]
+        parts = [future.result(timeout=seconds + 60) for future in futures]
     except BaseException:
         observation.abandon()
         raise
