@@ -32,6 +32,7 @@ import json
 import multiprocessing
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -104,6 +105,19 @@ def parse_workers(text: str) -> list[int]:
     if not workers or min(workers) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected worker counts of at least 1")
     return workers
+
+
+def parse_shapes(text: str) -> list[LoadShape]:
+    """'32x1,512x1' -> the load shapes (clients x texts per request)."""
+    shapes = []
+    for part in filter(None, (part.strip() for part in text.split(","))):
+        clients, separator, batch = part.replace(" ", "").partition("x")
+        if not separator or not clients.isdigit() or not batch.isdigit() or min(int(clients), int(batch)) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected CLIENTSxTEXTS, like 32x1")
+        shapes.append(LoadShape(int(clients), int(batch)))
+    if not shapes:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected shapes like 32x1,512x1,32x32")
+    return shapes
 
 
 def parse_server_env(text: str) -> tuple[str, str]:
@@ -198,6 +212,24 @@ def parse_gpu_samples(output: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+REFUSAL_LINE = re.compile(r"django\.request \[[^\]]*\]: (?P<reason>[A-Za-z ]+): /")
+
+
+def summarize_server_log(text: str, keep: int = 5) -> dict:
+    """What the server logged during a cell: its refused requests counted by reason (Django logs a
+    line per 4xx/5xx answer: "Too Many Requests", "Service Unavailable"), and the first other lines
+    at WARNING and above (a traceback's first line says why)."""
+    refused: dict[str, int] = {}
+    other: list[str] = []
+    for line in text.splitlines():
+        match = REFUSAL_LINE.search(line)
+        if match:
+            refused[match["reason"]] = refused.get(match["reason"], 0) + 1
+        elif line.strip() and len(other) < keep:
+            other.append(line[:300])
+    return {"refused": refused, "other_lines": other}
+
+
 def latency_summary(latencies_s: list[float], rows: int, wall_s: float) -> dict:
     return {
         "requests": len(latencies_s),
@@ -215,13 +247,11 @@ def min_cosine(ours: np.ndarray, reference: np.ndarray) -> float:
     return float(np.sum(ours * reference, axis=1).min())
 
 
-def planned_cells(workers: list[int], quick: bool) -> dict[str, int]:
-    shapes = len(QUICK_LOAD_SHAPES if quick else LOAD_SHAPES)
-    batches = len(QUICK_IN_PROCESS_BATCHES if quick else IN_PROCESS_BATCHES)
+def planned_cells(args: argparse.Namespace) -> dict[str, int]:
     return {
-        "in_process": len(TEXT_KINDS) * batches,
-        "triton_direct": len(TEXT_KINDS) * shapes,
-        "http": len(TEXT_KINDS) * shapes * len(workers),
+        "in_process": len(TEXT_KINDS) * len(args.batches),
+        "triton_direct": len(TEXT_KINDS) * len(args.shapes),
+        "http": len(TEXT_KINDS) * len(args.shapes) * len(args.workers),
     }
 
 
@@ -229,12 +259,12 @@ def in_process_seconds(seconds: float) -> float:
     return max(1.0, seconds / 2)
 
 
-def planned_seconds(workers: list[int], quick: bool, seconds: float) -> float:
+def planned_seconds(args: argparse.Namespace) -> float:
     """What the run should take: its cells, their probes and its fixed costs."""
-    cells = planned_cells(workers, quick)
-    measured = cells["in_process"] * in_process_seconds(seconds)
-    measured += (cells["triton_direct"] + cells["http"]) * (wrk_seconds(seconds) + CELL_OVERHEAD_S)
-    return measured + TRITON_START_S + STACK_START_S + SERVER_START_S * len(workers)
+    cells = planned_cells(args)
+    measured = cells["in_process"] * in_process_seconds(args.seconds)
+    measured += (cells["triton_direct"] + cells["http"]) * (wrk_seconds(args.seconds) + CELL_OVERHEAD_S)
+    return measured + TRITON_START_S + STACK_START_S + SERVER_START_S * len(args.workers)
 
 
 def wrk_seconds(seconds: float) -> int:
@@ -483,9 +513,21 @@ def http_server_class():
     class WorkersServer(Server):
         """`manage.py serve --workers N`: uvicorn's supervisor and its N worker processes."""
 
-        def __init__(self, env: dict[str, str], port: int, workers: int) -> None:
+        def __init__(self, env: dict[str, str], port: int, workers: int, log_path: Path) -> None:
             self.workers = workers
-            super().__init__(env, port)
+            self.log_path = log_path
+            # Its log goes to a file: a line per refused request would bury the run's progress lines
+            # (the device returns only the last lines of a command's output).
+            with open(log_path, "ab") as log:
+                super().__init__(env, port, output=log)
+
+        def log_size(self) -> int:
+            return self.log_path.stat().st_size
+
+        def log_since(self, offset: int) -> str:
+            with open(self.log_path, "rb") as log:
+                log.seek(offset)
+                return log.read().decode("utf-8", "replace")
 
         def command(self, port: int) -> list[str]:
             return [sys.executable, str(ROOT / "manage.py"), "serve", "--host", "127.0.0.1", "--port",
@@ -582,9 +624,11 @@ class Run:
                 "client_processes": args.client_processes,
                 "wrk_threads": args.wrk_threads,
                 "server_env": dict(args.server_env),
+                "shapes": [shape.name for shape in args.shapes],
+                "in_process_batches": args.batches,
                 "budget_s": args.budget_s,
             },
-            "planned_s": planned_seconds(args.workers, args.quick, args.seconds),
+            "planned_s": planned_seconds(args),
             "environment": {},
             "texts": {},
             "agreement": {},
@@ -636,7 +680,8 @@ def format_progress(section: str, entry: dict) -> str:
     if entry.get("p50_ms") is not None:
         parts.append(f"p50 {entry['p50_ms']:.1f} ms p99 {entry['p99_ms']:.1f} ms")
     if entry.get("errors"):
-        parts.append(f"{entry['errors']} ERRORS")
+        refused = entry.get("server_log", {}).get("refused")
+        parts.append(f"{entry['errors']} ERRORS" + (f" {refused}" if refused else ""))
     if entry.get("gpu_util_mean") is not None:
         parts.append(f"GPU {entry['gpu_util_mean']:.0f}%")
     if entry.get("web_cpu_s_per_1000") is not None:
@@ -691,8 +736,7 @@ class Observation:
 
 def measure_all(run: Run, workdir: Path, stack: ExitStack) -> None:
     args = run.args
-    shapes = QUICK_LOAD_SHAPES if args.quick else LOAD_SHAPES
-    batches = QUICK_IN_PROCESS_BATCHES if args.quick else IN_PROCESS_BATCHES
+    shapes, batches = args.shapes, args.batches
     tok = tokenizer()
     texts = {kind: texts_for(kind) for kind in TEXT_KINDS}
     for kind, kind_texts in texts.items():
@@ -899,7 +943,7 @@ def measure_http(
         server = None
         started = time.monotonic()
         try:
-            server = WorkersServer(env, free_port(), workers)
+            server = WorkersServer(env, free_port(), workers, workdir / f"serve-{workers}.log")
             server.wait_for_workers()
             url = f"{server.url}/v1/embeddings"
             check = {"model": "all-MiniLM-L6-v2", "input": reference_texts, "encoding_format": "base64"}
@@ -911,6 +955,11 @@ def measure_http(
             print(f"serve --workers {workers} up in {time.monotonic() - started:.1f} s, "
                   f"min cosine {cosine:.5f}", flush=True)  # fmt: skip
         except Exception as error:
+            log = workdir / f"serve-{workers}.log"
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+            run.result.setdefault("servers", []).append(
+                {"workers": workers, "error": str(error), "log_tail": tail}
+            )
             run.error(f"serve --workers {workers}", error)
             if server is not None:
                 server.stop()
@@ -943,6 +992,7 @@ def http_cell(
     http_probe(url, body, headers)
 
     observation = Observation(triton)
+    log_offset = server.log_size()
     cpu_before = server.cpu_seconds()
     observation.start()
     try:
@@ -951,6 +1001,7 @@ def http_cell(
         observation.abandon()
         raise
     observation.stop(result)
+    result["server_log"] = summarize_server_log(server.log_since(log_offset))
     cpu = server.cpu_seconds() - cpu_before
     result["web_cpu_s"] = cpu
     result["web_cpu_s_per_1000"] = cpu * 1000 / result["embeddings"] if result["embeddings"] else None
@@ -981,12 +1032,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=540.0,
                         help="skip the cells that would end later than this after the start")  # fmt: skip
     parser.add_argument("--triton-start-timeout-s", type=float, default=240.0)
+    parser.add_argument("--shapes", type=parse_shapes,
+                        help="gRPC and HTTP load shapes, e.g. 32x1,512x1 (default: all)")  # fmt: skip
     parser.add_argument("--plan", action="store_true", help="print the cell count and planned time, and exit")
     args = parser.parse_args(argv)
     if args.seconds < 1:
         parser.error("--seconds must be at least 1 (wrk runs whole seconds)")
     if args.client_processes < 1 or args.wrk_threads < 1:
         parser.error("--client-processes and --wrk-threads must be at least 1")
+    if args.shapes is None:
+        args.shapes = list(QUICK_LOAD_SHAPES if args.quick else LOAD_SHAPES)
+    args.batches = list(QUICK_IN_PROCESS_BATCHES if args.quick else IN_PROCESS_BATCHES)
     return args
 
 
@@ -996,8 +1052,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.write_reference is not None:
         write_reference(args.write_reference)
         return
-    cells = planned_cells(args.workers, args.quick)
-    planned = planned_seconds(args.workers, args.quick, args.seconds)
+    cells = planned_cells(args)
+    planned = planned_seconds(args)
     print(
         f"{sum(cells.values())} cells {cells}, about {planned:.0f} s planned (budget {args.budget_s:.0f} s)"
     )

@@ -195,12 +195,19 @@ def http_table(result: dict) -> str:
         limit = bottleneck(cell, direct.get((cell["texts"], cell["shape"])), cpu_count)
         lines.append(
             f"| {cell['texts']} | {cell['shape']} | {cell['workers']} | {_number(cell['emb_per_s'])} | "
-            f"{_number(cell['p50_ms'], 1)} | {_number(cell['p99_ms'], 1)} | {cell.get('errors', 0)} | "
+            f"{_number(cell['p50_ms'], 1)} | {_number(cell['p99_ms'], 1)} | {errors_text(cell)} | "
             f"{_number(cell.get('gpu_util_mean'))} | {_number(cell.get('web_cpu_s_per_1000'), 3)} | "
             f"{_number(cell.get('web_cores_busy'), 1)} | {_number(cell.get('machine_cores_busy'), 1)} | "
             f"{_number(cell.get('rows_per_execution'), 1)} | {limit} |"
         )
     return "\n".join(lines)
+
+
+def errors_text(cell: dict) -> str:
+    """The cell's error count, with the server's refusals by reason when it logged any."""
+    refused = cell.get("server_log", {}).get("refused") or {}
+    reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(refused.items()))
+    return f"{cell.get('errors', 0)} ({reasons})" if reasons else str(cell.get("errors", 0))
 
 
 def failures(result: dict) -> list[str]:

@@ -49,6 +49,21 @@ def test_wrk_script_posts_the_body_verbatim_and_reports_p99():
     assert "latency:percentile(99)" in script
 
 
+def test_server_log_summary_counts_refusals_by_reason_and_keeps_the_first_other_lines():
+    log = (
+        "2026-11-24 09:19:27,772 WARNING django.request [74b7dcf5]: Too Many Requests: /v1/embeddings\n"
+        "2026-11-24 09:19:28,193 ERROR django.request [62717951]: Service Unavailable: /v1/embeddings\n"
+        "2026-11-24 09:19:28,194 ERROR django.request [b65eec2f]: Service Unavailable: /v1/embeddings\n"
+        "\n"
+        "2026-11-24 09:19:29,000 ERROR embeddings.services: Redis timed out\n"
+        "Traceback (most recent call last):\n"
+    )
+    summary = gpu.summarize_server_log(log, keep=1)
+    assert summary["refused"] == {"Too Many Requests": 1, "Service Unavailable": 2}
+    assert summary["other_lines"] == ["2026-11-24 09:19:29,000 ERROR embeddings.services: Redis timed out"]
+    assert gpu.summarize_server_log("") == {"refused": {}, "other_lines": []}
+
+
 # --- /proc and nvidia-smi ----------------------------------------------------------------------------
 
 
@@ -129,11 +144,22 @@ def test_merge_client_results_sums_processes_over_the_common_wall_clock():
 def test_defaults_are_the_device_run_and_fit_seven_minutes():
     args = gpu.parse_args([])
     assert (args.config_name, args.device, args.workers) == ("bundled-gpu", "cuda", [1, 4, 8, 12])
-    cells = gpu.planned_cells(args.workers, args.quick)
-    assert cells == {"in_process": 6, "triton_direct": 8, "http": 32}
-    assert gpu.planned_seconds(args.workers, args.quick, args.seconds) <= 7 * 60
+    assert [shape.name for shape in args.shapes] == ["32 x 1", "128 x 1", "512 x 1", "32 x 32"]
+    assert args.batches == [1, 32, 512]
+    assert gpu.planned_cells(args) == {"in_process": 6, "triton_direct": 8, "http": 32}
+    assert gpu.planned_seconds(args) <= 7 * 60
     # The budget stops the run before the device's 10-minute limit on a command.
-    assert gpu.planned_seconds(args.workers, args.quick, args.seconds) < args.budget_s < 600
+    assert gpu.planned_seconds(args) < args.budget_s < 600
+    quick = gpu.parse_args(["--quick", "--workers", "1,2"])
+    assert gpu.planned_cells(quick) == {"in_process": 4, "triton_direct": 4, "http": 8}
+
+
+def test_shapes_are_parsed_and_malformed_ones_refused():
+    args = gpu.parse_args(["--shapes", "32x1, 512 x 1,32x32"])
+    assert [(shape.clients, shape.batch) for shape in args.shapes] == [(32, 1), (512, 1), (32, 32)]
+    for bad in ("32", "x1", "0x1", "32x", "axb", ","):
+        with pytest.raises(SystemExit):
+            gpu.parse_args(["--shapes", bad])
 
 
 @pytest.mark.parametrize("bad", ["0", "1,x", "", "-4"])
@@ -265,7 +291,16 @@ SMALL_RESULT = {
         http_cell(4, "32 x 1", 7600.0, web_cpu_s_per_1000=0.5, web_cores_busy=3.9, gpu_util_mean=20.0),
         # Batch 32: HTTP at 0.9 of Triton-direct with the GPU at 95% -> GPU.
         http_cell(1, "32 x 32", 30000.0, web_cpu_s_per_1000=0.03, web_cores_busy=0.9, gpu_util_mean=50.0),
-        http_cell(4, "32 x 32", 54000.0, web_cpu_s_per_1000=0.05, web_cores_busy=2.7, gpu_util_mean=95.0),
+        http_cell(
+            4,
+            "32 x 32",
+            54000.0,
+            web_cpu_s_per_1000=0.05,
+            web_cores_busy=2.7,
+            gpu_util_mean=95.0,
+            errors=7,
+            server_log={"refused": {"Too Many Requests": 7}, "other_lines": []},
+        ),
         {"texts": "short", "workers": 8, "shape": "32 x 1", "skipped": "budget: 530 s spent of 540"},
     ],
     "errors": [{"where": "serve --workers 12", "error": "RuntimeError: did not start"}],
@@ -307,7 +342,8 @@ def test_markdown_has_the_tables_findings_and_the_cells_without_figures():
     assert "= 0.90 x Triton-direct" in text
     assert "2,000 embeddings per web-core second" in text
     assert "10.0 web cores feed" in text
-    assert "| short | 32 x 32 | 4 | 54,000 |" in text and "| GPU |" in text
+    assert "| short | 32 x 32 | 4 | 54,000 | 10.0 | 30.0 | 7 (7 Too Many Requests) |" in text
+    assert "| GPU |" in text
     assert "CUDA out of memory" in text and "budget: 530 s spent of 540" in text
     assert "serve --workers 12: RuntimeError: did not start" in text
 
