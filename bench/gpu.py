@@ -34,6 +34,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -314,7 +315,8 @@ def environment(device: str) -> dict:
 
 
 class GpuSampler:
-    """nvidia-smi sampling GPU utilisation every 200 ms while a cell runs; mean() is None without it."""
+    """nvidia-smi sampling GPU utilisation every 200 ms while a cell runs; stop() gives the mean, None
+    without nvidia-smi."""
 
     def __init__(self) -> None:
         self.process = None
@@ -461,13 +463,15 @@ def client_process_run(
 
     async def run() -> dict:
         latencies: list[float] = []
-        errors: list[str] = []
+        errors: list[str] = []  # the first few; a dead Triton fails fast and often
+        failed = 0
         async with AsyncTritonClient(target, channels=4, timeout_s=60, retries=0) as client:
             await client.embed_tokens(TRITON_MODEL, *requests[0])  # warm up: model spec, channels
             await asyncio.sleep(max(0.0, start_at - time.time()))
             began, began_wall = time.perf_counter(), time.time()
 
             async def caller(index: int) -> None:
+                nonlocal failed
                 sent = index
                 while time.perf_counter() - began < seconds:
                     input_ids, attention_mask = requests[sent % len(requests)]
@@ -476,13 +480,16 @@ def client_process_run(
                     try:
                         await client.embed_tokens(TRITON_MODEL, input_ids, attention_mask)
                     except Exception as error:  # counted and reported, the cell goes on
-                        errors.append(f"{type(error).__name__}: {error}"[:300])
+                        failed += 1
+                        if len(errors) < 5:
+                            errors.append(f"{type(error).__name__}: {error}"[:300])
                         continue
                     latencies.append(time.perf_counter() - t0)
 
             await asyncio.gather(*(caller(index) for index in range(clients)))
             ended_wall = time.time()
-        return {"latencies": latencies, "errors": errors, "started": began_wall, "ended": ended_wall}
+        return {"latencies": latencies, "errors": errors, "failed": failed, "started": began_wall,
+                "ended": ended_wall}  # fmt: skip
 
     return asyncio.run(run())
 
@@ -496,9 +503,10 @@ def split_clients(clients: int, processes: int) -> list[int]:
 def merge_client_results(parts: list[dict], batch: int) -> dict:
     latencies = [latency for part in parts for latency in part["latencies"]]
     errors = [error for part in parts for error in part["errors"]]
+    failed = sum(part["failed"] for part in parts)
     wall = max(part["ended"] for part in parts) - min(part["started"] for part in parts)
     result = latency_summary(latencies, batch, wall)
-    result["errors"] = len(errors)
+    result["errors"] = failed
     if errors:
         result["first_error"] = errors[0]
     return result
@@ -1010,6 +1018,10 @@ def http_cell(
     return result
 
 
+def stop_on_sigterm(signum: int, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config-name", default="bundled-gpu",
@@ -1059,6 +1071,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.plan:
         return
+    # SIGTERM (a timeout around the command) ends the run like Ctrl-C: Triton and the servers are
+    # stopped and the JSON written, so nothing is left holding the GPU for the next command.
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     run = Run(args)
     run.result["environment"] = environment(args.device)
     print(json.dumps(run.result["environment"]), flush=True)

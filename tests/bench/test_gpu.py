@@ -128,8 +128,20 @@ def test_split_clients_keeps_every_client_and_no_empty_process(clients, processe
 
 def test_merge_client_results_sums_processes_over_the_common_wall_clock():
     parts = [
-        {"latencies": [0.010] * 90 + [0.100] * 10, "errors": [], "started": 100.0, "ended": 105.0},
-        {"latencies": [0.010] * 100, "errors": ["TritonTimeout: late"], "started": 100.5, "ended": 110.0},
+        {
+            "latencies": [0.010] * 90 + [0.100] * 10,
+            "errors": [],
+            "failed": 0,
+            "started": 100.0,
+            "ended": 105.0,
+        },
+        {
+            "latencies": [0.010] * 100,
+            "errors": ["TritonTimeout: late"],
+            "failed": 40,
+            "started": 100.5,
+            "ended": 110.0,
+        },
     ]
     merged = gpu.merge_client_results(parts, batch=32)
     assert merged["requests"] == 200
@@ -138,7 +150,7 @@ def test_merge_client_results_sums_processes_over_the_common_wall_clock():
     assert merged["emb_per_s"] == 200 * 32 / 10.0
     assert merged["p50_ms"] == pytest.approx(10.0)
     assert merged["p99_ms"] == pytest.approx(100.0)
-    assert merged["errors"] == 1 and merged["first_error"] == "TritonTimeout: late"
+    assert merged["errors"] == 40 and merged["first_error"] == "TritonTimeout: late"
 
 
 def test_defaults_are_the_device_run_and_fit_seven_minutes():
@@ -239,7 +251,8 @@ def test_the_scripts_run_as_their_docstrings_say():
 def http_cell(workers, shape, emb_per_s, **extra):
     clients, batch = (int(part) for part in shape.split(" x "))
     return {"texts": "short", "workers": workers, "shape": shape, "clients": clients, "batch": batch,
-            "emb_per_s": emb_per_s, "p50_ms": 10.0, "p99_ms": 30.0, "errors": 0, **extra}  # fmt: skip
+            "emb_per_s": emb_per_s, "p50_ms": 10.0, "p99_ms": 30.0, "requests": 1000, "errors": 0,
+            **extra}  # fmt: skip
 
 
 SMALL_RESULT = {
@@ -301,7 +314,8 @@ SMALL_RESULT = {
             errors=7,
             server_log={"refused": {"Too Many Requests": 7}, "other_lines": []},
         ),
-        {"texts": "short", "workers": 8, "shape": "32 x 1", "skipped": "budget: 530 s spent of 540"},
+        http_cell(8, "32 x 1", 9000.0, web_cpu_s_per_1000=5.0, web_cores_busy=7.9, errors=333),
+        {"texts": "short", "workers": 12, "shape": "32 x 1", "skipped": "budget: 530 s spent of 540"},
     ],
     "errors": [{"where": "serve --workers 12", "error": "RuntimeError: did not start"}],
     "elapsed_s": 410.0,
@@ -310,14 +324,18 @@ SMALL_RESULT = {
 
 def test_findings_give_the_batch_32_ratio_the_per_core_figure_and_the_cores_to_feed_triton():
     found = plot_gpu.findings(SMALL_RESULT)
-    assert found["batch_32"] == [
+    assert found["batched"] == [
         {"texts": "short", "shape": "32 x 32", "http": 54000.0, "workers": 4, "direct": 60000.0, "ratio": 0.9}
     ]
-    per_core = {row["shape"]: row["emb_per_web_core_s"] for row in found["per_core"]}
-    assert per_core["32 x 1"] == pytest.approx(2000.0)
-    assert per_core["32 x 32"] == pytest.approx((1000 / 0.03 + 1000 / 0.05) / 2)  # median of two
-    feed = {row["shape"]: row["web_cores"] for row in found["feed"]}
-    assert feed["32 x 1"] == pytest.approx(20000.0 / 2000.0)
+    rows = {row["kind"]: row for row in found["per_core"]}
+    # Single texts: the 1- and 4-worker cells cost 0.5 s per 1,000; the 8-worker one refused a third
+    # of its requests, so its CPU (spent refusing) is left out.
+    assert rows["single text"]["emb_per_web_core_s"] == pytest.approx(2000.0)
+    assert rows["single text"]["web_cores"] == pytest.approx(20000.0 / 2000.0)
+    assert rows["single text"]["best_http"] == 7600.0
+    assert rows["single text"]["best_http_at"] == "4 workers, 32 x 1"
+    assert rows["batch 32"]["emb_per_web_core_s"] == pytest.approx((1000 / 0.03 + 1000 / 0.05) / 2)
+    assert rows["batch 32"]["web_cores"] == pytest.approx(60000.0 / ((1000 / 0.03 + 1000 / 0.05) / 2))
 
 
 @pytest.mark.parametrize(
@@ -338,10 +356,11 @@ def test_bottleneck_names_the_saturated_resource(cell, expected):
 def test_markdown_has_the_tables_findings_and_the_cells_without_figures():
     text = plot_gpu.markdown(SMALL_RESULT)
     assert "NVIDIA H100 80GB HBM3" in text
-    assert "| short | 32 x 1 | 20,000 | 2,000 | 7,600 |" in text  # Triton direct, then workers 1 and 4
+    # Triton direct, then workers 1, 4 and 8.
+    assert "| short | 32 x 1 | 20,000 | 2,000 | 7,600 | 9,000 |" in text
     assert "= 0.90 x Triton-direct" in text
-    assert "2,000 embeddings per web-core second" in text
-    assert "10.0 web cores feed" in text
+    assert "single text: 2,000 embeddings per web-core second" in text
+    assert "10.0 web cores feed Triton's best (20,000 emb/s)" in text
     assert "| short | 32 x 32 | 4 | 54,000 | 10.0 | 30.0 | 7 (7 Too Many Requests) |" in text
     assert "| GPU |" in text
     assert "CUDA out of memory" in text and "budget: 530 s spent of 540" in text
