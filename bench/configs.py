@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,8 +30,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from api import REAL_MODEL, Server, shipped_stack  # noqa: E402
 from peers import SHAPES, Shape, shape_texts, wrk_shape  # noqa: E402
+from triton_stats import triton_counts, triton_delta  # noqa: E402
 
-TRITON_MODEL = "minilm"
 # Where py-spy's collapsed stacks go, one file per cell (--py-spy); None: not profiled.
 PROFILE_DIR: Path | None = None
 SERVER_CHOICE = "BENCH_ASGI_SERVER"
@@ -96,35 +95,6 @@ def shape_named(name: str) -> Shape:
         if shape.name == name:
             return shape
     raise argparse.ArgumentTypeError(f"{name!r}: one of {', '.join(s.name for s in SHAPES)}")
-
-
-def triton_counts(http_url: str) -> dict[str, float]:
-    """Cumulative counters of the model's statistics: requests, executions, rows, times (ns)."""
-    with urllib.request.urlopen(f"{http_url}/v2/models/{TRITON_MODEL}/stats", timeout=10) as reply:
-        stats = json.load(reply)["model_stats"]
-    inference = [entry["inference_stats"] for entry in stats]
-    return {
-        "requests": sum(float(s["success"]["count"]) for s in inference),
-        "executions": sum(float(entry["execution_count"]) for entry in stats),
-        "rows": sum(float(entry["inference_count"]) for entry in stats),
-        "queue_ns": sum(float(s["queue"]["ns"]) for s in inference),
-        "compute_infer_ns": sum(float(s["compute_infer"]["ns"]) for s in inference),
-    }
-
-
-def triton_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    delta = {name: after[name] - before[name] for name in before}
-    executions = max(delta["executions"], 1.0)
-    requests = max(delta["requests"], 1.0)
-    return {
-        "triton_requests": delta["requests"],
-        "triton_executions": delta["executions"],
-        "rows_per_execution": delta["rows"] / executions,
-        "queue_ms_per_request": delta["queue_ns"] / requests / 1e6,
-        # compute_infer is counted per request: a merged execution adds its time once per request
-        # it served, so divide by requests to get one execution's time.
-        "compute_infer_ms_per_execution": delta["compute_infer_ns"] / requests / 1e6,
-    }
 
 
 def format_table(cells: list[dict]) -> str:

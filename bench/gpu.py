@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import multiprocessing
 import os
@@ -40,6 +41,8 @@ import sys
 import tempfile
 import time
 import traceback
+import urllib.error
+import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass
@@ -58,6 +61,8 @@ TRITON_MODEL = "minilm"
 REFERENCE = ROOT / "bench" / "results" / "gpu-reference.npz"
 TEXT_KINDS = {"short": 8, "long": 110}  # words: ~10 and ~128 tokens
 TEXTS_PER_KIND = 512
+# Loopback only: no proxy from the environment between the bench and its servers.
+LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 IN_PROCESS_BATCHES = (1, 32, 512)
 QUICK_IN_PROCESS_BATCHES = (1, 32)
 
@@ -229,6 +234,13 @@ def summarize_server_log(text: str, keep: int = 5) -> dict:
         elif line.strip() and len(other) < keep:
             other.append(line[:300])
     return {"refused": refused, "other_lines": other}
+
+
+def base64_vectors(payload: dict) -> np.ndarray:
+    """The vectors of an OpenAI-shaped answer with encoding_format base64 (little-endian float32)."""
+    return np.stack(
+        [np.frombuffer(base64.b64decode(row["embedding"]), dtype="<f4") for row in payload["data"]]
+    )
 
 
 def latency_summary(latencies_s: list[float], rows: int, wall_s: float) -> dict:
@@ -587,14 +599,17 @@ def child_count(root_pid: int) -> int:
 
 def http_probe(url: str, body: dict, headers: dict[str, str]) -> np.ndarray:
     """One request before wrk (which counts error answers as requests): 200 and one base64 vector per
-    input, or the cell fails with the server's answer. Returns the vectors."""
-    import httpx2
-    from peers import base64_rows
-
-    response = httpx2.post(url, json=body, headers=headers, timeout=120)
-    if response.status_code != 200:
-        raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:300]}")
-    vectors = base64_rows(response.json())
+    input, or the cell fails with the server's answer. Returns the vectors. The standard library's
+    client: the GPU machine has the service's packages only."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={**headers, "Content-Type": "application/json"}
+    )
+    try:
+        with LOOPBACK.open(request, timeout=120) as reply:
+            payload = json.load(reply)
+    except urllib.error.HTTPError as error:
+        raise RuntimeError(f"{url} answered {error.code}: {error.read()[:300]!r}") from error
+    vectors = base64_vectors(payload)
     if len(vectors) != len(body["input"]):
         raise RuntimeError(f"{url} answered {len(vectors)} vectors for {len(body['input'])} inputs")
     return vectors
@@ -700,7 +715,7 @@ def format_progress(section: str, entry: dict) -> str:
 
 
 def triton_stats(triton_http: str) -> dict | None:
-    from configs import triton_counts
+    from triton_stats import triton_counts
 
     try:
         return triton_counts(triton_http)
@@ -724,7 +739,7 @@ class Observation:
         self.began = time.monotonic()
 
     def stop(self, result: dict) -> dict:
-        from configs import triton_delta
+        from triton_stats import triton_delta
 
         result["gpu_util_mean"] = self.sampler.stop()
         wall = time.monotonic() - self.began

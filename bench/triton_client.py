@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import os
 import platform
@@ -21,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -64,6 +64,9 @@ class RawOnnxRuntime:
     """The reference: tokenize and run model.onnx in this process with all cores."""
 
     def __init__(self, model_path: Path, tokenizer: TextTokenizer) -> None:
+        # Imported here: bench/gpu.py imports this module on a GPU machine without onnxruntime.
+        import onnxruntime as ort
+
         options = ort.SessionOptions()
         options.intra_op_num_threads = os.cpu_count() or 1
         self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
@@ -218,7 +221,7 @@ async def measure(args) -> dict:
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
-            "onnxruntime": ort.__version__,
+            "onnxruntime": importlib.metadata.version("onnxruntime"),
         },
         "rows": rows,
     }

@@ -1,6 +1,7 @@
 """bench/gpu.py's pure parts (wrk output, /proc CPU sums, the cell bookkeeping) and bench/plot_gpu.py's
 findings, tables and plot from a small result; no server is started."""
 
+import base64
 import json
 import os
 import subprocess
@@ -374,3 +375,24 @@ def test_plot_writes_a_png_even_for_a_partial_result(tmp_path):
     empty = tmp_path / "empty.png"
     plot_gpu.plot({"http": [], "errors": []}, empty)
     assert empty.exists()
+
+
+def test_the_device_path_imports_with_the_service_packages_only():
+    """The GPU machine carries requirements.txt without onnxruntime, and no test or bench packages
+    (httpx2): bench/gpu.py, the client processes it spawns and the HTTP stack it reuses must import
+    without them."""
+    script = (
+        "import sys; sys.modules['httpx2'] = None; sys.modules['onnxruntime'] = None; "
+        f"sys.path.insert(0, {str(BENCH)!r}); "
+        "import gpu, api, triton_stats; gpu.client_process_ready(); gpu.parse_args([]); "
+        "gpu.http_server_class(); print('imported')"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=BENCH.parent, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "imported"
+
+
+def test_base64_vectors_decode_little_endian_float32():
+    vectors = np.array([[1.0, -2.5], [0.0, 3.25]], dtype="<f4")
+    payload = {"data": [{"embedding": base64.b64encode(row.tobytes()).decode()} for row in vectors]}
+    assert np.array_equal(gpu.base64_vectors(payload), vectors)
