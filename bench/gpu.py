@@ -782,10 +782,13 @@ def measure_all(run: Run, workdir: Path, stack: ExitStack) -> None:
         run.error("in-process model", error)
 
     # (d) agreement with the float32 reference, before anything is timed.
+    reference = None
     try:
-        agreement(run, model, tok, triton)
+        reference = load_reference(args.reference)
     except Exception as error:
-        run.error("agreement", error)
+        run.error("reference vectors", error)
+    if reference is not None:
+        agreement(run, model, tok, triton, reference)
 
     # (a) in process.
     for kind, kind_texts in texts.items():
@@ -813,7 +816,7 @@ def measure_all(run: Run, workdir: Path, stack: ExitStack) -> None:
 
     # (c) the HTTP service, each worker count started, measured and stopped in turn.
     if triton is not None:
-        measure_http(run, workdir, stack, triton, texts, shapes)
+        measure_http(run, workdir, stack, triton, texts, shapes, reference)
 
 
 def free_device_memory() -> None:
@@ -854,23 +857,34 @@ def start_triton(run: Run, workdir: Path, stack: ExitStack):
     return triton
 
 
-def agreement(run: Run, model, tok, triton) -> None:
-    texts, reference, source = load_reference(run.args.reference)
+def agreement(run: Run, model, tok, triton, reference: tuple[list[str], np.ndarray, str]) -> None:
+    """Min cosine of the in-process and of Triton's vectors against the reference, each on its own."""
+    texts, vectors, source = reference
     found = {"reference": source, "texts": len(texts)}
     run.result["agreement"] = found
     if model is not None:
-        found["in_process_min_cosine"] = min_cosine(embed_texts(model, tok, texts), reference)
+        try:
+            found["in_process_min_cosine"] = min_cosine(embed_texts(model, tok, texts), vectors)
+        except Exception as error:
+            run.error("agreement in process", error)
     if triton is not None:
-        from embeddings.triton.client import TritonClient
-
-        with TritonClient(triton.grpc_target, timeout_s=120) as client:
-            served = []
-            for start in range(0, len(texts), 32):
-                encoded = tok.encode(texts[start : start + 32])
-                served.append(client.embed_tokens(TRITON_MODEL, encoded.input_ids, encoded.attention_mask))
-        found["triton_min_cosine"] = min_cosine(np.concatenate(served), reference)
+        try:
+            found["triton_min_cosine"] = min_cosine(triton_vectors(triton, tok, texts), vectors)
+        except Exception as error:
+            run.error("agreement through Triton", error)
     run.save()
     print(f"agreement with the float32 reference: {found}", flush=True)
+
+
+def triton_vectors(triton, tok, texts: list[str]) -> np.ndarray:
+    from embeddings.triton.client import TritonClient
+
+    with TritonClient(triton.grpc_target, timeout_s=120) as client:
+        served = []
+        for start in range(0, len(texts), 32):
+            encoded = tok.encode(texts[start : start + 32])
+            served.append(client.embed_tokens(TRITON_MODEL, encoded.input_ids, encoded.attention_mask))
+    return np.concatenate(served)
 
 
 def measure_triton_direct(run: Run, triton, texts: dict[str, list[str]], shapes) -> None:
@@ -927,7 +941,7 @@ def triton_direct_cell(
 
 
 def measure_http(
-    run: Run, workdir: Path, stack: ExitStack, triton, texts: dict[str, list[str]], shapes
+    run: Run, workdir: Path, stack: ExitStack, triton, texts: dict[str, list[str]], shapes, reference
 ) -> None:
     from api import RedisPair, prepare_database
 
@@ -953,7 +967,8 @@ def measure_http(
         run.error("HTTP stack (Redis, database)", error)
         return
     headers = {"Authorization": f"Bearer {key}"}
-    reference_texts, reference, _ = load_reference(args.reference)
+    # Each server's first request: the reference texts, its vectors checked (when there is a reference).
+    check_texts = reference[0] if reference is not None else agreement_texts()
     WorkersServer = http_server_class()
     for workers in args.workers:
         if run.elapsed() + SERVER_START_S + CELL_OVERHEAD_S + args.seconds > args.budget_s:
@@ -969,14 +984,15 @@ def measure_http(
             server = WorkersServer(env, free_port(), workers, workdir / f"serve-{workers}.log")
             server.wait_for_workers()
             url = f"{server.url}/v1/embeddings"
-            check = {"model": "all-MiniLM-L6-v2", "input": reference_texts, "encoding_format": "base64"}
-            cosine = min_cosine(http_probe(url, check, headers), reference)
+            check = {"model": "all-MiniLM-L6-v2", "input": check_texts, "encoding_format": "base64"}
+            served = http_probe(url, check, headers)
+            cosine = min_cosine(served, reference[1]) if reference is not None else None
             warm_up(url, texts["short"], headers, workers, args, workdir)
             run.result.setdefault("servers", []).append(
                 {"workers": workers, "start_s": round(time.monotonic() - started, 1), "min_cosine": cosine}
             )
             print(f"serve --workers {workers} up in {time.monotonic() - started:.1f} s, "
-                  f"min cosine {cosine:.5f}", flush=True)  # fmt: skip
+                  f"min cosine {cosine}", flush=True)  # fmt: skip
         except Exception as error:
             log = workdir / f"serve-{workers}.log"
             tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
