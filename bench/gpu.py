@@ -21,7 +21,12 @@ without nvidia-smi), web CPU seconds per 1,000 embeddings (the serve process and
 from /proc) and Triton's own view (requests, executions, rows per execution, queue and compute
 time). Every cell runs in its own try/except that records its error and goes on; the JSON is
 rewritten after every cell and cells that would overrun `--budget-s` are skipped, so a run cut short
-still leaves figures. bench/plot_gpu.py turns the JSON into README's table and plot.
+still leaves figures; SIGTERM stops Triton and the servers and writes it too. bench/plot_gpu.py
+turns the JSON into README's table and plot.
+
+The servers run with the shipped settings (a process refuses past MAX_INFLIGHT_TRITON_CALLS requests
+in flight with 429: counted as errors, by reason, per cell); `--server-env VAR=VALUE` changes them,
+`--shapes 32x1,512x1` measures part of the matrix, `--plan` prints the cells and the time they take.
 """
 
 from __future__ import annotations
