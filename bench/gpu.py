@@ -38,12 +38,14 @@ import json
 import multiprocessing
 import os
 import platform
+import pty
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import urllib.error
@@ -331,28 +333,53 @@ def environment(device: str) -> dict:
     return info
 
 
+GPU_SAMPLING = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "200"]
+
+
 class GpuSampler:
     """nvidia-smi sampling GPU utilisation every 200 ms while a cell runs; stop() gives the mean, None
-    without nvidia-smi."""
+    without nvidia-smi.
 
-    def __init__(self) -> None:
+    Its output goes to a pseudo-terminal: written to a pipe, C's stdio keeps a few seconds of lines
+    in its buffer, which a stopped process may never write. Stopped with SIGINT, its Ctrl-C."""
+
+    def __init__(self, command: list[str] = GPU_SAMPLING) -> None:
         self.process = None
-        if shutil.which("nvidia-smi"):
+        if shutil.which(command[0]) is None:
+            return
+        self.output = bytearray()
+        self.terminal, child_side = pty.openpty()
+        try:
             self.process = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "200"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            )  # fmt: skip
+                command, stdin=subprocess.DEVNULL, stdout=child_side, stderr=subprocess.DEVNULL
+            )
+        finally:
+            os.close(child_side)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.terminal, 4096)
+            except OSError:  # EIO: the process has exited and closed its side
+                return
+            if not chunk:
+                return
+            self.output.extend(chunk)
 
     def stop(self) -> float | None:
         if self.process is None:
             return None
-        self.process.terminate()
+        self.process.send_signal(signal.SIGINT)
         try:
-            output, _ = self.process.communicate(timeout=5)
+            self.process.wait(timeout=3)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            output, _ = self.process.communicate()
-        return parse_gpu_samples(output)
+            self.process.wait()
+        self.reader.join(timeout=3)
+        os.close(self.terminal)
+        return parse_gpu_samples(self.output.decode("ascii", "replace"))
 
 
 # --- the models in process --------------------------------------------------------------------------

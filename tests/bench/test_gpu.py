@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,35 @@ def test_parse_proc_stat_counts_busy_ticks_not_idle_or_iowait():
 def test_parse_gpu_samples_averages_numbers_and_skips_the_rest():
     assert gpu.parse_gpu_samples("90\n100\n[N/A]\n80\n10") == 70
     assert gpu.parse_gpu_samples("") is None
+
+
+FAKE_SAMPLER = """
+import os, signal, time
+# As C's stdio buffers: by line on a terminal, by block on a pipe (whatever PYTHONUNBUFFERED says).
+out = os.fdopen(1, "w", buffering=1 if os.isatty(1) else 8192)
+# Ctrl-C ends it without flushing: only a line-buffered stdout has got its lines out.
+signal.signal(signal.SIGINT, lambda *_: os._exit(0))
+for value in ("10", "20", "30", "40", "[N/A]"):
+    print(value, file=out)
+time.sleep(60)
+"""
+
+
+def test_gpu_sampler_gets_the_lines_a_buffering_sampler_printed_before_its_ctrl_c(tmp_path):
+    fake = tmp_path / "fake-nvidia-smi"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SAMPLER}")
+    fake.chmod(0o755)
+    sampler = gpu.GpuSampler([str(fake)])
+    for _ in range(600):  # until it has printed (at most a minute on a loaded machine)
+        if b"[N/A]" in sampler.output:
+            break
+        time.sleep(0.1)
+    assert sampler.stop() == 25.0
+    assert sampler.process.returncode == 0  # it stopped on SIGINT, not killed
+
+
+def test_gpu_sampler_without_nvidia_smi_gives_none():
+    assert gpu.GpuSampler(["no-such-nvidia-smi-here"]).stop() is None
 
 
 # --- cells and bookkeeping ---------------------------------------------------------------------------
