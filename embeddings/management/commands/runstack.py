@@ -13,7 +13,6 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, OutputWrapper
 
 from embeddings.observability.logs import LogLines
-from embeddings.services.model_serving import write_serving_states
 from embeddings.tooling.local_redis import RedisServerError, local_redis_servers
 from embeddings.tooling.local_triton import local_triton_server
 from embeddings.triton.server import TritonServerError, die_with_parent
@@ -27,6 +26,27 @@ def fresh_prometheus_dir() -> Path:
     for stale in path.glob("*.db"):
         stale.unlink()
     return path
+
+
+def reconcile_catalog_models(out: OutputWrapper) -> None:
+    """`manage.py reconcile_models` in a child process, its lines written to `out`. This process never
+    opens a gRPC channel itself: the web server it forks next would inherit gRPC's threads and fork
+    handlers, which can abort a child between fork and exec (seen once in CI: status -6)."""
+    try:
+        reconcile = subprocess.run(
+            [sys.executable, "manage.py", "reconcile_models"],
+            cwd=settings.BASE_DIR,
+            stdout=subprocess.PIPE,
+            text=True,
+            timeout=settings.TRITON_STARTUP_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        out.write(f"Catalog models not loaded within {settings.TRITON_STARTUP_TIMEOUT_S:g} s")
+        return
+    for line in reconcile.stdout.splitlines():
+        out.write(line)
+    if reconcile.returncode != 0:
+        out.write(f"Catalog models not loaded: reconcile_models exited with status {reconcile.returncode}")
 
 
 def start_celery(role: str, log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -113,7 +133,7 @@ class Command(BaseCommand):
             triton.wait_until_ready(settings.TRITON_STARTUP_TIMEOUT_S)
             out.write(f"Triton ready: gRPC {triton.grpc_target}")
             # The catalog's models are served before the web server takes its first request.
-            write_serving_states(out)
+            reconcile_catalog_models(out)
             # Set before the workers import prometheus_client: each writes its values to files
             # there, and /metrics (whichever worker answers) sums them.
             web_env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(fresh_prometheus_dir())}
