@@ -227,9 +227,11 @@ def test_a_bad_request_fails_alone_in_its_batch(triton_server, onnx_session):
         (np.full((1, 257), 1000), np.ones((1, 257)), "maximum of 256 tokens"),
         (np.full((2, 5), 1000), np.ones((2, 4)), "same [batch, sequence] shape"),
         (np.full((1, 5), 1000), np.zeros((1, 5)), "at least one token"),
+        (np.full((2, 5), 1000), np.array([[1, 1, 0, 0, 0], [0, 0, 0, 0, 0]]), "at least one token"),
         (np.full((1, 5), 1000), np.full((1, 5), 2), "only 0 and 1"),
+        (np.full((1, 5), 1000), np.full((1, 5), -1), "only 0 and 1"),
     ],
-    ids=["too-long", "shape-mismatch", "empty-mask", "mask-values"],
+    ids=["too-long", "shape-mismatch", "empty-mask", "empty-second-row", "mask-values", "negative-mask"],
 )
 def test_minilm_rejects_malformed_token_inputs(triton_server, input_ids, attention_mask, message):
     with pytest.raises(TritonHttpError) as raised:

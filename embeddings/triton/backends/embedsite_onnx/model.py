@@ -90,6 +90,9 @@ class TritonPythonModel:
         # Merging a longer request into a group pads every row already there; above this many padding
         # tokens it is cheaper to run the longer request in a group of its own.
         self.merge_padding_tokens = int(parameters.get("merge_padding_tokens", "512"))
+        # Requests with fewer tokens than this are computed even if their client has gone: on a GPU
+        # asking Triton whether one was cancelled costs more than computing it.
+        self.cancel_check_min_tokens = int(parameters.get("cancel_check_min_tokens", "0"))
         self.load_runtime(args, version_dir / MODEL_FILENAME, parameters)
 
     def load_runtime(self, args: dict, model_path: Path, parameters: dict[str, str]) -> None:
@@ -113,19 +116,31 @@ class TritonPythonModel:
         responses: list = [None] * len(requests)
         valid: list[tuple[int, np.ndarray, np.ndarray]] = []
         for index, request in enumerate(requests):
-            # The client gave up (its deadline passed, or its own client went away) after the
-            # batcher took the request: answer it without computing it.
-            if request.is_cancelled():
-                responses[index] = pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
-                )
-                continue
             try:
                 input_ids, attention_mask = self._read(request)
             except ValueError as error:
                 responses[index] = pb_utils.InferenceResponse(error=_invalid_argument(str(error)))
                 continue
+            # The client gave up (its deadline passed, or its own client went away) after the
+            # batcher took the request: answer it without computing it. Asking costs a round trip
+            # to Triton's process, so only requests that cost more to compute are asked about.
+            if input_ids.size >= self.cancel_check_min_tokens and request.is_cancelled():
+                responses[index] = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+                )
+                continue
             valid.append((index, input_ids, attention_mask))
+        # Token values are checked for the whole batch at once (per request they cost more than a GPU
+        # run); only a batch that fails is checked request by request, to answer the bad ones alone.
+        if valid and self._values_error(valid) is not None:
+            checked = []
+            for item in valid:
+                error = self._values_error([item])
+                if error is None:
+                    checked.append(item)
+                else:
+                    responses[item[0]] = pb_utils.InferenceResponse(error=_invalid_argument(error))
+            valid = checked
 
         for group in self._length_groups(valid):
             try:
@@ -145,6 +160,7 @@ class TritonPythonModel:
         return responses
 
     def _read(self, request) -> tuple[np.ndarray, np.ndarray]:
+        """The request's two tensors, their shapes checked (their values: `_values_error`)."""
         input_ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
         attention_mask = pb_utils.get_input_tensor_by_name(request, "attention_mask").as_numpy()
         if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
@@ -152,22 +168,31 @@ class TritonPythonModel:
                 f"input_ids {list(input_ids.shape)} and attention_mask {list(attention_mask.shape)} "
                 "must have the same [batch, sequence] shape"
             )
-        rows, length = input_ids.shape
+        length = input_ids.shape[1]
         if length == 0:
             raise ValueError("input_ids has no tokens")
         if self.max_tokens is not None and length > self.max_tokens:
             raise ValueError(
                 f"sequence length {length} is over the model's maximum of {self.max_tokens} tokens"
             )
-        if rows and (
-            input_ids.min() < 0 or (self.vocab_size is not None and input_ids.max() >= self.vocab_size)
-        ):
-            raise ValueError(f"input_ids must be token ids in [0, {self.vocab_size})")
-        if rows and not np.isin(attention_mask, (0, 1)).all():
-            raise ValueError("attention_mask must hold only 0 and 1")
-        if rows and not attention_mask.any(axis=1).all():
-            raise ValueError("every row of attention_mask must mark at least one token")
         return input_ids, attention_mask
+
+    def _values_error(self, items: list) -> str | None:
+        """What is wrong with the token values of `items` taken together, or None."""
+        ids = np.concatenate([input_ids.ravel() for _, input_ids, _ in items])
+        masks = [attention_mask for _, _, attention_mask in items if attention_mask.size]
+        if ids.size and (ids.min() < 0 or (self.vocab_size is not None and ids.max() >= self.vocab_size)):
+            return f"input_ids must be token ids in [0, {self.vocab_size})"
+        if not masks:
+            return None
+        values = np.concatenate([mask.ravel() for mask in masks])
+        if values.min() < 0 or values.max() > 1:
+            return "attention_mask must hold only 0 and 1"
+        row_lengths = np.repeat([mask.shape[1] for mask in masks], [mask.shape[0] for mask in masks])
+        row_starts = np.concatenate(([0], np.cumsum(row_lengths)[:-1]))
+        if not np.add.reduceat(values, row_starts).all():
+            return "every row of attention_mask must mark at least one token"
+        return None
 
     def _length_groups(self, valid: list) -> list[list]:
         """Requests sorted by length, split where merging would cost more padding than a separate run."""
