@@ -137,7 +137,7 @@ def torch_cpu_triton(tmp_path_factory):
     changes = [
         ("kind: KIND_GPU", "kind: KIND_CPU"),
         ('string_value: "float16"', 'string_value: "float32"'),
-        ("count: 2", "count: 1"),
+        ("count: 4", "count: 1"),
     ]
     for shipped, changed in changes:
         assert shipped in template
@@ -169,7 +169,7 @@ def test_triton_serves_the_torch_backend_from_the_named_config(torch_cpu_triton,
     assert row_cosines(together, reference).min() >= FLOAT32_MIN_COSINE
     log = torch_cpu_triton.log_path.read_text()
     assert "embedsite_torch:" in log and "on cpu in float32" in log
-    assert "sequence buckets [16, 32, 64, 128, 256]" in log
+    assert "sequence buckets [16, 32, 64, 96, 128, 160, 192, 224, 256]" in log
 
 
 def test_a_bad_request_is_refused_alone_and_the_model_keeps_serving(torch_cpu_triton, minilm_ids):

@@ -20,7 +20,7 @@ import numpy as np
 
 BACKENDS_DIR = Path(__file__).resolve().parent.parent
 PRECISIONS = ("float16", "bfloat16", "float32")
-DEFAULT_BUCKETS = "16,32,64,128,256,512"
+DEFAULT_BUCKETS = "16,32,64,96,128,160,192,224,256,320,384,448,512"
 
 
 def _load_module(name: str, path: Path):
