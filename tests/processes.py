@@ -17,6 +17,21 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def children_of(pid: int) -> dict[int, str]:
+    """pid -> command name of the live children of `pid`."""
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+            if int(ppid) == pid and state != "Z":
+                children[int(name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
+    return children
+
+
 def manage(env: dict[str, str], *args: str) -> str:
     """Run `manage.py ARGS` in `env`; its stdout, stripped (fails the test if the command fails)."""
     done = subprocess.run(

@@ -16,26 +16,11 @@ import httpx2
 
 from embeddings.triton.server import die_with_parent, free_port, shared_memory_regions
 from tests.conftest import require_exported_model
-from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
+from tests.processes import REPO_ROOT, children_of, manage, stop_process_group, wait_until_healthy
 from tests.triton.test_server_process_group import group_processes, stubs_of, wait_until_no_live_member
 
 CELERY_SIGNAL_NOTICE = re.compile(r"worker: (Warm|Cold) shutdown \(MainProcess\)")
 START_DEADLINE_S = 240  # against hanging only: Triton, Celery and uvicorn start on a loaded machine
-
-
-def children_of(pid: int) -> dict[int, str]:
-    """pid -> command name of the live children of `pid`."""
-    children = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                stat = Path(f"/proc/{name}/stat").read_text()
-            except OSError:
-                continue
-            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-            if int(ppid) == pid and state != "Z":
-                children[int(name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
-    return children
 
 
 def test_when_triton_dies_runstack_stops_everything_and_leaves_no_stub(tmp_path):

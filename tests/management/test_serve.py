@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from embeddings import lifecycle
 from embedsite.server import DrainingServer, ServerConfig
 from tests import onnx_reference
 from tests.api.conftest import LiveServer, live_uvicorn
+from tests.processes import children_of
 
 HANG_S = 120  # against hanging only: no assertion depends on it
 CLIENTS = 8  # half of them keep their connection alive, half open one per request
@@ -237,6 +239,14 @@ def test_sigterm_under_steady_load_loses_no_accepted_request(triton_server, redi
             if min(answered.count(client) for client in range(CLIENTS)) >= 3 and len(in_flight) >= 2:
                 break
             time.sleep(0.001)
+        # Each worker tokenises on one thread (embedsite/server.py tokenize_on_one_thread).
+        worker_environs = [
+            Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            for pid, name in children_of(server.process.pid).items()
+            if name.startswith("python")
+        ]
+        assert len(worker_environs) >= 2
+        assert all(b"TOKENIZERS_PARALLELISM=false" in environ for environ in worker_environs)
         signalled_at = time.monotonic()
         os.kill(server.process.pid, signal.SIGTERM)
         server.process.wait(timeout=drain_s + HANG_S)
