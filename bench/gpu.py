@@ -24,8 +24,9 @@ rewritten after every cell and cells that would overrun `--budget-s` are skipped
 still leaves figures; SIGTERM stops Triton and the servers and writes it too. bench/plot_gpu.py
 turns the JSON into README's table and plot.
 
-The servers run with the shipped settings (a process refuses past MAX_INFLIGHT_TRITON_CALLS requests
-in flight with 429: counted as errors, by reason, per cell); `--server-env VAR=VALUE` changes them,
+The servers run with the shipped settings, and on CUDA with the GPU sizes README's Sizing gives
+(GPU_SERVER_ENV: the defaults are CPU-sized; a process refuses past MAX_INFLIGHT_TRITON_CALLS
+requests in flight with 429, counted as errors, by reason, per cell); `--server-env VAR=VALUE` changes them,
 `--shapes 32x1,512x1` measures part of the matrix, `--plan` prints the cells and the time they take.
 """
 
@@ -1099,6 +1100,16 @@ def stop_on_sigterm(signum: int, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+# The service's limits sized for a GPU (README "Sizing"); its defaults are a CPU's.
+GPU_SERVER_ENV = {
+    "MAX_BATCH_TOKENS": "16384",
+    "MAX_TOKENS_IN_FLIGHT": "32768",
+    "MAX_INFLIGHT_TRITON_CALLS": "1024",
+    "COALESCE_MAX_CALLS": "2",
+    "REDIS_MAX_CONNECTIONS": "256",
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config-name", default="bundled-gpu",
@@ -1129,6 +1140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--seconds must be at least 1 (wrk runs whole seconds)")
     if args.client_processes < 1 or args.wrk_threads < 1:
         parser.error("--client-processes and --wrk-threads must be at least 1")
+    if args.device == "cuda":
+        # First, so that a --server-env of the same name wins.
+        args.server_env = [*GPU_SERVER_ENV.items(), *args.server_env]
     if args.shapes is None:
         args.shapes = list(QUICK_LOAD_SHAPES if args.quick else LOAD_SHAPES)
     args.batches = list(QUICK_IN_PROCESS_BATCHES if args.quick else IN_PROCESS_BATCHES)

@@ -40,7 +40,7 @@ fi
 cat > "$GPU/env.sh" <<ENV
 export PATH="$VENV/bin:$GPU/tools/bin:\$PATH"
 export LD_LIBRARY_PATH="$GPU/tools/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
-export DJANGO_SECRET_KEY="gpu-bench-$(hostname)-not-a-deployment"
+export DJANGO_SECRET_KEY="$(python3 -c 'import secrets; print(secrets.token_urlsafe(64))')"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 ENV
 echo "setup done: $(ls "$GPU")"

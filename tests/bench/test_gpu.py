@@ -197,6 +197,16 @@ def test_defaults_are_the_device_run_and_fit_seven_minutes():
     assert gpu.planned_cells(quick) == {"in_process": 4, "triton_direct": 4, "http": 8}
 
 
+def test_on_cuda_the_servers_get_gpu_sized_limits_that_server_env_overrides():
+    on_gpu = dict(gpu.parse_args([]).server_env)
+    assert on_gpu["MAX_BATCH_TOKENS"] == "16384" and on_gpu["MAX_INFLIGHT_TRITON_CALLS"] == "1024"
+    overridden = dict(gpu.parse_args(["--server-env", "MAX_BATCH_TOKENS=8192"]).server_env)
+    assert overridden["MAX_BATCH_TOKENS"] == "8192" and overridden["MAX_TOKENS_IN_FLIGHT"] == "32768"
+    assert dict(gpu.parse_args(["--device", "cpu", "--server-env", "LOG_LEVEL=INFO"]).server_env) == {
+        "LOG_LEVEL": "INFO"
+    }
+
+
 def test_shapes_are_parsed_and_malformed_ones_refused():
     args = gpu.parse_args(["--shapes", "32x1, 512 x 1,32x32"])
     assert [(shape.clients, shape.batch) for shape in args.shapes] == [(32, 1), (512, 1), (32, 32)]
@@ -212,7 +222,9 @@ def test_worker_lists_are_refused_unless_positive_integers(bad):
 
 
 def test_server_environment_overrides_are_parsed():
-    args = gpu.parse_args(["--server-env", "MAX_INFLIGHT_TRITON_CALLS=512", "--server-env", "X="])
+    args = gpu.parse_args(
+        ["--device", "cpu", "--server-env", "MAX_INFLIGHT_TRITON_CALLS=512", "--server-env", "X="]
+    )
     assert args.server_env == [("MAX_INFLIGHT_TRITON_CALLS", "512"), ("X", "")]
     with pytest.raises(SystemExit):
         gpu.parse_args(["--server-env", "NOVALUE"])
