@@ -411,6 +411,8 @@ def test_markdown_has_the_tables_findings_and_the_cells_without_figures():
 
 
 def test_plot_writes_a_png_even_for_a_partial_result(tmp_path):
+    # As tests/test_bench.py: matplotlib is the benchmarks' (make bench-*), not the service's.
+    pytest.importorskip("matplotlib")
     path = tmp_path / "gpu.png"
     plot_gpu.plot(SMALL_RESULT, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
