@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx2
 import pytest
@@ -17,19 +18,30 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def children_of(pid: int) -> dict[int, str]:
-    """pid -> command name of the live children of `pid`."""
-    children = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
+class ProcStat(NamedTuple):
+    pid: int
+    name: str
+    state: str
+    ppid: int
+    pgrp: int
+
+
+def proc_stats() -> Iterator[ProcStat]:
+    """Every process's /proc/<pid>/stat, parsed; one that ends while being read is left out."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
             try:
-                stat = Path(f"/proc/{name}/stat").read_text()
+                stat = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-            if int(ppid) == pid and state != "Z":
-                children[int(name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
-    return children
+            state, ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            yield ProcStat(int(entry), name, state, int(ppid), int(pgrp))
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """pid -> command name of the live children of `pid`."""
+    return {child.pid: child.name for child in proc_stats() if child.ppid == pid and child.state != "Z"}
 
 
 def manage(env: dict[str, str], *args: str) -> str:

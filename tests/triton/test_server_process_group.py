@@ -17,6 +17,7 @@ from django.conf import settings
 from embeddings.triton import TritonClient, TritonUnavailable
 from embeddings.triton.server import TritonServer, shared_memory_regions
 from tests.conftest import TEST_MODEL_REPOSITORY, require_exported_model, start_triton
+from tests.processes import proc_stats
 
 # A deadline against hanging (zombies wait for init to reap them), never a timing.
 REAP_DEADLINE_S = 30
@@ -25,17 +26,7 @@ REAP_DEADLINE_S = 30
 def group_processes(pgid: int) -> dict[int, str]:
     """pid -> state of every process in group `pgid`, zombies included (read here from /proc, not
     with the launcher's own helper)."""
-    found = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                stat = Path(f"/proc/{name}/stat").read_text()
-            except OSError:
-                continue
-            state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
-            if int(pgrp) == pgid:
-                found[int(name)] = state
-    return found
+    return {process.pid: process.state for process in proc_stats() if process.pgrp == pgid}
 
 
 def stubs_of(pgid: int) -> list[int]:
