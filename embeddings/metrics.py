@@ -1,5 +1,5 @@
 """Our Prometheus metrics: requests, inputs and tokens, where the time goes, in-flight calls and
-tokens, batches, queue time, Triton errors, the job backlog.
+tokens, batches, queue time, Triton errors, the job backlog, what the HTTP edge refused.
 
 Exported at /metrics by django-prometheus's view. With PROMETHEUS_MULTIPROC_DIR set (runstack sets
 it for its uvicorn workers before they start), prometheus_client keeps every value in a per-process
@@ -106,6 +106,13 @@ JOB_OLDEST_ACTIVE_SECONDS = Gauge(
     "embedsite_job_oldest_active_seconds",
     "Age of the oldest unfinished job (0 when none).",
     multiprocess_mode="mostrecent",
+)
+# The HTTP edge (embedsite/edge.py): what it refused or closed, by a bounded reason (head_too_large,
+# head_timeout, too_many_connections, ...).
+HTTP_EDGE_REFUSED = Counter(
+    "embedsite_http_edge_refused",
+    "Requests refused or connections closed before the application, by reason.",
+    ["reason"],
 )
 TRITON_ERRORS = Counter(
     "embedsite_triton_errors",

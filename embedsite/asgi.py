@@ -14,14 +14,14 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
 
 # Django must be set up before anything imports models.
-django_asgi_app = get_asgi_application()
+get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path, re_path  # noqa: E402
 
 from embeddings import lifecycle, metrics  # noqa: E402
 from embeddings.api.errors import ShuttingDown, json_error_response  # noqa: E402
-from embeddings.api.handler import LeanASGIHandler  # noqa: E402
+from embeddings.api.handler import FullStackASGIHandler, LeanASGIHandler  # noqa: E402
 from embeddings.consumers import JobProgressConsumer, UnknownRouteConsumer  # noqa: E402
 from embeddings.observability import tracing  # noqa: E402
 from embeddings.observability.middleware import RequestIdMiddleware  # noqa: E402
@@ -29,6 +29,7 @@ from embeddings.observability.middleware import RequestIdMiddleware  # noqa: E40
 # Before any client is made: the gRPC and Celery instrumentations patch what makes them.
 tracing.setup("web")
 api_asgi_app = LeanASGIHandler()
+django_asgi_app = FullStackASGIHandler()
 
 
 async def http_router(scope, receive, send):

@@ -9,6 +9,9 @@ SIGTERM (or Ctrl-C) starts the shutdown, in every worker process:
 
 Only step 1 is ours. uvicorn 0.54 has no hook for it, so `DrainingServer` delays its exit handler, and
 the supervisor of several workers is uvicorn's own with that server in each worker.
+
+Every connection is served by `EdgeProtocol` (embedsite/edge.py): bounded heads, head and write
+timeouts, a connection cap.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import signal
 import sys
 import time
@@ -27,25 +31,42 @@ from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import multiprocess
 
 from embeddings import lifecycle
+from embedsite.edge import EdgeLimits, EdgeProtocol
 
 APPLICATION = "embedsite.asgi:application"
 
 logger = logging.getLogger("uvicorn.error")
 
 
-class ServerConfig(uvicorn.Config):
-    """uvicorn's configuration with the shipped flags and the drain, which travels with it to each
-    worker process."""
+# Descriptors a process needs besides its clients' connections: Redis and Triton pools, the
+# database, log files, the listening socket.
+RESERVED_DESCRIPTORS = 256
 
-    def __init__(self, *, host: str, port: int, workers: int, drain_s: float, timeout_s: float):
+
+class ServerConfig(uvicorn.Config):
+    """uvicorn's configuration with the shipped flags, the edge's limits and the drain, which travel
+    with it to each worker process."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        workers: int,
+        drain_s: float,
+        timeout_s: float,
+        edge_limits: EdgeLimits | None = None,
+        keep_alive_s: float = 5.0,
+    ):
         super().__init__(
             APPLICATION,
             host=host,
             port=port,
             workers=workers,
             loop="uvloop",
-            http="httptools",
+            http=EdgeProtocol,
             ws="websockets-sansio",
+            timeout_keep_alive=keep_alive_s,
             # Our access log line (embeddings/observability/middleware.py) names the request id,
             # tenant and timings; uvicorn's would only repeat its first half.
             access_log=False,
@@ -54,6 +75,43 @@ class ServerConfig(uvicorn.Config):
             timeout_graceful_shutdown=timeout_s,
         )
         self.shutdown_drain_s = drain_s
+        self.edge_limits = edge_limits or edge_limits_from_settings()
+        self.admission = None
+
+
+def edge_limits_from_settings() -> EdgeLimits:
+    from django.conf import settings
+
+    from embeddings.api import intake
+
+    return EdgeLimits(
+        max_head_bytes=settings.HTTP_MAX_HEAD_BYTES,
+        max_headers=settings.HTTP_MAX_HEADERS,
+        head_timeout_s=settings.HTTP_HEAD_TIMEOUT_S,
+        write_timeout_s=settings.HTTP_WRITE_TIMEOUT_S,
+        max_connections=connections_within_file_limit(settings.HTTP_MAX_CONNECTIONS),
+        body_limit=intake.body_limit,
+    )
+
+
+def connections_within_file_limit(wanted: int) -> int:
+    """Raise this process's soft file limit (inherited by its workers) to hold `wanted` connections
+    plus RESERVED_DESCRIPTORS, as far as the hard limit allows; the connections it can hold."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = wanted + RESERVED_DESCRIPTORS
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return wanted
+    fitting = max(1, soft - RESERVED_DESCRIPTORS)
+    logger.warning(
+        "HTTP_MAX_CONNECTIONS=%d does not fit the file limit (%d): at most %d connections per process",
+        wanted, soft, fitting,
+    )  # fmt: skip
+    return fitting
 
 
 class DrainingServer(uvicorn.Server):
@@ -129,8 +187,17 @@ def tokenize_on_one_thread() -> None:
 
 def serve(*, host: str, port: int, workers: int, drain_s: float, timeout_s: float) -> None:
     """Serve embedsite until SIGTERM/SIGINT, then drain and shut down gracefully (module docstring)."""
+    from django.conf import settings
+
     tokenize_on_one_thread()
-    config = ServerConfig(host=host, port=port, workers=workers, drain_s=drain_s, timeout_s=timeout_s)
+    config = ServerConfig(
+        host=host,
+        port=port,
+        workers=workers,
+        drain_s=drain_s,
+        timeout_s=timeout_s,
+        keep_alive_s=settings.HTTP_KEEPALIVE_TIMEOUT_S,
+    )
     if workers == 1:
         config.load_app()
         server = DrainingServer(config=config)

@@ -348,6 +348,18 @@ WEB_CONCURRENCY = env_int("WEB_CONCURRENCY", SERVER_WORKERS, minimum=1)
 # rotation), then no new connection is accepted and requests in flight get SHUTDOWN_TIMEOUT_S more.
 SHUTDOWN_DRAIN_S = env_float("SHUTDOWN_DRAIN_S", 0.0, minimum=0)
 SHUTDOWN_TIMEOUT_S = env_float("SHUTDOWN_TIMEOUT_S", 20.0, minimum=0)
+# The HTTP edge (embedsite/edge.py, README "Reliability and security"), per server process: a
+# request line plus headers over HTTP_MAX_HEAD_BYTES or with more than HTTP_MAX_HEADERS fields is
+# 431; a head not complete HTTP_HEAD_TIMEOUT_S after it could start is 408 and closed; kept-alive
+# connections close after HTTP_KEEPALIVE_TIMEOUT_S idle; a response its client reads nothing of for
+# HTTP_WRITE_TIMEOUT_S is cut. Beyond HTTP_MAX_CONNECTIONS the connection waiting longest for a head
+# is closed, or the newcomer answered 503 (`serve` raises the file limit to fit, or lowers this).
+HTTP_MAX_HEAD_BYTES = env_int("HTTP_MAX_HEAD_BYTES", 32 * 1024, minimum=1024)
+HTTP_MAX_HEADERS = env_int("HTTP_MAX_HEADERS", 100, minimum=16)
+HTTP_HEAD_TIMEOUT_S = env_float("HTTP_HEAD_TIMEOUT_S", 15.0, minimum=0.1)
+HTTP_KEEPALIVE_TIMEOUT_S = env_float("HTTP_KEEPALIVE_TIMEOUT_S", 5.0, minimum=0.1)
+HTTP_WRITE_TIMEOUT_S = env_float("HTTP_WRITE_TIMEOUT_S", 60.0, minimum=0.1)
+HTTP_MAX_CONNECTIONS = env_int("HTTP_MAX_CONNECTIONS", 4096, minimum=1)
 
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["embeddings.api.rendering.OrjsonRenderer"],

@@ -1,5 +1,8 @@
-"""The Django handler API requests go through (embedsite/asgi.py routes them here): Django's
-ASGIHandler with three differences, each measured on a one-text embedding request.
+"""The Django handlers: `LeanASGIHandler` for API requests and `FullStackASGIHandler` for the rest
+(admin, docs), both reading bodies under limits (embedsite/asgi.py routes between them).
+
+LeanASGIHandler is Django's ASGIHandler with three differences, each measured on a one-text
+embedding request.
 
 - A lean middleware stack (settings.API_MIDDLEWARE). Django runs each sync `MiddlewareMixin`
   (sessions, auth, CSRF, messages, ...) through `sync_to_async`, two thread hops per middleware
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -38,6 +42,45 @@ from embeddings.api.errors import json_error_response
 
 # Threads kept between API requests: about the requests one process has in flight at once.
 IDLE_REQUEST_THREADS = 64
+
+
+async def read_body_or_refuse(handler: ASGIHandler, scope, receive, send):
+    """The request's body read under its limits (embeddings/api/intake.py); None once the refusal
+    (413, 408, 400) is sent or the client has gone."""
+    limits = intake.body_limits(scope)
+    try:
+        declared = intake.admit(scope, limits)
+        return await intake.read_request_body(receive, limits, declared)
+    except intake.BodyRefused as refusal:
+        response = json_error_response(refusal.error)
+        response["X-Content-Type-Options"] = "nosniff"
+        await handler.send_response(response, send)
+    except RequestAborted:
+        pass
+    return None
+
+
+# The body FullStackASGIHandler.handle has read, for Django's own handle() (same task, so the same
+# context) to take instead of reading it again.
+_body_read = contextvars.ContextVar("body_read")
+
+
+class FullStackASGIHandler(ASGIHandler):
+    """Django's own handler (the full middleware stack: admin, docs), whose body read has the API's
+    limits and timeouts: Django's would wait forever for a body that never comes."""
+
+    async def handle(self, scope, receive, send):
+        body_file = await read_body_or_refuse(self, scope, receive, send)
+        if body_file is None:
+            return
+        token = _body_read.set(body_file)
+        try:
+            await super().handle(scope, receive, send)
+        finally:
+            _body_read.reset(token)
+
+    async def read_body(self, receive):
+        return _body_read.get()
 
 
 class RequestThread(ThreadPoolExecutor):
@@ -118,16 +161,8 @@ class LeanASGIHandler(ASGIHandler):
         self.request_threads.give_back(thread)
 
     async def handle(self, scope, receive, send, thread: RequestThread):
-        limits = intake.body_limits(scope)
-        try:
-            declared = intake.admit(scope, limits)
-            body_file = await intake.read_request_body(receive, limits, declared)
-        except intake.BodyRefused as refusal:
-            response = json_error_response(refusal.error)
-            response["X-Content-Type-Options"] = "nosniff"
-            await self.send_response(response, send)
-            return
-        except RequestAborted:
+        body_file = await read_body_or_refuse(self, scope, receive, send)
+        if body_file is None:
             return
         try:
             set_script_prefix(get_script_prefix(scope))

@@ -86,6 +86,11 @@ def body_limits(scope: dict) -> BodyLimits:
     )
 
 
+def body_limit(scope: dict) -> int:
+    """The request's body limit in bytes (the HTTP edge refuses a larger chunk at once)."""
+    return body_limits(scope).max_bytes
+
+
 def _closing(error: ApiError) -> BodyRefused:
     # The rest of the body is never read: the connection cannot carry another request.
     error.headers["Connection"] = "close"

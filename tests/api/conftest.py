@@ -148,13 +148,18 @@ def uvicorn_server(
         yield server
 
 
-# Small limits and timeouts, so that the HTTP edge's refusals are quick to reach.
+# Small limits and timeouts, so that the HTTP edge's refusals are quick to reach. The head's size
+# and field limits stay as shipped (tests/api/test_edge.py reads them from settings).
 EDGE_LIMITS = {
     "MAX_REQUEST_BODY_BYTES": str(64 * 1024),
     "JOB_MAX_UPLOAD_BYTES": str(256 * 1024),
     "REQUEST_BODY_IDLE_TIMEOUT_S": "1",
     "REQUEST_BODY_TIMEOUT_S": "3",
     "REQUEST_BODY_MIN_BYTES_PER_S": str(1024 * 1024),
+    "HTTP_HEAD_TIMEOUT_S": "2",
+    "HTTP_KEEPALIVE_TIMEOUT_S": "1",
+    "HTTP_WRITE_TIMEOUT_S": "2",
+    "HTTP_MAX_CONNECTIONS": "64",
 }
 
 
@@ -163,7 +168,7 @@ def edge_server(
     triton_server, redis_server, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
     """One uvicorn worker with EDGE_LIMITS: body limits of 64 KiB (256 KiB for an upload), a 1 s idle
-    timeout and a 3 s total one."""
+    timeout and a 3 s total one; heads within 2 s, idle connections closed after 1 s, 64 connections."""
     with live_uvicorn(
         workdir=tmp_path_factory.mktemp("edge_server"),
         triton_target=triton_server.grpc_target,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -149,3 +150,65 @@ class RawHttp:
             return self.sock.recv(1) == b""
         except ConnectionResetError:
             return True
+
+
+# --- Plain sockets, one request at a time ----------------------------------------------------------
+
+
+def connect(server: LiveServer, *, receive_buffer: int | None = None) -> socket.socket:
+    address = urlsplit(server.base_url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(30)
+    sock.connect((address.hostname, address.port))
+    return sock
+
+
+def head(method: str, path: str, *fields: str) -> bytes:
+    """A request head as a careful client writes it: `Name: value` lines, CRLFs, Host first."""
+    return "".join(
+        f"{line}\r\n" for line in (f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", *fields)
+    ).encode() + (b"\r\n")
+
+
+def read_answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One response (status, headers, body read to its Content-Length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = sock.recv(65536)
+        if not piece:
+            raise ConnectionError(f"closed before an answer: {data!r}")
+        data += piece
+    head_bytes, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head_bytes.decode("latin-1").split("\r\n")
+    headers = {
+        name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)
+    }
+    chunked = headers.get("transfer-encoding") == "chunked"
+    length = int(headers.get("content-length", 0))
+    while not body.endswith(b"0\r\n\r\n") if chunked else len(body) < length:
+        piece = sock.recv(65536)
+        if not piece:
+            break
+        body += piece
+    return int(status_line.split()[1]), headers, dechunked(body) if chunked else body
+
+
+def closed_within(sock: socket.socket, seconds: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and when that was (from now)."""
+    started = time.monotonic()
+    sock.settimeout(seconds)
+    received = b""
+    try:
+        while piece := sock.recv(65536):
+            received += piece
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        raise AssertionError(f"still open after {seconds} s; received {received[:200]!r}") from None
+    return received, time.monotonic() - started
+
+
+def error_code(body: bytes) -> str:
+    return json.loads(body)["error"]["code"]
