@@ -107,12 +107,22 @@ JOB_OLDEST_ACTIVE_SECONDS = Gauge(
     "Age of the oldest unfinished job (0 when none).",
     multiprocess_mode="mostrecent",
 )
-# The HTTP edge (embedsite/edge.py): what it refused or closed, by a bounded reason (head_too_large,
-# head_timeout, too_many_connections, ...).
+# The HTTP edge (embedsite/edge.py) and admission (embeddings/api/admission.py): what they refused
+# or closed, by a bounded reason (head_too_large, head_timeout, too_many_connections, queue_full, ...).
 HTTP_EDGE_REFUSED = Counter(
     "embedsite_http_edge_refused",
     "Requests refused or connections closed before the application, by reason.",
     ["reason"],
+)
+ADMISSION_WAITING = Gauge(
+    "embedsite_admission_waiting",
+    "API requests waiting for a slot to run (admission), summed over the server's worker processes.",
+    multiprocess_mode="livesum",
+)
+ADMISSION_WAIT_SECONDS = Histogram(
+    "embedsite_admission_wait_seconds",
+    "Time an API request that had to wait for a slot waited before it ran.",
+    buckets=DURATION_BUCKETS,
 )
 TRITON_ERRORS = Counter(
     "embedsite_triton_errors",

@@ -11,7 +11,7 @@ Only step 1 is ours. uvicorn 0.54 has no hook for it, so `DrainingServer` delays
 the supervisor of several workers is uvicorn's own with that server in each worker.
 
 Every connection is served by `EdgeProtocol` (embedsite/edge.py): bounded heads, head and write
-timeouts, a connection cap.
+timeouts, a connection cap and admission before a request runs (embeddings/api/admission.py).
 """
 
 from __future__ import annotations
@@ -76,7 +76,14 @@ class ServerConfig(uvicorn.Config):
         )
         self.shutdown_drain_s = drain_s
         self.edge_limits = edge_limits or edge_limits_from_settings()
+        # Made in each worker process once the application (and Django) is loaded.
         self.admission = None
+
+    def load(self) -> None:
+        super().load()
+        from embeddings.api.admission import admission_controller
+
+        self.admission = admission_controller()
 
 
 def edge_limits_from_settings() -> EdgeLimits:

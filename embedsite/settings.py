@@ -418,6 +418,14 @@ MAX_TOKENS_PER_REQUEST = env_int("MAX_TOKENS_PER_REQUEST", 32_768, minimum=1)
 MAX_REQUEST_BODY_BYTES = env_int("MAX_REQUEST_BODY_BYTES", 16 * 1024 * 1024, minimum=1024)
 # Inference requests one server process has in flight; beyond it, 429 with Retry-After at once.
 MAX_INFLIGHT_TRITON_CALLS = env_int("MAX_INFLIGHT_TRITON_CALLS", 64, minimum=1)
+# Admission (embeddings/api/admission.py), per server process, decided from the request head before
+# any work: at most ADMISSION_MAX_IN_FLIGHT API requests run at once; the rest wait, the tenant with
+# the fewest running going next, up to ADMISSION_QUEUE_TIMEOUT_S (then 429; 0: refuse at once
+# instead of waiting) and ADMISSION_MAX_QUEUED of them (then the tenant with most waiting loses its
+# newest). Follows MAX_INFLIGHT_TRITON_CALLS by default, so raising one for a GPU raises both.
+ADMISSION_MAX_IN_FLIGHT = env_int("ADMISSION_MAX_IN_FLIGHT", MAX_INFLIGHT_TRITON_CALLS, minimum=1)
+ADMISSION_QUEUE_TIMEOUT_S = env_float("ADMISSION_QUEUE_TIMEOUT_S", 10.0, minimum=0)
+ADMISSION_MAX_QUEUED = env_int("ADMISSION_MAX_QUEUED", HTTP_MAX_CONNECTIONS, minimum=0)
 # Fair, bounded inference (embeddings/services/scheduling.py): a request's rows go to Triton in
 # sub-batches of at most MAX_BATCH_TOKENS padded tokens, and each server process keeps at most
 # MAX_TOKENS_IN_FLIGHT of them at Triton, interleaving requests so a small one waits for about one

@@ -93,6 +93,14 @@ class PrincipalCache:
             ttl = min(ttl, NEGATIVE_CACHE_SECONDS)
         self.entries[digest] = (self.clock() + ttl, value)
 
+    def tenant_id_for(self, digest: str) -> int | None:
+        """The tenant of a key this process has verified, expired entries included (admission only
+        orders requests by it: authentication still decides), else None."""
+        entry = self.entries.get(digest)
+        if entry is None or isinstance(entry[1], ApiError):
+            return None
+        return entry[1].tenant_id
+
     def should_touch(self, key_id: int) -> bool:
         """At most one last_used_at UPDATE per key per minute from this process."""
         now = self.clock()

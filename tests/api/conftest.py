@@ -160,6 +160,9 @@ EDGE_LIMITS = {
     "HTTP_KEEPALIVE_TIMEOUT_S": "1",
     "HTTP_WRITE_TIMEOUT_S": "2",
     "HTTP_MAX_CONNECTIONS": "64",
+    "ADMISSION_MAX_IN_FLIGHT": "4",
+    "ADMISSION_QUEUE_TIMEOUT_S": "2",
+    "ADMISSION_MAX_QUEUED": "8",
 }
 
 
@@ -168,7 +171,8 @@ def edge_server(
     triton_server, redis_server, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
     """One uvicorn worker with EDGE_LIMITS: body limits of 64 KiB (256 KiB for an upload), a 1 s idle
-    timeout and a 3 s total one; heads within 2 s, idle connections closed after 1 s, 64 connections."""
+    timeout and a 3 s total one; heads within 2 s, idle connections closed after 1 s, 64 connections;
+    4 API requests running at once, 8 waiting at most 2 s."""
     with live_uvicorn(
         workdir=tmp_path_factory.mktemp("edge_server"),
         triton_target=triton_server.grpc_target,
