@@ -35,6 +35,7 @@ real server on a socket, so an upgrade that moves them fails there.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -68,22 +69,58 @@ class EdgeLimits:
     body_limit: Callable[[dict], int]
 
 
-@dataclass(frozen=True)
 class Refusal:
-    """An answer the edge gives instead of the application: a JSON error body in the API's shape."""
+    """An answer the edge gives instead of the application: a JSON error body in the API's shape.
 
-    status: int
-    code: str
-    message: str
-    reason: str  # the metric's label: bounded, never client text
-    headers: tuple[tuple[bytes, bytes], ...] = ()
-    close: bool = False
-    error_type: str = "invalid_request_error"
+    Made once per kind (the edge's own refusals, admission's), so that refusing costs a write of
+    bytes prepared in advance; only the Date and X-Request-Id headers vary."""
+
+    __slots__ = ("close", "code", "encoded", "reason", "status")
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        reason: str,
+        *,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+        close: bool = False,
+        error_type: str = "invalid_request_error",
+    ) -> None:
+        self.status, self.code, self.reason, self.close = status, code, reason, close
+        body = orjson.dumps({"error": {"message": message, "type": error_type, "param": None, "code": code}})
+        self.encoded = (
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode(),
+            b"".join(name + b": " + value + b"\r\n" for name, value in headers)
+            + b"content-type: application/json\r\ncontent-length: "
+            + str(len(body)).encode()
+            + b"\r\nx-content-type-options: nosniff\r\n",
+            body,
+        )
 
     def body(self) -> bytes:
-        return orjson.dumps(
-            {"error": {"message": self.message, "type": self.error_type, "param": None, "code": self.code}}
-        )
+        return self.encoded[2]
+
+    def response(
+        self,
+        default_headers: list[tuple[bytes, bytes]],
+        *,
+        request_id: bytes | None,
+        close: bool,
+        head_only: bool,
+    ) -> bytes:
+        status_line, headers, body = self.encoded
+        parts = [status_line]
+        for name, value in default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts.append(headers)
+        if request_id is not None:
+            parts += (b"x-request-id: ", request_id, b"\r\n")
+        parts.append(b"connection: close\r\n\r\n" if close else b"\r\n")
+        if not head_only:
+            parts.append(body)
+        return b"".join(parts)
 
 
 class Admission(Protocol):
@@ -107,12 +144,16 @@ class RefusalLog:
     def __init__(self, what: str) -> None:
         self.what = what
         self.counts: dict[str, int] = {}
+        self.counters: dict[str, Any] = {}
         self.since = time.monotonic()
 
     def add(self, reason: str) -> None:
-        from embeddings.metrics import HTTP_EDGE_REFUSED
+        counter = self.counters.get(reason)
+        if counter is None:
+            from embeddings.metrics import HTTP_EDGE_REFUSED
 
-        HTTP_EDGE_REFUSED.labels(reason).inc()
+            counter = self.counters[reason] = HTTP_EDGE_REFUSED.labels(reason)
+        counter.inc()
         self.counts[reason] = self.counts.get(reason, 0) + 1
         now = time.monotonic()
         if now - self.since >= LOG_SUMMARY_INTERVAL_S:
@@ -124,39 +165,37 @@ class RefusalLog:
 
 edge_refusals = RefusalLog("HTTP edge refused or closed connections")
 
-HEAD_TOO_LARGE = "request_head_too_large"
-TOO_MANY_HEADERS = "too_many_headers"
-
 
 class HeadRefused(Exception):
     """Raised in a parser callback to stop parsing: the head crossed a limit."""
 
 
-def _too_large_head(limit: int) -> Refusal:
-    return Refusal(
-        431, HEAD_TOO_LARGE, f"The request line and headers are larger than {limit} bytes.", "head_too_large",
-        close=True,
+@dataclass(frozen=True)
+class EdgeRefusals:
+    """The edge's answers to a bad head, made once per set of limits."""
+
+    head_too_large: Refusal
+    too_many_headers: Refusal
+    head_timeout: Refusal
+
+
+@functools.lru_cache(maxsize=4)
+def edge_refusals_for(limits: EdgeLimits) -> EdgeRefusals:
+    return EdgeRefusals(
+        head_too_large=Refusal(
+            431, "request_head_too_large",
+            f"The request line and headers are larger than {limits.max_head_bytes} bytes.", "head_too_large",
+            close=True,
+        ),
+        too_many_headers=Refusal(
+            431, "too_many_headers", f"The request has more than {limits.max_headers} header fields.",
+            "too_many_headers", close=True,
+        ),
+        head_timeout=Refusal(
+            408, "request_timeout", f"The request head did not arrive within {limits.head_timeout_s:g} s.",
+            "head_timeout", close=True,
+        ),
     )  # fmt: skip
-
-
-def _too_many_headers(limit: int) -> Refusal:
-    return Refusal(
-        431,
-        TOO_MANY_HEADERS,
-        f"The request has more than {limit} header fields.",
-        "too_many_headers",
-        close=True,
-    )
-
-
-def _head_timeout(seconds: float) -> Refusal:
-    return Refusal(
-        408,
-        "request_timeout",
-        f"The request head did not arrive within {seconds:g} s.",
-        "head_timeout",
-        close=True,
-    )
 
 
 def _chunk_too_large(limit: int) -> Refusal:
@@ -172,12 +211,57 @@ TOO_MANY_CONNECTIONS = Refusal(
 )  # fmt: skip
 
 
-def _idle_registry(server_state) -> dict[EdgeProtocol, None]:
-    """This process's connections waiting for a head, oldest first (a dict keeps insertion order)."""
-    registry = getattr(server_state, "edge_awaiting_head", None)
-    if registry is None:
-        registry = server_state.edge_awaiting_head = {}
-    return registry
+class HeadWaits:
+    """This process's connections waiting for a head, with the time each must have it by.
+
+    One sweep a fraction of the timeout apart closes those past it, instead of a timer per request:
+    every wait has the same length, so the dict's order (insertion) is the deadlines' order, and a
+    sweep stops at the first that has time left. A connection is in it from when it may send a head
+    (opened, or its last response ended) until that head is complete."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self.loop, self.timeout_s = loop, timeout_s
+        self.deadlines: dict[EdgeProtocol, float] = {}
+        self.interval_s = min(1.0, timeout_s / 4)
+        self.sweeper: asyncio.TimerHandle | None = None
+
+    def add(self, connection: EdgeProtocol) -> None:
+        if connection not in self.deadlines:
+            self.deadlines[connection] = self.loop.time() + self.timeout_s
+            if self.sweeper is None:
+                self.sweeper = self.loop.call_later(self.interval_s, self.sweep)
+
+    def discard(self, connection: EdgeProtocol) -> None:
+        self.deadlines.pop(connection, None)
+
+    def sweep(self) -> None:
+        self.sweeper = None
+        now = self.loop.time()
+        late = []
+        for connection, deadline in self.deadlines.items():
+            if deadline > now:
+                break
+            late.append(connection)
+        for connection in late:
+            del self.deadlines[connection]
+            connection.head_timed_out()
+        if self.deadlines:
+            self.sweeper = self.loop.call_later(self.interval_s, self.sweep)
+
+    def oldest_idle(self) -> EdgeProtocol | None:
+        """The connection waiting longest with no request of its own running (a pipelined head may
+        be arriving while its previous request runs: that one is not idle)."""
+        for connection in self.deadlines:
+            if connection.cycle is None or connection.cycle.response_complete:
+                return connection
+        return None
+
+
+def _head_waits(server_state, loop: asyncio.AbstractEventLoop, timeout_s: float) -> HeadWaits:
+    waits = getattr(server_state, "edge_head_waits", None)
+    if waits is None:
+        waits = server_state.edge_head_waits = HeadWaits(loop, timeout_s)
+    return waits
 
 
 class EdgeProtocol(HttpToolsProtocol):
@@ -187,16 +271,13 @@ class EdgeProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self.limits: EdgeLimits = config.edge_limits
         self.admission: Admission | None = config.admission
-        self.awaiting = _idle_registry(server_state)
+        self.limits_refusals = edge_refusals_for(self.limits)
+        self.head_waits = _head_waits(server_state, self.loop, self.limits.head_timeout_s)
         # Between a message's end (or the connection's start) and the next head's end.
         self.awaiting_head = True
         self.head_begun = False
         # Bytes read while awaiting the head: an upper bound of its size so far.
         self.head_bytes = 0
-        # The head's size and fields as parsed (request line and each field as it completes).
-        self.head_size = 0
-        self.header_fields = 0
-        self.head_timer: asyncio.TimerHandle | None = None
         self.write_timer: asyncio.TimerHandle | None = None
         # The chunk whose header was parsed last and whose data has not all arrived.
         self.open_chunk = False
@@ -211,49 +292,33 @@ class EdgeProtocol(HttpToolsProtocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
-            oldest = next(iter(self.awaiting), None)
+            oldest = self.head_waits.oldest_idle()
             if oldest is None:
                 edge_refusals.add(TOO_MANY_CONNECTIONS.reason)
                 self._answer_and_close(TOO_MANY_CONNECTIONS)
                 return
-            del self.awaiting[oldest]
+            self.head_waits.discard(oldest)
             edge_refusals.add("closed_waiting_connection")
             oldest.transport.close()
-        self._await_head()
+        self.head_waits.add(self)
 
     def connection_lost(self, exc) -> None:
-        self.awaiting.pop(self, None)
-        self._cancel_head_timer()
-        self._cancel_write_timer()
+        self.head_waits.discard(self)
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
         if self.waiting is not None:
             _, _, ticket = self.waiting
             self.waiting = None
             self.admission.withdraw(ticket)
         super().connection_lost(exc)
 
-    def _await_head(self) -> None:
-        """The client may send a head now: it has head_timeout_s to complete it."""
-        self.awaiting[self] = None
-        if self.head_timer is None:
-            self.head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
-
-    def _cancel_head_timer(self) -> None:
-        if self.head_timer is not None:
-            self.head_timer.cancel()
-            self.head_timer = None
-
-    def _cancel_write_timer(self) -> None:
-        if self.write_timer is not None:
-            self.write_timer.cancel()
-            self.write_timer = None
-
-    def _head_timed_out(self) -> None:
-        self.head_timer = None
+    def head_timed_out(self) -> None:
         if self.transport.is_closing():
             return
         edge_refusals.add("head_timeout")
         if self.head_begun:
-            self._answer_and_close(_head_timeout(self.limits.head_timeout_s))
+            self._answer_and_close(self.limits_refusals.head_timeout)
         else:
             self.transport.close()
 
@@ -264,7 +329,9 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self._cancel_write_timer()
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
 
     def _write_stalled(self) -> None:
         self.write_timer = None
@@ -296,8 +363,8 @@ class EdgeProtocol(HttpToolsProtocol):
             self.send_400_response("Invalid HTTP request received.")
             return
         if self.awaiting_head and self.head_bytes > self.limits.max_head_bytes:
-            edge_refusals.add("head_too_large")
-            self._answer_and_close(_too_large_head(self.limits.max_head_bytes))
+            edge_refusals.add(self.limits_refusals.head_too_large.reason)
+            self._answer_and_close(self.limits_refusals.head_too_large)
             return
         if self.open_chunk and not self.open_chunk_checked:
             self._check_open_chunk(data)
@@ -305,33 +372,24 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         self.head_begun = True
-        # The request line's spaces, " HTTP/1.1" and CRLF, and the head's closing CRLF; the method
-        # is added when known.
-        self.head_size, self.header_fields = REQUEST_LINE_AND_END_BYTES, 0
-        if self.head_timer is None:
-            self.head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
+        # A head that starts while the previous request runs (pipelined) is waited for from now.
+        self.head_waits.add(self)
         super().on_message_begin()
 
-    def on_url(self, url: bytes) -> None:
-        self.head_size += len(url)
-        super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.header_fields += 1
-        self.head_size += len(name) + len(value) + 4  # ": " and CRLF
-        if self.header_fields > self.limits.max_headers:
-            raise HeadRefused(_too_many_headers(self.limits.max_headers))
-        super().on_header(name, value)
-
     def on_headers_complete(self) -> None:
-        # Exact, where data_received's bound may have missed the head's first read (one that also
-        # carried the end of the previous request).
-        if self.head_size + len(self.parser.get_method()) > self.limits.max_head_bytes:
-            raise HeadRefused(_too_large_head(self.limits.max_head_bytes))
+        # Judged as parsed, exactly: data_received's bound may have missed the head's first read
+        # (one that also carried the end of the previous request).
+        refusals = self.limits_refusals
+        if len(self.headers) > self.limits.max_headers:
+            raise HeadRefused(refusals.too_many_headers)
+        size = REQUEST_LINE_AND_END_BYTES + len(self.parser.get_method()) + len(self.url)
+        for name, value in self.headers:
+            size += len(name) + len(value) + 4  # ": " and CRLF
+        if size > self.limits.max_head_bytes:
+            raise HeadRefused(refusals.head_too_large)
         self.awaiting_head = self.head_begun = False
         self.head_bytes = 0
-        self.awaiting.pop(self, None)
-        self._cancel_head_timer()
+        self.head_waits.discard(self)
         super().on_headers_complete()
 
     def on_chunk_header(self) -> None:
@@ -350,7 +408,7 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_message_complete()
         if self.cycle.response_complete and not self.transport.is_closing():
             # Answered before its body ended (refused, or the application did not read it).
-            self._await_head()
+            self.head_waits.add(self)
 
     def _check_open_chunk(self, data: bytes) -> None:
         """The size of the chunk whose header this read ended with (its data not all here yet),
@@ -374,22 +432,6 @@ class EdgeProtocol(HttpToolsProtocol):
 
     # --- Writing what the edge answers -------------------------------------------------------------
 
-    def _response_bytes(self, refusal: Refusal, *, close: bool, head_only: bool = False) -> bytes:
-        body = refusal.body()
-        status = HTTPStatus(refusal.status)
-        lines = [f"HTTP/1.1 {status.value} {status.phrase}\r\n".encode()]
-        for name, value in (*self.server_state.default_headers, *refusal.headers):
-            lines += [name, b": ", value, b"\r\n"]
-        lines += [
-            b"content-type: application/json\r\n",
-            b"content-length: ", str(len(body)).encode(), b"\r\n",
-            b"x-content-type-options: nosniff\r\n",
-            b"connection: close\r\n" if close else b"",
-            b"\r\n",
-            b"" if head_only else body,
-        ]  # fmt: skip
-        return b"".join(lines)
-
     def _answer_and_close(self, refusal: Refusal) -> None:
         """Answer `refusal` (unless a response has begun) and close: nothing more is read."""
         cycle = self.cycle
@@ -401,7 +443,10 @@ class EdgeProtocol(HttpToolsProtocol):
                 self.transport.close()
                 return
         if not self.transport.is_closing():
-            self.transport.write(self._response_bytes(refusal, close=True))
+            default_headers = self.server_state.default_headers
+            self.transport.write(
+                refusal.response(default_headers, request_id=None, close=True, head_only=False)
+            )
             self.transport.close()
 
     # --- Admission -----------------------------------------------------------------------------------
@@ -416,7 +461,7 @@ class EdgeProtocol(HttpToolsProtocol):
         elif ticket.admitted:
             self._run(cycle, app, ticket)
         elif ticket.refusal is not None:
-            self._refuse_request(cycle, ticket.refusal)
+            self._refuse_request(cycle, ticket)
         else:
             self.waiting = (cycle, app, ticket)
 
@@ -430,7 +475,7 @@ class EdgeProtocol(HttpToolsProtocol):
         """Called by the admission controller: the waiting request is refused."""
         cycle, _, _ = self.waiting
         self.waiting = None
-        self._refuse_request(cycle, ticket.refusal)
+        self._refuse_request(cycle, ticket)
 
     def _run(self, cycle: RequestResponseCycle, app, ticket) -> None:
         task = self.loop.create_task(cycle.run_asgi(app))
@@ -438,15 +483,21 @@ class EdgeProtocol(HttpToolsProtocol):
         task.add_done_callback(lambda _: self.admission.release(ticket))
         self.tasks.add(task)
 
-    def _refuse_request(self, cycle: RequestResponseCycle, refusal: Refusal) -> None:
+    def _refuse_request(self, cycle: RequestResponseCycle, ticket) -> None:
         """Answer a request that never ran, as uvicorn ends a response: kept alive when its body is
         small enough to read and drop, closed otherwise."""
         if self.transport.is_closing():
             return
+        refusal = ticket.refusal
         close = refusal.close or not cycle.keep_alive or _body_too_long_to_drop(cycle.scope["headers"])
         cycle.response_started = cycle.response_complete = True
         self.transport.write(
-            self._response_bytes(refusal, close=close, head_only=cycle.scope["method"] == "HEAD")
+            refusal.response(
+                self.server_state.default_headers,
+                request_id=ticket.request_id,
+                close=close,
+                head_only=cycle.scope["method"] == "HEAD",
+            )
         )
         if close:
             self.transport.close()
@@ -457,7 +508,7 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_response_complete()
         # The next head is awaited unless it has already arrived (pipelined).
         if self.awaiting_head and not self.transport.is_closing():
-            self._await_head()
+            self.head_waits.add(self)
 
 
 def _body_too_long_to_drop(headers: list[tuple[bytes, bytes]]) -> bool:

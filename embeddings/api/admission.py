@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
+import secrets
 import time
 from collections import deque
 from collections.abc import Hashable
@@ -32,13 +34,14 @@ from django.conf import settings
 
 from embeddings.api.authentication import principal_cache
 from embeddings.metrics import ADMISSION_WAIT_SECONDS, ADMISSION_WAITING
-from embeddings.observability.context import request_id_from
+from embeddings.observability.context import SANE_REQUEST_ID
 from embedsite.edge import Refusal, RefusalLog
 
 UNVERIFIED = "unverified"
 # API paths whose requests are admitted here; the probes among them are never held.
 PROBE_PREFIXES = ("/health", "/ready", "/metrics")
 RETRY_AFTER_S = 1
+REFUSAL_ID_PREFIX = secrets.token_hex(10).encode()
 
 
 def tenant_of(headers: list[tuple[bytes, bytes]]) -> Hashable:
@@ -54,7 +57,7 @@ def tenant_of(headers: list[tuple[bytes, bytes]]) -> Hashable:
 class Ticket:
     """One request's place: waiting, admitted (running) or refused."""
 
-    __slots__ = ("admitted", "headers", "owner", "queued_at", "refusal", "tenant", "timer")
+    __slots__ = ("admitted", "headers", "owner", "queued_at", "refusal", "request_id", "tenant", "timer")
 
     def __init__(self, tenant: Hashable, owner, headers) -> None:
         self.tenant = tenant
@@ -62,6 +65,8 @@ class Ticket:
         self.headers = headers
         self.admitted = False
         self.refusal: Refusal | None = None
+        # The refusal's X-Request-Id: the client's if sane, else a fresh one (as every answer has).
+        self.request_id: bytes | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.queued_at = 0.0
 
@@ -84,6 +89,21 @@ class AdmissionController:
         self.waiting: dict[Hashable, int] = {}
         self.queued = 0
         self.refusals = RefusalLog("Requests refused for load")
+        self.refusal_ids = itertools.count()
+        retry = f"retry after {RETRY_AFTER_S} s."
+        self.no_room = self._refusal(
+            "no_room", f"This server is running its maximum of {max_in_flight} requests; {retry}"
+        )
+        self.queue_full = self._refusal(
+            "queue_full",
+            f"This server is running its maximum of {max_in_flight} requests and holds as many waiting "
+            f"as it may ({max_queued}); {retry}",
+        )
+        self.waited_too_long = self._refusal(
+            "waited_too_long",
+            f"This request waited {queue_timeout_s:g} s for one of this server's {max_in_flight} request "
+            f"slots; {retry}",
+        )
 
     def arrive(self, scope: dict, owner) -> Ticket | None:
         path = scope["path"]
@@ -94,15 +114,15 @@ class AdmissionController:
             self._start(ticket)
             return ticket
         if self.queue_timeout_s <= 0:
-            self._refuse(ticket, "no_room", self._no_room_message())
+            self._refuse(ticket, self.no_room)
             return ticket
         if self.queued >= self.max_queued:
             longest = max(self.waiting, key=self.waiting.__getitem__, default=None)
             if longest is None or self.waiting[longest] <= self.waiting.get(ticket.tenant, 0) + 1:
-                self._refuse(ticket, "queue_full", self._queue_full_message())
+                self._refuse(ticket, self.queue_full)
                 return ticket
             displaced = self._pop_newest(longest)
-            self._refuse(displaced, "queue_full", self._queue_full_message())
+            self._refuse(displaced, self.queue_full)
             displaced.owner.refused(displaced)
         self._enqueue(ticket)
         return ticket
@@ -183,43 +203,36 @@ class AdmissionController:
         if not ticket.waiting:
             return
         self._left_queue(ticket)
-        self._refuse(
-            ticket,
-            "waited_too_long",
-            f"This request waited {self.queue_timeout_s:g} s for one of this server's "
-            f"{self.max_in_flight} request slots; retry after {RETRY_AFTER_S} s.",
-        )
+        self._refuse(ticket, self.waited_too_long)
         ticket.owner.refused(ticket)
 
     # --- Refusals ----------------------------------------------------------------------------------
 
-    def _no_room_message(self) -> str:
-        return (
-            f"This server is running its maximum of {self.max_in_flight} requests; retry after "
-            f"{RETRY_AFTER_S} s."
-        )
-
-    def _queue_full_message(self) -> str:
-        return (
-            f"This server is running its maximum of {self.max_in_flight} requests and {self.queued} "
-            f"wait, the most it holds; retry after {RETRY_AFTER_S} s."
-        )
-
-    def _refuse(self, ticket: Ticket, reason: str, message: str) -> None:
-        request_id = request_id_from(_header(ticket.headers, b"x-request-id"))
-        ticket.refusal = Refusal(
+    @staticmethod
+    def _refusal(reason: str, message: str) -> Refusal:
+        return Refusal(
             429,
             "rate_limit_exceeded",
             message,
             reason,
-            headers=((b"retry-after", str(RETRY_AFTER_S).encode()), (b"x-request-id", request_id.encode())),
+            headers=((b"retry-after", str(RETRY_AFTER_S).encode()),),
             error_type="rate_limit_error",
         )
-        self.refusals.add(reason)
+
+    def _refuse(self, ticket: Ticket, refusal: Refusal) -> None:
+        ticket.refusal = refusal
+        sent = _header(ticket.headers, b"x-request-id")
+        if sent is not None and SANE_REQUEST_ID.fullmatch(sent):
+            ticket.request_id = sent.encode()
+        else:
+            # Unique without a uuid4's system call (a quarter of a refusal's cost): this process's
+            # random prefix and a count.
+            ticket.request_id = b"%s%012x" % (REFUSAL_ID_PREFIX, next(self.refusal_ids))
+        self.refusals.add(refusal.reason)
 
 
-# A withdrawn ticket's marker: it is no longer waiting, and nobody is answered.
-GONE = Refusal(499, "client_closed_request", "The client closed the connection while waiting.", "gone")
+# A withdrawn ticket's marker: it is no longer waiting. Never sent: its client has gone.
+GONE = Refusal(400, "client_closed_request", "The client closed the connection while waiting.", "gone")
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:

@@ -126,8 +126,10 @@ async def test_with_no_queue_timeout_nothing_waits(tenants):
     assert gate.arrive(scope("a"), Owner("first")).admitted
     refused = gate.arrive(scope("b"), Owner("second"))
     assert refused.refusal.reason == "no_room"
-    headers = dict(refused.refusal.headers)
-    assert headers[b"retry-after"] == b"1" and headers[b"x-request-id"]
+    answer = refused.refusal.response([], request_id=refused.request_id, close=False, head_only=False)
+    assert answer.startswith(b"HTTP/1.1 429 Too Many Requests\r\n")
+    assert b"\r\nretry-after: 1\r\n" in answer and refused.request_id
+    assert b"\r\nx-request-id: " + refused.request_id + b"\r\n" in answer
     assert orjson.loads(refused.refusal.body())["error"]["code"] == "rate_limit_exceeded"
 
 
