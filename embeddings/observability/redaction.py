@@ -30,9 +30,11 @@ CREDENTIAL_NAME = re.compile(
     r"(?:^|_)(?:key|apikey|token|secret|password|passwd|pwd|auth|authorization|bearer|"
     r"credentials?|signature|sig|session|sessionid|jwt)$"
 )
-# A header echoed as `name: value`, the value up to the end of the line or of the JSON string.
+# A header echoed as `name: value`, the value up to the end of the line or of the JSON string; but a
+# shell variable standing for one (runstack's `curl ... -H "Authorization: Bearer $KEY"`).
 HEADER = re.compile(
-    r"(?i)\b(authorization|proxy-authorization|cookie|x-api-key|api-key)(\s*:\s*)[^\r\n\"\\]+"
+    r"(?i)\b(authorization|proxy-authorization|cookie|x-api-key|api-key)(\s*:\s*)"
+    r"(?!\s*(?:\w+ )?\$\w+\b)[^\r\n\"\\]+"
 )
 HEADER_NAMES = ("authorization", "cookie", "api-key")
 # A run of text holding a percent-escape: decoded, it may show a key or a parameter name that its

@@ -54,6 +54,9 @@ assert KEY_PATTERN.fullmatch(KEY)
             '{"message": "< cookie: ***", "level": "DEBUG"}',
         ),
         ("< Proxy-Authorization: Bearer x", "< Proxy-Authorization: ***"),
+        # A shell variable standing for a key (runstack's `curl` line) is no credential.
+        ('curl -H "Authorization: Bearer $KEY"', 'curl -H "Authorization: Bearer $KEY"'),
+        ("-H 'X-Api-Key: $EMBEDSITE_KEY'", "-H 'X-Api-Key: $EMBEDSITE_KEY'"),
     ],
 )
 def test_credentials_are_replaced_and_the_rest_is_kept(line, expected):
