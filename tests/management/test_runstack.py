@@ -378,6 +378,21 @@ def live_gauges(stack: Stack) -> set[int]:
     }
 
 
+def test_a_web_worker_killed_is_replaced_and_its_live_gauges_dropped(stack):
+    """uvicorn's own supervisor replaces a dead worker; ours (embedsite/server.py) also drops the
+    dead one's live gauges, which it could not drop itself."""
+    web = stack.child(" serve ")
+    workers = web_workers(web)
+    assert len(workers) == 2 and set(workers) <= live_gauges(stack)
+    kill(workers[0])
+    stack.wait_for(lambda: len(set(web_workers(web)) - set(workers)) == 1, "a new worker")
+    stack.wait_for(lambda: workers[0] not in live_gauges(stack), "the dead worker's gauges dropped", 30)
+    # The new worker has loaded the app (its own gauges) and serves.
+    stack.wait_for(lambda: set(web_workers(web)) <= live_gauges(stack), "the new worker loaded")
+    assert stack.child(" serve ") == web
+    assert stack.embed().status_code == 200
+
+
 def test_the_web_server_killed_is_restarted_and_its_orphans_ended(stack):
     """uvicorn's supervisor and one of its two workers SIGKILLed: the other worker, orphaned, still
     holds the port until runstack ends it; the killed worker's live gauges are dropped."""
