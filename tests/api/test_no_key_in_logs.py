@@ -17,7 +17,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from embeddings.consumers import SUBPROTOCOL
+from embeddings.consumers import CLOSE_NOT_FOUND, CLOSE_UNAUTHORIZED, SUBPROTOCOL
 from embeddings.services.keys import parse_api_key
 from tests.api.conftest import LiveServer, live_uvicorn
 
@@ -101,15 +101,17 @@ def websocket_attempts(key: str) -> list[tuple[str, dict]]:
     ]
 
 
-def _websocket(server: LiveServer, path: str, options: dict, request_id: str) -> None:
+def _websocket(server: LiveServer, path: str, options: dict, request_id: str) -> int | None:
+    """The close code the server sent, or None when it refused the handshake."""
     url = server.base_url.replace("http://", "ws://") + path
     headers = {**options.get("additional_headers", {}), "X-Request-Id": request_id}
-    with (
-        contextlib.suppress(InvalidStatus),
-        connect(url, **{**options, "additional_headers": headers}) as websocket,
-        contextlib.suppress(ConnectionClosed),
-    ):
-        websocket.recv(timeout=30)
+    try:
+        with connect(url, **{**options, "additional_headers": headers}) as websocket:
+            with contextlib.suppress(ConnectionClosed):
+                websocket.recv(timeout=30)
+            return websocket.close_code
+    except InvalidStatus:
+        return None
 
 
 def _wait_for_lines(log_path: Path, request_ids: list[str]) -> str:
@@ -151,10 +153,13 @@ def test_a_key_sent_anywhere_is_in_no_log_line(server: LiveServer):
     assert answer.headers["x-request-id"] != key
     assert re.fullmatch(r"[0-9a-f]{32}", answer.headers["x-request-id"])
     request_ids.append(answer.headers["x-request-id"])
+    closes = []
     for number, (path, options) in enumerate(websocket_attempts(key)):
         request_id = f"leak-{run}-ws-{number}"
         request_ids.append(request_id)
-        _websocket(server, path, options, request_id)
+        closes.append(_websocket(server, path, options, request_id))
+    # A key in the query string is never taken (only the header and the subprotocol are): 4401.
+    assert closes == [CLOSE_UNAUTHORIZED] * 2 + [CLOSE_NOT_FOUND] * 2 + [CLOSE_UNAUTHORIZED, None]
 
     text = _wait_for_lines(server.log_path, request_ids)
     # The authenticated request's lines name the key by its public id, as they should.
