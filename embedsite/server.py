@@ -182,6 +182,16 @@ class Supervisor(multiprocess.Multiprocess):
         for sock in self.sockets:
             sock.close()
 
+    def keep_subprocess_alive(self) -> None:
+        """uvicorn's replacement of a dead worker, then the dead one's live gauges removed: a killed
+        worker cannot remove them itself (embeddings/metrics.py lifespan), and /metrics' `livesum`
+        gauges (calls and tokens in flight) would count its last values for ever."""
+        before = {process.pid for process in self.processes}
+        super().keep_subprocess_alive()
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            for pid in before - {process.pid for process in self.processes}:
+                prometheus_multiprocess.mark_process_dead(pid)
+
 
 def tokenize_on_one_thread() -> None:
     """Each web process tokenises a request's texts on its own thread unless TOKENIZERS_PARALLELISM

@@ -533,6 +533,18 @@ JOB_STORE_TIMEOUT_S = env_float("JOB_STORE_TIMEOUT_S", 5.0, minimum=0.01)
 RUNSTACK_REDIS_MAXMEMORY_MB = env_int("RUNSTACK_REDIS_MAXMEMORY_MB", 256, minimum=1)
 RUNSTACK_JOB_STORE_MAXMEMORY_MB = env_int("RUNSTACK_JOB_STORE_MAXMEMORY_MB", 2048, minimum=1)
 
+# --- runstack: restarting what dies (README "Reliability and security") --------------------------
+# A child of `runstack` that dies (either Redis, Triton, the Celery worker or beat, the web server) is
+# started again after RUNSTACK_RESTART_DELAY_S, doubled after each death that follows its restart
+# within RUNSTACK_RESTART_STABLE_S, up to RUNSTACK_RESTART_MAX_DELAY_S; one that stayed up that long
+# starts from the first delay again. After RUNSTACK_RESTART_ATTEMPTS restarts in a row that died that
+# fast (5: about 15 s of delays, enough for a blip such as a port still held by a dying process), the
+# next death stops the stack with the child's log: it would not go better by itself. 0: no restart.
+RUNSTACK_RESTART_DELAY_S = env_float("RUNSTACK_RESTART_DELAY_S", 0.5, minimum=0)
+RUNSTACK_RESTART_MAX_DELAY_S = env_float("RUNSTACK_RESTART_MAX_DELAY_S", 30.0, minimum=0)
+RUNSTACK_RESTART_STABLE_S = env_float("RUNSTACK_RESTART_STABLE_S", 60.0, minimum=0)
+RUNSTACK_RESTART_ATTEMPTS = env_int("RUNSTACK_RESTART_ATTEMPTS", 5, minimum=0)
+
 # --- Quotas and usage ----------------------------------------------------------------------------
 QUOTAS_ENABLED = env_bool("QUOTAS_ENABLED", True)
 # When Redis cannot be reached: "closed" refuses requests with 503 (nothing goes unmetered),

@@ -14,6 +14,8 @@ import uuid
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 
+from embeddings.observability.redaction import holds_key
+
 # What a client may send as X-Request-Id and have kept: ids of the usual shapes (UUIDs, ULIDs,
 # `req_...`, base64), nothing that could break a log line or a header. Anything else is replaced.
 SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
@@ -60,8 +62,9 @@ def new_request_id() -> str:
 
 
 def request_id_from(sent: str | None) -> str:
-    """The client's X-Request-Id when it is sane, else a fresh one."""
-    if sent and SANE_REQUEST_ID.fullmatch(sent):
+    """The client's X-Request-Id when it is sane, else a fresh one. An id shaped like one of our keys
+    is not sane: the id goes into every log line, error body and task of the request."""
+    if sent and SANE_REQUEST_ID.fullmatch(sent) and not holds_key(sent):
         return sent
     return new_request_id()
 

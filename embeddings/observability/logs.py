@@ -4,7 +4,8 @@ LOG_FORMAT=json writes one JSON object a line (python-json-logger): timestamp, l
 message, the request id, the tenant's slug and the key's public id once known, the trace and span
 ids when tracing is on, and whatever the line passed in `extra` (the access log: method, path,
 status, duration_ms, endpoint, model, inputs, tokens). LOG_FORMAT=text (the default) writes one
-readable line with the request id in brackets.
+readable line with the request id in brackets. Both take every credential out of the finished line
+(embeddings/observability/redaction.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
 from embeddings.observability import context, tracing
+from embeddings.observability.redaction import redact_credentials
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 # Never a key, a secret or an input text: these are the only request fields a line gets.
@@ -40,14 +42,31 @@ class RequestContextFilter(logging.Filter):
         return True
 
 
+class Redacted:
+    """Formats a record as the formatter it is mixed into does, then redacts the finished line: the
+    message, every extra field (Django's 4xx lines attach the request, query string and all) and the
+    traceback, whoever logged it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact_credentials(super().format(record))
+
+
+class TextFormatter(Redacted, logging.Formatter):
+    pass
+
+
+class JsonLinesFormatter(Redacted, JsonFormatter):
+    pass
+
+
 def text_formatter() -> logging.Formatter:
-    return logging.Formatter(TEXT_FORMAT, defaults={"request_id": "-"})
+    return TextFormatter(TEXT_FORMAT, defaults={"request_id": "-"})
 
 
 def json_formatter() -> logging.Formatter:
     # Python's warnings (Celery's as root, deprecations) become log lines too: none escapes JSON.
     logging.captureWarnings(True)
-    return JsonFormatter(
+    return JsonLinesFormatter(
         "{levelname}{name}{message}",
         style="{",
         rename_fields=JSON_RENAMED,

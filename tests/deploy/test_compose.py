@@ -210,6 +210,23 @@ def test_replicas_processes_and_concurrency_come_from_the_environment(tmp_path: 
     assert "--concurrency=7" in worker["command"]
 
 
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_every_long_running_service_is_restarted_and_checked(tmp_path: Path, profile: str) -> None:
+    """Docker restarts a container whose process exits (`unless-stopped`); the one-off steps run once.
+    It does not restart an unhealthy one, but every long-running service has a healthcheck for
+    `docker compose ps` and for what waits on it."""
+    services = resolved(tmp_path, COMPOSE_PROFILES=profile)["services"]
+    one_offs = {"export", "migrate"}
+    for name, service in services.items():
+        assert service.get("restart") == ("no" if name in one_offs else "unless-stopped"), name
+        if name not in one_offs:
+            assert service["healthcheck"]["test"], name
+    beat = services["beat"]
+    [schedule] = [arg.split("=", 1)[1] for arg in beat["command"] if arg.startswith("--schedule=")]
+    directory, name = schedule.rsplit("/", 1)
+    assert f"find {directory} -maxdepth 1 -name '{name}*'" in beat["healthcheck"]["test"][-1]
+
+
 def test_exactly_one_beat(tmp_path: Path) -> None:
     stack = resolved(tmp_path, WORKER_REPLICAS="4", WEB_REPLICAS="3", WEB_PORTS="8080-8082")
     running_beat = [

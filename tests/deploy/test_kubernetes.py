@@ -264,3 +264,29 @@ def test_the_critical_redis_and_the_job_store_are_two_servers_in_the_secret(base
     assert {"REDIS_URL", "JOB_STORE_URL"} <= set(secret["data"])
     example = read_env_file(BASE / "secret.env.example")
     assert urlsplit(example["REDIS_URL"]).hostname != urlsplit(example["JOB_STORE_URL"]).hostname
+
+
+@pytest.mark.parametrize("variant", ["base", "cpu_overlay"])
+def test_every_deployment_is_restarted_when_it_exits_or_hangs(
+    variant: str, request: pytest.FixtureRequest
+) -> None:
+    """A container that exits is restarted (restartPolicy Always); one that hangs fails its liveness
+    probe and is restarted too; what is served (a Service selects it) or rolled out pod by pod has a
+    readiness probe; what starts slowly has a startup probe, so liveness does not kill it first."""
+    deployments = by_kind(request.getfixturevalue(variant), "Deployment")
+    for name, deployment in deployments.items():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod.get("restartPolicy", "Always") == "Always", name
+        for container in pod["containers"]:
+            assert "livenessProbe" in container, name
+            assert "startupProbe" in container, name
+    for name in ("embedsite-web", "embedsite-triton", "embedsite-worker"):
+        (container,) = (c for c in deployments[name]["spec"]["template"]["spec"]["containers"])
+        assert "readinessProbe" in container, name
+    # Beat answers no ping: its probes read the schedule file it is told to write.
+    (beat,) = deployments["embedsite-beat"]["spec"]["template"]["spec"]["containers"]
+    [schedule] = [arg.split("=", 1)[1] for arg in beat["command"] if arg.startswith("--schedule=")]
+    directory, name = schedule.rsplit("/", 1)
+    for probe in ("startupProbe", "livenessProbe"):
+        assert f"find {directory} " in beat[probe]["exec"]["command"][-1]
+        assert f"-name '{name}*'" in beat[probe]["exec"]["command"][-1]
