@@ -406,7 +406,8 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self.awaiting_head, self.head_bytes = True, 0
         super().on_message_complete()
-        if self.cycle.response_complete and not self.transport.is_closing():
+        # (No cycle: a WebSocket upgrade, whose request never runs as HTTP.)
+        if self.cycle is not None and self.cycle.response_complete and not self.transport.is_closing():
             # Answered before its body ended (refused, or the application did not read it).
             self.head_waits.add(self)
 
