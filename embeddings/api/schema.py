@@ -6,7 +6,7 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.plumbing import build_bearer_security_scheme_object, is_list_serializer
 
-from embeddings.api.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout
+from embeddings.api.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 
 
 class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):
@@ -96,6 +96,13 @@ EDGE_ERRORS: dict[str, tuple[str, ApiError]] = {
         "A body over MAX_REQUEST_BODY_BYTES (JOB_MAX_UPLOAD_BYTES for an upload), refused as it arrives",
         PayloadTooLarge("The request body is larger than 16777216 bytes."),
     ),
+    "415": (
+        "A Content-Encoding other than identity (a compressed body): send it uncompressed",
+        UnsupportedMediaType(
+            "Content-Encoding gzip is not supported: send the body uncompressed.",
+            code="unsupported_content_encoding",
+        ),
+    ),
 }
 ERROR_SCHEMA = {"$ref": "#/components/schemas/Error"}
 
@@ -115,12 +122,18 @@ def _error_response(description: str, error: ApiError) -> dict:
 
 
 def edge_errors_hook(result, generator, request, public):
-    """drf-spectacular postprocessing hook: 400, 408 and 413 on every operation."""
+    """drf-spectacular postprocessing hook: 400, 408, 413 and 415 on every operation (beside what an
+    operation documents itself under the same status)."""
     for operations in result.get("paths", {}).values():
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             for status, (description, error) in EDGE_ERRORS.items():
-                responses.setdefault(status, _error_response(description, error))
+                edge = _error_response(description, error)
+                own = responses.setdefault(status, edge)
+                if own is not edge:
+                    own["description"] = f"{own['description']}; or: {description}"
+                    examples = own["content"]["application/json"].setdefault("examples", {})
+                    examples.update(edge["content"]["application/json"]["examples"])
     return result
 
 

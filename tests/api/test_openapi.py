@@ -149,7 +149,7 @@ def test_jobs_are_documented(schema):
 def test_every_operation_documents_the_edge_errors(schema):
     for path, operations in schema["paths"].items():
         for method, operation in operations.items():
-            for status in ("400", "408", "413"):
+            for status in ("400", "408", "413", "415"):
                 content = operation["responses"][status]["content"]["application/json"]
                 assert content["schema"] == {"$ref": "#/components/schemas/Error"}, (path, method, status)
     for path in ("/v1/embeddings", "/v1/embedding", "/api/v1/embed", "/embed", "/v1/jobs"):
