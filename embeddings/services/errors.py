@@ -2,6 +2,7 @@
 
 ServiceError
 ├── InvalidRequest      (422) a well-formed request the model cannot serve as asked
+│   └── UnsupportedByModel (422) valid for some model, not the one asked for (its dimensions, prompts)
 ├── LimitExceeded       (413) more inputs, tokens or bytes than allowed
 ├── Overloaded          (429) too many inference calls in flight in this process
 ├── InferenceTimeout    (504) the request's inference missed its deadline (EMBEDDING_TIMEOUT_S)
@@ -31,6 +32,11 @@ class ServiceError(Exception):
 
 class InvalidRequest(ServiceError):
     pass
+
+
+class UnsupportedByModel(InvalidRequest):
+    """What only the model asked for refuses: more dimensions than it has, a prompt it lacks. The
+    API's schema cannot say it (it is the same for every model), so the answer's code says it."""
 
 
 class LimitExceeded(ServiceError):

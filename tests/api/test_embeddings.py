@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 
+import httpx2
 import numpy as np
 import pytest
 
@@ -139,7 +140,7 @@ async def test_tei_options(client, alpha):
     unknown_prompt = await client.post(
         "/api/v1/embed", json={"inputs": "hello", "prompt_name": "nope"}, headers=alpha.headers
     )
-    assert_error(unknown_prompt, 422, param="prompt_name")
+    assert_error(unknown_prompt, 422, code="unsupported_by_model", param="prompt_name")
 
 
 async def test_prompts_are_prepended(client, alpha, model):
@@ -155,6 +156,28 @@ async def test_prompts_are_prepended(client, alpha, model):
     assert np.allclose(
         with_prompt.json()["data"][0]["embedding"], by_hand.json()["data"][0]["embedding"], atol=1e-6
     )
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "minilm", "input": [101, 30522, 102]}, "input"),  # the vocabulary has 30522 ids
+        ({"model": "minilm", "input": "x", "dimensions": 385}, "dimensions"),
+        ({"inputs": "x", "prompt_name": "query"}, "prompt_name"),
+    ],
+)
+async def test_what_only_the_model_refuses_says_so(client, alpha, body, param):
+    """The schema is one for every model: a model's own bounds are refused with their own code."""
+    path = "/v1/embeddings" if "model" in body else "/api/v1/embed"
+    assert_error(
+        await client.post(path, json=body, headers=alpha.headers), 422, "unsupported_by_model", param
+    )
+
+
+def test_what_only_the_model_refuses_says_so_through_uvicorn(edge_server):
+    with httpx2.Client(base_url=edge_server.base_url, headers=edge_server.headers, timeout=30) as http:
+        response = http.post("/v1/embeddings", json={"model": "minilm", "input": "x", "dimensions": 385})
+        assert_error(response, 422, "unsupported_by_model", "dimensions")
 
 
 @pytest.mark.parametrize(

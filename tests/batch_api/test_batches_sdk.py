@@ -338,7 +338,7 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
         (6, "model_not_found"),
         (7, "duplicate_custom_id"),
         (8, "invalid_json_line"),
-        (9, "invalid_value"),
+        (9, "unsupported_by_model"),
     }, done.errors
     assert done.request_counts.model_dump() == {"total": 11, "completed": 2, "failed": 9}
     output = {record["custom_id"]: record for record in file_lines(client, done.output_file_id)}
