@@ -66,6 +66,7 @@ from embeddings.services.errors import (
     JobStoreUnavailable,
     LimitExceeded,
     ModelNotLoaded,
+    ObjectNotFound,
     Overloaded,
     QuotaExceeded,
     QuotaUnavailable,
@@ -341,6 +342,7 @@ ANSWERS: dict[type[Exception], Callable[[Any], ApiError]] = {
     # The services' tree (embeddings.services.errors).
     ServiceError: _service_answer(ValidationFailed),
     InvalidRequest: _service_answer(ValidationFailed),
+    ObjectNotFound: lambda exc: NotFound(exc.message, param=exc.param, code=exc.code),
     UnsupportedByModel: _service_answer(partial(ValidationFailed, code=UNSUPPORTED_BY_MODEL)),
     LimitExceeded: _service_answer(PayloadTooLarge),
     InferenceTimeout: _service_answer(UpstreamTimeout),

@@ -27,11 +27,18 @@ from embeddings.api.errors import (
 )
 from embeddings.api.jobs import _form_fields, in_threads
 from embeddings.api.rendering import MultipartUploadParser, OrjsonParser
-from embeddings.api.serializers import ListPageSerializer
+from embeddings.api.serializers import (
+    DECIMAL_INTEGER,
+    ListPageSerializer,
+    QueryIntegerField,
+    cursor_field,
+    id_schema,
+)
 from embeddings.api.views import AUTH_ERRORS, _error_response, validated
 from embeddings.callers import Caller
 from embeddings.models import StoredFile
 from embeddings.services.files import (
+    FILE_ID_PATTERN,
     expires_after_seconds,
     file_create,
     file_delete,
@@ -80,10 +87,12 @@ class FileUploadRequest(serializers.Serializer):
 
 
 class FileListQuery(serializers.Serializer):
-    purpose = serializers.CharField(required=False, allow_blank=True)
-    limit = serializers.IntegerField(min_value=1, max_value=10000, default=10000)
+    purpose = serializers.ChoiceField(
+        choices=StoredFile.Purpose.values, required=False, allow_blank=True, help_text="Empty: every purpose."
+    )
+    limit = QueryIntegerField(min_value=1, max_value=10000, default=10000)
     order = serializers.ChoiceField(choices=["asc", "desc"], default="desc")
-    after = serializers.CharField(required=False, allow_blank=True, max_length=64)
+    after = cursor_field(pattern=FILE_ID_PATTERN, what="a file id (`file-` and 24 letters or digits)")
 
 
 FILE_EXAMPLE = {
@@ -98,7 +107,10 @@ FILE_EXAMPLE = {
     "status_details": None,
 }
 FILE_ID_PARAMETER = OpenApiParameter(
-    "file_id", OpenApiTypes.STR, OpenApiParameter.PATH, description="The file's id."
+    "file_id",
+    id_schema(FILE_ID_PATTERN),
+    OpenApiParameter.PATH,
+    description="The file's id (any other string is no file: 404).",
 )
 FILE_NOT_FOUND = _error_response(
     "No file of yours has this id (another tenant's file is not found either)",
@@ -121,10 +133,13 @@ def _expires_after(fields: dict) -> int | None:
         return None
     if anchor != "created_at":
         raise BadRequest("expires_after.anchor must be 'created_at'", param="expires_after.anchor")
-    try:
-        value = int(str(seconds))
-    except ValueError:
-        raise BadRequest("expires_after.seconds must be an integer", param="expires_after.seconds") from None
+    # An integer in JSON (3600.0 is one), or decimal digits in a form field.
+    integral_float = isinstance(seconds, float) and seconds.is_integer()
+    if integral_float or (isinstance(seconds, str) and DECIMAL_INTEGER.fullmatch(seconds)):
+        seconds = int(seconds)
+    if not isinstance(seconds, int) or isinstance(seconds, bool):
+        raise BadRequest("expires_after.seconds must be an integer", param="expires_after.seconds")
+    value = seconds
     if not EXPIRES_AFTER_MIN_S <= value <= EXPIRES_AFTER_MAX_S:
         raise BadRequest(
             f"expires_after.seconds must be between {EXPIRES_AFTER_MIN_S} and {EXPIRES_AFTER_MAX_S}",
@@ -249,8 +264,14 @@ class FileListCreateView(ApiView):
         responses={
             200: FileListSerializer,
             **AUTH_ERRORS,
+            404: _error_response(
+                "`after` names no file of yours",
+                NotFound(
+                    "You have no file 'file-0123...' to list after.", param="after", code="file_not_found"
+                ),
+            ),
             422: _error_response(
-                "A bad limit, order or `after`",
+                "A bad limit, order, purpose or `after`",
                 ValidationFailed("limit: Ensure this value is less than or equal to 10000.", param="limit"),
             ),
         },

@@ -52,6 +52,7 @@ from embeddings.services.errors import (
 from embeddings.services.job_inputs import JobInputs, job_inputs_count_check, job_inputs_parse, job_max_inputs
 from embeddings.services.job_results import iter_jsonl, iter_npy, json_page, npy_header
 from embeddings.services.jobs import (
+    JOB_ID_PATTERN,
     JobSpec,
     job_cancel,
     job_create,
@@ -105,12 +106,13 @@ def request_fingerprint(model: EmbeddingModel, options: dict, inputs: JobInputs)
 
 
 def idempotency_key(request: Request) -> str:
-    key = request.headers.get("Idempotency-Key", "").strip()
+    key = request.headers.get("Idempotency-Key", "")
+    # Measured as sent, as the schema's maxLength measures it.
     if len(key) > IDEMPOTENCY_KEY_MAX_CHARS:
         raise ValidationFailed(
             f"Idempotency-Key: at most {IDEMPOTENCY_KEY_MAX_CHARS} characters", param="Idempotency-Key"
         )
-    return key
+    return key.strip()
 
 
 def _upload_lines(upload: UploadedFile) -> Iterator[bytes]:
@@ -249,7 +251,10 @@ JOB_EXAMPLE = {
     "result_dtype": "float32",
 }
 JOB_ID_PARAMETER = OpenApiParameter(
-    "job_id", OpenApiTypes.STR, OpenApiParameter.PATH, description="The job's id."
+    "job_id",
+    s.id_schema(JOB_ID_PATTERN),
+    OpenApiParameter.PATH,
+    description="The job's id (any other string is no job: 404).",
 )
 JOB_NOT_FOUND = _error_response(
     "No job of yours has this id (another tenant's job is not found either)",
@@ -279,7 +284,7 @@ class JobListCreateView(ApiView):
         parameters=[
             OpenApiParameter(
                 "Idempotency-Key",
-                OpenApiTypes.STR,
+                {"type": "string", "maxLength": IDEMPOTENCY_KEY_MAX_CHARS},
                 OpenApiParameter.HEADER,
                 description=f"Up to {IDEMPOTENCY_KEY_MAX_CHARS} characters of your choice, unique per job.",
             )
@@ -399,8 +404,12 @@ class JobListCreateView(ApiView):
         responses={
             200: s.JobListSerializer,
             **AUTH_ERRORS,
+            404: _error_response(
+                "`after` names no job of yours",
+                NotFound("You have no job 'job_0123...' to list after.", param="after", code="job_not_found"),
+            ),
             422: _error_response(
-                "A bad limit",
+                "A bad limit or `after`",
                 ValidationFailed("limit: Ensure this value is less than or equal to 100.", param="limit"),
             ),
         },

@@ -6,13 +6,17 @@ running a DRF field per item.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+from django.core.validators import RegexValidator
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from embeddings.services.callback_targets import CallbackTargetError
 from embeddings.services.job_callbacks import callback_target_check
+from embeddings.services.jobs import JOB_ID_PATTERN
+from embeddings.services.keys import KEY_PREFIX, KEY_PUBLIC_ID_PATTERN
 from embeddings.services.result_dtypes import RESULT_DTYPES
 
 INPUT_HELP = (
@@ -52,33 +56,112 @@ class StrictCharField(serializers.CharField):
 
 
 class StrictBooleanField(serializers.BooleanField):
-    """JSON true or false; 0, 1 and strings are refused."""
+    """JSON true or false; 0, 1 and strings are refused. As a form field, `true` or `false` (DRF
+    would also read 0, 1, yes, no, on, off...)."""
 
     default_error_messages = {"invalid": "Must be true or false."}
+    FORM_VALUES = {"true": True, "false": False}
 
     def to_internal_value(self, data):
-        if not isinstance(data, bool) and not _is_form(self):
+        if _is_form(self):
+            if data not in self.FORM_VALUES:
+                self.fail("invalid")
+            return self.FORM_VALUES[data]
+        if not isinstance(data, bool):
             self.fail("invalid")
-        return super().to_internal_value(data)
+        return data
+
+
+# The bound of every integer that counts a model's or a job's things (dimensions, token ids, inputs):
+# the database keeps them in 32-bit columns, and no model or job comes near it.
+INT32_MAX = 2**31 - 1
+
+# An integer written as text (a query parameter, a form field): ASCII digits, a minus sign at most.
+# Python's int() would also read " 1", "+1", "1_000" and other scripts' digits, and DRF's field
+# "1.0": none of them is an integer as the schema writes one.
+DECIMAL_INTEGER = re.compile(r"-?[0-9]+")
+INTEGER_TEXT_ERROR = "A valid integer is required: decimal digits only, e.g. 20."
+
+
+def _integer_text(field: serializers.IntegerField, data: object) -> None:
+    if not isinstance(data, str) or not DECIMAL_INTEGER.fullmatch(data):
+        field.fail("invalid")
 
 
 class StrictIntegerField(serializers.IntegerField):
-    """A JSON integer (5.0 is one, as JSON Schema reads it); strings and booleans are refused."""
+    """A JSON integer (5.0 is one, as JSON Schema reads it); strings and booleans are refused. As a
+    form field, decimal digits only."""
+
+    default_error_messages = {"invalid": INTEGER_TEXT_ERROR}
 
     def to_internal_value(self, data):
-        if (isinstance(data, bool) or not isinstance(data, int | float)) and not _is_form(self):
+        if _is_form(self):
+            _integer_text(self, data)
+        elif isinstance(data, bool) or not isinstance(data, int | float):
             self.fail("invalid")
+        elif isinstance(data, float):
+            # JSON integers past 64 bits arrive as floats (orjson): still integers, held to the bounds.
+            if not data.is_integer():
+                self.fail("invalid")
+            data = int(data)
         return super().to_internal_value(data)
 
 
-def dimensions_field(**options) -> StrictIntegerField:
+class QueryIntegerField(serializers.IntegerField):
+    """An integer query parameter: decimal digits only, and bounded (the schema's `maximum`), so
+    that no value outgrows what the response can echo (orjson renders at most 64-bit integers)."""
+
+    default_error_messages = {"invalid": INTEGER_TEXT_ERROR}
+
+    def __init__(self, *, min_value: int, max_value: int, **options) -> None:
+        super().__init__(min_value=min_value, max_value=max_value, **options)
+
+    def to_internal_value(self, data):
+        _integer_text(self, data)
+        return super().to_internal_value(data)
+
+
+def id_schema(pattern: str) -> dict:
+    """The schema of a path parameter that is an object's id (`pattern`, as its service draws it)."""
+    return {"type": "string", "pattern": f"^{pattern}$"}
+
+
+def cursor_field(*, pattern: str, what: str) -> serializers.CharField:
+    """A list's `after`: an id from the previous page (its last_id), or empty for the first page. A
+    string that cannot be an id is 422; an id of no object of yours, 404 (as in a path)."""
+    # \A and \Z: the whole value (a "$" would also match before a trailing newline); the schema
+    # shows them as ^ and $, beside the empty string allow_blank adds.
+    return serializers.CharField(
+        required=False,
+        allow_blank=True,
+        trim_whitespace=False,
+        validators=[RegexValidator(rf"\A{pattern}\Z", message=f"must be {what} from a previous page")],
+        help_text=f"{what[0].upper()}{what[1:]} from the previous page (its `last_id`): the page "
+        "after it. Empty: the first page.",
+    )
+
+
+def dimensions_field() -> StrictIntegerField:
     """The optional `dimensions` of requests and jobs: an integer from 1. Whether the model has that
-    many is the services' rule (embeddings.services.embedding.dimensions_check)."""
-    return StrictIntegerField(min_value=1, required=False, allow_null=True, **options)
+    many is the services' rule (embeddings.services.embedding.dimensions_check: 422
+    unsupported_by_model)."""
+    return StrictIntegerField(
+        min_value=1,
+        max_value=INT32_MAX,
+        required=False,
+        allow_null=True,
+        help_text="Keep the first N dimensions, re-normalised: at most the model's `dimensions` "
+        "(GET /v1/models; more is 422 unsupported_by_model).",
+    )
 
 
 def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and all(type(item) is int for item in value)
+
+
+# Ids of the model's tokenizer: below its vocabulary's size (422 unsupported_by_model above it),
+# which no tokenizer has 2^31 of.
+TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "maximum": INT32_MAX}
 
 
 def _parse_texts(data: object, field: serializers.Field) -> list[str]:
@@ -98,10 +181,10 @@ def _parse_texts(data: object, field: serializers.Field) -> list[str]:
         "oneOf": [
             {"type": "string"},
             {"type": "array", "items": {"type": "string"}, "minItems": 1},
-            {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1},
             {
                 "type": "array",
-                "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                "items": {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1},
                 "minItems": 1,
             },
         ],
@@ -115,10 +198,12 @@ class EmbeddingInputField(serializers.Field):
         "of token ids",
         "empty": "must not be empty",
         "empty_tokens": "item {index} is an empty array of token ids",
+        "token_range": f"item {{index}} has a token id outside 0 to {INT32_MAX}",
     }
 
     def to_internal_value(self, data: object) -> ParsedInput:
         if isinstance(data, list) and data and all(type(item) is int for item in data):
+            self._check_range([data])
             return ParsedInput(token_ids=[data])
         if isinstance(data, list) and data and isinstance(data[0], list):
             if not all(_is_token_list(item) for item in data):
@@ -126,8 +211,15 @@ class EmbeddingInputField(serializers.Field):
             for index, item in enumerate(data):
                 if not item:
                     self.fail("empty_tokens", index=index)
+            self._check_range(data)
             return ParsedInput(token_ids=data)
         return ParsedInput(texts=_parse_texts(data, self))
+
+    def _check_range(self, rows: list[list[int]]) -> None:
+        """The schema's bounds (an id no model has); the model's vocabulary is the tokenizer's check."""
+        for index, row in enumerate(rows):
+            if min(row) < 0 or max(row) > INT32_MAX:
+                self.fail("token_range", index=index)
 
     def to_representation(self, value):
         return value
@@ -160,7 +252,7 @@ class OpenAIEmbeddingsRequest(serializers.Serializer):
         default="float",
         help_text="`base64`: each embedding is the base64 of its little-endian float32 bytes.",
     )
-    dimensions = dimensions_field(help_text="Keep the first N dimensions, re-normalised.")
+    dimensions = dimensions_field()
     user = StrictCharField(
         required=False, allow_blank=True, max_length=256, help_text="Your end user's id, recorded."
     )
@@ -328,6 +420,14 @@ class UsageQuery(serializers.Serializer):
     key = serializers.CharField(
         required=False,
         allow_blank=True,
+        trim_whitespace=False,
+        # The public id alone, or the key's first part or whole (its secret is not read).
+        validators=[
+            RegexValidator(
+                rf"\A(?:{KEY_PREFIX})?{KEY_PUBLIC_ID_PATTERN}(?:_[A-Za-z0-9_-]{{0,100}})?\Z",
+                message="must be an API key's public id",
+            )
+        ],
         help_text="Only this key of yours: its public id (`emb_<public id>_…`'s middle).",
     )
 
@@ -470,7 +570,7 @@ class JobOptions(serializers.Serializer):
         default="float",
         help_text="How `json` and `jsonl` results encode vectors (a download may ask for the other).",
     )
-    dimensions = dimensions_field(help_text="Keep the first N dimensions, re-normalised.")
+    dimensions = dimensions_field()
     normalize = StrictBooleanField(default=True, help_text="Unit-length vectors.")
     result_dtype = serializers.ChoiceField(
         choices=list(RESULT_DTYPES),
@@ -508,13 +608,12 @@ class JobUploadRequest(JobOptions):
 
 
 class JobListQuery(serializers.Serializer):
-    limit = serializers.IntegerField(min_value=1, max_value=100, default=20, help_text="1 to 100.")
-    after = serializers.CharField(
-        required=False,
-        allow_blank=True,
-        help_text="A job id from the previous page (its last_id): the jobs created before it. "
-        "Empty: the first page.",
-    )
+    limit = QueryIntegerField(min_value=1, max_value=100, default=20, help_text="1 to 100.")
+    after = cursor_field(pattern=JOB_ID_PATTERN, what="a job id (`job_` and 24 lowercase letters or digits)")
+
+
+# Past the last input of any job.
+RESULTS_MAX_OFFSET = INT32_MAX
 
 
 class JobResultsQuery(serializers.Serializer):
@@ -527,8 +626,13 @@ class JobResultsQuery(serializers.Serializer):
     encoding_format = serializers.ChoiceField(
         choices=["float", "base64"], required=False, help_text="Default: the job's encoding_format."
     )
-    offset = serializers.IntegerField(min_value=0, default=0, help_text="`json` only: the first input.")
-    limit = serializers.IntegerField(
+    offset = QueryIntegerField(
+        min_value=0,
+        max_value=RESULTS_MAX_OFFSET,
+        default=0,
+        help_text="`json` only: the first input (past the last one: an empty page).",
+    )
+    limit = QueryIntegerField(
         min_value=1, max_value=1000, default=100, help_text="`json` only: inputs per page, 1 to 1000."
     )
 

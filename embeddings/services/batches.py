@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import secrets
 import string
 import tempfile
@@ -79,6 +80,9 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}
 VALIDATE_TASK = "embeddings.tasks.batch_validate_task"
 FINALIZE_TASK = "embeddings.tasks.batch_finalize_task"
 PUBLIC_ID_ALPHABET = string.ascii_lowercase + string.digits
+# Every id _new_public_id draws: any other string names no batch, and is not looked up (PostgreSQL
+# refuses a query with a NUL in it).
+BATCH_ID_PATTERN = r"batch_[a-z0-9]{24}"
 # errors.data keeps the first this many problems (every one is in the error file).
 BATCH_MAX_ERRORS_KEPT = 1000
 FINAL = (Status.FAILED, Status.COMPLETED, Status.EXPIRED, Status.CANCELLED)
@@ -151,6 +155,8 @@ def batch_create(
 
 def batch_for_tenant(*, tenant_id: int, public_id: str) -> Batch | None:
     """The tenant's batch with this id; None for an unknown id or another tenant's batch."""
+    if not re.fullmatch(BATCH_ID_PATTERN, public_id):
+        return None
     return Batch.objects.select_related("job").filter(tenant_id=tenant_id, public_id=public_id).first()
 
 

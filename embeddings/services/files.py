@@ -10,6 +10,7 @@ bytes (a failure in between leaves bytes nobody can name, never a row without by
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import string
 from collections.abc import Iterator
@@ -27,6 +28,9 @@ from embeddings.services.pages import creation_page
 logger = logging.getLogger(__name__)
 
 PUBLIC_ID_ALPHABET = string.ascii_letters + string.digits
+# Every id _new_public_id draws: any other string names no file, and is not looked up (PostgreSQL
+# refuses a query with a NUL in it).
+FILE_ID_PATTERN = r"file-[A-Za-z0-9]{24}"
 READ_PIECE_BYTES = 256 * 1024
 
 
@@ -72,6 +76,8 @@ def file_create(
 
 def file_for_tenant(*, tenant_id: int, public_id: str) -> StoredFile | None:
     """The tenant's live file with this id; None for an unknown, expired or another tenant's id."""
+    if not re.fullmatch(FILE_ID_PATTERN, public_id):
+        return None
     return (
         StoredFile.objects.filter(tenant_id=tenant_id, public_id=public_id)
         .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))

@@ -253,6 +253,25 @@ async def test_size_limits(client, alpha, model, settings):
     assert fine.status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "bound"),
+    [
+        ({"model": "minilm", "input": [101, 2**31, 102]}, "input", None),
+        ({"model": "minilm", "input": [[101, 102], [101, -1, 102]]}, "input", None),
+        ({"model": "minilm", "input": [[101, 2**64, 102]]}, "input", None),
+        ({"model": "minilm", "input": "x", "dimensions": 2**31}, "dimensions", 2**31 - 1),
+        ({"model": "minilm", "input": "x", "dimensions": 10**40}, "dimensions", 2**31 - 1),
+    ],
+)
+async def test_integers_past_the_schemas_maximum_are_422(client, alpha, body, param, bound):
+    error = assert_error(
+        await client.post("/v1/embeddings", json=body, headers=alpha.headers), 422, param=param
+    )
+    assert error["code"] == "invalid_value", error
+    if bound is not None:
+        assert f"less than or equal to {bound}" in error["message"], error
+
+
 async def test_overload_is_refused_at_once_with_retry_after(client, alpha, settings):
     settings.MAX_INFLIGHT_TRITON_CALLS = 1
     body = {"model": "minilm", "input": ["a sentence that takes a while to embed " * 20] * 48}

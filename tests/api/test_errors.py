@@ -49,6 +49,12 @@ SERVICE_ANSWERS = [
         {},
     ),
     (
+        service.ObjectNotFound("You have no job 'job_1' to list after.", param="after", code="job_not_found"),
+        404,
+        body("You have no job 'job_1' to list after.", "invalid_request_error", "job_not_found", "after"),
+        {},
+    ),
+    (
         service.ServiceError("refused", param="input"),
         422,
         body("refused", "invalid_request_error", "invalid_value", "input"),

@@ -161,15 +161,55 @@ def parameter(operation: dict, name: str) -> dict:
 
 
 def test_query_parameters_carry_their_bounds(schema):
-    """What the views refuse, the schema says: limit=0 is documented invalid."""
+    """What the views refuse, the schema says: limit=0 is documented invalid, and every integer has
+    its maximum (the one the refusal names)."""
     jobs = schema["paths"]["/v1/jobs"]["get"]
     assert parameter(jobs, "limit") == {"type": "integer", "maximum": 100, "minimum": 1, "default": 20}
     results = schema["paths"]["/v1/jobs/{job_id}/results"]["get"]
     assert parameter(results, "limit")["minimum"] == 1 and parameter(results, "limit")["maximum"] == 1000
-    assert parameter(results, "offset")["minimum"] == 0
+    assert (
+        parameter(results, "offset")["minimum"] == 0 and parameter(results, "offset")["maximum"] == 2**31 - 1
+    )
+    assert parameter(schema["paths"]["/v1/files"]["get"], "limit")["maximum"] == 10000
+    assert parameter(schema["paths"]["/v1/batches"]["get"], "limit")["maximum"] == 100
+    integers = [
+        (path, p["name"])
+        for path, operations in schema["paths"].items()
+        for operation in operations.values()
+        for p in operation.get("parameters", [])
+        if p["schema"].get("type") == "integer"
+    ]
+    assert len(integers) == 5 and all(
+        "maximum" in parameter(schema["paths"][path]["get"], name) for path, name in integers
+    ), integers
     assert parameter(results, "format")["enum"] == ["jsonl", "json", "npy"]
     usage = schema["paths"]["/v1/usage"]["get"]
     assert parameter(usage, "group_by")["enum"] == ["day", "model", "key"]
+
+
+ID_PATTERNS = {
+    "job_id": "^job_[a-z0-9]{24}$",
+    "file_id": "^file-[A-Za-z0-9]{24}$",
+    "batch_id": "^batch_[a-z0-9]{24}$",
+}
+
+
+def test_ids_and_cursors_have_their_format(schema):
+    """Ids as the services draw them: any other string is 404 (a path) or 422 (a cursor)."""
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            for p in operation.get("parameters", []):
+                if p["in"] == "path" and p["name"] in ID_PATTERNS:
+                    assert p["schema"] == {"type": "string", "pattern": ID_PATTERNS[p["name"]]}, path
+    for path, name in (("/v1/jobs", "job_id"), ("/v1/files", "file_id"), ("/v1/batches", "batch_id")):
+        after = parameter(schema["paths"][path]["get"], "after")
+        assert after["oneOf"] == [
+            {"type": "string", "pattern": ID_PATTERNS[name]},
+            {"type": "string", "maxLength": 0},
+        ], path
+        assert "404" in schema["paths"][path]["get"]["responses"], path
+    usage_key = parameter(schema["paths"]["/v1/usage"]["get"], "key")
+    assert usage_key["oneOf"][0]["pattern"].startswith("^(?:emb_)?[a-z0-9]{12}")
 
 
 def test_array_bodies_document_what_is_refused(schema):
@@ -180,7 +220,7 @@ def test_array_bodies_document_what_is_refused(schema):
     token_ids = schema["components"]["schemas"]["OpenAIEmbeddingsRequestRequest"]["properties"]["input"]
     nested = token_ids["oneOf"][3]
     assert nested["minItems"] == 1 and nested["items"]["minItems"] == 1
-    assert nested["items"]["items"] == {"type": "integer", "minimum": 0}
+    assert nested["items"]["items"] == {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
 
 
 def test_jobs_link_to_their_operations(schema):

@@ -228,6 +228,9 @@ async def test_default_range_is_this_utc_month(client, alpha):
         ({"start": "99999999999999999999"}, "start"),
         ({"start": "1e308"}, "start"),
         ({"start": "2026-06-10\x00"}, "start"),
+        # A key is named by its public id (or the key itself): any other string is no key's.
+        ({"key": "not a key"}, "key"),
+        ({"key": " abcdefghijkl"}, "key"),
     ],
 )
 async def test_invalid_queries_are_422(client, alpha, params, param):

@@ -206,6 +206,15 @@ def test_hostile_uploads_get_openai_errors_never_a_500(http, client):
         ({"purpose": "batch", "expires_after[anchor]": "nope", "expires_after[seconds]": "3600"}, b"x"),
         ({"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "5"}, b"x"),
         ({"purpose": "batch", "purpose2": "x"}, b"x"),
+        # expires_after's seconds as the schema writes an integer.
+        (
+            {"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "+3600"},
+            b"x",
+        ),
+        (
+            {"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "3600.0"},
+            b"x",
+        ),
     ]
     for fields, data in cases:
         files = {"file": ("x.jsonl", data)} if data is not None else None
