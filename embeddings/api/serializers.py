@@ -159,13 +159,25 @@ def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and all(type(item) is int for item in value)
 
 
+# A text to embed has at least one character: OpenAI refuses "" too, and an empty text has no
+# meaning to embed (it would be the model's special tokens alone).
+TEXT_SCHEMA = {"type": "string", "minLength": 1}
 # Ids of the model's tokenizer: below its vocabulary's size (422 unsupported_by_model above it),
 # which no tokenizer has 2^31 of.
 TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "maximum": INT32_MAX}
+TEXT_ERRORS = {"empty_text": "must not be an empty string", "empty_item": "item {index} is an empty string"}
+
+
+def _refuse_empty_texts(texts: list[str], field: serializers.Field, *, single: bool = False) -> None:
+    if "" in texts:
+        if single:
+            field.fail("empty_text")
+        field.fail("empty_item", index=texts.index(""))
 
 
 def _parse_texts(data: object, field: serializers.Field) -> list[str]:
     if isinstance(data, str):
+        _refuse_empty_texts([data], field, single=True)
         return [data]
     if not isinstance(data, list):
         field.fail("invalid")
@@ -173,14 +185,15 @@ def _parse_texts(data: object, field: serializers.Field) -> list[str]:
         field.fail("empty")
     if not all(type(item) is str for item in data):
         field.fail("invalid")
+    _refuse_empty_texts(data, field)
     return data
 
 
 @extend_schema_field(
     {
         "oneOf": [
-            {"type": "string"},
-            {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            TEXT_SCHEMA,
+            {"type": "array", "items": TEXT_SCHEMA, "minItems": 1},
             {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1},
             {
                 "type": "array",
@@ -199,6 +212,7 @@ class EmbeddingInputField(serializers.Field):
         "empty": "must not be empty",
         "empty_tokens": "item {index} is an empty array of token ids",
         "token_range": f"item {{index}} has a token id outside 0 to {INT32_MAX}",
+        **TEXT_ERRORS,
     }
 
     def to_internal_value(self, data: object) -> ParsedInput:
@@ -227,7 +241,7 @@ class EmbeddingInputField(serializers.Field):
 
 @extend_schema_field(
     {
-        "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}],
+        "oneOf": [TEXT_SCHEMA, {"type": "array", "items": TEXT_SCHEMA, "minItems": 1}],
         "example": "What is Deep Learning?",
     }
 )
@@ -235,6 +249,7 @@ class TextsField(serializers.Field):
     default_error_messages = {
         "invalid": "must be a string or an array of strings",
         "empty": "must not be empty",
+        **TEXT_ERRORS,
     }
 
     def to_internal_value(self, data: object) -> list[str]:
@@ -263,7 +278,7 @@ class OpenAIEmbeddingsRequest(serializers.Serializer):
         "type": "array",
         "items": {
             "type": "object",
-            "properties": {"query": {"type": "string"}},
+            "properties": {"query": TEXT_SCHEMA},
             "required": ["query"],
         },
         "minItems": 1,
@@ -274,6 +289,7 @@ class SeedQueriesField(serializers.Field):
     default_error_messages = {
         "invalid": 'must be an array of objects like {{"query": "text"}}',
         "empty": "must not be empty",
+        "empty_item": "item {index}'s query is an empty string",
     }
 
     def to_internal_value(self, data: object) -> list[str]:
@@ -287,6 +303,7 @@ class SeedQueriesField(serializers.Field):
             self.fail("invalid")
         if not all(type(text) is str for text in texts):
             self.fail("invalid")
+        _refuse_empty_texts(texts, self)
         return texts
 
     def to_representation(self, value):
@@ -345,7 +362,7 @@ class OpenAIEmbeddingsResponse(serializers.Serializer):
 class SeedQuerySerializer(serializers.Serializer):
     """One item of the seed endpoint's request body (documentation; SeedQueriesField validates)."""
 
-    query = serializers.CharField(allow_blank=True)
+    query = serializers.CharField(min_length=1)
 
 
 class SeedEmbeddingSerializer(serializers.Serializer):
@@ -532,20 +549,25 @@ class MetadataField(serializers.Field):
 @extend_schema_field(
     {
         "type": "array",
-        "items": {"type": "string"},
+        "items": TEXT_SCHEMA,
         "minItems": 1,
         "description": "The texts to embed, one vector each, in this order.",
         "example": ["The first document.", "The second document."],
     }
 )
 class JobTextsField(serializers.Field):
-    default_error_messages = {"invalid": "must be an array of strings", "empty": "must not be empty"}
+    default_error_messages = {
+        "invalid": "must be an array of strings",
+        "empty": "must not be empty",
+        **TEXT_ERRORS,
+    }
 
     def to_internal_value(self, data: object) -> list[str]:
         if not isinstance(data, list) or not all(type(item) is str for item in data):
             self.fail("invalid")
         if not data:
             self.fail("empty")
+        _refuse_empty_texts(data, self)
         return data
 
     def to_representation(self, value):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 
 import httpx2
 import numpy as np
@@ -15,7 +16,8 @@ from embeddings.services.scheduling import sub_batches
 from embeddings.triton.server import free_port
 from tests import onnx_reference
 
-TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", "", "日本語のテキスト"]
+# " ": the shortest input there is (an empty string is refused), its special tokens alone.
+TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", " ", "日本語のテキスト"]
 
 
 def unit(vectors) -> np.ndarray:
@@ -200,6 +202,34 @@ async def test_validation_errors(client, alpha, body, status, param):
     assert_error(response, status, param=param)
 
 
+# Every route that takes texts, and an empty text in each of its shapes.
+EMPTY_TEXTS = [
+    ("/v1/embeddings", {"model": "minilm", "input": ""}, "input", "must not be an empty string"),
+    ("/v1/embeddings", {"model": "minilm", "input": ["a", ""]}, "input", "item 1 is an empty string"),
+    ("/api/v1/embed", {"inputs": ""}, "inputs", "must not be an empty string"),
+    ("/embed", {"inputs": ["", "b"]}, "inputs", "item 0 is an empty string"),
+    ("/v1/embedding", [{"query": "a"}, {"query": ""}], None, "item 1's query is an empty string"),
+    ("/v1/jobs", {"model": "minilm", "input": ["a", "b", ""]}, "input", "item 2 is an empty string"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "message"), EMPTY_TEXTS)
+async def test_an_empty_text_is_refused_on_every_route(client, alpha, path, body, param, message):
+    """As OpenAI refuses `input: ""`; 422 invalid_request_error, as every invalid field here."""
+    error = assert_error(await client.post(path, json=body, headers=alpha.headers), 422, param=param)
+    assert error["type"] == "invalid_request_error" and message in error["message"], error
+    # Whitespace is a text (its own tokens, or the special ones alone).
+    spaced = json.loads(json.dumps(body).replace('""', '" "'))
+    assert (await client.post(path, json=spaced, headers=alpha.headers)).status_code in (200, 202)
+
+
+def test_an_empty_text_is_refused_through_uvicorn(edge_server):
+    with httpx2.Client(base_url=edge_server.base_url, headers=edge_server.headers, timeout=30) as http:
+        for path, body, param, message in EMPTY_TEXTS:
+            error = assert_error(http.post(path, json=body), 422, param=param)
+            assert message in error["message"], error
+
+
 async def test_malformed_and_wrongly_shaped_bodies(client, alpha):
     malformed = await client.post(
         "/v1/embeddings",
@@ -344,7 +374,7 @@ RAGGED_TEXTS = [
     "word " * 60 + "end",
     "日本語のテキスト",
     "Embeddings map text to vectors so that similar meanings land close together. " * 9,
-    "",
+    " ",
 ]
 
 

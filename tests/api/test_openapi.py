@@ -221,6 +221,13 @@ def test_array_bodies_document_what_is_refused(schema):
     nested = token_ids["oneOf"][3]
     assert nested["minItems"] == 1 and nested["items"]["minItems"] == 1
     assert nested["items"]["items"] == {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+    # An empty text is refused, alone or in an array, on every route that takes texts.
+    assert token_ids["oneOf"][0] == {"type": "string", "minLength": 1}
+    assert token_ids["oneOf"][1]["items"] == {"type": "string", "minLength": 1}
+    seed_query = schema["components"]["schemas"]["SeedQueryRequest"]["properties"]["query"]
+    assert seed_query["minLength"] == 1
+    job_input = schema["components"]["schemas"]["JobCreateRequestRequest"]["properties"]["input"]
+    assert job_input["items"] == {"type": "string", "minLength": 1}
 
 
 def test_jobs_link_to_their_operations(schema):

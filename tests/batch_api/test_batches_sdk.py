@@ -332,6 +332,7 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
         b"\n",
         request_line("too-many-inputs", {"model": MODEL, "input": ["x"] * 3000}),
         request_line("good-2", {**good, "encoding_format": "base64"}),
+        request_line("empty-text", {"model": MODEL, "input": ["x", ""]}),
     ]
     batch = client.batches.create(
         input_file_id=upload(client, lines).id, endpoint="/v1/embeddings", completion_window="24h"
@@ -348,8 +349,9 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
         (7, "duplicate_custom_id"),
         (8, "invalid_json_line"),
         (9, "unsupported_by_model"),
+        (13, "invalid_value"),
     }, done.errors
-    assert done.request_counts.model_dump() == {"total": 11, "completed": 2, "failed": 9}
+    assert done.request_counts.model_dump() == {"total": 12, "completed": 2, "failed": 10}
     output = {record["custom_id"]: record for record in file_lines(client, done.output_file_id)}
     assert set(output) == {"good-1", "good-2"}
     for custom_id, body in (("good-1", good), ("good-2", {**good, "encoding_format": "base64"})):
@@ -357,7 +359,7 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
             output[custom_id]["response"]["body"], http.post("/v1/embeddings", json=body).json()
         )
     errors = file_lines(client, done.error_file_id)
-    assert len(errors) == 9
+    assert len(errors) == 10
     # The request the synchronous API refuses is answered as it answers it: 413, same error body.
     (refused,) = [record for record in errors if record["custom_id"] == "too-many-inputs"]
     sync = http.post("/v1/embeddings", json={"model": MODEL, "input": ["x"] * 3000})
