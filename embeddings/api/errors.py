@@ -57,6 +57,7 @@ from rest_framework import exceptions as drf
 
 from embeddings.observability.context import current_request_id
 from embeddings.services.errors import (
+    EmptyFile,
     InferenceTimeout,
     InvalidRequest,
     JobConflict,
@@ -341,6 +342,8 @@ _model_not_loaded = partial(ServiceUnavailable, code="model_not_loaded", retry_a
 ANSWERS: dict[type[Exception], Callable[[Any], ApiError]] = {
     # The services' tree (embeddings.services.errors).
     ServiceError: _service_answer(ValidationFailed),
+    # As OpenAI answers a file it cannot use, and as the Files API's other upload errors (400).
+    EmptyFile: _service_answer(partial(BadRequest, code="empty_file")),
     InvalidRequest: _service_answer(ValidationFailed),
     ObjectNotFound: lambda exc: NotFound(exc.message, param=exc.param, code=exc.code),
     UnsupportedByModel: _service_answer(partial(ValidationFailed, code=UNSUPPORTED_BY_MODEL)),

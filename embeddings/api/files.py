@@ -233,9 +233,14 @@ class FileListCreateView(ApiView):
         responses={
             200: FileObjectSerializer,
             400: _error_response(
-                "An unknown purpose, no file part, a bad expires_after",
+                "An unknown purpose, no file part, a file without a line, a bad expires_after",
                 BadRequest(
                     "purpose must be one of 'batch', got 'fine-tune'", param="purpose", code="invalid_purpose"
+                ),
+                BadRequest(
+                    "The file has no lines; a batch input file has one request a line.",
+                    param="file",
+                    code="empty_file",
                 ),
             ),
             **AUTH_ERRORS,

@@ -55,12 +55,13 @@ from embeddings.services.batch_lines import (
 )
 from embeddings.services.embedding import dimensions_check
 from embeddings.services.errors import (
+    EmptyFile,
     InvalidRequest,
     LimitExceeded,
     QuotaExceeded,
     StorageBudgetExceeded,
 )
-from embeddings.services.files import file_create, file_delete, file_open, files_storage
+from embeddings.services.files import file_create, file_delete, file_open, files_storage, has_a_line
 from embeddings.services.jobs import (
     ACTIVE,
     JobSpec,
@@ -131,6 +132,17 @@ def batch_create(
         raise LimitExceeded(
             f"The input file has {input_file.bytes} bytes; a batch's may have at most "
             f"{settings.BATCH_MAX_INPUT_FILE_BYTES}.",
+            param="input_file_id",
+        )
+    # Uploads without a line are refused, but files stored before that rule may have none.
+    try:
+        with file_open(input_file) as handle:
+            empty = not has_a_line(handle)
+    except OSError:  # unreadable: validation fails the batch, saying so (file_unreadable)
+        empty = False
+    if empty:
+        raise EmptyFile(
+            f"The input file {input_file.public_id!r} has no lines; a batch runs one request a line.",
             param="input_file_id",
         )
     now = timezone.now()

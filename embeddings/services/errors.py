@@ -1,6 +1,7 @@
 """Errors the services raise for a request they refuse; the API maps each to a status.
 
 ServiceError
+├── EmptyFile           (400) a batch input file without a line to run (at upload, or at batch creation)
 ├── InvalidRequest      (422) a well-formed request the model cannot serve as asked
 │   └── UnsupportedByModel (422) valid for some model, not the one asked for (its dimensions, prompts)
 ├── ObjectNotFound      (404) an object of the tenant's that a request names (a list's cursor) is not there
@@ -29,6 +30,10 @@ class ServiceError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+class EmptyFile(ServiceError):
+    pass
 
 
 class InvalidRequest(ServiceError):

@@ -23,6 +23,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from embeddings.models import StoredFile
+from embeddings.services.errors import EmptyFile
 from embeddings.services.pages import creation_page
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,15 @@ def _storage_name(tenant_id: int, public_id: str) -> str:
     return f"tenant-{tenant_id}/{public_id}"
 
 
+def has_a_line(content: IO[bytes]) -> bool:
+    """Whether `content`, read from where it is, has a line that is not blank (a batch's requests
+    are its lines that are not blank, as batch validation reads them)."""
+    while piece := content.read(READ_PIECE_BYTES):
+        if piece.strip():
+            return True
+    return False
+
+
 def file_create(
     *,
     tenant_id: int,
@@ -55,7 +65,13 @@ def file_create(
     content: IO[bytes],
     expires_at: datetime | None = None,
 ) -> StoredFile:
-    """Store `content` (a binary file object, read a piece at a time) as a new file of the tenant."""
+    """Store `content` (a binary file object, read a piece at a time, seekable) as a new file of the
+    tenant. A batch input file without a line is refused (EmptyFile): no batch could run it."""
+    if purpose == StoredFile.Purpose.BATCH:
+        start = content.tell()
+        if not has_a_line(content):
+            raise EmptyFile("The file has no lines; a batch input file has one request a line.", param="file")
+        content.seek(start)
     public_id = _new_public_id()
     storage = files_storage()
     name = storage.save(_storage_name(tenant_id, public_id), File(content))

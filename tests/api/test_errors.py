@@ -55,6 +55,12 @@ SERVICE_ANSWERS = [
         {},
     ),
     (
+        service.EmptyFile("The file has no lines.", param="file"),
+        400,
+        body("The file has no lines.", "invalid_request_error", "empty_file", "file"),
+        {},
+    ),
+    (
         service.ServiceError("refused", param="input"),
         422,
         body("refused", "invalid_request_error", "invalid_value", "input"),

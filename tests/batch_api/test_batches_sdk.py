@@ -374,6 +374,36 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
     assert {record["custom_id"] for record in errors} >= {"wrong-url", "wrong-method", "bad-input", None}
 
 
+LEGACY_EMPTY_FILE = """
+from django.core.files.base import ContentFile
+from embeddings.models import StoredFile, Tenant
+from embeddings.services.files import files_storage
+name = files_storage().save("legacy/empty.jsonl", ContentFile(b" \\n\\n"))
+stored = StoredFile.objects.create(
+    public_id="file-" + "E" * 24, tenant=Tenant.objects.get(slug="jobs"), purpose="batch",
+    filename="empty.jsonl", bytes=3, storage_name=name,
+)
+print(stored.public_id)
+"""
+
+
+@pytest.mark.parametrize("content", [b"", b"\n", b" \r\n\t\n"])
+def test_a_batch_file_without_a_line_is_refused_at_upload(client, content):
+    """It was stored, and a batch of it failed later, in validation."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("empty.jsonl", io.BytesIO(content)), purpose="batch")
+    assert refused.value.body["code"] == "empty_file" and refused.value.body["param"] == "file"
+
+
+def test_a_batch_of_a_file_without_a_line_is_refused_at_creation(client, job_stack):
+    """Files stored before uploads were checked: refused when the batch is created, not validated."""
+    file_id = manage(job_stack.env, "shell", "-c", LEGACY_EMPTY_FILE).splitlines()[-1]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    assert refused.value.body["code"] == "empty_file" and refused.value.body["param"] == "input_file_id"
+    assert file_id in refused.value.body["message"]
+
+
 def test_a_file_of_nothing_valid_fails_the_batch(client, job_stack):
     batch = client.batches.create(
         input_file_id=upload(client, [b"nope\n", b"{}\n"]).id,
