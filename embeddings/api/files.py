@@ -12,7 +12,14 @@ from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    OpenApiRequest,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_field,
+)
 from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -76,13 +83,35 @@ class FileDeletedSerializer(serializers.Serializer):
     deleted = serializers.BooleanField()
 
 
+@extend_schema_field({"type": "string", "format": "binary", "minLength": 1})
+class BatchInputFileField(serializers.FileField):
+    """Documentation only (the view reads the form): a file with a line (embeddings.services.files)."""
+
+
+@extend_schema_field(
+    {
+        "type": "object",
+        "properties": {
+            "anchor": {"type": "string", "enum": ["created_at"]},
+            "seconds": {"type": "integer", "minimum": EXPIRES_AFTER_MIN_S, "maximum": EXPIRES_AFTER_MAX_S},
+        },
+        "required": ["anchor", "seconds"],
+        "additionalProperties": False,
+    }
+)
+class ExpiresAfterField(serializers.JSONField):
+    """Documentation only: read by _expires_after."""
+
+
 class FileUploadRequest(serializers.Serializer):
-    file = serializers.FileField(help_text="JSONL: one batch request a line.")
+    """The form of POST /v1/files; a field it does not name is refused (400), as OpenAI does."""
+
+    file = BatchInputFileField(help_text="JSONL: one batch request a line (a file without one: 400).")
     purpose = serializers.ChoiceField(choices=list(UPLOAD_PURPOSES))
-    expires_after = serializers.JSONField(
+    expires_after = ExpiresAfterField(
         required=False,
-        help_text='`{"anchor": "created_at", "seconds": 3600..2592000}` (form fields '
-        "`expires_after[anchor]`, `expires_after[seconds]`).",
+        help_text="When the file expires: `seconds` after its creation. As form fields "
+        "`expires_after[anchor]` and `expires_after[seconds]` (as the SDKs send it), or one JSON field.",
     )
 
 
@@ -126,9 +155,14 @@ def _expires_after(fields: dict) -> int | None:
     if whole is not None:
         try:
             parsed = orjson.loads(whole) if isinstance(whole, str) else whole
-            anchor, seconds = parsed.get("anchor"), parsed.get("seconds")
-        except (ValueError, AttributeError):
-            raise BadRequest("expires_after must be a JSON object", param="expires_after") from None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict) or set(parsed) - {"anchor", "seconds"}:
+            raise BadRequest(
+                'expires_after must be a JSON object {"anchor": "created_at", "seconds": ...}',
+                param="expires_after",
+            )
+        anchor, seconds = parsed.get("anchor"), parsed.get("seconds")
     if anchor is None and seconds is None:
         return None
     if anchor != "created_at":
@@ -229,11 +263,18 @@ class FileListCreateView(ApiView):
             "At most FILES_MAX_UPLOAD_BYTES (512 MB) bytes, refused as it arrives; a batch input "
             "file at most BATCH_MAX_INPUT_FILE_BYTES (200 MB)."
         ),
-        request={"multipart/form-data": FileUploadRequest},
+        request={
+            "multipart/form-data": OpenApiRequest(
+                FileUploadRequest,
+                # How the SDKs send it (a JSON part is read too).
+                encoding={"expires_after": {"style": "deepObject", "explode": True}},
+            )
+        },
         responses={
             200: FileObjectSerializer,
             400: _error_response(
-                "An unknown purpose, no file part, a file without a line, a bad expires_after",
+                "An unknown purpose, no file part, a file without a line, a bad expires_after, a field "
+                "the form does not have",
                 BadRequest(
                     "purpose must be one of 'batch', got 'fine-tune'", param="purpose", code="invalid_purpose"
                 ),

@@ -16,7 +16,13 @@ from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    OpenApiRequest,
+    OpenApiResponse,
+    extend_schema,
+)
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -77,6 +83,10 @@ JSONL_UPLOAD_TYPES = {
     "application/x-ndjson",
     "application/ndjson",
 }
+
+
+# As documented: text first, then JSON lines, then unlabelled bytes.
+UPLOAD_CONTENT_TYPES = ("text/plain", *sorted(JSONL_UPLOAD_TYPES), "application/octet-stream")
 
 
 def job_location(job: EmbeddingJob) -> str:
@@ -289,7 +299,12 @@ class JobListCreateView(ApiView):
                 description=f"Up to {IDEMPOTENCY_KEY_MAX_CHARS} characters of your choice, unique per job.",
             )
         ],
-        request={"application/json": s.JobCreateRequest, "multipart/form-data": s.JobUploadRequest},
+        request={
+            "application/json": s.JobCreateRequest,
+            "multipart/form-data": OpenApiRequest(
+                s.JobUploadRequest, encoding={"file": {"contentType": ", ".join(UPLOAD_CONTENT_TYPES)}}
+            ),
+        },
         responses={
             202: OpenApiResponse(s.JobObjectSerializer, description="Created; `Location` is the job's URL."),
             200: OpenApiResponse(
@@ -353,6 +368,12 @@ class JobListCreateView(ApiView):
                 },
                 request_only=True,
                 media_type="application/json",
+            ),
+            OpenApiExample(
+                "A text file, one input a line",
+                value={"model": "all-MiniLM-L6-v2", "file": "The first document.\nThe second document.\n"},
+                request_only=True,
+                media_type="multipart/form-data",
             ),
             OpenApiExample(
                 "Queued",

@@ -417,21 +417,35 @@ class ErrorSerializer(serializers.Serializer):
 # --- GET /v1/usage ------------------------------------------------------------------------------
 
 
+@extend_schema_field(
+    {
+        "anyOf": [
+            {"type": "string", "format": "date"},
+            {"type": "string", "format": "date-time"},
+            {"type": "string", "maxLength": 0},
+        ]
+    }
+)
+class UsageBoundField(serializers.CharField):
+    """A bound of GET /v1/usage's range, read by the view (embeddings/api/usage.py parse_bound)."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(required=False, allow_blank=True, trim_whitespace=False, **options)
+
+
 class UsageQuery(serializers.Serializer):
     """The query string of GET /v1/usage (the view turns the bounds into datetimes). An empty
     value means the parameter's default, as if it were not sent."""
 
-    start = serializers.CharField(
-        required=False,
-        allow_blank=True,
+    start = UsageBoundField(
         help_text="UTC date `YYYY-MM-DD` (from its midnight) or ISO 8601 datetime (from the start of "
-        "its hour), from 1970-01-01 to 9999-01-01. Default: the first day of end's UTC month.",
+        "its hour; without an offset, UTC), from 1970-01-01 to 9999-01-01. Default: the first day of "
+        "end's UTC month."
     )
-    end = serializers.CharField(
-        required=False,
-        allow_blank=True,
-        help_text="UTC date `YYYY-MM-DD` (that day included) or ISO 8601 datetime (exclusive), from "
-        "1970-01-01 to 9999-01-01. Default: now.",
+    end = UsageBoundField(
+        help_text="UTC date `YYYY-MM-DD` (that day included) or ISO 8601 datetime (exclusive; without "
+        "an offset, UTC), from 1970-01-01 to 9999-01-01, after start and at most 366 days from it. "
+        "Default: now."
     )
     group_by = serializers.ChoiceField(choices=["day", "model", "key"], default="day")
     key = serializers.CharField(
@@ -509,7 +523,12 @@ METADATA_MAX_VALUE_CHARS = 512
 @extend_schema_field(
     {
         "type": "object",
-        "additionalProperties": {"type": "string", "maxLength": METADATA_MAX_VALUE_CHARS},
+        # Keys' bounds cannot be written in OpenAPI 3.0 (propertyNames is 3.1's): the description says them.
+        "additionalProperties": {
+            "type": "string",
+            "maxLength": METADATA_MAX_VALUE_CHARS,
+            "pattern": "^[^\\u0000]*$",
+        },
         "maxProperties": METADATA_MAX_PAIRS,
         "description": f"Up to {METADATA_MAX_PAIRS} string pairs of your own, returned with the job "
         f"(keys up to {METADATA_MAX_KEY_CHARS} characters, values up to {METADATA_MAX_VALUE_CHARS}; "

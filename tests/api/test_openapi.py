@@ -246,6 +246,33 @@ def test_jobs_link_to_their_operations(schema):
     }
 
 
+def test_forms_document_what_they_take(schema):
+    upload = schema["components"]["schemas"]["FileUploadRequestRequest"]
+    assert upload["additionalProperties"] is False
+    assert upload["properties"]["expires_after"]["properties"]["seconds"] == {
+        "type": "integer",
+        "minimum": 3600,
+        "maximum": 30 * 24 * 3600,
+    }
+    assert upload["properties"]["file"]["minLength"] == 1
+    form = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    assert form["encoding"]["file"]["contentType"].startswith("text/plain, ")
+    assert form["examples"], "a multipart example, which Schemathesis sends as a file"
+    metadata = schema["components"]["schemas"]["JobCreateRequestRequest"]["properties"]["metadata"]
+    assert metadata["additionalProperties"]["pattern"] == "^[^\\u0000]*$"
+
+
+def test_files_and_batches_link_to_their_operations(schema):
+    """So that the stateful phase creates a batch from an uploaded file, and follows it."""
+    uploaded = schema["paths"]["/v1/files"]["post"]["responses"]["200"]["links"]
+    assert {link["operationId"] for link in uploaded.values()} == {
+        "retrieve_file", "download_file", "delete_file", "create_batch"
+    }  # fmt: skip
+    assert uploaded["CreateBatch"]["requestBody"] == {"input_file_id": "$response.body#/id"}
+    created = schema["paths"]["/v1/batches"]["post"]["responses"]["200"]["links"]
+    assert {link["operationId"] for link in created.values()} == {"retrieve_batch", "cancel_batch"}
+
+
 async def test_documented_request_examples_are_accepted(client, alpha):
     """Every request example of the schema, sent as documented, is answered 200 or 202."""
     served = (await client.get("/api/schema/", headers={"Accept": "application/vnd.oai.openapi+json"})).json()

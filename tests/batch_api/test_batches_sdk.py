@@ -206,7 +206,8 @@ def test_hostile_uploads_get_openai_errors_never_a_500(http, client):
         ({"purpose": "batch", "expires_after[anchor]": "nope", "expires_after[seconds]": "3600"}, b"x"),
         ({"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "5"}, b"x"),
         ({"purpose": "batch", "purpose2": "x"}, b"x"),
-        # expires_after's seconds as the schema writes an integer.
+        # expires_after as the schema writes it, and nothing else.
+        ({"purpose": "batch", "expires_after": '{"anchor": "created_at", "seconds": 3600, "x": 1}'}, b"x"),
         (
             {"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "+3600"},
             b"x",
