@@ -28,7 +28,9 @@ from embeddings.services.batches import (
 
 
 class BatchCreateRequest(serializers.Serializer):
-    input_file_id = s.StrictCharField(max_length=64, help_text="A file of yours with purpose `batch`.")
+    input_file_id = s.StrictCharField(
+        lookup=True, max_length=64, help_text="A file of yours with purpose `batch` (another string: 404)."
+    )
     endpoint = serializers.ChoiceField(choices=list(ENDPOINTS))
     completion_window = serializers.ChoiceField(choices=list(COMPLETION_WINDOWS))
     metadata = s.MetadataField(required=False, allow_null=True)

@@ -182,6 +182,10 @@ def _expires_after(fields: dict) -> int | None:
     return value
 
 
+# What _upload reads; any other field is refused.
+FORM_FIELDS = ("file", "purpose", "expires_after", "expires_after[anchor]", "expires_after[seconds]")
+
+
 def _printable(name: str | None) -> str:
     """The client's file name without control characters (PostgreSQL refuses NUL; logs and
     terminals are better without the others)."""
@@ -190,7 +194,7 @@ def _printable(name: str | None) -> str:
 
 def _upload(request: Request, principal: Caller) -> dict:
     """Check the form and store its file (sync: it copies the spooled upload to the storage)."""
-    fields = _form_fields(request.data)
+    fields = _form_fields(request.data, known=FORM_FIELDS)
     upload = fields.pop("file", None)
     purpose = fields.pop("purpose", None)
     if purpose not in UPLOAD_PURPOSES:

@@ -8,7 +8,7 @@ chunk's Redis read in a worker thread, so a million-vector download holds one ch
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 
 import orjson
 from asgiref.sync import sync_to_async
@@ -125,18 +125,23 @@ def idempotency_key(request: Request) -> str:
     return key.strip()
 
 
+# The job options whose schema allows null.
+FORM_NULLABLE_FIELDS = tuple(name for name, field in s.JobOptions().fields.items() if field.allow_null)
+
+
 def _upload_lines(upload: UploadedFile) -> Iterator[bytes]:
     upload.seek(0)
     # The underlying file splits on b"\n" only (UploadedFile's own iterator also splits on "\r").
     return iter(upload.file)
 
 
-def _form_fields(form) -> dict[str, object]:
-    """Each field of a multipart form, which must come once: a repeated field (two `file` parts,
-    two `model`s) is refused rather than one of them silently dropped."""
+def _form_fields(form, *, known: Collection[str]) -> dict[str, object]:
+    """Each field of a multipart form (the first value of one it does not know). A field it reads
+    must come once: a repeated one (two `file` parts, two `model`s) is refused rather than one of
+    them silently dropped."""
     fields: dict[str, object] = {}
     for name, values in form.lists():
-        if len(values) > 1:
+        if len(values) > 1 and name in known:
             raise ValidationFailed(f"{name}: sent {len(values)} times in the form; send it once", param=name)
         fields[name] = values[0]
     return fields
@@ -147,7 +152,7 @@ def upload_parse(request: Request, principal: Caller) -> tuple[dict, JobInputs]:
 
     The upload's size was enforced while the body arrived (embeddings/api/intake.py).
     """
-    fields = _form_fields(request.data)
+    fields = _form_fields(request.data, known=s.JobUploadRequest().fields)
     upload = fields.pop("file", None)
     if not isinstance(upload, UploadedFile):
         raise ValidationFailed("file: a multipart upload needs a `file` part", param="file")
@@ -166,9 +171,10 @@ def upload_parse(request: Request, principal: Caller) -> tuple[dict, JobInputs]:
             fields["metadata"] = orjson.loads(fields["metadata"])
         except orjson.JSONDecodeError:
             raise ValidationFailed("metadata: must be a JSON object", param="metadata") from None
-    # A form cannot send JSON null: an empty or `null` dimensions field means none.
-    if fields.get("dimensions") in ("", "null"):
-        fields["dimensions"] = None
+    # A form cannot send JSON null: an empty or `null` field of those that may be null means none.
+    for name in FORM_NULLABLE_FIELDS:
+        if fields.get(name) in ("", "null"):
+            fields[name] = None
     options = validated(s.JobOptions, fields, form=True)
     inputs = job_inputs_parse(
         _upload_lines(upload),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from django.core.validators import RegexValidator
+from django.core.validators import ProhibitNullCharactersValidator, RegexValidator
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -47,7 +47,24 @@ def _is_form(field: serializers.Field) -> bool:
 
 
 class StrictCharField(serializers.CharField):
-    """A JSON string; a number or a boolean is refused."""
+    """A JSON string, taken as sent; a number or a boolean is refused.
+
+    DRF would strip surrounding whitespace first: a model named " minilm" was found, and a "\v"
+    refused as blank although the schema's minLength counts it.
+
+    lookup: the value is only looked up or recorded (a model's name, a prompt's), never stored in
+    the database, so a NUL (which PostgreSQL cannot store) is a character like any other: it names
+    no model, where DRF would refuse it against the schema's word.
+    """
+
+    def __init__(self, *, lookup: bool = False, **options) -> None:
+        super().__init__(trim_whitespace=False, **options)
+        if lookup:
+            self.validators = [
+                validator
+                for validator in self.validators
+                if not isinstance(validator, ProhibitNullCharactersValidator)
+            ]
 
     def to_internal_value(self, data):
         if not isinstance(data, str) and not _is_form(self):
@@ -260,7 +277,7 @@ class TextsField(serializers.Field):
 
 
 class OpenAIEmbeddingsRequest(serializers.Serializer):
-    model = StrictCharField(help_text="A model id from GET /v1/models (or one of its aliases).")
+    model = StrictCharField(lookup=True, help_text="A model id from GET /v1/models (or one of its aliases).")
     input = EmbeddingInputField(help_text=INPUT_HELP)
     encoding_format = serializers.ChoiceField(
         choices=["float", "base64"],
@@ -269,7 +286,11 @@ class OpenAIEmbeddingsRequest(serializers.Serializer):
     )
     dimensions = dimensions_field()
     user = StrictCharField(
-        required=False, allow_blank=True, max_length=256, help_text="Your end user's id, recorded."
+        lookup=True,
+        required=False,
+        allow_blank=True,
+        max_length=256,
+        help_text="Your end user's id, recorded (in the request's log line).",
     )
 
 
@@ -312,13 +333,17 @@ class SeedQueriesField(serializers.Field):
 
 class TeiEmbedRequest(serializers.Serializer):
     inputs = TextsField()
-    model = StrictCharField(required=False, help_text="Default: the server's default model.")
+    model = StrictCharField(lookup=True, required=False, help_text="Default: the server's default model.")
     truncate = StrictBooleanField(
         default=True, help_text="Truncate inputs longer than the model's maximum; false: refuse them (413)."
     )
     truncation_direction = serializers.ChoiceField(choices=["Left", "Right"], default="Right")
     prompt_name = StrictCharField(
-        required=False, allow_null=True, help_text="A prompt of the model, e.g. `query`, prepended to inputs."
+        lookup=True,
+        required=False,
+        allow_null=True,
+        help_text="A prompt of the model, e.g. `query`, prepended to inputs (one it lacks: 422 "
+        "unsupported_by_model).",
     )
     normalize = StrictBooleanField(default=True)
     dimensions = dimensions_field()
@@ -543,7 +568,8 @@ class MetadataField(serializers.Field):
         "key_too_long": f"keys may have at most {METADATA_MAX_KEY_CHARS} characters",
         "value_too_long": f"values may have at most {METADATA_MAX_VALUE_CHARS} characters",
         # PostgreSQL's jsonb cannot hold U+0000 (it would fail the insert, a 500).
-        "null_character": "keys and values may not contain the NUL character (U+0000)",
+        "key_null_character": "keys may not contain the NUL character (U+0000)",
+        "value_null_character": "values may not contain the NUL character (U+0000)",
     }
 
     def to_internal_value(self, data: object) -> dict[str, str]:
@@ -557,8 +583,10 @@ class MetadataField(serializers.Field):
             self.fail("key_too_long")
         if any(len(value) > METADATA_MAX_VALUE_CHARS for value in data.values()):
             self.fail("value_too_long")
-        if any("\x00" in text for pair in data.items() for text in pair):
-            self.fail("null_character")
+        if any("\x00" in key for key in data):
+            self.fail("key_null_character")
+        if any("\x00" in value for value in data.values()):
+            self.fail("value_null_character")
         return data
 
     def to_representation(self, value):
@@ -605,7 +633,7 @@ def callback_url_deliverable(url: str) -> None:
 class JobOptions(serializers.Serializer):
     """What a job asks for besides its inputs (JSON body fields, or multipart form fields)."""
 
-    model = StrictCharField(help_text="A model id from GET /v1/models (or one of its aliases).")
+    model = StrictCharField(lookup=True, help_text="A model id from GET /v1/models (or one of its aliases).")
     encoding_format = serializers.ChoiceField(
         choices=["float", "base64"],
         default="float",
@@ -625,6 +653,7 @@ class JobOptions(serializers.Serializer):
     callback_url = serializers.URLField(
         required=False,
         allow_blank=True,
+        trim_whitespace=False,
         max_length=2000,
         # The policy first, so its reason is the message; URLField's own check still follows.
         validators=[callback_url_deliverable],

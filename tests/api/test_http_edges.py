@@ -222,6 +222,39 @@ async def test_form_fields_are_text(client, alpha, model):
     assert response.json()["dimensions"] == 16
 
 
+async def test_a_null_form_field_is_null(client, alpha):
+    """A form cannot send JSON null: "null" (as Schemathesis writes it) or "" for a nullable field."""
+    for value in (b"null", b""):
+        response = await post_upload(
+            client,
+            alpha,
+            FILE_PART,
+            MODEL_PART,
+            ("result_dtype", None, value, None),
+            ("dimensions", None, value, None),
+        )
+        assert response.status_code == 202, response.text
+        assert response.json()["result_dtype"] == "float32"
+
+
+async def test_a_repeated_unknown_form_field_is_ignored_as_any_unknown_field(client, alpha):
+    extra = ("x-extra", None, b"1", None)
+    response = await post_upload(client, alpha, FILE_PART, MODEL_PART, extra, extra, extra)
+    assert response.status_code == 202, response.text
+
+
+def test_forms_and_strings_as_the_schema_writes_them_through_uvicorn(edge_server):
+    body, content_type = upload_parts(FILE_PART, MODEL_PART, ("result_dtype", None, b"null", None))
+    with httpx2.Client(base_url=edge_server.base_url, headers=edge_server.headers, timeout=30) as http:
+        response = http.post("/v1/jobs", content=body, headers={"Content-Type": content_type})
+        assert response.status_code == 202, response.text
+        for model in ("mini\x00lm", f" {MODEL}"):
+            response = http.post("/v1/embeddings", json={"model": model, "input": "x"})
+            assert_error(response, 404, "model_not_found", "model")
+        response = http.get("/v1/usage", params={"start": "2026-06-10", "end": "2026-06-09"})
+        assert_error(response, 422, "invalid_range", "end")
+
+
 # --- Strict JSON types -----------------------------------------------------------------------------
 
 
@@ -252,6 +285,17 @@ async def test_an_integral_float_is_an_integer(client, alpha):
     response = await client.post("/v1/embeddings", json=body, headers=alpha.headers)
     assert response.status_code == 200, response.text
     assert len(response.json()["data"][0]["embedding"]) == 8
+
+
+async def test_a_nul_names_no_model_and_is_recorded_as_a_user(client, alpha):
+    response = await client.post(
+        "/v1/embeddings", json={"model": "mini\x00lm", "input": "x"}, headers=alpha.headers
+    )
+    assert_error(response, 404, "model_not_found", "model")
+    response = await client.post(
+        "/v1/embeddings", json={"model": MODEL, "input": "x", "user": "a\x00b"}, headers=alpha.headers
+    )
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize("body", [[], [[]], [{"text": "no query"}], [{"query": 1}]])
