@@ -26,6 +26,10 @@ class InvalidText(TokenizationError):
     """Not a string, or not encodable as UTF-8 (e.g. lone surrogates from undecodable bytes)."""
 
 
+class TokenOutsideVocabulary(InvalidText):
+    """A pre-tokenised input with an id this model's vocabulary does not have."""
+
+
 class InputTooLong(TokenizationError):
     """The client asked not to truncate and an input has more tokens than the model takes."""
 
@@ -132,7 +136,7 @@ class TextTokenizer:
                 raise InvalidText(f"Input {row} must be a list of integer token ids", index=row) from None
         if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
             row = int(np.flatnonzero(((input_ids < 0) | (input_ids >= vocab_size)).any(axis=1))[0])
-            raise InvalidText(
+            raise TokenOutsideVocabulary(
                 f"Input {row} has token ids outside the vocabulary [0, {vocab_size})", index=row
             )
         attention_mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)

@@ -389,8 +389,9 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "embeddings.api.schema.edge_errors_hook",
+        "embeddings.api.schema.closed_bodies_hook",
         "embeddings.api.schema.ratelimit_headers_hook",
-        "embeddings.api.schema.job_links_hook",
+        "embeddings.api.schema.object_links_hook",
     ],
 }
 

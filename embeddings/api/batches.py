@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from asgiref.sync import sync_to_async
-from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.request import Request
@@ -17,6 +16,7 @@ from embeddings.api.views import AUTH_ERRORS, _error_response, validated
 from embeddings.callers import Caller
 from embeddings.models import Batch
 from embeddings.services.batches import (
+    BATCH_ID_PATTERN,
     COMPLETION_WINDOWS,
     ENDPOINTS,
     batch_cancel,
@@ -28,15 +28,19 @@ from embeddings.services.batches import (
 
 
 class BatchCreateRequest(serializers.Serializer):
-    input_file_id = s.StrictCharField(max_length=64, help_text="A file of yours with purpose `batch`.")
+    input_file_id = s.StrictCharField(
+        lookup=True, max_length=64, help_text="A file of yours with purpose `batch` (another string: 404)."
+    )
     endpoint = serializers.ChoiceField(choices=list(ENDPOINTS))
     completion_window = serializers.ChoiceField(choices=list(COMPLETION_WINDOWS))
     metadata = s.MetadataField(required=False, allow_null=True)
 
 
 class BatchListQuery(serializers.Serializer):
-    limit = serializers.IntegerField(min_value=1, max_value=100, default=20)
-    after = serializers.CharField(required=False, allow_blank=True, max_length=64)
+    limit = s.QueryIntegerField(min_value=1, max_value=100, default=20)
+    after = s.cursor_field(
+        pattern=BATCH_ID_PATTERN, what="a batch id (`batch_` and 24 lowercase letters or digits)"
+    )
 
 
 class BatchErrorSerializer(serializers.Serializer):
@@ -119,7 +123,10 @@ BATCH_EXAMPLE = {
     "metadata": {"corpus": "wiki-2026-11"},
 }
 BATCH_ID_PARAMETER = OpenApiParameter(
-    "batch_id", OpenApiTypes.STR, OpenApiParameter.PATH, description="The batch's id."
+    "batch_id",
+    s.id_schema(BATCH_ID_PATTERN),
+    OpenApiParameter.PATH,
+    description="The batch's id (any other string is no batch: 404).",
 )
 BATCH_NOT_FOUND = _error_response(
     "No batch (or input file) of yours has this id; another tenant's is not found either",
@@ -220,6 +227,12 @@ class BatchListCreateView(ApiView):
         responses={
             200: BatchListSerializer,
             **AUTH_ERRORS,
+            404: _error_response(
+                "`after` names no batch of yours",
+                NotFound(
+                    "You have no batch 'batch_0123...' to list after.", param="after", code="batch_not_found"
+                ),
+            ),
             422: _error_response(
                 "A bad limit or `after`",
                 ValidationFailed("limit: Ensure this value is less than or equal to 100.", param="limit"),

@@ -22,7 +22,9 @@ ApiError (500 server_error)
 │   └── JobLargerThanStorageBudget (413 job_storage_budget_exceeded)  a job larger than a whole
 │                                                     job storage budget: it can never fit
 ├── UnsupportedMediaType (415 unsupported_media_type) a body that is not JSON, or not UTF-8
-├── ValidationFailed (422 invalid_request_error)      well-formed JSON with wrong fields
+├── ValidationFailed (422 invalid_request_error)      well-formed JSON with wrong fields; code
+│                                                     unsupported_by_model: right for some model, not
+│                                                     the one asked for (dimensions, prompt, token ids)
 ├── RateLimited (429 rate_limit_exceeded)             overloaded, or a rate limit (type "requests" or
 │   │                                                 "tokens"); carries Retry-After
 │   └── InsufficientQuota (429 insufficient_quota)    the daily or monthly token budget is spent
@@ -55,6 +57,7 @@ from rest_framework import exceptions as drf
 
 from embeddings.observability.context import current_request_id
 from embeddings.services.errors import (
+    EmptyFile,
     InferenceTimeout,
     InvalidRequest,
     JobConflict,
@@ -64,13 +67,15 @@ from embeddings.services.errors import (
     JobStoreUnavailable,
     LimitExceeded,
     ModelNotLoaded,
+    ObjectNotFound,
     Overloaded,
     QuotaExceeded,
     QuotaUnavailable,
     ServiceError,
     StorageBudgetExceeded,
+    UnsupportedByModel,
 )
-from embeddings.tokenization import InputTooLong, TokenizationError
+from embeddings.tokenization import InputTooLong, TokenizationError, TokenOutsideVocabulary
 from embeddings.triton.errors import (
     TritonError,
     TritonInvalidInput,
@@ -327,6 +332,8 @@ def _drf_validation(exc: drf.ValidationError) -> ApiError:
     return ValidationFailed(f"{param}: {message}" if param else message, param=param)
 
 
+# A 422 for what only the model asked for refuses (embeddings.services.errors.UnsupportedByModel).
+UNSUPPORTED_BY_MODEL = "unsupported_by_model"
 # The catalog's models are reloaded within MODEL_RECONCILE_INTERVAL_S of Triton coming back.
 _model_not_loaded = partial(ServiceUnavailable, code="model_not_loaded", retry_after_s=30)
 
@@ -335,7 +342,11 @@ _model_not_loaded = partial(ServiceUnavailable, code="model_not_loaded", retry_a
 ANSWERS: dict[type[Exception], Callable[[Any], ApiError]] = {
     # The services' tree (embeddings.services.errors).
     ServiceError: _service_answer(ValidationFailed),
+    # As OpenAI answers a file it cannot use, and as the Files API's other upload errors (400).
+    EmptyFile: _service_answer(partial(BadRequest, code="empty_file")),
     InvalidRequest: _service_answer(ValidationFailed),
+    ObjectNotFound: lambda exc: NotFound(exc.message, param=exc.param, code=exc.code),
+    UnsupportedByModel: _service_answer(partial(ValidationFailed, code=UNSUPPORTED_BY_MODEL)),
     LimitExceeded: _service_answer(PayloadTooLarge),
     InferenceTimeout: _service_answer(UpstreamTimeout),
     Overloaded: lambda exc: RateLimited(exc.message, retry_after_s=exc.retry_after_s),
@@ -352,6 +363,7 @@ ANSWERS: dict[type[Exception], Callable[[Any], ApiError]] = {
     ModelNotLoaded: _service_answer(_model_not_loaded),
     # The tokenizer's (embeddings.tokenization).
     TokenizationError: lambda exc: ValidationFailed(str(exc), param="input"),
+    TokenOutsideVocabulary: lambda exc: ValidationFailed(str(exc), param="input", code=UNSUPPORTED_BY_MODEL),
     InputTooLong: lambda exc: PayloadTooLarge(str(exc), param="input", code="context_length_exceeded"),
     # The Triton client's (embeddings.triton.errors).
     TritonError: lambda exc: UpstreamUnavailable("The model is not available on the model server."),

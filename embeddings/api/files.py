@@ -12,7 +12,14 @@ from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    OpenApiRequest,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_field,
+)
 from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -27,11 +34,18 @@ from embeddings.api.errors import (
 )
 from embeddings.api.jobs import _form_fields, in_threads
 from embeddings.api.rendering import MultipartUploadParser, OrjsonParser
-from embeddings.api.serializers import ListPageSerializer
+from embeddings.api.serializers import (
+    DECIMAL_INTEGER,
+    ListPageSerializer,
+    QueryIntegerField,
+    cursor_field,
+    id_schema,
+)
 from embeddings.api.views import AUTH_ERRORS, _error_response, validated
 from embeddings.callers import Caller
 from embeddings.models import StoredFile
 from embeddings.services.files import (
+    FILE_ID_PATTERN,
     expires_after_seconds,
     file_create,
     file_delete,
@@ -69,21 +83,45 @@ class FileDeletedSerializer(serializers.Serializer):
     deleted = serializers.BooleanField()
 
 
+@extend_schema_field({"type": "string", "format": "binary", "minLength": 1})
+class BatchInputFileField(serializers.FileField):
+    """Documentation only (the view reads the form): a file with a line (embeddings.services.files)."""
+
+
+@extend_schema_field(
+    {
+        "type": "object",
+        "properties": {
+            "anchor": {"type": "string", "enum": ["created_at"]},
+            "seconds": {"type": "integer", "minimum": EXPIRES_AFTER_MIN_S, "maximum": EXPIRES_AFTER_MAX_S},
+        },
+        "required": ["anchor", "seconds"],
+        "additionalProperties": False,
+    }
+)
+class ExpiresAfterField(serializers.JSONField):
+    """Documentation only: read by _expires_after."""
+
+
 class FileUploadRequest(serializers.Serializer):
-    file = serializers.FileField(help_text="JSONL: one batch request a line.")
+    """The form of POST /v1/files; a field it does not name is refused (400), as OpenAI does."""
+
+    file = BatchInputFileField(help_text="JSONL: one batch request a line (a file without one: 400).")
     purpose = serializers.ChoiceField(choices=list(UPLOAD_PURPOSES))
-    expires_after = serializers.JSONField(
+    expires_after = ExpiresAfterField(
         required=False,
-        help_text='`{"anchor": "created_at", "seconds": 3600..2592000}` (form fields '
-        "`expires_after[anchor]`, `expires_after[seconds]`).",
+        help_text="When the file expires: `seconds` after its creation. As form fields "
+        "`expires_after[anchor]` and `expires_after[seconds]` (as the SDKs send it), or one JSON field.",
     )
 
 
 class FileListQuery(serializers.Serializer):
-    purpose = serializers.CharField(required=False, allow_blank=True)
-    limit = serializers.IntegerField(min_value=1, max_value=10000, default=10000)
+    purpose = serializers.ChoiceField(
+        choices=StoredFile.Purpose.values, required=False, allow_blank=True, help_text="Empty: every purpose."
+    )
+    limit = QueryIntegerField(min_value=1, max_value=10000, default=10000)
     order = serializers.ChoiceField(choices=["asc", "desc"], default="desc")
-    after = serializers.CharField(required=False, allow_blank=True, max_length=64)
+    after = cursor_field(pattern=FILE_ID_PATTERN, what="a file id (`file-` and 24 letters or digits)")
 
 
 FILE_EXAMPLE = {
@@ -98,7 +136,10 @@ FILE_EXAMPLE = {
     "status_details": None,
 }
 FILE_ID_PARAMETER = OpenApiParameter(
-    "file_id", OpenApiTypes.STR, OpenApiParameter.PATH, description="The file's id."
+    "file_id",
+    id_schema(FILE_ID_PATTERN),
+    OpenApiParameter.PATH,
+    description="The file's id (any other string is no file: 404).",
 )
 FILE_NOT_FOUND = _error_response(
     "No file of yours has this id (another tenant's file is not found either)",
@@ -114,23 +155,35 @@ def _expires_after(fields: dict) -> int | None:
     if whole is not None:
         try:
             parsed = orjson.loads(whole) if isinstance(whole, str) else whole
-            anchor, seconds = parsed.get("anchor"), parsed.get("seconds")
-        except (ValueError, AttributeError):
-            raise BadRequest("expires_after must be a JSON object", param="expires_after") from None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict) or set(parsed) - {"anchor", "seconds"}:
+            raise BadRequest(
+                'expires_after must be a JSON object {"anchor": "created_at", "seconds": ...}',
+                param="expires_after",
+            )
+        anchor, seconds = parsed.get("anchor"), parsed.get("seconds")
     if anchor is None and seconds is None:
         return None
     if anchor != "created_at":
         raise BadRequest("expires_after.anchor must be 'created_at'", param="expires_after.anchor")
-    try:
-        value = int(str(seconds))
-    except ValueError:
-        raise BadRequest("expires_after.seconds must be an integer", param="expires_after.seconds") from None
+    # An integer in JSON (3600.0 is one), or decimal digits in a form field.
+    integral_float = isinstance(seconds, float) and seconds.is_integer()
+    if integral_float or (isinstance(seconds, str) and DECIMAL_INTEGER.fullmatch(seconds)):
+        seconds = int(seconds)
+    if not isinstance(seconds, int) or isinstance(seconds, bool):
+        raise BadRequest("expires_after.seconds must be an integer", param="expires_after.seconds")
+    value = seconds
     if not EXPIRES_AFTER_MIN_S <= value <= EXPIRES_AFTER_MAX_S:
         raise BadRequest(
             f"expires_after.seconds must be between {EXPIRES_AFTER_MIN_S} and {EXPIRES_AFTER_MAX_S}",
             param="expires_after.seconds",
         )
     return value
+
+
+# What _upload reads; any other field is refused.
+FORM_FIELDS = ("file", "purpose", "expires_after", "expires_after[anchor]", "expires_after[seconds]")
 
 
 def _printable(name: str | None) -> str:
@@ -141,7 +194,7 @@ def _printable(name: str | None) -> str:
 
 def _upload(request: Request, principal: Caller) -> dict:
     """Check the form and store its file (sync: it copies the spooled upload to the storage)."""
-    fields = _form_fields(request.data)
+    fields = _form_fields(request.data, known=FORM_FIELDS)
     upload = fields.pop("file", None)
     purpose = fields.pop("purpose", None)
     if purpose not in UPLOAD_PURPOSES:
@@ -214,13 +267,25 @@ class FileListCreateView(ApiView):
             "At most FILES_MAX_UPLOAD_BYTES (512 MB) bytes, refused as it arrives; a batch input "
             "file at most BATCH_MAX_INPUT_FILE_BYTES (200 MB)."
         ),
-        request={"multipart/form-data": FileUploadRequest},
+        request={
+            "multipart/form-data": OpenApiRequest(
+                FileUploadRequest,
+                # How the SDKs send it (a JSON part is read too).
+                encoding={"expires_after": {"style": "deepObject", "explode": True}},
+            )
+        },
         responses={
             200: FileObjectSerializer,
             400: _error_response(
-                "An unknown purpose, no file part, a bad expires_after",
+                "An unknown purpose, no file part, a file without a line, a bad expires_after, a field "
+                "the form does not have",
                 BadRequest(
                     "purpose must be one of 'batch', got 'fine-tune'", param="purpose", code="invalid_purpose"
+                ),
+                BadRequest(
+                    "The file has no lines; a batch input file has one request a line.",
+                    param="file",
+                    code="empty_file",
                 ),
             ),
             **AUTH_ERRORS,
@@ -249,8 +314,14 @@ class FileListCreateView(ApiView):
         responses={
             200: FileListSerializer,
             **AUTH_ERRORS,
+            404: _error_response(
+                "`after` names no file of yours",
+                NotFound(
+                    "You have no file 'file-0123...' to list after.", param="after", code="file_not_found"
+                ),
+            ),
             422: _error_response(
-                "A bad limit, order or `after`",
+                "A bad limit, order, purpose or `after`",
                 ValidationFailed("limit: Ensure this value is less than or equal to 10000.", param="limit"),
             ),
         },

@@ -1,5 +1,5 @@
-"""What an API request must satisfy before Django parses it: a readable query string and a body
-within its size limit that arrives in time.
+"""What an API request must satisfy before Django parses it: a readable query string, a body sent
+as it is (no Content-Encoding), within its size limit, that arrives in time.
 
 Django's ASGI handler reads the whole body before any view runs, with no limit and no timeout, and
 DRF and Django's multipart parser then trust the Content-Length header (a chunked body, which has
@@ -22,7 +22,7 @@ from django.conf import settings
 from django.core.exceptions import RequestAborted
 from django.urls import Resolver404, resolve
 
-from embeddings.api.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout
+from embeddings.api.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 
 # A multipart upload's envelope (boundaries, part headers, the option fields) on top of the file.
 MULTIPART_ENVELOPE_BYTES = 64 * 1024
@@ -102,11 +102,17 @@ def _too_large(limits: BodyLimits) -> BodyRefused:
     return _closing(PayloadTooLarge(f"{what} is larger than {limits.max_bytes} bytes.", param=limits.param))
 
 
+def _encodings(scope: dict) -> list[str]:
+    """The Content-Encoding header's codings, in the order they were applied ("identity" dropped)."""
+    codings = b",".join(_header(scope, b"content-encoding")).decode("latin-1").split(",")
+    return [coding.strip().lower() for coding in codings if coding.strip().lower() not in ("", "identity")]
+
+
 def admit(scope: dict, limits: BodyLimits) -> int | None:
     """Check what can be checked before reading the body; the declared Content-Length, if any.
 
     Raises BodyRefused: a query string that is not UTF-8 or a malformed Content-Length (400), a
-    declared length over the limit (413).
+    Content-Encoding other than identity (415), a declared length over the limit (413).
     """
     try:
         query_string = scope.get("query_string", b"")
@@ -114,6 +120,17 @@ def admit(scope: dict, limits: BodyLimits) -> int | None:
             query_string.decode()
     except UnicodeDecodeError:
         raise BodyRefused(BadRequest("The query string is not valid UTF-8.")) from None
+    encodings = _encodings(scope)
+    if encodings:
+        # No parser here inflates a body: gzip bytes were read as text (a 400 naming surrogates).
+        # Inflating one would need its own bound on the inflated size; no client of an OpenAI-
+        # compatible API compresses requests (the SDKs do not), so it is refused, unread.
+        raise _closing(
+            UnsupportedMediaType(
+                f"Content-Encoding {', '.join(encodings)} is not supported: send the body uncompressed.",
+                code="unsupported_content_encoding",
+            )
+        )
     declared = _header(scope, b"content-length")
     if not declared:
         return None

@@ -8,7 +8,7 @@ chunk's Redis read in a worker thread, so a million-vector download holds one ch
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 
 import orjson
 from asgiref.sync import sync_to_async
@@ -16,7 +16,13 @@ from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiExample, OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    OpenApiRequest,
+    OpenApiResponse,
+    extend_schema,
+)
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -52,6 +58,7 @@ from embeddings.services.errors import (
 from embeddings.services.job_inputs import JobInputs, job_inputs_count_check, job_inputs_parse, job_max_inputs
 from embeddings.services.job_results import iter_jsonl, iter_npy, json_page, npy_header
 from embeddings.services.jobs import (
+    JOB_ID_PATTERN,
     JobSpec,
     job_cancel,
     job_create,
@@ -76,6 +83,10 @@ JSONL_UPLOAD_TYPES = {
     "application/x-ndjson",
     "application/ndjson",
 }
+
+
+# As documented: text first, then JSON lines, then unlabelled bytes.
+UPLOAD_CONTENT_TYPES = ("text/plain", *sorted(JSONL_UPLOAD_TYPES), "application/octet-stream")
 
 
 def job_location(job: EmbeddingJob) -> str:
@@ -105,12 +116,17 @@ def request_fingerprint(model: EmbeddingModel, options: dict, inputs: JobInputs)
 
 
 def idempotency_key(request: Request) -> str:
-    key = request.headers.get("Idempotency-Key", "").strip()
+    key = request.headers.get("Idempotency-Key", "")
+    # Measured as sent, as the schema's maxLength measures it.
     if len(key) > IDEMPOTENCY_KEY_MAX_CHARS:
         raise ValidationFailed(
             f"Idempotency-Key: at most {IDEMPOTENCY_KEY_MAX_CHARS} characters", param="Idempotency-Key"
         )
-    return key
+    return key.strip()
+
+
+# The job options whose schema allows null.
+FORM_NULLABLE_FIELDS = tuple(name for name, field in s.JobOptions().fields.items() if field.allow_null)
 
 
 def _upload_lines(upload: UploadedFile) -> Iterator[bytes]:
@@ -119,12 +135,13 @@ def _upload_lines(upload: UploadedFile) -> Iterator[bytes]:
     return iter(upload.file)
 
 
-def _form_fields(form) -> dict[str, object]:
-    """Each field of a multipart form, which must come once: a repeated field (two `file` parts,
-    two `model`s) is refused rather than one of them silently dropped."""
+def _form_fields(form, *, known: Collection[str]) -> dict[str, object]:
+    """Each field of a multipart form (the first value of one it does not know). A field it reads
+    must come once: a repeated one (two `file` parts, two `model`s) is refused rather than one of
+    them silently dropped."""
     fields: dict[str, object] = {}
     for name, values in form.lists():
-        if len(values) > 1:
+        if len(values) > 1 and name in known:
             raise ValidationFailed(f"{name}: sent {len(values)} times in the form; send it once", param=name)
         fields[name] = values[0]
     return fields
@@ -135,7 +152,7 @@ def upload_parse(request: Request, principal: Caller) -> tuple[dict, JobInputs]:
 
     The upload's size was enforced while the body arrived (embeddings/api/intake.py).
     """
-    fields = _form_fields(request.data)
+    fields = _form_fields(request.data, known=s.JobUploadRequest().fields)
     upload = fields.pop("file", None)
     if not isinstance(upload, UploadedFile):
         raise ValidationFailed("file: a multipart upload needs a `file` part", param="file")
@@ -154,9 +171,10 @@ def upload_parse(request: Request, principal: Caller) -> tuple[dict, JobInputs]:
             fields["metadata"] = orjson.loads(fields["metadata"])
         except orjson.JSONDecodeError:
             raise ValidationFailed("metadata: must be a JSON object", param="metadata") from None
-    # A form cannot send JSON null: an empty or `null` dimensions field means none.
-    if fields.get("dimensions") in ("", "null"):
-        fields["dimensions"] = None
+    # A form cannot send JSON null: an empty or `null` field of those that may be null means none.
+    for name in FORM_NULLABLE_FIELDS:
+        if fields.get(name) in ("", "null"):
+            fields[name] = None
     options = validated(s.JobOptions, fields, form=True)
     inputs = job_inputs_parse(
         _upload_lines(upload),
@@ -249,7 +267,10 @@ JOB_EXAMPLE = {
     "result_dtype": "float32",
 }
 JOB_ID_PARAMETER = OpenApiParameter(
-    "job_id", OpenApiTypes.STR, OpenApiParameter.PATH, description="The job's id."
+    "job_id",
+    s.id_schema(JOB_ID_PATTERN),
+    OpenApiParameter.PATH,
+    description="The job's id (any other string is no job: 404).",
 )
 JOB_NOT_FOUND = _error_response(
     "No job of yours has this id (another tenant's job is not found either)",
@@ -279,12 +300,17 @@ class JobListCreateView(ApiView):
         parameters=[
             OpenApiParameter(
                 "Idempotency-Key",
-                OpenApiTypes.STR,
+                {"type": "string", "maxLength": IDEMPOTENCY_KEY_MAX_CHARS},
                 OpenApiParameter.HEADER,
                 description=f"Up to {IDEMPOTENCY_KEY_MAX_CHARS} characters of your choice, unique per job.",
             )
         ],
-        request={"application/json": s.JobCreateRequest, "multipart/form-data": s.JobUploadRequest},
+        request={
+            "application/json": s.JobCreateRequest,
+            "multipart/form-data": OpenApiRequest(
+                s.JobUploadRequest, encoding={"file": {"contentType": ", ".join(UPLOAD_CONTENT_TYPES)}}
+            ),
+        },
         responses={
             202: OpenApiResponse(s.JobObjectSerializer, description="Created; `Location` is the job's URL."),
             200: OpenApiResponse(
@@ -350,6 +376,12 @@ class JobListCreateView(ApiView):
                 media_type="application/json",
             ),
             OpenApiExample(
+                "A text file, one input a line",
+                value={"model": "all-MiniLM-L6-v2", "file": "The first document.\nThe second document.\n"},
+                request_only=True,
+                media_type="multipart/form-data",
+            ),
+            OpenApiExample(
                 "Queued",
                 value={
                     **JOB_EXAMPLE,
@@ -399,8 +431,12 @@ class JobListCreateView(ApiView):
         responses={
             200: s.JobListSerializer,
             **AUTH_ERRORS,
+            404: _error_response(
+                "`after` names no job of yours",
+                NotFound("You have no job 'job_0123...' to list after.", param="after", code="job_not_found"),
+            ),
             422: _error_response(
-                "A bad limit",
+                "A bad limit or `after`",
                 ValidationFailed("limit: Ensure this value is less than or equal to 100.", param="limit"),
             ),
         },

@@ -1,12 +1,13 @@
 """OpenAPI extensions for drf-spectacular: how our API key authentication appears in the schema,
 the rate-limit headers of authenticated responses, the errors any request can meet at the HTTP
-edge, and the links between job operations (which Schemathesis's stateful tests follow)."""
+edge, the request bodies that admit no other field, and the links from an object to the operations
+on it (which Schemathesis's stateful tests follow)."""
 
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.plumbing import build_bearer_security_scheme_object, is_list_serializer
 
-from embeddings.api.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout
+from embeddings.api.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 
 
 class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):
@@ -96,6 +97,13 @@ EDGE_ERRORS: dict[str, tuple[str, ApiError]] = {
         "A body over MAX_REQUEST_BODY_BYTES (JOB_MAX_UPLOAD_BYTES for an upload), refused as it arrives",
         PayloadTooLarge("The request body is larger than 16777216 bytes."),
     ),
+    "415": (
+        "A Content-Encoding other than identity (a compressed body): send it uncompressed",
+        UnsupportedMediaType(
+            "Content-Encoding gzip is not supported: send the body uncompressed.",
+            code="unsupported_content_encoding",
+        ),
+    ),
 }
 ERROR_SCHEMA = {"$ref": "#/components/schemas/Error"}
 
@@ -115,37 +123,81 @@ def _error_response(description: str, error: ApiError) -> dict:
 
 
 def edge_errors_hook(result, generator, request, public):
-    """drf-spectacular postprocessing hook: 400, 408 and 413 on every operation."""
+    """drf-spectacular postprocessing hook: 400, 408, 413 and 415 on every operation (beside what an
+    operation documents itself under the same status)."""
     for operations in result.get("paths", {}).values():
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             for status, (description, error) in EDGE_ERRORS.items():
-                responses.setdefault(status, _error_response(description, error))
+                edge = _error_response(description, error)
+                own = responses.setdefault(status, edge)
+                if own is not edge:
+                    own["description"] = f"{own['description']}; or: {description}"
+                    examples = own["content"]["application/json"].setdefault("examples", {})
+                    examples.update(edge["content"]["application/json"]["examples"])
     return result
 
 
-# The operations a job's id leads to, from the operations that answer a job object.
-JOB_LINKS = {
-    "RetrieveJob": "retrieve_job",
-    "CancelJob": "cancel_job",
-    "RetrieveJobResults": "retrieve_job_results",
-    "DeleteJob": "delete_job",
-}
-JOB_OBJECT_RESPONSES = {"create_job": ("200", "202"), "retrieve_job": ("200",), "cancel_job": ("200",)}
+# Request bodies whose server refuses any field they do not name (the Files API's form, as OpenAI's):
+# their schema says so, or a form with one more field would be documented as valid.
+CLOSED_REQUEST_BODIES = ("FileUploadRequestRequest",)
 
 
-def job_links_hook(result, generator, request, public):
-    """drf-spectacular postprocessing hook: OpenAPI links from each answer that carries a job to
-    the operations on that job (`job_id` = the body's `id`)."""
+def closed_bodies_hook(result, generator, request, public):
+    """drf-spectacular postprocessing hook: `additionalProperties: false` on CLOSED_REQUEST_BODIES."""
+    schemas = result.get("components", {}).get("schemas", {})
+    for name in CLOSED_REQUEST_BODIES:
+        schemas[name]["additionalProperties"] = False
+    return result
+
+
+# What each object's id leads to: from the operations that answer the object (and their statuses),
+# a link to each operation on it, with the object's `id` as that operation's `parameters` (or merged
+# into its `requestBody`). Schemathesis's stateful phase follows them: a job is read, cancelled,
+# downloaded and deleted; a file is read, downloaded, deleted and run as a batch.
+ID = "$response.body#/id"
+OBJECT_LINKS = [
+    (
+        {"create_job": ("200", "202"), "retrieve_job": ("200",), "cancel_job": ("200",)},
+        {
+            "RetrieveJob": ("retrieve_job", {"parameters": {"job_id": ID}}),
+            "CancelJob": ("cancel_job", {"parameters": {"job_id": ID}}),
+            "RetrieveJobResults": ("retrieve_job_results", {"parameters": {"job_id": ID}}),
+            "DeleteJob": ("delete_job", {"parameters": {"job_id": ID}}),
+        },
+    ),
+    (
+        {"create_file": ("200",), "retrieve_file": ("200",)},
+        {
+            "RetrieveFile": ("retrieve_file", {"parameters": {"file_id": ID}}),
+            "DownloadFile": ("download_file", {"parameters": {"file_id": ID}}),
+            "DeleteFile": ("delete_file", {"parameters": {"file_id": ID}}),
+            "CreateBatch": ("create_batch", {"requestBody": {"input_file_id": ID}}),
+        },
+    ),
+    (
+        {"create_batch": ("200",), "retrieve_batch": ("200",), "cancel_batch": ("200",)},
+        {
+            "RetrieveBatch": ("retrieve_batch", {"parameters": {"batch_id": ID}}),
+            "CancelBatch": ("cancel_batch", {"parameters": {"batch_id": ID}}),
+        },
+    ),
+]
+
+
+def object_links_hook(result, generator, request, public):
+    """drf-spectacular postprocessing hook: the OpenAPI links of OBJECT_LINKS."""
     for operations in result.get("paths", {}).values():
         for operation in operations.values():
-            for status in JOB_OBJECT_RESPONSES.get(operation.get("operationId"), ()):
-                response = operation["responses"].get(status)
-                if response is None:
-                    continue
-                response["links"] = {
-                    name: {"operationId": target, "parameters": {"job_id": "$response.body#/id"}}
-                    for name, target in JOB_LINKS.items()
-                    if target != operation["operationId"]
-                }
+            operation_id = operation.get("operationId")
+            for sources, targets in OBJECT_LINKS:
+                for status in sources.get(operation_id, ()):
+                    response = operation["responses"].get(status)
+                    if response is None:
+                        continue
+                    response["links"] = {
+                        name: {"operationId": target, **values}
+                        for name, (target, values) in targets.items()
+                        if target != operation_id
+                    }
     return result

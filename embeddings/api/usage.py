@@ -31,6 +31,9 @@ MAX_USAGE_RANGE = timedelta(days=366)
 # to datetime's limits (year 1, year 9999) overflows once a day or a UTC offset is added to it.
 EARLIEST_BOUND = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_BOUND = datetime(9999, 1, 1, tzinfo=UTC)
+# The code of a well-formed range refused for where it lies (before 1970, after 9999-01-01, end not
+# after start, over MAX_USAGE_RANGE): what the schema's date formats cannot say.
+RANGE_REFUSED = "invalid_range"
 
 
 def parse_bound(text: str, *, param: str) -> datetime:
@@ -55,6 +58,7 @@ def parse_bound(text: str, *, param: str) -> datetime:
         raise ValidationFailed(
             f"{param}: {text!r} is outside {EARLIEST_BOUND:%Y-%m-%d} to {LATEST_BOUND:%Y-%m-%d} (UTC)",
             param=param,
+            code=RANGE_REFUSED,
         )
     return moment
 
@@ -67,11 +71,12 @@ def usage_range(params: dict, now: datetime) -> tuple[datetime, datetime]:
         last_moment = end - timedelta(microseconds=1)
         start = last_moment.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     if end <= start:
-        raise ValidationFailed("end: must be after start", param="end")
+        raise ValidationFailed("end: must be after start", param="end", code=RANGE_REFUSED)
     if end - start > MAX_USAGE_RANGE:
         raise ValidationFailed(
             f"start: the range may span at most {MAX_USAGE_RANGE.days} days; ask for less at a time",
             param="start",
+            code=RANGE_REFUSED,
         )
     return start, end
 

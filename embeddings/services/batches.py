@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import secrets
 import string
 import tempfile
@@ -54,12 +55,13 @@ from embeddings.services.batch_lines import (
 )
 from embeddings.services.embedding import dimensions_check
 from embeddings.services.errors import (
+    EmptyFile,
     InvalidRequest,
     LimitExceeded,
     QuotaExceeded,
     StorageBudgetExceeded,
 )
-from embeddings.services.files import file_create, file_delete, file_open, files_storage
+from embeddings.services.files import file_create, file_delete, file_open, files_storage, has_a_line
 from embeddings.services.jobs import (
     ACTIVE,
     JobSpec,
@@ -79,6 +81,9 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}
 VALIDATE_TASK = "embeddings.tasks.batch_validate_task"
 FINALIZE_TASK = "embeddings.tasks.batch_finalize_task"
 PUBLIC_ID_ALPHABET = string.ascii_lowercase + string.digits
+# Every id _new_public_id draws: any other string names no batch, and is not looked up (PostgreSQL
+# refuses a query with a NUL in it).
+BATCH_ID_PATTERN = r"batch_[a-z0-9]{24}"
 # errors.data keeps the first this many problems (every one is in the error file).
 BATCH_MAX_ERRORS_KEPT = 1000
 FINAL = (Status.FAILED, Status.COMPLETED, Status.EXPIRED, Status.CANCELLED)
@@ -129,6 +134,17 @@ def batch_create(
             f"{settings.BATCH_MAX_INPUT_FILE_BYTES}.",
             param="input_file_id",
         )
+    # Uploads without a line are refused, but files stored before that rule may have none.
+    try:
+        with file_open(input_file) as handle:
+            empty = not has_a_line(handle)
+    except OSError:  # unreadable: validation fails the batch, saying so (file_unreadable)
+        empty = False
+    if empty:
+        raise EmptyFile(
+            f"The input file {input_file.public_id!r} has no lines; a batch runs one request a line.",
+            param="input_file_id",
+        )
     now = timezone.now()
     batch = Batch(
         public_id=_new_public_id(),
@@ -151,6 +167,8 @@ def batch_create(
 
 def batch_for_tenant(*, tenant_id: int, public_id: str) -> Batch | None:
     """The tenant's batch with this id; None for an unknown id or another tenant's batch."""
+    if not re.fullmatch(BATCH_ID_PATTERN, public_id):
+        return None
     return Batch.objects.select_related("job").filter(tenant_id=tenant_id, public_id=public_id).first()
 
 

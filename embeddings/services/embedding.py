@@ -36,6 +36,7 @@ from embeddings.services.errors import (
     LimitExceeded,
     ModelNotLoaded,
     Overloaded,
+    UnsupportedByModel,
 )
 from embeddings.services.inference import (
     inference_scheduler,
@@ -106,7 +107,7 @@ class EmbeddingTarget:
             if prompt_name == name:
                 return text
         known = ", ".join(prompt_name for prompt_name, _ in self.prompts) or "none"
-        raise InvalidRequest(
+        raise UnsupportedByModel(
             f"Unknown prompt_name {name!r}; this model's prompts: {known}", param="prompt_name"
         )
 
@@ -239,7 +240,7 @@ def dimensions_check(*, dimensions: int | None, model_dimensions: int | None) ->
     if dimensions < 1:
         raise InvalidRequest("dimensions must be at least 1", param="dimensions")
     if model_dimensions and dimensions > model_dimensions:
-        raise InvalidRequest(
+        raise UnsupportedByModel(
             f"dimensions {dimensions} is larger than the model's {model_dimensions}", param="dimensions"
         )
 

@@ -1,7 +1,10 @@
 """Errors the services raise for a request they refuse; the API maps each to a status.
 
 ServiceError
+├── EmptyFile           (400) a batch input file without a line to run (at upload, or at batch creation)
 ├── InvalidRequest      (422) a well-formed request the model cannot serve as asked
+│   └── UnsupportedByModel (422) valid for some model, not the one asked for (its dimensions, prompts)
+├── ObjectNotFound      (404) an object of the tenant's that a request names (a list's cursor) is not there
 ├── LimitExceeded       (413) more inputs, tokens or bytes than allowed
 ├── Overloaded          (429) too many inference calls in flight in this process
 ├── InferenceTimeout    (504) the request's inference missed its deadline (EMBEDDING_TIMEOUT_S)
@@ -29,8 +32,25 @@ class ServiceError(Exception):
         self.param = param
 
 
+class EmptyFile(ServiceError):
+    pass
+
+
 class InvalidRequest(ServiceError):
     pass
+
+
+class UnsupportedByModel(InvalidRequest):
+    """What only the model asked for refuses: more dimensions than it has, a prompt it lacks. The
+    API's schema cannot say it (it is the same for every model), so the answer's code says it."""
+
+
+class ObjectNotFound(ServiceError):
+    """`code` names what was not found, as the API's own 404s do (`job_not_found`, ...)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str) -> None:
+        super().__init__(message, param=param)
+        self.code = code
 
 
 class LimitExceeded(ServiceError):

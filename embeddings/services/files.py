@@ -10,6 +10,7 @@ bytes (a failure in between leaves bytes nobody can name, never a row without by
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import string
 from collections.abc import Iterator
@@ -22,11 +23,15 @@ from django.db.models import Q
 from django.utils import timezone
 
 from embeddings.models import StoredFile
+from embeddings.services.errors import EmptyFile
 from embeddings.services.pages import creation_page
 
 logger = logging.getLogger(__name__)
 
 PUBLIC_ID_ALPHABET = string.ascii_letters + string.digits
+# Every id _new_public_id draws: any other string names no file, and is not looked up (PostgreSQL
+# refuses a query with a NUL in it).
+FILE_ID_PATTERN = r"file-[A-Za-z0-9]{24}"
 READ_PIECE_BYTES = 256 * 1024
 
 
@@ -43,6 +48,15 @@ def _storage_name(tenant_id: int, public_id: str) -> str:
     return f"tenant-{tenant_id}/{public_id}"
 
 
+def has_a_line(content: IO[bytes]) -> bool:
+    """Whether `content`, read from where it is, has a line that is not blank (a batch's requests
+    are its lines that are not blank, as batch validation reads them)."""
+    while piece := content.read(READ_PIECE_BYTES):
+        if piece.strip():
+            return True
+    return False
+
+
 def file_create(
     *,
     tenant_id: int,
@@ -51,7 +65,13 @@ def file_create(
     content: IO[bytes],
     expires_at: datetime | None = None,
 ) -> StoredFile:
-    """Store `content` (a binary file object, read a piece at a time) as a new file of the tenant."""
+    """Store `content` (a binary file object, read a piece at a time, seekable) as a new file of the
+    tenant. A batch input file without a line is refused (EmptyFile): no batch could run it."""
+    if purpose == StoredFile.Purpose.BATCH:
+        start = content.tell()
+        if not has_a_line(content):
+            raise EmptyFile("The file has no lines; a batch input file has one request a line.", param="file")
+        content.seek(start)
     public_id = _new_public_id()
     storage = files_storage()
     name = storage.save(_storage_name(tenant_id, public_id), File(content))
@@ -72,6 +92,8 @@ def file_create(
 
 def file_for_tenant(*, tenant_id: int, public_id: str) -> StoredFile | None:
     """The tenant's live file with this id; None for an unknown, expired or another tenant's id."""
+    if not re.fullmatch(FILE_ID_PATTERN, public_id):
+        return None
     return (
         StoredFile.objects.filter(tenant_id=tenant_id, public_id=public_id)
         .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))

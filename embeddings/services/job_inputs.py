@@ -67,6 +67,9 @@ def _jsonl_record(line: str, number: int) -> tuple[str, str | None]:
         raise JobInputError(f"line {number}: not a JSON object", param="file") from None
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
         raise JobInputError(f'line {number}: expected {{"id": ..., "text": "..."}}', param="file")
+    if not record["text"]:
+        # As a JSON body's "" is refused: an empty text has nothing to embed.
+        raise JobInputError(f"line {number}: text is an empty string", param="file")
     identifier = record.get("id")
     if identifier is None:
         return record["text"], None

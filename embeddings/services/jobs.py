@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import re
 import secrets
 import string
 import time
@@ -119,6 +120,9 @@ CHUNK_TASK = "embeddings.tasks.job_chunk_task"
 CALLBACK_TASK = "embeddings.tasks.job_callback_task"
 BATCH_FINALIZE_TASK = "embeddings.tasks.batch_finalize_task"
 PUBLIC_ID_ALPHABET = string.ascii_lowercase + string.digits
+# Every id _new_public_id draws: any other string names no job, and is not looked up (PostgreSQL
+# refuses a query with a NUL in it).
+JOB_ID_PATTERN = r"job_[a-z0-9]{24}"
 # Progress events at most this often per job (each finished chunk when chunks are slower).
 EVENT_INTERVAL_S = 0.5
 # Chunks go to the broker below the default priority (0, which Redis serves first), so beat's
@@ -438,6 +442,8 @@ def _send_chunk(job_id: int, chunk: int, priority: int = CHUNK_PRIORITY) -> None
 
 def job_for_tenant(*, tenant_id: int, public_id: str) -> EmbeddingJob | None:
     """The tenant's job with this public id; None for an unknown id or another tenant's job."""
+    if not re.fullmatch(JOB_ID_PATTERN, public_id):
+        return None
     # A batch's job is reached through /v1/batches only.
     return (
         EmbeddingJob.objects.select_related("model")

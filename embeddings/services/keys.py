@@ -20,9 +20,12 @@ KEY_PREFIX = "emb_"
 PUBLIC_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 PUBLIC_ID_LENGTH = 12
 SECRET_BYTES = 32
+KEY_PUBLIC_ID_PATTERN = r"[a-z0-9]{12}"
 # The public id has no "_", so the first "_" after it splits the key unambiguously; the secret is
 # url-safe base64 and may itself contain "_" or "-".
-KEY_PATTERN = re.compile(r"emb_(?P<public_id>[a-z0-9]{12})_(?P<secret>[A-Za-z0-9_-]{20,100})")
+KEY_PATTERN = re.compile(
+    rf"{KEY_PREFIX}(?P<public_id>{KEY_PUBLIC_ID_PATTERN})_(?P<secret>[A-Za-z0-9_-]{{20,100}})"
+)
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 

@@ -98,6 +98,8 @@ def live_uvicorn(
         "TRITON_SERVER_URL": triton_target,
         "SERVER_PORT": str(port),
         "REDIS_URL": redis_url,
+        # Its uploaded files in its own directory, not the checkout's .run/files.
+        "EMBEDSITE_RUN_DIR": str(workdir),
         **(env or {}),
     }
     server_env.pop("PROMETHEUS_MULTIPROC_DIR", None)

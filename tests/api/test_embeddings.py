@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 
+import httpx2
 import numpy as np
 import pytest
 
@@ -14,7 +16,8 @@ from embeddings.services.scheduling import sub_batches
 from embeddings.triton.server import free_port
 from tests import onnx_reference
 
-TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", "", "日本語のテキスト"]
+# " ": the shortest input there is (an empty string is refused), its special tokens alone.
+TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", " ", "日本語のテキスト"]
 
 
 def unit(vectors) -> np.ndarray:
@@ -139,7 +142,7 @@ async def test_tei_options(client, alpha):
     unknown_prompt = await client.post(
         "/api/v1/embed", json={"inputs": "hello", "prompt_name": "nope"}, headers=alpha.headers
     )
-    assert_error(unknown_prompt, 422, param="prompt_name")
+    assert_error(unknown_prompt, 422, code="unsupported_by_model", param="prompt_name")
 
 
 async def test_prompts_are_prepended(client, alpha, model):
@@ -155,6 +158,28 @@ async def test_prompts_are_prepended(client, alpha, model):
     assert np.allclose(
         with_prompt.json()["data"][0]["embedding"], by_hand.json()["data"][0]["embedding"], atol=1e-6
     )
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "minilm", "input": [101, 30522, 102]}, "input"),  # the vocabulary has 30522 ids
+        ({"model": "minilm", "input": "x", "dimensions": 385}, "dimensions"),
+        ({"inputs": "x", "prompt_name": "query"}, "prompt_name"),
+    ],
+)
+async def test_what_only_the_model_refuses_says_so(client, alpha, body, param):
+    """The schema is one for every model: a model's own bounds are refused with their own code."""
+    path = "/v1/embeddings" if "model" in body else "/api/v1/embed"
+    assert_error(
+        await client.post(path, json=body, headers=alpha.headers), 422, "unsupported_by_model", param
+    )
+
+
+def test_what_only_the_model_refuses_says_so_through_uvicorn(edge_server):
+    with httpx2.Client(base_url=edge_server.base_url, headers=edge_server.headers, timeout=30) as http:
+        response = http.post("/v1/embeddings", json={"model": "minilm", "input": "x", "dimensions": 385})
+        assert_error(response, 422, "unsupported_by_model", "dimensions")
 
 
 @pytest.mark.parametrize(
@@ -175,6 +200,34 @@ async def test_prompts_are_prepended(client, alpha, model):
 async def test_validation_errors(client, alpha, body, status, param):
     response = await client.post("/v1/embeddings", json=body, headers=alpha.headers)
     assert_error(response, status, param=param)
+
+
+# Every route that takes texts, and an empty text in each of its shapes.
+EMPTY_TEXTS = [
+    ("/v1/embeddings", {"model": "minilm", "input": ""}, "input", "must not be an empty string"),
+    ("/v1/embeddings", {"model": "minilm", "input": ["a", ""]}, "input", "item 1 is an empty string"),
+    ("/api/v1/embed", {"inputs": ""}, "inputs", "must not be an empty string"),
+    ("/embed", {"inputs": ["", "b"]}, "inputs", "item 0 is an empty string"),
+    ("/v1/embedding", [{"query": "a"}, {"query": ""}], None, "item 1's query is an empty string"),
+    ("/v1/jobs", {"model": "minilm", "input": ["a", "b", ""]}, "input", "item 2 is an empty string"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "message"), EMPTY_TEXTS)
+async def test_an_empty_text_is_refused_on_every_route(client, alpha, path, body, param, message):
+    """As OpenAI refuses `input: ""`; 422 invalid_request_error, as every invalid field here."""
+    error = assert_error(await client.post(path, json=body, headers=alpha.headers), 422, param=param)
+    assert error["type"] == "invalid_request_error" and message in error["message"], error
+    # Whitespace is a text (its own tokens, or the special ones alone).
+    spaced = json.loads(json.dumps(body).replace('""', '" "'))
+    assert (await client.post(path, json=spaced, headers=alpha.headers)).status_code in (200, 202)
+
+
+def test_an_empty_text_is_refused_through_uvicorn(edge_server):
+    with httpx2.Client(base_url=edge_server.base_url, headers=edge_server.headers, timeout=30) as http:
+        for path, body, param, message in EMPTY_TEXTS:
+            error = assert_error(http.post(path, json=body), 422, param=param)
+            assert message in error["message"], error
 
 
 async def test_malformed_and_wrongly_shaped_bodies(client, alpha):
@@ -228,6 +281,25 @@ async def test_size_limits(client, alpha, model, settings):
         "/v1/embeddings", json={"model": "minilm", "input": ["a", "b", "c"]}, headers=alpha.headers
     )
     assert fine.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "bound"),
+    [
+        ({"model": "minilm", "input": [101, 2**31, 102]}, "input", None),
+        ({"model": "minilm", "input": [[101, 102], [101, -1, 102]]}, "input", None),
+        ({"model": "minilm", "input": [[101, 2**64, 102]]}, "input", None),
+        ({"model": "minilm", "input": "x", "dimensions": 2**31}, "dimensions", 2**31 - 1),
+        ({"model": "minilm", "input": "x", "dimensions": 10**40}, "dimensions", 2**31 - 1),
+    ],
+)
+async def test_integers_past_the_schemas_maximum_are_422(client, alpha, body, param, bound):
+    error = assert_error(
+        await client.post("/v1/embeddings", json=body, headers=alpha.headers), 422, param=param
+    )
+    assert error["code"] == "invalid_value", error
+    if bound is not None:
+        assert f"less than or equal to {bound}" in error["message"], error
 
 
 async def test_overload_is_refused_at_once_with_retry_after(client, alpha, settings):
@@ -302,7 +374,7 @@ RAGGED_TEXTS = [
     "word " * 60 + "end",
     "日本語のテキスト",
     "Embeddings map text to vectors so that similar meanings land close together. " * 9,
-    "",
+    " ",
 ]
 
 

@@ -8,7 +8,7 @@ from rest_framework import exceptions as drf
 
 from embeddings.api.errors import ANSWERS, ApiError, Unauthorized, as_api_error
 from embeddings.services import errors as service
-from embeddings.tokenization import InputTooLong, InvalidText, TokenizationError
+from embeddings.tokenization import InputTooLong, InvalidText, TokenizationError, TokenOutsideVocabulary
 from embeddings.triton.errors import (
     TritonError,
     TritonInvalidInput,
@@ -35,6 +35,29 @@ SERVICE_ANSWERS = [
         service.InvalidRequest("dimensions: 9000 is more than 384", param="dimensions"),
         422,
         body("dimensions: 9000 is more than 384", "invalid_request_error", "invalid_value", "dimensions"),
+        {},
+    ),
+    (
+        service.UnsupportedByModel("dimensions 9000 is larger than the model's 384", param="dimensions"),
+        422,
+        body(
+            "dimensions 9000 is larger than the model's 384",
+            "invalid_request_error",
+            "unsupported_by_model",
+            "dimensions",
+        ),
+        {},
+    ),
+    (
+        service.ObjectNotFound("You have no job 'job_1' to list after.", param="after", code="job_not_found"),
+        404,
+        body("You have no job 'job_1' to list after.", "invalid_request_error", "job_not_found", "after"),
+        {},
+    ),
+    (
+        service.EmptyFile("The file has no lines.", param="file"),
+        400,
+        body("The file has no lines.", "invalid_request_error", "empty_file", "file"),
         {},
     ),
     (
@@ -155,6 +178,17 @@ OTHER_ANSWERS = [
             "Input 0 has 600 tokens, more than the model's maximum of 512; shorten it or allow truncation.",
             "invalid_request_error",
             "context_length_exceeded",
+            "input",
+        ),
+        {},
+    ),
+    (
+        TokenOutsideVocabulary("Input 0 has token ids outside the vocabulary [0, 30522)"),
+        422,
+        body(
+            "Input 0 has token ids outside the vocabulary [0, 30522)",
+            "invalid_request_error",
+            "unsupported_by_model",
             "input",
         ),
         {},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx2
 import pytest
 
 from tests.api.raw_http import upload_parts
@@ -221,6 +222,39 @@ async def test_form_fields_are_text(client, alpha, model):
     assert response.json()["dimensions"] == 16
 
 
+async def test_a_null_form_field_is_null(client, alpha):
+    """A form cannot send JSON null: "null" (as Schemathesis writes it) or "" for a nullable field."""
+    for value in (b"null", b""):
+        response = await post_upload(
+            client,
+            alpha,
+            FILE_PART,
+            MODEL_PART,
+            ("result_dtype", None, value, None),
+            ("dimensions", None, value, None),
+        )
+        assert response.status_code == 202, response.text
+        assert response.json()["result_dtype"] == "float32"
+
+
+async def test_a_repeated_unknown_form_field_is_ignored_as_any_unknown_field(client, alpha):
+    extra = ("x-extra", None, b"1", None)
+    response = await post_upload(client, alpha, FILE_PART, MODEL_PART, extra, extra, extra)
+    assert response.status_code == 202, response.text
+
+
+def test_forms_and_strings_as_the_schema_writes_them_through_uvicorn(edge_server):
+    body, content_type = upload_parts(FILE_PART, MODEL_PART, ("result_dtype", None, b"null", None))
+    with httpx2.Client(base_url=edge_server.base_url, headers=edge_server.headers, timeout=30) as http:
+        response = http.post("/v1/jobs", content=body, headers={"Content-Type": content_type})
+        assert response.status_code == 202, response.text
+        for model in ("mini\x00lm", f" {MODEL}"):
+            response = http.post("/v1/embeddings", json={"model": model, "input": "x"})
+            assert_error(response, 404, "model_not_found", "model")
+        response = http.get("/v1/usage", params={"start": "2026-06-10", "end": "2026-06-09"})
+        assert_error(response, 422, "invalid_range", "end")
+
+
 # --- Strict JSON types -----------------------------------------------------------------------------
 
 
@@ -251,6 +285,17 @@ async def test_an_integral_float_is_an_integer(client, alpha):
     response = await client.post("/v1/embeddings", json=body, headers=alpha.headers)
     assert response.status_code == 200, response.text
     assert len(response.json()["data"][0]["embedding"]) == 8
+
+
+async def test_a_nul_names_no_model_and_is_recorded_as_a_user(client, alpha):
+    response = await client.post(
+        "/v1/embeddings", json={"model": "mini\x00lm", "input": "x"}, headers=alpha.headers
+    )
+    assert_error(response, 404, "model_not_found", "model")
+    response = await client.post(
+        "/v1/embeddings", json={"model": MODEL, "input": "x", "user": "a\x00b"}, headers=alpha.headers
+    )
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize("body", [[], [[]], [{"text": "no query"}], [{"query": 1}]])
@@ -287,3 +332,147 @@ def test_options_and_trace_through_uvicorn(raw):
     status, headers, body = raw.answer()
     assert status == 405, body
     assert json.loads(body)["error"]["code"] == "method_not_allowed"
+
+
+# --- Integers in a query: decimal digits, under their bound ----------------------------------------
+
+RESULTS = f"/v1/jobs/{JOB_ID}/results"
+# Every integer query parameter and its documented maximum.
+QUERY_INTEGERS = [
+    ("/v1/jobs", "limit", 100),
+    ("/v1/files", "limit", 10000),
+    ("/v1/batches", "limit", 100),
+    (RESULTS, "limit", 1000),
+    (RESULTS, "offset", 2**31 - 1),
+]
+NOT_DECIMAL_INTEGERS = ["1.0", "+1", " 1", "1 ", "1e3", "0x10", "1_0", "\u0661", ""]
+
+
+@pytest.mark.parametrize(("path", "param", "bound"), QUERY_INTEGERS)
+async def test_query_integers_are_decimal_digits_only(client, alpha, path, param, bound):
+    """int() reads all of these (DRF "1.0" too); the schema's integer is none of them."""
+    for value in NOT_DECIMAL_INTEGERS:
+        response = await client.get(path, params={param: value, "format": "json"}, headers=alpha.headers)
+        error = assert_error(response, 422, param=param)
+        assert "decimal digits only" in error["message"], (value, error)
+
+
+@pytest.mark.parametrize(("path", "param", "bound"), QUERY_INTEGERS)
+async def test_query_integers_over_their_bound_are_422_naming_it(client, alpha, path, param, bound):
+    for value in (bound + 1, 2**64, 10**400):
+        response = await client.get(path, params={param: str(value), "format": "json"}, headers=alpha.headers)
+        error = assert_error(response, 422, param=param)
+        assert f"less than or equal to {bound}" in error["message"], error
+    response = await client.get(path, params={param: str(bound), "format": "json"}, headers=alpha.headers)
+    assert response.status_code in (200, 404), response.text  # 404: the made-up job id
+
+
+def test_an_offset_past_64_bits_is_422_through_uvicorn(edge_server):
+    """It was echoed back in the page, which orjson cannot render: a 500."""
+    with httpx2.Client(base_url=edge_server.base_url, headers=edge_server.headers, timeout=30) as http:
+        for offset in ("18446744073709551616", "4983466071047531.0"):
+            response = http.get(RESULTS, params={"format": "json", "offset": offset})
+            error = assert_error(response, 422, param="offset")
+            assert offset.endswith(".0") or "less than or equal to 2147483647" in error["message"], error
+
+
+# --- Ids in a path, and cursors ---------------------------------------------------------------------
+
+ID_ROUTES = [
+    ("GET", "/v1/jobs/{}", "job"),
+    ("DELETE", "/v1/jobs/{}", "job"),
+    ("POST", "/v1/jobs/{}/cancel", "job"),
+    ("GET", "/v1/jobs/{}/results", "job"),
+    ("GET", "/v1/files/{}", "file"),
+    ("DELETE", "/v1/files/{}", "file"),
+    ("GET", "/v1/files/{}/content", "file"),
+    ("GET", "/v1/batches/{}", "batch"),
+    ("POST", "/v1/batches/{}/cancel", "batch"),
+]
+# Strings that cannot be ids: a NUL made PostgreSQL fail the lookup (a 500).
+NOT_IDS = ["%00", "job_%00", "file-%00%00", "x" * 300, "job_000000000000000000000000%0A", "%C3%A9"]
+
+
+def test_a_string_that_cannot_be_an_id_is_404_through_uvicorn(raw):
+    for method, route, what in ID_ROUTES:
+        for value in NOT_IDS:
+            raw.head(method, route.format(value), {"Content-Length": "0"})
+            status, _, body = raw.answer()
+            assert status == 404, (method, route, value, body)
+            assert json.loads(body)["error"]["code"] == f"{what}_not_found", body
+
+
+CURSORS = [
+    ("/v1/jobs", "job", JOB_ID),
+    ("/v1/files", "file", "file-" + "0" * 24),
+    ("/v1/batches", "batch", "batch_" + "0" * 24),
+]
+
+
+async def test_files_are_listed_by_a_purpose_they_can_have(client, alpha):
+    assert (
+        await client.get("/v1/files", params={"purpose": "batch"}, headers=alpha.headers)
+    ).status_code == 200
+    assert_error(
+        await client.get("/v1/files", params={"purpose": "fine-tune"}, headers=alpha.headers),
+        422,
+        param="purpose",
+    )
+
+
+@pytest.mark.parametrize(("path", "what", "unknown"), CURSORS)
+async def test_a_cursor_is_an_id_and_an_unknown_one_is_404(client, alpha, path, what, unknown):
+    for malformed in ("x", unknown[:-1], unknown + "\n", unknown.upper(), "a\x00"):
+        assert_error(
+            await client.get(path, params={"after": malformed}, headers=alpha.headers), 422, param="after"
+        )
+    error = assert_error(
+        await client.get(path, params={"after": unknown}, headers=alpha.headers),
+        404,
+        f"{what}_not_found",
+        "after",
+    )
+    assert unknown in error["message"]
+    assert (await client.get(path, params={"after": ""}, headers=alpha.headers)).status_code == 200
+
+
+async def test_another_tenants_job_is_no_cursor(client, alpha, beta):
+    job_id = (await client.post("/v1/jobs", json=ROUTES["/v1/jobs"]["POST"], headers=alpha.headers)).json()[
+        "id"
+    ]
+    assert (await client.get("/v1/jobs", params={"after": job_id}, headers=alpha.headers)).status_code == 200
+    response = await client.get("/v1/jobs", params={"after": job_id}, headers=beta.headers)
+    assert_error(response, 404, "job_not_found", "after")
+
+
+def test_cursors_through_uvicorn(edge_server):
+    with httpx2.Client(base_url=edge_server.base_url, headers=edge_server.headers, timeout=30) as http:
+        for path, what, unknown in CURSORS:
+            assert_error(http.get(path, params={"after": unknown}), 404, f"{what}_not_found", "after")
+            assert_error(http.get(path, params={"after": "nope"}), 422, param="after")
+
+
+# --- Forms: what the schema writes, and nothing else ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("normalize", b"0"),
+        ("normalize", b"True"),
+        ("normalize", b"yes"),
+        ("dimensions", b"+16"),
+        ("dimensions", b"16.0"),
+    ],
+)
+async def test_form_values_are_read_as_the_schema_writes_them(client, alpha, field, value):
+    response = await post_upload(client, alpha, FILE_PART, MODEL_PART, (field, None, value, None))
+    assert_error(response, 422, param=field)
+
+
+async def test_an_idempotency_key_is_measured_as_sent(client, alpha):
+    key = " " * 200 + "k" * 56
+    response = await client.post(
+        "/v1/jobs", json=ROUTES["/v1/jobs"]["POST"], headers={**alpha.headers, "Idempotency-Key": key}
+    )
+    assert_error(response, 422, param="Idempotency-Key")

@@ -5,6 +5,7 @@ directly) and through a real uvicorn on a socket (`edge_server`: 64 KiB bodies, 
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 
@@ -138,7 +139,53 @@ async def test_a_query_string_that_is_not_utf8_is_400(client, alpha):
     assert json.loads(transport_scope_response.body)["error"]["message"].startswith("The query string")
 
 
+@pytest.mark.parametrize(
+    ("encoding", "named"),
+    [("gzip", "gzip"), ("br", "br"), ("identity, gzip", "gzip"), ("x-gzip, deflate", "x-gzip, deflate")],
+)
+async def test_a_compressed_body_is_415_before_reading(alpha, encoding, named):
+    body = gzip.compress(json.dumps({"model": MODEL, "input": "x"}).encode())
+    answer = await asgi_request(
+        "POST",
+        "/v1/embeddings",
+        headers={**alpha.headers, "Content-Type": "application/json", "Content-Encoding": encoding},
+        pieces=[body],
+    )
+    assert answer.status == 415, answer.body
+    error = answer.error()
+    assert (
+        error["code"] == "unsupported_content_encoding" and f"Content-Encoding {named} " in error["message"]
+    )
+    assert answer.pieces_read == 0 and answer.headers["connection"] == "close"
+
+
+async def test_identity_is_no_encoding(alpha):
+    answer = await asgi_request(
+        "POST",
+        "/v1/embeddings",
+        headers={**alpha.headers, "Content-Type": "application/json", "Content-Encoding": "identity"},
+        pieces=json_pieces({"model": MODEL, "input": "x"}, 1000),
+    )
+    assert answer.status == 200, answer.body
+
+
 # --- Through a real uvicorn --------------------------------------------------------------------------
+
+
+def test_a_gzip_body_is_415_naming_it_through_uvicorn(raw):
+    """It was read as text: a 400 about surrogates. No client of ours compresses a request."""
+    body = gzip.compress(json.dumps({"model": MODEL, "input": "compressed"}).encode())
+    raw.head(
+        "POST",
+        "/v1/embeddings",
+        {"Content-Type": "application/json", "Content-Encoding": "gzip", "Content-Length": str(len(body))},
+    )
+    raw.sock.sendall(body)
+    status, headers, answer = raw.answer()
+    assert status == 415, answer
+    error = json.loads(answer)["error"]
+    assert error["code"] == "unsupported_content_encoding" and "gzip" in error["message"]
+    assert headers["connection"] == "close" and raw.closed_by_server()
 
 
 def test_chunked_json_is_read_through_uvicorn(raw):

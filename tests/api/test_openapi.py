@@ -149,7 +149,7 @@ def test_jobs_are_documented(schema):
 def test_every_operation_documents_the_edge_errors(schema):
     for path, operations in schema["paths"].items():
         for method, operation in operations.items():
-            for status in ("400", "408", "413"):
+            for status in ("400", "408", "413", "415"):
                 content = operation["responses"][status]["content"]["application/json"]
                 assert content["schema"] == {"$ref": "#/components/schemas/Error"}, (path, method, status)
     for path in ("/v1/embeddings", "/v1/embedding", "/api/v1/embed", "/embed", "/v1/jobs"):
@@ -161,15 +161,55 @@ def parameter(operation: dict, name: str) -> dict:
 
 
 def test_query_parameters_carry_their_bounds(schema):
-    """What the views refuse, the schema says: limit=0 is documented invalid."""
+    """What the views refuse, the schema says: limit=0 is documented invalid, and every integer has
+    its maximum (the one the refusal names)."""
     jobs = schema["paths"]["/v1/jobs"]["get"]
     assert parameter(jobs, "limit") == {"type": "integer", "maximum": 100, "minimum": 1, "default": 20}
     results = schema["paths"]["/v1/jobs/{job_id}/results"]["get"]
     assert parameter(results, "limit")["minimum"] == 1 and parameter(results, "limit")["maximum"] == 1000
-    assert parameter(results, "offset")["minimum"] == 0
+    assert (
+        parameter(results, "offset")["minimum"] == 0 and parameter(results, "offset")["maximum"] == 2**31 - 1
+    )
+    assert parameter(schema["paths"]["/v1/files"]["get"], "limit")["maximum"] == 10000
+    assert parameter(schema["paths"]["/v1/batches"]["get"], "limit")["maximum"] == 100
+    integers = [
+        (path, p["name"])
+        for path, operations in schema["paths"].items()
+        for operation in operations.values()
+        for p in operation.get("parameters", [])
+        if p["schema"].get("type") == "integer"
+    ]
+    assert len(integers) == 5 and all(
+        "maximum" in parameter(schema["paths"][path]["get"], name) for path, name in integers
+    ), integers
     assert parameter(results, "format")["enum"] == ["jsonl", "json", "npy"]
     usage = schema["paths"]["/v1/usage"]["get"]
     assert parameter(usage, "group_by")["enum"] == ["day", "model", "key"]
+
+
+ID_PATTERNS = {
+    "job_id": "^job_[a-z0-9]{24}$",
+    "file_id": "^file-[A-Za-z0-9]{24}$",
+    "batch_id": "^batch_[a-z0-9]{24}$",
+}
+
+
+def test_ids_and_cursors_have_their_format(schema):
+    """Ids as the services draw them: any other string is 404 (a path) or 422 (a cursor)."""
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            for p in operation.get("parameters", []):
+                if p["in"] == "path" and p["name"] in ID_PATTERNS:
+                    assert p["schema"] == {"type": "string", "pattern": ID_PATTERNS[p["name"]]}, path
+    for path, name in (("/v1/jobs", "job_id"), ("/v1/files", "file_id"), ("/v1/batches", "batch_id")):
+        after = parameter(schema["paths"][path]["get"], "after")
+        assert after["oneOf"] == [
+            {"type": "string", "pattern": ID_PATTERNS[name]},
+            {"type": "string", "maxLength": 0},
+        ], path
+        assert "404" in schema["paths"][path]["get"]["responses"], path
+    usage_key = parameter(schema["paths"]["/v1/usage"]["get"], "key")
+    assert usage_key["oneOf"][0]["pattern"].startswith("^(?:emb_)?[a-z0-9]{12}")
 
 
 def test_array_bodies_document_what_is_refused(schema):
@@ -180,7 +220,14 @@ def test_array_bodies_document_what_is_refused(schema):
     token_ids = schema["components"]["schemas"]["OpenAIEmbeddingsRequestRequest"]["properties"]["input"]
     nested = token_ids["oneOf"][3]
     assert nested["minItems"] == 1 and nested["items"]["minItems"] == 1
-    assert nested["items"]["items"] == {"type": "integer", "minimum": 0}
+    assert nested["items"]["items"] == {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+    # An empty text is refused, alone or in an array, on every route that takes texts.
+    assert token_ids["oneOf"][0] == {"type": "string", "minLength": 1}
+    assert token_ids["oneOf"][1]["items"] == {"type": "string", "minLength": 1}
+    seed_query = schema["components"]["schemas"]["SeedQueryRequest"]["properties"]["query"]
+    assert seed_query["minLength"] == 1
+    job_input = schema["components"]["schemas"]["JobCreateRequestRequest"]["properties"]["input"]
+    assert job_input["items"] == {"type": "string", "minLength": 1}
 
 
 def test_jobs_link_to_their_operations(schema):
@@ -197,6 +244,33 @@ def test_jobs_link_to_their_operations(schema):
         "retrieve_job_results",
         "delete_job",
     }
+
+
+def test_forms_document_what_they_take(schema):
+    upload = schema["components"]["schemas"]["FileUploadRequestRequest"]
+    assert upload["additionalProperties"] is False
+    assert upload["properties"]["expires_after"]["properties"]["seconds"] == {
+        "type": "integer",
+        "minimum": 3600,
+        "maximum": 30 * 24 * 3600,
+    }
+    assert upload["properties"]["file"]["minLength"] == 1
+    form = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    assert form["encoding"]["file"]["contentType"].startswith("text/plain, ")
+    assert form["examples"], "a multipart example, which Schemathesis sends as a file"
+    metadata = schema["components"]["schemas"]["JobCreateRequestRequest"]["properties"]["metadata"]
+    assert metadata["additionalProperties"]["pattern"] == "^[^\\u0000]*$"
+
+
+def test_files_and_batches_link_to_their_operations(schema):
+    """So that the stateful phase creates a batch from an uploaded file, and follows it."""
+    uploaded = schema["paths"]["/v1/files"]["post"]["responses"]["200"]["links"]
+    assert {link["operationId"] for link in uploaded.values()} == {
+        "retrieve_file", "download_file", "delete_file", "create_batch"
+    }  # fmt: skip
+    assert uploaded["CreateBatch"]["requestBody"] == {"input_file_id": "$response.body#/id"}
+    created = schema["paths"]["/v1/batches"]["post"]["responses"]["200"]["links"]
+    assert {link["operationId"] for link in created.values()} == {"retrieve_batch", "cancel_batch"}
 
 
 async def test_documented_request_examples_are_accepted(client, alpha):

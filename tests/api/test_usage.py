@@ -228,10 +228,30 @@ async def test_default_range_is_this_utc_month(client, alpha):
         ({"start": "99999999999999999999"}, "start"),
         ({"start": "1e308"}, "start"),
         ({"start": "2026-06-10\x00"}, "start"),
+        # A key is named by its public id (or the key itself): any other string is no key's.
+        ({"key": "not a key"}, "key"),
+        ({"key": " abcdefghijkl"}, "key"),
     ],
 )
 async def test_invalid_queries_are_422(client, alpha, params, param):
     assert_error(await get_usage(client, alpha, **params), 422, param)
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"start": "2026-06-10", "end": "2026-06-09"}, "end"),
+        ({"start": "2025-01-01", "end": "2026-06-01"}, "start"),
+        ({"start": "1969-12-31T23:00:00Z"}, "start"),
+        ({"end": "9999-12-31T23:59:59-23:59"}, "end"),
+    ],
+)
+async def test_a_range_refused_for_where_it_lies_says_so(client, alpha, params, param):
+    """Each bound is a date or date-time as the schema says; what the schema cannot say (how the
+    two relate, the years served) has its own code."""
+    assert assert_error(await get_usage(client, alpha, **params), 422, param)["code"] == "invalid_range"
+    malformed = await get_usage(client, alpha, start="2026-13-01")
+    assert assert_error(malformed, 422, "start")["code"] == "invalid_value"
 
 
 async def test_the_last_representable_range_is_answered(client, alpha):

@@ -28,7 +28,7 @@ def ws_setup(transactional_db, two_tenants, service_redis, settings):
     model = EmbeddingModel.objects.create(name="ws-model", triton_model="ws", dimensions=4, max_tokens=16)
     alpha, beta = two_tenants.alpha, two_tenants.beta
     job = EmbeddingJob.objects.create(
-        public_id="job_wsalpha",
+        public_id="job_wsalpha00000000000000000",
         tenant=alpha.tenant,
         model=model,
         status=EmbeddingJob.Status.RUNNING,
@@ -59,7 +59,9 @@ async def _close_code(communicator: WebsocketCommunicator) -> int:
 @pytest.fixture
 async def watching(ws_setup) -> AsyncIterator[WebsocketCommunicator]:
     """Alpha watching its job, connected by header."""
-    communicator = _communicator("/ws/v1/jobs/job_wsalpha", headers=_bearer(ws_setup["alpha"]))
+    communicator = _communicator(
+        "/ws/v1/jobs/job_wsalpha00000000000000000", headers=_bearer(ws_setup["alpha"])
+    )
     connected, _ = await communicator.connect(TIMEOUT_S)
     assert connected
     yield communicator
@@ -78,7 +80,7 @@ async def _publish(job: EmbeddingJob, **changes) -> dict:
 async def test_the_current_state_is_sent_at_once_by_header(ws_setup, watching):
     message = await watching.receive_json_from(TIMEOUT_S)
     assert message["type"] == "job.progress"
-    assert message["job"]["id"] == "job_wsalpha"
+    assert message["job"]["id"] == "job_wsalpha00000000000000000"
     assert message["job"]["status"] == "running"
     assert message["job"]["counts"]["completed"] == 2
     assert message["job"]["counts"]["total"] == 10
@@ -86,13 +88,14 @@ async def test_the_current_state_is_sent_at_once_by_header(ws_setup, watching):
 
 async def test_the_key_as_a_subprotocol_is_accepted_and_the_protocol_echoed(ws_setup):
     communicator = _communicator(
-        "/ws/v1/jobs/job_wsalpha", subprotocols=["embedsite.v1", f"bearer.{ws_setup['alpha'].secret}"]
+        "/ws/v1/jobs/job_wsalpha00000000000000000",
+        subprotocols=["embedsite.v1", f"bearer.{ws_setup['alpha'].secret}"],
     )
     connected, subprotocol = await communicator.connect(TIMEOUT_S)
     assert connected
     assert subprotocol == "embedsite.v1"
     message = await communicator.receive_json_from(TIMEOUT_S)
-    assert message["job"]["id"] == "job_wsalpha"
+    assert message["job"]["id"] == "job_wsalpha00000000000000000"
     await communicator.disconnect()
 
 
@@ -107,7 +110,7 @@ async def test_the_key_as_a_subprotocol_is_accepted_and_the_protocol_echoed(ws_s
     ids=["no key", "not bearer", "malformed", "unknown key in subprotocol"],
 )
 async def test_a_missing_or_bad_key_is_closed_with_4401(ws_setup, auth):
-    communicator = _communicator("/ws/v1/jobs/job_wsalpha", **auth)
+    communicator = _communicator("/ws/v1/jobs/job_wsalpha00000000000000000", **auth)
     connected, _ = await communicator.connect(TIMEOUT_S)
     assert connected  # accepted, so that the browser sees the code
     assert await _close_code(communicator) == CLOSE_UNAUTHORIZED
@@ -117,13 +120,13 @@ async def test_a_revoked_key_is_closed_with_4401(ws_setup):
     alpha = ws_setup["alpha"]
     alpha.api_key.revoked_at = alpha.api_key.created_at
     await sync_to_async(alpha.api_key.save)()
-    communicator = _communicator("/ws/v1/jobs/job_wsalpha", headers=_bearer(alpha))
+    communicator = _communicator("/ws/v1/jobs/job_wsalpha00000000000000000", headers=_bearer(alpha))
     await communicator.connect(TIMEOUT_S)
     assert await _close_code(communicator) == CLOSE_UNAUTHORIZED
 
 
 async def test_another_tenants_job_is_4404_like_a_missing_one(ws_setup):
-    for path in ("/ws/v1/jobs/job_wsalpha", "/ws/v1/jobs/job_doesnotexist"):
+    for path in ("/ws/v1/jobs/job_wsalpha00000000000000000", "/ws/v1/jobs/job_doesnotexist"):
         communicator = _communicator(path, headers=_bearer(ws_setup["beta"]))
         connected, _ = await communicator.connect(TIMEOUT_S)
         assert connected
@@ -132,7 +135,7 @@ async def test_another_tenants_job_is_4404_like_a_missing_one(ws_setup):
 
 async def test_the_other_tenant_receives_nothing_of_the_job(ws_setup, watching):
     """Beta's refused watcher left the group: Alpha's progress reaches only Alpha."""
-    beta = _communicator("/ws/v1/jobs/job_wsalpha", headers=_bearer(ws_setup["beta"]))
+    beta = _communicator("/ws/v1/jobs/job_wsalpha00000000000000000", headers=_bearer(ws_setup["beta"]))
     await beta.connect(TIMEOUT_S)
     assert await _close_code(beta) == CLOSE_NOT_FOUND
     await watching.receive_json_from(TIMEOUT_S)
@@ -175,7 +178,9 @@ async def test_a_finished_job_sends_its_state_and_closes(ws_setup):
     job = ws_setup["job"]
     job.status, job.completed = EmbeddingJob.Status.FAILED, 4
     await sync_to_async(job.save)()
-    communicator = _communicator("/ws/v1/jobs/job_wsalpha", headers=_bearer(ws_setup["alpha"]))
+    communicator = _communicator(
+        "/ws/v1/jobs/job_wsalpha00000000000000000", headers=_bearer(ws_setup["alpha"])
+    )
     connected, _ = await communicator.connect(TIMEOUT_S)
     assert connected
     assert (await communicator.receive_json_from(TIMEOUT_S))["job"]["status"] == "failed"

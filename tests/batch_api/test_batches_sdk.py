@@ -206,6 +206,16 @@ def test_hostile_uploads_get_openai_errors_never_a_500(http, client):
         ({"purpose": "batch", "expires_after[anchor]": "nope", "expires_after[seconds]": "3600"}, b"x"),
         ({"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "5"}, b"x"),
         ({"purpose": "batch", "purpose2": "x"}, b"x"),
+        # expires_after as the schema writes it, and nothing else.
+        ({"purpose": "batch", "expires_after": '{"anchor": "created_at", "seconds": 3600, "x": 1}'}, b"x"),
+        (
+            {"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "+3600"},
+            b"x",
+        ),
+        (
+            {"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "3600.0"},
+            b"x",
+        ),
     ]
     for fields, data in cases:
         files = {"file": ("x.jsonl", data)} if data is not None else None
@@ -323,6 +333,7 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
         b"\n",
         request_line("too-many-inputs", {"model": MODEL, "input": ["x"] * 3000}),
         request_line("good-2", {**good, "encoding_format": "base64"}),
+        request_line("empty-text", {"model": MODEL, "input": ["x", ""]}),
     ]
     batch = client.batches.create(
         input_file_id=upload(client, lines).id, endpoint="/v1/embeddings", completion_window="24h"
@@ -338,9 +349,10 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
         (6, "model_not_found"),
         (7, "duplicate_custom_id"),
         (8, "invalid_json_line"),
-        (9, "invalid_value"),
+        (9, "unsupported_by_model"),
+        (13, "invalid_value"),
     }, done.errors
-    assert done.request_counts.model_dump() == {"total": 11, "completed": 2, "failed": 9}
+    assert done.request_counts.model_dump() == {"total": 12, "completed": 2, "failed": 10}
     output = {record["custom_id"]: record for record in file_lines(client, done.output_file_id)}
     assert set(output) == {"good-1", "good-2"}
     for custom_id, body in (("good-1", good), ("good-2", {**good, "encoding_format": "base64"})):
@@ -348,7 +360,7 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
             output[custom_id]["response"]["body"], http.post("/v1/embeddings", json=body).json()
         )
     errors = file_lines(client, done.error_file_id)
-    assert len(errors) == 9
+    assert len(errors) == 10
     # The request the synchronous API refuses is answered as it answers it: 413, same error body.
     (refused,) = [record for record in errors if record["custom_id"] == "too-many-inputs"]
     sync = http.post("/v1/embeddings", json={"model": MODEL, "input": ["x"] * 3000})
@@ -361,6 +373,36 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
     # Refused while validating: no response, an error naming the line.
     assert all(record["response"] is None for record in errors if record is not refused)
     assert {record["custom_id"] for record in errors} >= {"wrong-url", "wrong-method", "bad-input", None}
+
+
+LEGACY_EMPTY_FILE = """
+from django.core.files.base import ContentFile
+from embeddings.models import StoredFile, Tenant
+from embeddings.services.files import files_storage
+name = files_storage().save("legacy/empty.jsonl", ContentFile(b" \\n\\n"))
+stored = StoredFile.objects.create(
+    public_id="file-" + "E" * 24, tenant=Tenant.objects.get(slug="jobs"), purpose="batch",
+    filename="empty.jsonl", bytes=3, storage_name=name,
+)
+print(stored.public_id)
+"""
+
+
+@pytest.mark.parametrize("content", [b"", b"\n", b" \r\n\t\n"])
+def test_a_batch_file_without_a_line_is_refused_at_upload(client, content):
+    """It was stored, and a batch of it failed later, in validation."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("empty.jsonl", io.BytesIO(content)), purpose="batch")
+    assert refused.value.body["code"] == "empty_file" and refused.value.body["param"] == "file"
+
+
+def test_a_batch_of_a_file_without_a_line_is_refused_at_creation(client, job_stack):
+    """Files stored before uploads were checked: refused when the batch is created, not validated."""
+    file_id = manage(job_stack.env, "shell", "-c", LEGACY_EMPTY_FILE).splitlines()[-1]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    assert refused.value.body["code"] == "empty_file" and refused.value.body["param"] == "input_file_id"
+    assert file_id in refused.value.body["message"]
 
 
 def test_a_file_of_nothing_valid_fails_the_batch(client, job_stack):

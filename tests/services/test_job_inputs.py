@@ -54,6 +54,7 @@ def test_jsonl_can_be_forced_or_refused():
         (b"\n \n\r\n", "the file has no inputs"),
         (b'{"id": "a", "text": "x"}\nnot json\n', "line 2: not a JSON object"),
         (b'{"id": "a", "text": 3}\n', 'line 1: expected {"id": ..., "text": "..."}'),
+        (b'{"id": "a", "text": "x"}\n{"id": "b", "text": ""}\n', "line 2: text is an empty string"),
         (b'{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', "line 2: id 'a' appears twice"),
         (b'{"id": [1], "text": "x"}\n', "line 1: id must be a string or an integer"),
         (b'{"id": true, "text": "x"}\n', "line 1: id must be a string or an integer"),
