@@ -147,6 +147,14 @@ class RefusalLog:
         self.counters: dict[str, Any] = {}
         self.since = time.monotonic()
 
+    def prepare(self, reasons: tuple[str, ...]) -> None:
+        """Make each reason's counter exist at 0, so that rate() and the alerts see it before the
+        first refusal (call in each server process)."""
+        from embeddings.metrics import HTTP_EDGE_REFUSED
+
+        for reason in reasons:
+            self.counters.setdefault(reason, HTTP_EDGE_REFUSED.labels(reason))
+
     def add(self, reason: str) -> None:
         counter = self.counters.get(reason)
         if counter is None:
@@ -164,6 +172,10 @@ class RefusalLog:
 
 
 edge_refusals = RefusalLog("HTTP edge refused or closed connections")
+EDGE_REFUSAL_REASONS = (
+    "head_too_large", "too_many_headers", "head_timeout", "chunk_too_large", "write_stalled",
+    "too_many_connections", "closed_waiting_connection",
+)  # fmt: skip
 
 
 class HeadRefused(Exception):

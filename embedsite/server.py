@@ -31,7 +31,7 @@ from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import multiprocess
 
 from embeddings import lifecycle
-from embedsite.edge import EdgeLimits, EdgeProtocol
+from embedsite.edge import EDGE_REFUSAL_REASONS, EdgeLimits, EdgeProtocol, edge_refusals
 
 APPLICATION = "embedsite.asgi:application"
 
@@ -84,6 +84,7 @@ class ServerConfig(uvicorn.Config):
         from embeddings.api.admission import admission_controller
 
         self.admission = admission_controller()
+        edge_refusals.prepare(EDGE_REFUSAL_REASONS)
 
 
 def edge_limits_from_settings() -> EdgeLimits:

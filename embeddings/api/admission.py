@@ -89,6 +89,7 @@ class AdmissionController:
         self.waiting: dict[Hashable, int] = {}
         self.queued = 0
         self.refusals = RefusalLog("Requests refused for load")
+        self.refusals.prepare(("no_room", "queue_full", "waited_too_long"))
         self.refusal_ids = itertools.count()
         retry = f"retry after {RETRY_AFTER_S} s."
         self.no_room = self._refusal(
