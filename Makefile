@@ -12,7 +12,7 @@ MODEL_ONNX := model_repository/minilm/1/model.onnx
 PROTOCOL := embeddings/triton/protocol/grpc_service_pb2.py
 COMPOSE := $(VENV)/bin/docker-compose
 
-.PHONY: run test setup bench bench-api bench-peers bench-quota bench-replicas bench-jobs bench-gpu lint \
+.PHONY: run test setup bench bench-api bench-peers bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
 	clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
@@ -50,6 +50,11 @@ bench-peers: setup
 	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
 	$(PIP) install -q -r requirements-bench.txt
 	$(PY) bench/peers.py $(BENCH_ARGS)
+
+## bench-overload: one tenant's 32/256/1,000 connections: its goodput, a second tenant's answers (BENCH_ARGS='--baseline REF --refusal-cost')
+bench-overload: setup
+	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
+	$(PY) bench/overload.py $(BENCH_ARGS)
 
 ## bench-quota: what quotas cost a request (p50/p90, quotas on vs off, one run; table and JSON)
 bench-quota: setup

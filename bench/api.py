@@ -178,12 +178,14 @@ class Server:
 
     # In a process group of its own (for servers that serve from child processes).
     own_process_group = False
+    # The checkout it serves from (uvicorn puts its working directory first on sys.path).
+    root = ROOT
 
     def __init__(self, env: dict[str, str], port: int, output=None) -> None:
         """`output`: a file for the server's stdout and stderr; None: this process's."""
         self.port = port
         self.process = subprocess.Popen(
-            self.command(port), env=env, cwd=ROOT, start_new_session=self.own_process_group,
+            self.command(port), env=env, cwd=self.root, start_new_session=self.own_process_group,
             stdout=output, stderr=output,
         )  # fmt: skip
         wait_until_healthy(self.url, self)

@@ -14,6 +14,7 @@ sys.path.insert(0, str(BENCH))
 
 import api  # noqa: E402
 import configs  # noqa: E402
+import overload  # noqa: E402
 import peers  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -108,7 +109,7 @@ def test_long_texts_get_longer_cells_than_short_ones():
     assert peers.cell_seconds(long, 3.0) > peers.cell_seconds(short, 3.0) == 3.0
 
 
-@pytest.mark.parametrize("script", ["api.py", "peers.py", "quota.py", "jobs.py"])
+@pytest.mark.parametrize("script", ["api.py", "peers.py", "quota.py", "jobs.py", "overload.py"])
 def test_scripts_run_as_readme_says(script):
     """`.venv/bin/python bench/<script>` from the repository root: its imports resolve on their own."""
     done = subprocess.run(
@@ -183,3 +184,24 @@ def test_configs_runs_as_its_docstring_says():
     done = subprocess.run(command, cwd=BENCH.parent, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "--config" in done.stdout and "--py-spy" in done.stdout
+
+
+def test_overload_cells_default_to_the_issue_s_connection_counts():
+    args = overload.parse_args([])
+    assert args.connections == [32, 256, 1000] and args.seconds == 20.0 and args.baseline is None
+    assert overload.parse_args(["--quick", "--connections", "8,64"]).connections == [8, 64]
+    assert overload.parse_args(["--quick"]).seconds == 5.0
+
+
+def test_overload_counts_the_flood_s_200s_apart_from_its_refusals():
+    output = "Running 20s test\nRESULT 1500 500 0 3 0 2 20000000 120.5 900.25 1500.0\n"
+    cell = overload.parse_wrk(output)
+    assert (cell["responses"], cell["ok"], cell["refused"]) == (1500, 1000, 500)
+    assert cell["ok_per_s"] == 50.0 and cell["socket_errors"]["read"] == 3
+    assert (cell["p50_ms"], cell["p99_ms"], cell["max_ms"]) == (120.5, 900.25, 1500.0)
+
+
+def test_overload_s_wrk_script_sends_the_flood_tenant_s_key():
+    script = overload.wrk_script({"model": "m", "input": "x"}, "emb_flood_key")
+    assert 'wrk.headers["Authorization"] = "Bearer emb_flood_key"' in script
+    assert "RESULT" in script
