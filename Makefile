@@ -12,7 +12,7 @@ MODEL_ONNX := model_repository/minilm/1/model.onnx
 PROTOCOL := embeddings/triton/protocol/grpc_service_pb2.py
 COMPOSE := $(VENV)/bin/docker-compose
 
-.PHONY: run test setup bench bench-api bench-peers bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
+.PHONY: run test test-unit test-services setup bench bench-api bench-peers bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
 	clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
@@ -25,8 +25,22 @@ run: setup
 
 ## test: set everything up, then run the whole test suite on PostgreSQL and the database tests on SQLite (CI runs this)
 test: setup
-	$(PY) -m pytest --database postgresql $(PYTEST_ARGS)
-	$(PY) -m pytest --database sqlite $(SQLITE_TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest --database postgresql $(TEST_PARALLEL) $(PYTEST_ARGS)
+	$(PY) -m pytest --database sqlite $(TEST_PARALLEL) $(SQLITE_TESTS) $(PYTEST_ARGS)
+
+# Test files run side by side on TEST_WORKERS pytest-xdist workers, each file whole on one worker
+# (its module's stacks start once); each worker has its own Triton, Redis and PostgreSQL. Most of a
+# test's time is waiting for processes, so more workers than cores pays (README "Tests").
+TEST_WORKERS ?= 3
+TEST_PARALLEL ?= -n $(TEST_WORKERS) --dist loadfile
+
+## test-unit: the unit tier alone (no server of any kind), for the inner loop
+test-unit: setup
+	$(PY) -m pytest -m unit -q $(PYTEST_ARGS)
+
+## test-services: keep the tests' Triton, Redis and PostgreSQL up (Ctrl-C stops them), for quick runs of one area
+test-services: setup
+	$(PY) -m tests.shared_services
 
 # Run again on SQLite, the embedded default (`make run`): the tests that use the database in process
 # (services, admin pages, the browser) and the stacks shaped as `make run` runs them, uvicorn and a

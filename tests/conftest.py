@@ -18,6 +18,7 @@ from django.conf import settings
 from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.server import TritonServer, free_port
 from tests.database_backend import is_postgresql, run_databases
+from tests.shared_services import SharedServices
 
 if TYPE_CHECKING:
     from embeddings.models import ApiKey, Tenant
@@ -52,15 +53,42 @@ def start_triton(run_dir: Path, repositories: list[Path], *, name: str = "triton
     return server
 
 
-@pytest.fixture(scope="session")
-def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    """The real Triton serving model_repository/ and the test-only models."""
+def session_triton_repositories() -> list[Path]:
+    """What the run's Triton serves: model_repository/ and the test-only models."""
     repository = Path(settings.TRITON_MODEL_REPOSITORY)
     require_exported_model(repository)
-    repositories = [repository]
-    if TEST_MODEL_REPOSITORY.is_dir():
-        repositories.append(TEST_MODEL_REPOSITORY)
-    server = start_triton(tmp_path_factory.mktemp("triton"), repositories)
+    return [repository, TEST_MODEL_REPOSITORY]
+
+
+@pytest.fixture(scope="session")
+def shared_services() -> SharedServices | None:
+    """The services `make test-services` keeps up, when EMBEDSITE_TEST_SERVICES names them."""
+    try:
+        return SharedServices.from_environment()
+    except RuntimeError as error:
+        pytest.exit(str(error), returncode=4)
+
+
+@pytest.fixture(scope="session")
+def triton_server(
+    tmp_path_factory: pytest.TempPathFactory, shared_services: SharedServices | None
+) -> Iterator[TritonServer]:
+    """The real Triton serving model_repository/ and the test-only models."""
+    if shared_services is not None:
+        described = shared_services.triton
+        server = TritonServer(
+            model_repositories=[Path(path) for path in described["repositories"]],
+            run_dir=Path(described["run_dir"]),
+            grpc_port=described["grpc_port"],
+            http_port=described["http_port"],
+            metrics_port=described["metrics_port"],
+            log_path=Path(described["log_path"]),
+        )
+        if not server.is_ready():
+            pytest.exit(f"the shared Triton ({server.grpc_target}) is not ready: `make test-services`", 4)
+        yield server
+        return
+    server = start_triton(tmp_path_factory.mktemp("triton"), session_triton_repositories())
     yield server
     server.stop()
 
@@ -264,24 +292,41 @@ def postgresql_only() -> None:
         pytest.skip("a PostgreSQL race: this run is on SQLite (--database sqlite)")
 
 
+def _session_redis(
+    tmp_path_factory: pytest.TempPathFactory, name: str, shared: dict | None
+) -> Iterator[RedisServer]:
+    if shared is not None:
+        server = RedisServer(
+            port=shared["port"],
+            data_dir=Path(shared["data_dir"]),
+            persistent=False,
+            log_path=Path(shared["log_path"]),
+        )
+        if not server.is_ready():
+            pytest.exit(f"the shared {name} ({server.url}) does not answer: `make test-services`", 4)
+        yield server
+        return
+    data_dir = tmp_path_factory.mktemp(name)
+    with RedisServer(
+        port=free_port(), data_dir=data_dir, persistent=False, log_path=data_dir / "redis.log"
+    ) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+def redis_server(
+    tmp_path_factory: pytest.TempPathFactory, shared_services: SharedServices | None
+) -> Iterator[RedisServer]:
     """A real redis-server of our own on a free port, without persistence."""
-    data_dir = tmp_path_factory.mktemp("redis")
-    with RedisServer(
-        port=free_port(), data_dir=data_dir, persistent=False, log_path=data_dir / "redis.log"
-    ) as server:
-        yield server
+    yield from _session_redis(tmp_path_factory, "redis", shared_services and shared_services.redis)
 
 
 @pytest.fixture(scope="session")
-def job_store_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+def job_store_server(
+    tmp_path_factory: pytest.TempPathFactory, shared_services: SharedServices | None
+) -> Iterator[RedisServer]:
     """A second redis-server: the job store, apart from the critical Redis as deployments run it."""
-    data_dir = tmp_path_factory.mktemp("redis-jobs")
-    with RedisServer(
-        port=free_port(), data_dir=data_dir, persistent=False, log_path=data_dir / "redis.log"
-    ) as server:
-        yield server
+    yield from _session_redis(tmp_path_factory, "redis-jobs", shared_services and shared_services.job_store)
 
 
 @pytest.fixture
@@ -364,11 +409,13 @@ SERVER_FIXTURES = frozenset(
 # says so): never `unit`, except the tests in them marked `unit` by hand.
 PROCESS_MODULES = frozenset(
     {
+        "api/test_no_key_in_logs.py",
         "deploy/test_triton_configs.py",
         "management/test_runstack.py",
         "model_export/test_export.py",
         "model_export/test_served_model.py",
         "model_export/test_tiny_export.py",
+        "multihost/test_scale_out.py",
         "reliability/test_faults.py",
         "services/test_embedding.py",
         "services/test_redis.py",
@@ -376,6 +423,7 @@ PROCESS_MODULES = frozenset(
         "triton/test_client.py",
         "triton/test_repository_api.py",
         "triton/test_server_process_group.py",
+        "triton/test_torch_backend.py",
     }
 )
 
@@ -388,10 +436,37 @@ def _needs_no_server(item: pytest.Item) -> bool:
     return SERVER_FIXTURES.isdisjoint(getattr(item, "fixturenames", ()))
 
 
+# The longest test files (setup included), longest first: `make test` hands files to its workers in
+# collection order (pytest-xdist --dist loadfile), so these start first and the run does not end
+# waiting for one of them started last. Re-measure with `--durations=0` after adding a long one.
+LONGEST_FILES = (
+    "batch_api/test_batches_sdk.py",
+    "multihost/test_scale_out.py",
+    "reliability/test_faults.py",
+    "reliability/test_worker_recovery.py",
+    "reliability/test_schemathesis.py",
+    "admin/test_browser.py",
+    "model_serving/test_second_model.py",
+    "api/test_fair_inference.py",
+    "management/test_runstack.py",
+    "reliability/test_worker_shutdown.py",
+    "test_job_tasks.py",
+    "triton/test_server_process_group.py",
+    "triton/test_torch_backend.py",
+)
+
+
+def _longest_first(item: pytest.Item) -> int:
+    path = item.path.resolve().relative_to(TESTS_DIR).as_posix()
+    return LONGEST_FILES.index(path) if path in LONGEST_FILES else len(LONGEST_FILES)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark `unit` every test that needs no server: no database, Triton, Redis or process of its
     own (its fixtures, however deep, include none of SERVER_FIXTURES; not in PROCESS_MODULES; not
-    marked `integration`). `python -m pytest -m unit` runs them alone."""
+    marked `integration`). `python -m pytest -m unit` runs them alone. Then the LONGEST_FILES first
+    (a stable sort: each file's tests keep their order)."""
     for item in items:
         if not item.get_closest_marker("unit") and _needs_no_server(item):
             item.add_marker(pytest.mark.unit)
+    items.sort(key=_longest_first)

@@ -236,6 +236,7 @@ def test_exactly_one_beat(tmp_path: Path) -> None:
     assert stack["services"]["beat"]["deploy"]["replicas"] == 1
 
 
+@pytest.mark.integration  # runs manage.py in a fresh interpreter
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
 def test_the_settings_accept_the_compose_environment(tmp_path: Path, profile: str) -> None:
     stack = resolved(tmp_path, COMPOSE_PROFILES=profile)

@@ -253,6 +253,7 @@ def test_secrets_live_only_in_the_operators_secret_env(base: list[dict]) -> None
     assert read_env_file(BASE / "secret.env.example")["DJANGO_SECRET_KEY"] == ""
 
 
+@pytest.mark.integration  # runs manage.py in a fresh interpreter
 def test_the_settings_accept_the_kubernetes_environment(manifests: Path) -> None:
     base_dir = manifests / "base"
     environment = read_env_file(base_dir / "config.env") | read_env_file(base_dir / "secret.env")
