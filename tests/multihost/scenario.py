@@ -164,6 +164,19 @@ async def burst(bases: list[str], key: str, count: int) -> list[int]:
     return [status for *_, status in answers]
 
 
+class Clock:
+    """Seconds each step of the scenario took, in order: where its time goes."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.monotonic()
+        self.steps: list[tuple[str, float]] = []
+
+    def mark(self, step: str) -> None:
+        now = time.monotonic()
+        self.steps.append((step, round(now - self.last, 2)))
+        self.last = now
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--network", type=Path, required=True)
@@ -176,6 +189,8 @@ def main() -> None:
     db = hosts["db"].address
     postgres = PostgresServer(port=POSTGRES_PORT, host=db, netns=hosts["db"].netns, clients="192.0.2.0/24")
     result: dict = {}
+    clock = Clock()
+    result["steps"] = clock.steps
     try:
         processes.start(
             "redis", hosts["db"],
@@ -211,7 +226,9 @@ def main() -> None:
         import redis
 
         wait_for("redis", lambda: redis.Redis(host=db, port=REDIS_PORT).ping(), 30, processes, "redis")
+        clock.mark("postgres and redis")
         manage(hosts["web-a"], env, "migrate", "--noinput")
+        clock.mark("migrate")
 
         for name in ("triton-a", "triton-b"):
             address = hosts[name].address
@@ -223,6 +240,7 @@ def main() -> None:
             )  # fmt: skip
         for name in ("triton-a", "triton-b"):
             wait_for(name, lambda n=name: executions(hosts[n].address) is not None, 300, processes, name)
+        clock.mark("tritons")
         manage(hosts["web-a"], env, "register_local_model")
         keys = {}
         for slug, limits in (
@@ -233,6 +251,7 @@ def main() -> None:
         ):
             manage(hosts["web-a"], env, "create_tenant", "--name", slug, "--slug", slug, *limits)
             keys[slug] = manage(hosts["web-a"], env, "create_api_key", "--tenant", slug)
+        clock.mark("model, tenants and keys")
 
         bases = {}
         for name in ("web-a", "web-b"):
@@ -256,6 +275,7 @@ def main() -> None:
             )
         ready = httpx2.get(f"{bases['web-a']}/ready", timeout=10).json()
         result["ready_replicas"] = ready.get("replicas")
+        clock.mark("web hosts")
 
         for name in ("worker-a", "worker-b"):
             processes.start(
@@ -271,9 +291,11 @@ def main() -> None:
             {**env, "EMBEDSITE_RUN_DIR": str(args.workdir / "beat")},
         )  # fmt: skip
         both = [bases["web-a"], bases["web-b"]]
+        clock.mark("workers and beat started")
 
         # 1. Quotas across the two web hosts.
         result["quota"] = {"statuses": asyncio.run(burst(both, keys["exact"], 120)), "burst": 40}
+        clock.mark("1. quota")
 
         # 2. A Triton replica's link drops every packet, then comes back.
         samples: list[tuple[float, int | None]] = []
@@ -304,10 +326,13 @@ def main() -> None:
             "answers": answers,
             "samples": samples,
         }
+        clock.mark("2. failover")
 
         # 3. Jobs on workers of two hosts: fair share, then a worker SIGKILLed holding a chunk's lease.
         result["fair_share"] = fair_share(bases["web-a"], keys["bulk"], keys["small"], processes)
+        clock.mark("3. fair share")
         result["worker"] = kill_a_worker_mid_job(processes, bases["web-b"], keys["load"])
+        clock.mark("3. worker killed")
 
         # 4. A web host killed under load.
         killed_at = 3.0
@@ -317,10 +342,14 @@ def main() -> None:
             )
         )
         result["web"] = {"killed_at": killed_at, "answers": answers, "bases": bases}
+        clock.mark("4. web host killed")
     finally:
-        args.out.write_text(json.dumps(result))
-        processes.stop_all()
-        postgres.stop()
+        try:
+            processes.stop_all()
+            postgres.stop()
+            clock.mark("stopped")
+        finally:
+            args.out.write_text(json.dumps(result))
 
 
 def fair_share(base: str, bulk_key: str, small_key: str, processes: Processes) -> dict:
