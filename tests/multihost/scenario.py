@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import signal
@@ -80,16 +81,6 @@ class Processes:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=10)
-
-
-def manage(host: Host, env: dict[str, str], *arguments: str) -> str:
-    done = subprocess.run(
-        host.command(PYTHON, "manage.py", *arguments), cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"manage.py {' '.join(arguments)} failed:\n{done.stdout}\n{done.stderr}")
-    return done.stdout.strip()
 
 
 def wait_for(what: str, check, timeout_s: float, processes: Processes, name: str = "") -> None:
@@ -177,11 +168,22 @@ class Clock:
         self.last = now
 
 
+def command(*arguments: str) -> str:
+    """`manage.py ARGUMENTS` run here, in this process (Django is set up once, not once a command);
+    its stdout, stripped."""
+    from django.core.management import call_command
+
+    out = io.StringIO()
+    call_command(*arguments, stdout=out, stderr=io.StringIO())
+    return out.getvalue().strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--network", type=Path, required=True)
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model-repository", type=Path, required=True)
     args = parser.parse_args()
     network = Network.described(args.network)
     hosts = network.hosts
@@ -192,18 +194,10 @@ def main() -> None:
     clock = Clock()
     result["steps"] = clock.steps
     try:
-        processes.start(
-            "redis", hosts["db"],
-            ["redis-server", "--bind", db, "--port", str(REDIS_PORT), "--save", "", "--appendonly", "no",
-             "--protected-mode", "no"],
-            dict(os.environ),
-        )  # fmt: skip
-        postgres.start()
-        postgres.wait_until_ready()
         env = {
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-            "DATABASE_URL": postgres.create_database("embedsite"),
+            "DATABASE_URL": postgres.url("embedsite"),  # created below
             "REDIS_URL": f"redis://{db}:{REDIS_PORT}/0",
             "JOB_STORE_URL": f"redis://{db}:{REDIS_PORT}/1",
             "TRITON_SERVER_URL": ",".join(
@@ -221,8 +215,29 @@ def main() -> None:
             "USAGE_FOLD_INTERVAL_S": "3600",
         }
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        os.environ.update({name: env[name] for name in ("DATABASE_URL", "REDIS_URL", "JOB_STORE_URL")})
-        os.environ["DJANGO_SETTINGS_MODULE"] = "embedsite.settings"
+        # The Tritons first: loading the model is the longest step, and needs neither the database
+        # nor Redis (the catalog they reconcile with once ready may still be empty; the model is
+        # registered below, and loaded at start). Each loads only what the scenario calls, minilm,
+        # one instance of it: tokenizer and ensemble, and a second copy, would only be more to load.
+        for name in ("triton-a", "triton-b"):
+            address = hosts[name].address
+            run_dir = args.workdir / name
+            run_dir.mkdir()
+            processes.start(
+                name, hosts[name], [PYTHON, "manage.py", "runtriton"],
+                {**env, "TRITON_SERVER_URL": f"{address}:{TRITON_PORT}", "EMBEDSITE_RUN_DIR": str(run_dir),
+                 "TRITON_MODEL_REPOSITORY": str(args.model_repository), "TRITON_STARTUP_MODELS": "minilm"},
+            )  # fmt: skip
+        processes.start(
+            "redis", hosts["db"],
+            ["redis-server", "--bind", db, "--port", str(REDIS_PORT), "--save", "", "--appendonly", "no",
+             "--protected-mode", "no"],
+            dict(os.environ),
+        )  # fmt: skip
+        postgres.start()
+        postgres.wait_until_ready()
+        postgres.create_database("embedsite")
+        os.environ.update(env)
         import django
 
         django.setup()
@@ -230,21 +245,22 @@ def main() -> None:
 
         wait_for("redis", lambda: redis.Redis(host=db, port=REDIS_PORT).ping(), 30, processes, "redis")
         clock.mark("postgres and redis")
-        manage(hosts["web-a"], env, "migrate", "--noinput")
+        command("migrate", "--noinput")
         clock.mark("migrate")
-
-        for name in ("triton-a", "triton-b"):
-            address = hosts[name].address
-            run_dir = args.workdir / name
-            run_dir.mkdir()
+        # The workers and beat need no Triton to start: they start while the Tritons load.
+        for name in ("worker-a", "worker-b"):
             processes.start(
-                name, hosts[name], [PYTHON, "manage.py", "runtriton"],
-                {**env, "TRITON_SERVER_URL": f"{address}:{TRITON_PORT}", "EMBEDSITE_RUN_DIR": str(run_dir)},
+                name, hosts[name],
+                [PYTHON, "-m", "celery", "-A", "embedsite", "worker", "--pool", "solo", "--without-gossip",
+                 "--without-mingle", "--loglevel", "INFO"],
+                {**env, "EMBEDSITE_RUN_DIR": str(args.workdir / name)},
             )  # fmt: skip
-        for name in ("triton-a", "triton-b"):
-            wait_for(name, lambda n=name: executions(hosts[n].address) is not None, 300, processes, name)
-        clock.mark("tritons")
-        manage(hosts["web-a"], env, "register_local_model")
+        (args.workdir / "beat").mkdir()
+        processes.start(
+            "beat", hosts["worker-b"],
+            [PYTHON, "-m", "celery", "-A", "embedsite", "beat", "--loglevel", "INFO"],
+            {**env, "EMBEDSITE_RUN_DIR": str(args.workdir / "beat")},
+        )  # fmt: skip
         keys = {}
         for slug, limits in (
             ("load", []),
@@ -252,9 +268,15 @@ def main() -> None:
             ("bulk", []),
             ("small", []),
         ):
-            manage(hosts["web-a"], env, "create_tenant", "--name", slug, "--slug", slug, *limits)
-            keys[slug] = manage(hosts["web-a"], env, "create_api_key", "--tenant", slug)
-        clock.mark("model, tenants and keys")
+            command("create_tenant", "--name", slug, "--slug", slug, *limits)
+            keys[slug] = command("create_api_key", "--tenant", slug)
+        clock.mark("workers and beat started, tenants and keys")
+
+        for name in ("triton-a", "triton-b"):
+            wait_for(name, lambda n=name: executions(hosts[n].address) is not None, 300, processes, name)
+        clock.mark("tritons")
+        command("register_local_model")
+        clock.mark("model registered")
 
         bases = {}
         for name in ("web-a", "web-b"):
@@ -278,23 +300,8 @@ def main() -> None:
             )
         ready = httpx2.get(f"{bases['web-a']}/ready", timeout=10).json()
         result["ready_replicas"] = ready.get("replicas")
-        clock.mark("web hosts")
-
-        for name in ("worker-a", "worker-b"):
-            processes.start(
-                name, hosts[name],
-                [PYTHON, "-m", "celery", "-A", "embedsite", "worker", "--pool", "solo", "--without-gossip",
-                 "--without-mingle", "--loglevel", "INFO"],
-                {**env, "EMBEDSITE_RUN_DIR": str(args.workdir / name)},
-            )  # fmt: skip
-        (args.workdir / "beat").mkdir()
-        processes.start(
-            "beat", hosts["worker-b"],
-            [PYTHON, "-m", "celery", "-A", "embedsite", "beat", "--loglevel", "INFO"],
-            {**env, "EMBEDSITE_RUN_DIR": str(args.workdir / "beat")},
-        )  # fmt: skip
         both = [bases["web-a"], bases["web-b"]]
-        clock.mark("workers and beat started")
+        clock.mark("web hosts")
 
         # 1. Quotas across the two web hosts.
         result["quota"] = {"statuses": asyncio.run(burst(both, keys["exact"], 120)), "burst": 40}
