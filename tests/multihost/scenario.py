@@ -123,19 +123,23 @@ async def send(http: httpx2.AsyncClient, base: str, key: str, text: str) -> tupl
     return started, time.monotonic(), base, status
 
 
-async def steady_load(bases: list[str], key: str, seconds: float, clients: int, events, start: float) -> list:
+async def steady_load(
+    bases: list[str], key: str, done, deadline_s: float, clients: int, events, start: float
+) -> list:
     """`clients` loops, each always with one request waiting, alternating over `bases`, from
-    `start` (time.monotonic()) for `seconds`; `events`: (at seconds, callable) run meanwhile on a
-    thread. Each answer as (sent, answered, base, status), times from `start`."""
+    `start` (time.monotonic()) until `done(answers)` holds, or for `deadline_s` at most (against
+    hanging: the test then finds what it waited for missing); `events`: (at seconds, callable) run
+    meanwhile on a thread. Each answer as (sent, answered, base, status), times from `start`."""
     answers: list = []
 
     async def loop(number: int) -> None:
         async with httpx2.AsyncClient(timeout=60) as http:
             sent = 0
-            while time.monotonic() - start < seconds:
-                answers.append(
-                    await send(http, bases[(number + sent) % len(bases)], key, f"load {number} {sent}")
+            while time.monotonic() - start < deadline_s and not done(answers):
+                sent_at, answered_at, base, status = await send(
+                    http, bases[(number + sent) % len(bases)], key, f"load {number} {sent}"
                 )
+                answers.append((sent_at - start, answered_at - start, base, status))
                 sent += 1
 
     async def timeline() -> None:
@@ -144,7 +148,7 @@ async def steady_load(bases: list[str], key: str, seconds: float, clients: int, 
             await asyncio.to_thread(action)
 
     await asyncio.gather(timeline(), *(loop(number) for number in range(clients)))
-    return [(s - start, e - start, base, status) for s, e, base, status in answers]
+    return answers
 
 
 async def burst(bases: list[str], key: str, count: int) -> list[int]:
@@ -307,22 +311,30 @@ def main() -> None:
         result["quota"] = {"statuses": asyncio.run(burst(both, keys["exact"], 120)), "burst": 40}
         clock.mark("1. quota")
 
-        # 2. A Triton replica's link drops every packet, then comes back.
+        # 2. A Triton replica's link drops every packet, then comes back. The load goes on until
+        # triton-b has taken calls again (test_scale_out's `rejoined`), and a while after.
         samples: list[tuple[float, int | None]] = []
         stop_sampling = threading.Event()
         clock_start = time.monotonic()
+        drop_at, restore_at, after_rejoin_s = 4.0, 16.0, 2.0
+        rejoined_at: list[float] = []
 
         def sample() -> None:
             while not stop_sampling.is_set():
-                samples.append((time.monotonic() - clock_start, executions(hosts["triton-b"].address)))
+                at, count = time.monotonic() - clock_start, executions(hosts["triton-b"].address)
+                samples.append((at, count))
+                after = [count for at, count in samples if at > restore_at and count is not None]
+                if not rejoined_at and after and after[-1] >= after[0] + 3:
+                    rejoined_at.append(at)
                 stop_sampling.wait(0.5)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        drop_at, restore_at, seconds = 4.0, 16.0, 30.0
         answers = asyncio.run(
             steady_load(
-                both, keys["load"], seconds, 6,
+                both, keys["load"],
+                lambda answers: bool(rejoined_at) and answers[-1][0] > rejoined_at[0] + after_rejoin_s,
+                restore_at + 60, 6,
                 [(drop_at, lambda: network.drop("triton-b")),
                  (restore_at, lambda: network.restore("triton-b"))],
                 clock_start,
@@ -344,13 +356,21 @@ def main() -> None:
         result["worker"] = kill_a_worker_mid_job(processes, bases["web-b"], keys["load"])
         clock.mark("3. worker killed")
 
-        # 4. A web host killed under load.
-        killed_at = 3.0
+        # 4. A web host killed under load, until the other has answered well over the test's 10
+        # requests sent after the kill, and the killed one refused a few.
+        killed_at = 1.0
+
+        def enough(answers: list) -> bool:
+            survivor = [a for a in answers if a[2] == bases["web-b"] and a[0] > killed_at]
+            victim = [a for a in answers if a[2] == bases["web-a"] and a[0] > killed_at + 0.5]
+            return len(survivor) >= 30 and len(victim) >= 5
+
         answers = asyncio.run(
             steady_load(
-                both, keys["load"], 10.0, 4, [(killed_at, lambda: processes.kill("web-a"))], time.monotonic()
+                both, keys["load"], enough, 10.0, 4, [(killed_at, lambda: processes.kill("web-a"))],
+                time.monotonic(),
             )
-        )
+        )  # fmt: skip
         result["web"] = {"killed_at": killed_at, "answers": answers, "bases": bases}
         clock.mark("4. web host killed")
     finally:
