@@ -435,7 +435,8 @@ def kill_a_worker_mid_job(processes: Processes, base: str, key: str) -> dict:
     from embeddings.services.job_store import JobStore
     from tests.worker_stack import job_usage
 
-    texts = [f"document {i} " + "about the replicas of a model server " * 20 for i in range(160)]
+    # Eight chunks: one for worker-a to be killed holding, the rest for worker-b meanwhile.
+    texts = [f"document {i} " + "about the replicas of a model server " * 20 for i in range(64)]
     headers = {"Authorization": f"Bearer {key}"}
     job = httpx2.post(
         f"{base}/v1/jobs", json={"model": MODEL, "input": texts}, headers=headers, timeout=60
