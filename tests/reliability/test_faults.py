@@ -18,8 +18,8 @@ from django.conf import settings
 
 from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.client import channel_options
-from embeddings.triton.server import free_port
-from tests.conftest import start_triton
+from embeddings.triton.server import TritonServer, free_port
+from tests.conftest import serving_model_folder
 from tests.database_backend import database_rows
 from tests.processes import manage
 from tests.reliability.live import Answer, LiveApi, Load, site_prepared
@@ -32,6 +32,19 @@ def own_redis(tmp_path) -> Iterator[RedisServer]:
         port=free_port(), data_dir=tmp_path / "redis", persistent=False, log_path=tmp_path / "redis.log"
     ) as server:
         yield server
+
+
+def own_triton(run_dir: Path) -> TritonServer:
+    """A Triton of this test's own, which it may kill, started (not yet ready): the exported minilm
+    alone, one instance, which is all the test calls; less to load at each start."""
+    repository = run_dir / "models"
+    serving_model_folder(repository, "minilm")
+    server = TritonServer(
+        model_repositories=[repository], run_dir=run_dir, log_path=run_dir / "faults-triton.log",
+        grpc_port=free_port(), http_port=free_port(), metrics_port=free_port(),
+    )  # fmt: skip
+    server.start()
+    return server
 
 
 def _figures(answers: list[Answer]) -> str:
@@ -55,10 +68,11 @@ def test_triton_killed_under_load(tmp_path, own_redis):
     """SIGKILL a Triton of this test's own while four clients embed through uvicorn: 503
     model_unavailable within TRITON_TIMEOUT_S (retries included) of each request's own overhead,
     never a hang; Triton started again on the same ports serves them again."""
-    triton = start_triton(tmp_path, [Path(settings.TRITON_MODEL_REPOSITORY)], name="faults-triton")
+    triton = own_triton(tmp_path)
     api = None
     try:
         triton_timeout_s = 2.0
+        # The site is prepared while Triton loads.
         env, key = site_prepared(
             tmp_path,
             TRITON_SERVER_URL=triton.grpc_target,
@@ -66,6 +80,7 @@ def test_triton_killed_under_load(tmp_path, own_redis):
             TRITON_RETRIES="1",
             REDIS_URL=own_redis.url,
         )
+        triton.wait_until_ready(settings.TRITON_STARTUP_TIMEOUT_S)
         api = LiveApi(env, key, tmp_path / "uvicorn.log")
         api.start()
         with Load(api) as load:
