@@ -90,7 +90,13 @@ def test_triton_killed_under_load(tmp_path, own_redis):
             killed_at = time.monotonic()
             triton.kill()
             healthy = [answer for answer in load.between(started, killed_at) if answer.ended < killed_at]
-            time.sleep(2 * triton_timeout_s + 1)
+            # A refused request spends at most the Triton deadline (retries included) in the call,
+            # plus what the service does around it, bounded by a whole healthy request's time.
+            healthy_max_s = max(answer.elapsed_s for answer in healthy)
+            bound_s = triton_timeout_s + 2 * healthy_max_s
+            # Down until a request sent once that bound had passed was refused (what _check_outage
+            # checks the outage by).
+            load.wait_for(lambda answer: answer.status == 503, after=killed_at + bound_s)
             restarting_at = time.monotonic()
             triton.start()
             triton.wait_until_ready(settings.TRITON_STARTUP_TIMEOUT_S)
@@ -103,10 +109,6 @@ def test_triton_killed_under_load(tmp_path, own_redis):
             back = load.wait_for(lambda answer: answer.status == 200, after=restarting_at)
             time.sleep(max(0.0, ready_at + reconnect_cap_s + 2 - time.monotonic()))
         assert {answer.status for answer in healthy} == {200}
-        # A refused request spends at most the Triton deadline (retries included) in the call, plus
-        # what the service does around it, bounded by a whole healthy request's time.
-        healthy_max_s = max(answer.elapsed_s for answer in healthy)
-        bound_s = triton_timeout_s + 2 * healthy_max_s
         _check_outage(
             load, killed_at=killed_at, restarting_at=restarting_at, code="model_unavailable", bound_s=bound_s
         )
@@ -157,11 +159,16 @@ def test_redis_killed_under_load(tmp_path, own_redis, triton_server):
             killed_at = time.monotonic()
             own_redis.kill()
             healthy = [answer for answer in load.between(started, killed_at) if answer.ended < killed_at]
+            # A request makes at most two Redis calls (reserve, settle), each under REDIS_TIMEOUT_S.
+            healthy_max_s = max(answer.elapsed_s for answer in healthy)
+            bound_s = 2 * redis_timeout_s + 2 * healthy_max_s
             load.wait_for(lambda answer: answer.status == 503, after=killed_at)
             ready_started = time.monotonic()
             ready = httpx2.get(f"{api.base_url}/ready", timeout=30)
             ready_s = time.monotonic() - ready_started
-            time.sleep(2 * redis_timeout_s + 1)
+            # Down until a request sent once that bound had passed was refused (what _check_outage
+            # checks the outage by).
+            load.wait_for(lambda answer: answer.status == 503, after=killed_at + bound_s)
             restarting_at = time.monotonic()
             own_redis.start()
             own_redis.wait_until_ready()
@@ -169,12 +176,9 @@ def test_redis_killed_under_load(tmp_path, own_redis, triton_server):
             back = load.wait_for(lambda answer: answer.status == 200, after=restarting_at)
             time.sleep(1.0)
         assert {answer.status for answer in healthy} == {200}
-        healthy_max_s = max(answer.elapsed_s for answer in healthy)
         # One server holds both roles here (JOB_STORE_URL unset), so both checks name it.
         assert ready.status_code == 503 and ready.json()["failed"] == ["redis", "job_store"], ready.text
         assert ready_s <= ready_check_timeout_s + healthy_max_s
-        # A request makes at most two Redis calls (reserve, settle), each under REDIS_TIMEOUT_S.
-        bound_s = 2 * redis_timeout_s + 2 * healthy_max_s
         _check_outage(
             load, killed_at=killed_at, restarting_at=restarting_at, code="quota_unavailable", bound_s=bound_s
         )
