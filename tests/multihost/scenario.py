@@ -187,7 +187,6 @@ def main() -> None:
     parser.add_argument("--network", type=Path, required=True)
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--model-repository", type=Path, required=True)
     args = parser.parse_args()
     network = Network.described(args.network)
     hosts = network.hosts
@@ -221,16 +220,14 @@ def main() -> None:
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         # The Tritons first: loading the model is the longest step, and needs neither the database
         # nor Redis (the catalog they reconcile with once ready may still be empty; the model is
-        # registered below, and loaded at start). Each loads only what the scenario calls, minilm,
-        # one instance of it: tokenizer and ensemble, and a second copy, would only be more to load.
+        # registered below, and loaded at start). They serve model_repository/ as shipped.
         for name in ("triton-a", "triton-b"):
             address = hosts[name].address
             run_dir = args.workdir / name
             run_dir.mkdir()
             processes.start(
                 name, hosts[name], [PYTHON, "manage.py", "runtriton"],
-                {**env, "TRITON_SERVER_URL": f"{address}:{TRITON_PORT}", "EMBEDSITE_RUN_DIR": str(run_dir),
-                 "TRITON_MODEL_REPOSITORY": str(args.model_repository), "TRITON_STARTUP_MODELS": "minilm"},
+                {**env, "TRITON_SERVER_URL": f"{address}:{TRITON_PORT}", "EMBEDSITE_RUN_DIR": str(run_dir)},
             )  # fmt: skip
         processes.start(
             "redis", hosts["db"],

@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from tests.conftest import serving_model_folder
 from tests.netns import Network
 from tests.processes import REPO_ROOT
 
@@ -34,14 +33,11 @@ def scenario(tmp_path_factory) -> dict:
             network.add(name, number)
         network.describe(workdir / "network.json")
         env = {name: value for name, value in os.environ.items() if name != "PROMETHEUS_MULTIPROC_DIR"}
-        # What the Tritons serve: the exported minilm, one instance (the scenario calls nothing else).
-        serving_model_folder(workdir / "models", "minilm")
         made = time.monotonic()
         done = subprocess.run(
             network.hosts["client"].command(
                 sys.executable, "tests/multihost/scenario.py", "--network", str(workdir / "network.json"),
                 "--workdir", str(workdir), "--out", str(workdir / "result.json"),
-                "--model-repository", str(workdir / "models"),
             ),
             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1200,
         )  # fmt: skip
