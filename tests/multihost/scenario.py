@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import signal
@@ -82,16 +83,6 @@ class Processes:
                 process.wait(timeout=10)
 
 
-def manage(host: Host, env: dict[str, str], *arguments: str) -> str:
-    done = subprocess.run(
-        host.command(PYTHON, "manage.py", *arguments), cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"manage.py {' '.join(arguments)} failed:\n{done.stdout}\n{done.stderr}")
-    return done.stdout.strip()
-
-
 def wait_for(what: str, check, timeout_s: float, processes: Processes, name: str = "") -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -132,19 +123,23 @@ async def send(http: httpx2.AsyncClient, base: str, key: str, text: str) -> tupl
     return started, time.monotonic(), base, status
 
 
-async def steady_load(bases: list[str], key: str, seconds: float, clients: int, events, start: float) -> list:
+async def steady_load(
+    bases: list[str], key: str, done, deadline_s: float, clients: int, events, start: float
+) -> list:
     """`clients` loops, each always with one request waiting, alternating over `bases`, from
-    `start` (time.monotonic()) for `seconds`; `events`: (at seconds, callable) run meanwhile on a
-    thread. Each answer as (sent, answered, base, status), times from `start`."""
+    `start` (time.monotonic()) until `done(answers)` holds, or for `deadline_s` at most (against
+    hanging: the test then finds what it waited for missing); `events`: (at seconds, callable) run
+    meanwhile on a thread. Each answer as (sent, answered, base, status), times from `start`."""
     answers: list = []
 
     async def loop(number: int) -> None:
         async with httpx2.AsyncClient(timeout=60) as http:
             sent = 0
-            while time.monotonic() - start < seconds:
-                answers.append(
-                    await send(http, bases[(number + sent) % len(bases)], key, f"load {number} {sent}")
+            while time.monotonic() - start < deadline_s and not done(answers):
+                sent_at, answered_at, base, status = await send(
+                    http, bases[(number + sent) % len(bases)], key, f"load {number} {sent}"
                 )
+                answers.append((sent_at - start, answered_at - start, base, status))
                 sent += 1
 
     async def timeline() -> None:
@@ -153,7 +148,7 @@ async def steady_load(bases: list[str], key: str, seconds: float, clients: int, 
             await asyncio.to_thread(action)
 
     await asyncio.gather(timeline(), *(loop(number) for number in range(clients)))
-    return [(s - start, e - start, base, status) for s, e, base, status in answers]
+    return answers
 
 
 async def burst(bases: list[str], key: str, count: int) -> list[int]:
@@ -162,6 +157,29 @@ async def burst(bases: list[str], key: str, count: int) -> list[int]:
             *(send(http, bases[i % len(bases)], key, "burst") for i in range(count))
         )
     return [status for *_, status in answers]
+
+
+class Clock:
+    """Seconds each step of the scenario took, in order: where its time goes."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.monotonic()
+        self.steps: list[tuple[str, float]] = []
+
+    def mark(self, step: str) -> None:
+        now = time.monotonic()
+        self.steps.append((step, round(now - self.last, 2)))
+        self.last = now
+
+
+def command(*arguments: str) -> str:
+    """`manage.py ARGUMENTS` run here, in this process (Django is set up once, not once a command);
+    its stdout, stripped."""
+    from django.core.management import call_command
+
+    out = io.StringIO()
+    call_command(*arguments, stdout=out, stderr=io.StringIO())
+    return out.getvalue().strip()
 
 
 def main() -> None:
@@ -176,19 +194,13 @@ def main() -> None:
     db = hosts["db"].address
     postgres = PostgresServer(port=POSTGRES_PORT, host=db, netns=hosts["db"].netns, clients="192.0.2.0/24")
     result: dict = {}
+    clock = Clock()
+    result["steps"] = clock.steps
     try:
-        processes.start(
-            "redis", hosts["db"],
-            ["redis-server", "--bind", db, "--port", str(REDIS_PORT), "--save", "", "--appendonly", "no",
-             "--protected-mode", "no"],
-            dict(os.environ),
-        )  # fmt: skip
-        postgres.start()
-        postgres.wait_until_ready()
         env = {
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-            "DATABASE_URL": postgres.create_database("embedsite"),
+            "DATABASE_URL": postgres.url("embedsite"),  # created below
             "REDIS_URL": f"redis://{db}:{REDIS_PORT}/0",
             "JOB_STORE_URL": f"redis://{db}:{REDIS_PORT}/1",
             "TRITON_SERVER_URL": ",".join(
@@ -201,18 +213,14 @@ def main() -> None:
             "JOB_STALL_S": "600",
             "JOB_CHUNK_SIZE": "8",
             "READY_CHECK_TIMEOUT_S": "3",
+            # The jobs' usage stays in Redis, to be counted there: beat folds none of it away
+            # while a phase runs (after a minute, the default, on a busy machine it did).
+            "USAGE_FOLD_INTERVAL_S": "3600",
         }
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        os.environ.update({name: env[name] for name in ("DATABASE_URL", "REDIS_URL", "JOB_STORE_URL")})
-        os.environ["DJANGO_SETTINGS_MODULE"] = "embedsite.settings"
-        import django
-
-        django.setup()
-        import redis
-
-        wait_for("redis", lambda: redis.Redis(host=db, port=REDIS_PORT).ping(), 30, processes, "redis")
-        manage(hosts["web-a"], env, "migrate", "--noinput")
-
+        # The Tritons first: loading the model is the longest step, and needs neither the database
+        # nor Redis (the catalog they reconcile with once ready may still be empty; the model is
+        # registered below, and loaded at start). They serve model_repository/ as shipped.
         for name in ("triton-a", "triton-b"):
             address = hosts[name].address
             run_dir = args.workdir / name
@@ -221,9 +229,39 @@ def main() -> None:
                 name, hosts[name], [PYTHON, "manage.py", "runtriton"],
                 {**env, "TRITON_SERVER_URL": f"{address}:{TRITON_PORT}", "EMBEDSITE_RUN_DIR": str(run_dir)},
             )  # fmt: skip
-        for name in ("triton-a", "triton-b"):
-            wait_for(name, lambda n=name: executions(hosts[n].address) is not None, 300, processes, name)
-        manage(hosts["web-a"], env, "register_local_model")
+        processes.start(
+            "redis", hosts["db"],
+            ["redis-server", "--bind", db, "--port", str(REDIS_PORT), "--save", "", "--appendonly", "no",
+             "--protected-mode", "no"],
+            dict(os.environ),
+        )  # fmt: skip
+        postgres.start()
+        postgres.wait_until_ready()
+        postgres.create_database("embedsite")
+        os.environ.update(env)
+        import django
+
+        django.setup()
+        import redis
+
+        wait_for("redis", lambda: redis.Redis(host=db, port=REDIS_PORT).ping(), 30, processes, "redis")
+        clock.mark("postgres and redis")
+        command("migrate", "--noinput")
+        clock.mark("migrate")
+        # The workers and beat need no Triton to start: they start while the Tritons load.
+        for name in ("worker-a", "worker-b"):
+            processes.start(
+                name, hosts[name],
+                [PYTHON, "-m", "celery", "-A", "embedsite", "worker", "--pool", "solo", "--without-gossip",
+                 "--without-mingle", "--loglevel", "INFO"],
+                {**env, "EMBEDSITE_RUN_DIR": str(args.workdir / name)},
+            )  # fmt: skip
+        (args.workdir / "beat").mkdir()
+        processes.start(
+            "beat", hosts["worker-b"],
+            [PYTHON, "-m", "celery", "-A", "embedsite", "beat", "--loglevel", "INFO"],
+            {**env, "EMBEDSITE_RUN_DIR": str(args.workdir / "beat")},
+        )  # fmt: skip
         keys = {}
         for slug, limits in (
             ("load", []),
@@ -231,8 +269,15 @@ def main() -> None:
             ("bulk", []),
             ("small", []),
         ):
-            manage(hosts["web-a"], env, "create_tenant", "--name", slug, "--slug", slug, *limits)
-            keys[slug] = manage(hosts["web-a"], env, "create_api_key", "--tenant", slug)
+            command("create_tenant", "--name", slug, "--slug", slug, *limits)
+            keys[slug] = command("create_api_key", "--tenant", slug)
+        clock.mark("workers and beat started, tenants and keys")
+
+        for name in ("triton-a", "triton-b"):
+            wait_for(name, lambda n=name: executions(hosts[n].address) is not None, 300, processes, name)
+        clock.mark("tritons")
+        command("register_local_model")
+        clock.mark("model registered")
 
         bases = {}
         for name in ("web-a", "web-b"):
@@ -256,41 +301,37 @@ def main() -> None:
             )
         ready = httpx2.get(f"{bases['web-a']}/ready", timeout=10).json()
         result["ready_replicas"] = ready.get("replicas")
-
-        for name in ("worker-a", "worker-b"):
-            processes.start(
-                name, hosts[name],
-                [PYTHON, "-m", "celery", "-A", "embedsite", "worker", "--pool", "solo", "--without-gossip",
-                 "--without-mingle", "--loglevel", "INFO"],
-                {**env, "EMBEDSITE_RUN_DIR": str(args.workdir / name)},
-            )  # fmt: skip
-        (args.workdir / "beat").mkdir()
-        processes.start(
-            "beat", hosts["worker-b"],
-            [PYTHON, "-m", "celery", "-A", "embedsite", "beat", "--loglevel", "INFO"],
-            {**env, "EMBEDSITE_RUN_DIR": str(args.workdir / "beat")},
-        )  # fmt: skip
         both = [bases["web-a"], bases["web-b"]]
+        clock.mark("web hosts")
 
         # 1. Quotas across the two web hosts.
         result["quota"] = {"statuses": asyncio.run(burst(both, keys["exact"], 120)), "burst": 40}
+        clock.mark("1. quota")
 
-        # 2. A Triton replica's link drops every packet, then comes back.
+        # 2. A Triton replica's link drops every packet, then comes back. The load goes on until
+        # triton-b has taken calls again (test_scale_out's `rejoined`), and a while after.
         samples: list[tuple[float, int | None]] = []
         stop_sampling = threading.Event()
         clock_start = time.monotonic()
+        drop_at, restore_at, after_rejoin_s = 4.0, 16.0, 2.0
+        rejoined_at: list[float] = []
 
         def sample() -> None:
             while not stop_sampling.is_set():
-                samples.append((time.monotonic() - clock_start, executions(hosts["triton-b"].address)))
+                at, count = time.monotonic() - clock_start, executions(hosts["triton-b"].address)
+                samples.append((at, count))
+                after = [count for at, count in samples if at > restore_at and count is not None]
+                if not rejoined_at and after and after[-1] >= after[0] + 3:
+                    rejoined_at.append(at)
                 stop_sampling.wait(0.5)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        drop_at, restore_at, seconds = 4.0, 16.0, 30.0
         answers = asyncio.run(
             steady_load(
-                both, keys["load"], seconds, 6,
+                both, keys["load"],
+                lambda answers: bool(rejoined_at) and answers[-1][0] > rejoined_at[0] + after_rejoin_s,
+                restore_at + 60, 6,
                 [(drop_at, lambda: network.drop("triton-b")),
                  (restore_at, lambda: network.restore("triton-b"))],
                 clock_start,
@@ -304,23 +345,38 @@ def main() -> None:
             "answers": answers,
             "samples": samples,
         }
+        clock.mark("2. failover")
 
         # 3. Jobs on workers of two hosts: fair share, then a worker SIGKILLed holding a chunk's lease.
         result["fair_share"] = fair_share(bases["web-a"], keys["bulk"], keys["small"], processes)
+        clock.mark("3. fair share")
         result["worker"] = kill_a_worker_mid_job(processes, bases["web-b"], keys["load"])
+        clock.mark("3. worker killed")
 
-        # 4. A web host killed under load.
-        killed_at = 3.0
+        # 4. A web host killed under load, until the other has answered well over the test's 10
+        # requests sent after the kill, and the killed one refused a few.
+        killed_at = 1.0
+
+        def enough(answers: list) -> bool:
+            survivor = [a for a in answers if a[2] == bases["web-b"] and a[0] > killed_at]
+            victim = [a for a in answers if a[2] == bases["web-a"] and a[0] > killed_at + 0.5]
+            return len(survivor) >= 30 and len(victim) >= 5
+
         answers = asyncio.run(
             steady_load(
-                both, keys["load"], 10.0, 4, [(killed_at, lambda: processes.kill("web-a"))], time.monotonic()
+                both, keys["load"], enough, 10.0, 4, [(killed_at, lambda: processes.kill("web-a"))],
+                time.monotonic(),
             )
-        )
+        )  # fmt: skip
         result["web"] = {"killed_at": killed_at, "answers": answers, "bases": bases}
+        clock.mark("4. web host killed")
     finally:
-        args.out.write_text(json.dumps(result))
-        processes.stop_all()
-        postgres.stop()
+        try:
+            processes.stop_all()
+            postgres.stop()
+            clock.mark("stopped")
+        finally:
+            args.out.write_text(json.dumps(result))
 
 
 def fair_share(base: str, bulk_key: str, small_key: str, processes: Processes) -> dict:
@@ -376,7 +432,8 @@ def kill_a_worker_mid_job(processes: Processes, base: str, key: str) -> dict:
     from embeddings.services.job_store import JobStore
     from tests.worker_stack import job_usage
 
-    texts = [f"document {i} " + "about the replicas of a model server " * 20 for i in range(160)]
+    # Eight chunks: one for worker-a to be killed holding, the rest for worker-b meanwhile.
+    texts = [f"document {i} " + "about the replicas of a model server " * 20 for i in range(64)]
     headers = {"Authorization": f"Bearer {key}"}
     job = httpx2.post(
         f"{base}/v1/jobs", json={"model": MODEL, "input": texts}, headers=headers, timeout=60

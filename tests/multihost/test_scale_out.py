@@ -27,12 +27,13 @@ def scenario(tmp_path_factory) -> dict:
     if os.geteuid() != 0:
         pytest.fail("the multi-host test makes network namespaces: it needs root (CI runs as root)")
     workdir = tmp_path_factory.mktemp("multihost")
+    started = time.monotonic()
     with Network(f"es{os.getpid() % 100000}") as network:
         for name, number in HOSTS.items():
             network.add(name, number)
         network.describe(workdir / "network.json")
         env = {name: value for name, value in os.environ.items() if name != "PROMETHEUS_MULTIPROC_DIR"}
-        started = time.monotonic()
+        made = time.monotonic()
         done = subprocess.run(
             network.hosts["client"].command(
                 sys.executable, "tests/multihost/scenario.py", "--network", str(workdir / "network.json"),
@@ -40,7 +41,7 @@ def scenario(tmp_path_factory) -> dict:
             ),
             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1200,
         )  # fmt: skip
-        print(f"\nmulti-host scenario ran {time.monotonic() - started:.0f} s")
+        ran = time.monotonic()
     if done.returncode != 0:
         logs = "\n".join(
             f"--- {path.name}\n{path.read_text(errors='replace')[-2500:]}"
@@ -49,7 +50,13 @@ def scenario(tmp_path_factory) -> dict:
         pytest.fail(
             f"the scenario failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}\n{logs}"
         )
-    return json.loads((workdir / "result.json").read_text())
+    result = json.loads((workdir / "result.json").read_text())
+    steps = ", ".join(f"{step} {seconds:g}" for step, seconds in result["steps"])
+    print(
+        f"\nmulti-host scenario: hosts made in {made - started:.1f} s, ran {ran - made:.0f} s ({steps}), "
+        f"hosts removed in {time.monotonic() - ran:.1f} s"
+    )
+    return result
 
 
 def test_quotas_are_exact_across_two_web_hosts(scenario):

@@ -18,8 +18,8 @@ from django.conf import settings
 
 from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.client import channel_options
-from embeddings.triton.server import free_port
-from tests.conftest import start_triton
+from embeddings.triton.server import TritonServer, free_port
+from tests.conftest import serving_model_folder
 from tests.database_backend import database_rows
 from tests.processes import manage
 from tests.reliability.live import Answer, LiveApi, Load, site_prepared
@@ -32,6 +32,19 @@ def own_redis(tmp_path) -> Iterator[RedisServer]:
         port=free_port(), data_dir=tmp_path / "redis", persistent=False, log_path=tmp_path / "redis.log"
     ) as server:
         yield server
+
+
+def own_triton(run_dir: Path) -> TritonServer:
+    """A Triton of this test's own, which it may kill, started (not yet ready): the exported minilm
+    alone, one instance, which is all the test calls; less to load at each start."""
+    repository = run_dir / "models"
+    serving_model_folder(repository, "minilm")
+    server = TritonServer(
+        model_repositories=[repository], run_dir=run_dir, log_path=run_dir / "faults-triton.log",
+        grpc_port=free_port(), http_port=free_port(), metrics_port=free_port(),
+    )  # fmt: skip
+    server.start()
+    return server
 
 
 def _figures(answers: list[Answer]) -> str:
@@ -55,10 +68,11 @@ def test_triton_killed_under_load(tmp_path, own_redis):
     """SIGKILL a Triton of this test's own while four clients embed through uvicorn: 503
     model_unavailable within TRITON_TIMEOUT_S (retries included) of each request's own overhead,
     never a hang; Triton started again on the same ports serves them again."""
-    triton = start_triton(tmp_path, [Path(settings.TRITON_MODEL_REPOSITORY)], name="faults-triton")
+    triton = own_triton(tmp_path)
     api = None
     try:
         triton_timeout_s = 2.0
+        # The site is prepared while Triton loads.
         env, key = site_prepared(
             tmp_path,
             TRITON_SERVER_URL=triton.grpc_target,
@@ -66,6 +80,7 @@ def test_triton_killed_under_load(tmp_path, own_redis):
             TRITON_RETRIES="1",
             REDIS_URL=own_redis.url,
         )
+        triton.wait_until_ready(settings.TRITON_STARTUP_TIMEOUT_S)
         api = LiveApi(env, key, tmp_path / "uvicorn.log")
         api.start()
         with Load(api) as load:
@@ -75,7 +90,13 @@ def test_triton_killed_under_load(tmp_path, own_redis):
             killed_at = time.monotonic()
             triton.kill()
             healthy = [answer for answer in load.between(started, killed_at) if answer.ended < killed_at]
-            time.sleep(2 * triton_timeout_s + 1)
+            # A refused request spends at most the Triton deadline (retries included) in the call,
+            # plus what the service does around it, bounded by a whole healthy request's time.
+            healthy_max_s = max(answer.elapsed_s for answer in healthy)
+            bound_s = triton_timeout_s + 2 * healthy_max_s
+            # Down until a request sent once that bound had passed was refused (what _check_outage
+            # checks the outage by).
+            load.wait_for(lambda answer: answer.status == 503, after=killed_at + bound_s)
             restarting_at = time.monotonic()
             triton.start()
             triton.wait_until_ready(settings.TRITON_STARTUP_TIMEOUT_S)
@@ -88,10 +109,6 @@ def test_triton_killed_under_load(tmp_path, own_redis):
             back = load.wait_for(lambda answer: answer.status == 200, after=restarting_at)
             time.sleep(max(0.0, ready_at + reconnect_cap_s + 2 - time.monotonic()))
         assert {answer.status for answer in healthy} == {200}
-        # A refused request spends at most the Triton deadline (retries included) in the call, plus
-        # what the service does around it, bounded by a whole healthy request's time.
-        healthy_max_s = max(answer.elapsed_s for answer in healthy)
-        bound_s = triton_timeout_s + 2 * healthy_max_s
         _check_outage(
             load, killed_at=killed_at, restarting_at=restarting_at, code="model_unavailable", bound_s=bound_s
         )
@@ -142,11 +159,16 @@ def test_redis_killed_under_load(tmp_path, own_redis, triton_server):
             killed_at = time.monotonic()
             own_redis.kill()
             healthy = [answer for answer in load.between(started, killed_at) if answer.ended < killed_at]
+            # A request makes at most two Redis calls (reserve, settle), each under REDIS_TIMEOUT_S.
+            healthy_max_s = max(answer.elapsed_s for answer in healthy)
+            bound_s = 2 * redis_timeout_s + 2 * healthy_max_s
             load.wait_for(lambda answer: answer.status == 503, after=killed_at)
             ready_started = time.monotonic()
             ready = httpx2.get(f"{api.base_url}/ready", timeout=30)
             ready_s = time.monotonic() - ready_started
-            time.sleep(2 * redis_timeout_s + 1)
+            # Down until a request sent once that bound had passed was refused (what _check_outage
+            # checks the outage by).
+            load.wait_for(lambda answer: answer.status == 503, after=killed_at + bound_s)
             restarting_at = time.monotonic()
             own_redis.start()
             own_redis.wait_until_ready()
@@ -154,12 +176,9 @@ def test_redis_killed_under_load(tmp_path, own_redis, triton_server):
             back = load.wait_for(lambda answer: answer.status == 200, after=restarting_at)
             time.sleep(1.0)
         assert {answer.status for answer in healthy} == {200}
-        healthy_max_s = max(answer.elapsed_s for answer in healthy)
         # One server holds both roles here (JOB_STORE_URL unset), so both checks name it.
         assert ready.status_code == 503 and ready.json()["failed"] == ["redis", "job_store"], ready.text
         assert ready_s <= ready_check_timeout_s + healthy_max_s
-        # A request makes at most two Redis calls (reserve, settle), each under REDIS_TIMEOUT_S.
-        bound_s = 2 * redis_timeout_s + 2 * healthy_max_s
         _check_outage(
             load, killed_at=killed_at, restarting_at=restarting_at, code="quota_unavailable", bound_s=bound_s
         )

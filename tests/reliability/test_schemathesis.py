@@ -34,6 +34,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,12 +88,27 @@ def fuzz_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer
 class FuzzServer(LiveServer):
     # A key of another tenant: object_level_authorization's second peer.
     other_api_key: str = ""
+    # A third tenant's key, for the run on a finished job of its own that the full run cannot see.
+    results_api_key: str = ""
+
+
+SETUP = """
+import io, json, socket
+from django.core.management import call_command
+keys = {}
+for slug in ("other", "results"):
+    call_command("create_tenant", "--name", slug.title(), "--slug", slug, stdout=io.StringIO())
+    key = io.StringIO()
+    call_command("create_api_key", "--tenant", slug, stdout=key, stderr=io.StringIO())
+    keys[slug] = key.getvalue().strip()
+print(json.dumps({"guard": socket.getaddrinfo.__module__, "keys": keys}))
+"""
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(triton_server, fuzz_redis, tmp_path_factory) -> Iterator[FuzzServer]:
     """One uvicorn worker on fuzz_redis, its Python code held to loopback (LOOPBACK_GUARD), with a
-    second tenant and its key."""
+    second and a third tenant and their keys."""
     with live_uvicorn(
         workdir=tmp_path_factory.mktemp("fuzz_server"),
         triton_target=triton_server.grpc_target,
@@ -103,20 +119,21 @@ def fuzz_server(triton_server, fuzz_redis, tmp_path_factory) -> Iterator[FuzzSer
             "PYTHONPATH": os.pathsep.join(filter(None, [str(LOOPBACK_GUARD), os.environ.get("PYTHONPATH")])),
         },
     ) as server:
-        guard = manage(server.env, "shell", "-c", "import socket; print(socket.getaddrinfo.__module__)")
-        assert guard.splitlines()[-1] == "sitecustomize", guard
-        manage(server.env, "create_tenant", "--name", "Other", "--slug", "other")
-        other_key = manage(server.env, "create_api_key", "--tenant", "other")
-        yield FuzzServer(**vars(server), other_api_key=other_key)
+        # One `manage.py shell` as the server's Python: the guard loaded, the tenants made.
+        setup = json.loads(manage(server.env, "shell", "-c", SETUP).splitlines()[-1])
+        assert setup["guard"] == "sitecustomize", setup
+        keys = setup["keys"]
+        yield FuzzServer(**vars(server), other_api_key=keys["other"], results_api_key=keys["results"])
 
 
-def finished_job(server: LiveServer) -> str:
-    """A completed job whose results the fuzzer downloads in every format: submitted over HTTP, its
-    chunks run by the job engine in a one-off `manage.py shell` (no worker, no callback)."""
+def finished_job(server: LiveServer, api_key: str) -> str:
+    """A completed job of `api_key`'s tenant whose results the fuzzer downloads in every format:
+    submitted over HTTP, its chunks run by the job engine in a one-off `manage.py shell` (no worker,
+    no callback)."""
     response = httpx2.post(
         f"{server.base_url}/v1/jobs",
         json={"model": "all-MiniLM-L6-v2", "input": ["first text", "second text", "third text"]},
-        headers=server.headers,
+        headers={"Authorization": f"Bearer {api_key}"},
         timeout=30,
     )
     assert response.status_code == 202, response.text
@@ -192,9 +209,9 @@ class FuzzRun:
         )
 
 
-def auth_document(server: FuzzServer) -> str:
-    """The two tenants' keys as a Web Fuzzing Commons auth document (what [auth.wfc] reads)."""
-    users = {"live": server.api_key, "other": server.other_api_key}
+def auth_document(live_key: str, other_key: str) -> str:
+    """Two tenants' keys as a Web Fuzzing Commons auth document (what [auth.wfc] reads)."""
+    users = {"live": live_key, "other": other_key}
     return json.dumps(
         {
             "auth": [
@@ -205,11 +222,14 @@ def auth_document(server: FuzzServer) -> str:
     )
 
 
-def schemathesis_run(server: FuzzServer, workdir: Path, *, config: str, options: list[str]) -> FuzzRun:
-    """`schemathesis run` (the CLI, as a developer would run it) against the server's /api/schema/."""
+def schemathesis_run(
+    server: FuzzServer, workdir: Path, *, config: str, options: list[str], live_key: str
+) -> FuzzRun:
+    """`schemathesis run` (the CLI, as a developer would run it) against the server's /api/schema/,
+    as `live_key`'s tenant with the other tenant as its peer."""
     workdir.mkdir()
     (workdir / "schemathesis.toml").write_text(config)
-    (workdir / "auth.json").write_text(auth_document(server))
+    (workdir / "auth.json").write_text(auth_document(live_key, server.other_api_key))
     dropped_log = workdir / "dropped.jsonl"
     reports = workdir / "reports"
     started = time.monotonic()
@@ -217,7 +237,7 @@ def schemathesis_run(server: FuzzServer, workdir: Path, *, config: str, options:
         [
             sys.executable, "-m", "schemathesis.cli", "--config-file", str(workdir / "schemathesis.toml"),
             "run", f"{server.base_url}/api/schema/",
-            # One worker: the 2 cores are shared with the server and Triton.
+            # One worker: the 2 cores are shared with the server, Triton and the other run.
             "--workers", "1", "--no-color", "--report", "json,ndjson,junit", "--report-dir", str(reports),
             *options,
         ],
@@ -268,22 +288,39 @@ def schemathesis_run(server: FuzzServer, workdir: Path, *, config: str, options:
 
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(fuzz_server, fuzz_redis, tmp_path):
     broker = redis.Redis.from_url(fuzz_redis.url)
-    job_id = finished_job(fuzz_server)
-    # The results of a finished job first, alone: in the full run the fuzzer deletes the jobs it
-    # finds (the check that a deleted job stays gone), this one among them.
-    results = schemathesis_run(
-        fuzz_server,
-        tmp_path / "results",
-        config=CONFIG
-        + f"""
+    # The results of a finished job in a run of their own, beside the full run: the job is the third
+    # tenant's, whose key only this run has, since the full run deletes the jobs it finds (the
+    # check that a deleted job stays gone).
+    job_id = finished_job(fuzz_server, fuzz_server.results_api_key)
+    with ThreadPoolExecutor(2) as runs:
+        results_run = runs.submit(
+            schemathesis_run,
+            fuzz_server,
+            tmp_path / "results",
+            config=CONFIG
+            + f"""
 [[operations]]
 include-operation-id = "retrieve_job_results"
 parameters = {{ job_id = "{job_id}" }}
 """,
-        options=["--include-operation-id", "retrieve_job_results", "--phases", "examples,coverage,fuzzing"],
-    )
+            options=[
+                "--include-operation-id",
+                "retrieve_job_results",
+                "--phases",
+                "examples,coverage,fuzzing",
+            ],
+            live_key=fuzz_server.results_api_key,
+        )
+        full_run = runs.submit(
+            schemathesis_run,
+            fuzz_server,
+            tmp_path / "all",
+            config=CONFIG,
+            options=[],
+            live_key=fuzz_server.api_key,
+        )
+        results, full = results_run.result(), full_run.result()
     assert results.statuses[200] > 0, results.summary()
-    full = schemathesis_run(fuzz_server, tmp_path / "all", config=CONFIG, options=[])
     summary = f"results of a finished job: {results.summary()}\nall operations: {full.summary()}"
     print(f"\nschemathesis: {summary}")
     # 22: the 13 operations of embeddings, models, usage and jobs, and 9 of the Files and Batches API.
