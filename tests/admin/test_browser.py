@@ -24,6 +24,7 @@ from embeddings.services.keys import api_key_create
 from embeddings.services.tenants import tenant_create
 from embeddings.services.usage_reports import utc_day_start
 from tests.api.conftest import LiveServer, live_uvicorn
+from tests.commands import tenant_with_key
 from tests.processes import REPO_ROOT, manage
 
 BROWSER_TIMEOUT_MS = 20_000
@@ -330,8 +331,7 @@ def test_an_admin_sets_a_burst_and_sees_the_bucket_drain(docs_server, browser_pa
     """A tenant made by `create_tenant` with a rate of one request a minute; its burst set in the
     admin; three requests through the real server; the tenant page shows the bucket Redis holds."""
     env = {name: value for name, value in docs_server.env.items() if name != "PROMETHEUS_MULTIPROC_DIR"}
-    manage(env, "create_tenant", "--name", "Rated", "--slug", "rated", "--requests-per-minute", "1")
-    key = manage(env, "create_api_key", "--tenant", "rated")
+    key = tenant_with_key(env, "rated", "--requests-per-minute", "1", name="Rated")
     page = browser_page
     page.goto(f"{docs_server.base_url}/admin/embeddings/tenant/?q=rated")
     page.fill("#id_username", "root")
