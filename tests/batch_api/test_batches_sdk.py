@@ -23,6 +23,7 @@ import pytest
 
 from embeddings.management.commands.runstack import start_celery
 from tests.api.raw_http import RawHttp
+from tests.commands import tenant_with_key
 from tests.job_stack import JobStack, job_stack_running
 from tests.processes import REPO_ROOT, manage, stop_process_group
 
@@ -59,8 +60,7 @@ def job_stack(triton_server, redis_server, tmp_path_factory) -> Iterator[JobStac
 
 @pytest.fixture(scope="module")
 def other_key(job_stack) -> str:
-    manage(job_stack.env, "create_tenant", "--name", "Other", "--slug", "other")
-    return manage(job_stack.env, "create_api_key", "--tenant", "other")
+    return tenant_with_key(job_stack.env, "other", name="Other")
 
 
 def sdk_client(stack: JobStack, key: str | None = None) -> openai.OpenAI:
@@ -439,8 +439,7 @@ def test_quota_refusals_fail_the_batch_as_they_refuse_a_job(job_stack):
         ("poor", ["--tokens-per-day", "50"], "insufficient_quota"),
         ("cramped", ["--job-storage-budget-bytes", "4096"], "job_storage_budget_exceeded"),
     ):
-        manage(job_stack.env, "create_tenant", "--name", slug, "--slug", slug, *limit)
-        with sdk_client(job_stack, manage(job_stack.env, "create_api_key", "--tenant", slug)) as tenant:
+        with sdk_client(job_stack, tenant_with_key(job_stack.env, slug, *limit)) as tenant:
             batch = tenant.batches.create(
                 input_file_id=upload(tenant, lines).id, endpoint="/v1/embeddings", completion_window="24h"
             )
