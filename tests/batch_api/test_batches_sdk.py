@@ -30,7 +30,7 @@ from tests.processes import REPO_ROOT, manage, stop_process_group
 MODEL = "all-MiniLM-L6-v2"
 CHUNK_SIZE = 64
 # The crash test's worker and beat: a lost chunk is re-sent within a few seconds.
-LEASE_S, WATCHDOG_S = "3", "1"
+LEASE_S, WATCHDOG_S, STALL_S = "3", "1", "5"
 # Small, so that refusing an upload over it costs the shared machine little.
 FILES_MAX_UPLOAD_BYTES = 8_000_000
 BATCH_MAX_REQUESTS, BATCH_MAX_INPUTS = 10_000, 20_000
@@ -553,8 +553,8 @@ def test_a_batch_past_its_completion_window_expires_with_partial_results(client,
 
 def test_a_worker_sigkilled_mid_batch_leaves_every_custom_id_exactly_once(client, job_stack):
     """SIGKILL the worker's process group while the batch runs; a new worker and beat finish it (the
-    watchdog re-sends the chunk whose lease lapsed, or the broker redelivers it): every custom_id
-    once, each answer right."""
+    watchdog re-sends the chunk whose lease lapsed or that was taken and never started, or the
+    broker redelivers it): every custom_id once, each answer right."""
     count = 1000
     usage_before = usage_totals(job_stack)
     lines = [
@@ -572,7 +572,9 @@ def test_a_worker_sigkilled_mid_batch_leaves_every_custom_id_exactly_once(client
     job_stack.worker.wait(timeout=10)
     assert client.batches.retrieve(batch.id).status == "in_progress"
 
-    env = {**job_stack.env, "JOB_WATCHDOG_INTERVAL_S": WATCHDOG_S}
+    # A chunk the dead worker had taken but not started has no lease to lapse: it is re-sent once
+    # it has waited JOB_STALL_S (120 s as shipped, which the test would wait out).
+    env = {**job_stack.env, "JOB_WATCHDOG_INTERVAL_S": WATCHDOG_S, "JOB_STALL_S": STALL_S}
     worker_log, beat_log = job_stack.logs[1].with_name("worker2.log"), job_stack.logs[1].with_name("beat.log")
     worker, beat = start_celery("worker", worker_log, env=env), start_celery("beat", beat_log, env=env)
     job_stack.worker = worker  # serves the tests after this one; stopped with the stack
@@ -594,9 +596,10 @@ def test_a_worker_sigkilled_mid_batch_leaves_every_custom_id_exactly_once(client
         == done.usage.input_tokens
         == sum(record["response"]["body"]["usage"]["prompt_tokens"] for record in records)
     )
-    # Which of the two legitimate recoveries brought the dead worker's chunk back (the new worker's
-    # watchdog after its lease lapsed, or the broker's redelivery of the unacknowledged task) is
-    # not the user's concern, only that every line is there once: said, not asserted.
+    # Which of the legitimate recoveries brought the dead worker's chunk back (the new worker's
+    # watchdog after its lease lapsed or, taken and never started, after JOB_STALL_S; or the
+    # broker's redelivery of the unacknowledged task) is not the user's concern, only that every
+    # line is there once: said, not asserted.
     taken_over = [line for line in worker_log.read_text().splitlines() if "watchdog: job" in line]
     print("\nrecovered by " + ("the watchdog:\n" + "\n".join(taken_over) if taken_over else "redelivery"))
 
