@@ -256,7 +256,9 @@ def test_an_upload_over_the_limit_is_refused_while_it_arrives(job_stack):
 def test_a_10000_line_batch_equals_the_synchronous_answers(client, http, job_stack):
     bodies = []
     for index in range(10_000):
-        body: dict = {"model": MODEL, "input": f"line {index}: {'some words ' * (index % 7)}the end"}
+        # 3 to 11 tokens, the lengths mixed in every chunk (rows padded together); short, since the
+        # batch's time is MiniLM's, in proportion to its tokens (twice as many when each was 5-21).
+        body: dict = {"model": MODEL, "input": f"{index}{' w' * (index % 7)}"}
         if index % 2:
             body["encoding_format"] = "base64"
         if index % 5 == 0:
@@ -558,7 +560,9 @@ def test_a_worker_sigkilled_mid_batch_leaves_every_custom_id_exactly_once(client
     count = 1000
     usage_before = usage_totals(job_stack)
     lines = [
-        request_line(f"k-{index}", {"model": MODEL, "input": f"kill test {index} " * 30})
+        # 16 tokens or so: the 14 chunks left at the kill still take seconds, far beyond the
+        # moment between seeing two chunks done and the kill (they took 30 s at 110 tokens).
+        request_line(f"k-{index}", {"model": MODEL, "input": f"kill test {index} " * 4})
         for index in range(count)
     ]
     batch = client.batches.create(
