@@ -20,6 +20,7 @@ from embeddings.services.job_leases import chunk_runs
 from embeddings.services.job_store import JobStore
 from embeddings.triton.server import free_port
 from tests import worker_stack
+from tests.commands import manage_in_one_process
 from tests.processes import manage, process_group_paused
 from tests.worker_stack import job_usage, texts
 
@@ -219,8 +220,11 @@ def test_a_callback_is_retried_until_delivered_signed(job_stack, start_worker, c
     rotate_webhook_secret printed it) and not with another tenant's. The worker is allowed loopback
     (JOB_CALLBACK_ALLOWED_NETWORKS), which it refuses by default."""
     url, received = callback_receiver
-    secret = manage(job_stack.env, "rotate_webhook_secret", "--tenant", "alpha").strip()
-    other_secret = manage(job_stack.env, "rotate_webhook_secret", "--tenant", "beta").strip()
+    secret, other_secret = manage_in_one_process(
+        job_stack.env,
+        ["rotate_webhook_secret", "--tenant", "alpha"],
+        ["rotate_webhook_secret", "--tenant", "beta"],
+    )
     assert secret.startswith("whsec_") and other_secret.startswith("whsec_") and secret != other_secret
     _, log = start_worker(JOB_CALLBACK_ALLOWED_NETWORKS="127.0.0.1/32", JOB_CALLBACK_BACKOFF_S="0.1")
     script = SUBMIT_WITH_CALLBACK.format(texts=texts("callback", 6), url=url)

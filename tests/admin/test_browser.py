@@ -8,6 +8,7 @@ and says why: it is never skipped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -24,14 +25,16 @@ from embeddings.services.keys import api_key_create
 from embeddings.services.tenants import tenant_create
 from embeddings.services.usage_reports import utc_day_start
 from tests.api.conftest import LiveServer, live_uvicorn
+from tests.commands import tenant_with_key
 from tests.processes import REPO_ROOT, manage
 
 BROWSER_TIMEOUT_MS = 20_000
 FULL_KEY = re.compile(r"emb_[a-z0-9]{12}_[A-Za-z0-9_-]{20,100}")
 
 
-@pytest.fixture
-def browser_page() -> Iterator:
+@contextlib.contextmanager
+def chromium() -> Iterator:
+    """Debian's Chromium under Playwright, closed after; the test fails, saying why, if it cannot start."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError as error:
@@ -52,12 +55,30 @@ def browser_page() -> Iterator:
             )
         except Exception as error:
             pytest.fail(f"Chromium ({executable}) did not start under Playwright: {error}", pytrace=False)
-        page = browser.new_page()
-        page.set_default_timeout(BROWSER_TIMEOUT_MS)
         try:
-            yield page
+            yield browser
         finally:
             browser.close()
+
+
+@contextlib.contextmanager
+def fresh_page(browser) -> Iterator:
+    """A page in a browser context of its own: no cookie or cache of another test's."""
+    context = browser.new_context()
+    page = context.new_page()
+    page.set_default_timeout(BROWSER_TIMEOUT_MS)
+    try:
+        yield page
+    finally:
+        context.close()
+
+
+@pytest.fixture
+def browser_page() -> Iterator:
+    """A browser of the test's own: the tests that set up database rows first need one, since Django
+    refuses ORM calls from this thread once Playwright's event loop runs in it."""
+    with chromium() as browser, fresh_page(browser) as page:
+        yield page
 
 
 @pytest.fixture
@@ -226,11 +247,25 @@ def docs_server(triton_server, redis_server, tmp_path_factory) -> Iterator[LiveS
         yield server
 
 
+@pytest.fixture(scope="module")
+def docs_browser() -> Iterator:
+    """One browser for the tests below, which make no ORM call: each gets a fresh context of it.
+    Started at the first of them, after the tests above have closed theirs (file order)."""
+    with chromium() as browser:
+        yield browser
+
+
 @pytest.fixture
-def static_responses(browser_page) -> list:
+def docs_page(docs_browser) -> Iterator:
+    with fresh_page(docs_browser) as page:
+        yield page
+
+
+@pytest.fixture
+def static_responses(docs_page) -> list:
     """Every /static/ response the page gets from here on."""
     responses: list = []
-    browser_page.on("response", lambda response: "/static/" in response.url and responses.append(response))
+    docs_page.on("response", lambda response: "/static/" in response.url and responses.append(response))
     return responses
 
 
@@ -261,8 +296,8 @@ def schema_operations(server: LiveServer) -> dict[tuple[str, str], str]:
     }
 
 
-def test_swagger_ui_lists_every_operation(docs_server, browser_page, static_responses):
-    page = browser_page
+def test_swagger_ui_lists_every_operation(docs_server, docs_page, static_responses):
+    page = docs_page
     expected = schema_operations(docs_server)
     page.goto(f"{docs_server.base_url}/explorer/")
     blocks = page.locator(".opblock")
@@ -283,8 +318,8 @@ def test_swagger_ui_lists_every_operation(docs_server, browser_page, static_resp
     assert_static_served(static_responses)
 
 
-def test_redoc_draws_its_menu(docs_server, browser_page, static_responses):
-    page = browser_page
+def test_redoc_draws_its_menu(docs_server, docs_page, static_responses):
+    page = docs_page
     expected = schema_operations(docs_server)
     page.goto(f"{docs_server.base_url}/redoc/")
     menu = page.locator(".menu-content")
@@ -302,8 +337,8 @@ def test_redoc_draws_its_menu(docs_server, browser_page, static_responses):
     assert_static_served(static_responses)
 
 
-def test_the_admin_is_styled_by_its_stylesheet(docs_server, browser_page, static_responses):
-    page = browser_page
+def test_the_admin_is_styled_by_its_stylesheet(docs_server, docs_page, static_responses):
+    page = docs_page
     page.goto(f"{docs_server.base_url}/admin/")
     assert "/admin/login/" in page.url
     save_screenshot(page, "admin-login")
@@ -326,13 +361,12 @@ def test_the_admin_is_styled_by_its_stylesheet(docs_server, browser_page, static
     assert_static_served(static_responses)
 
 
-def test_an_admin_sets_a_burst_and_sees_the_bucket_drain(docs_server, browser_page):
+def test_an_admin_sets_a_burst_and_sees_the_bucket_drain(docs_server, docs_page):
     """A tenant made by `create_tenant` with a rate of one request a minute; its burst set in the
     admin; three requests through the real server; the tenant page shows the bucket Redis holds."""
     env = {name: value for name, value in docs_server.env.items() if name != "PROMETHEUS_MULTIPROC_DIR"}
-    manage(env, "create_tenant", "--name", "Rated", "--slug", "rated", "--requests-per-minute", "1")
-    key = manage(env, "create_api_key", "--tenant", "rated")
-    page = browser_page
+    key = tenant_with_key(env, "rated", "--requests-per-minute", "1", name="Rated")
+    page = docs_page
     page.goto(f"{docs_server.base_url}/admin/embeddings/tenant/?q=rated")
     page.fill("#id_username", "root")
     page.fill("#id_password", "a-long-password")

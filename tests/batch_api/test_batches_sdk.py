@@ -23,13 +23,14 @@ import pytest
 
 from embeddings.management.commands.runstack import start_celery
 from tests.api.raw_http import RawHttp
+from tests.commands import tenant_with_key
 from tests.job_stack import JobStack, job_stack_running
 from tests.processes import REPO_ROOT, manage, stop_process_group
 
 MODEL = "all-MiniLM-L6-v2"
 CHUNK_SIZE = 64
 # The crash test's worker and beat: a lost chunk is re-sent within a few seconds.
-LEASE_S, WATCHDOG_S = "3", "1"
+LEASE_S, WATCHDOG_S, STALL_S = "3", "1", "5"
 # Small, so that refusing an upload over it costs the shared machine little.
 FILES_MAX_UPLOAD_BYTES = 8_000_000
 BATCH_MAX_REQUESTS, BATCH_MAX_INPUTS = 10_000, 20_000
@@ -59,8 +60,7 @@ def job_stack(triton_server, redis_server, tmp_path_factory) -> Iterator[JobStac
 
 @pytest.fixture(scope="module")
 def other_key(job_stack) -> str:
-    manage(job_stack.env, "create_tenant", "--name", "Other", "--slug", "other")
-    return manage(job_stack.env, "create_api_key", "--tenant", "other")
+    return tenant_with_key(job_stack.env, "other", name="Other")
 
 
 def sdk_client(stack: JobStack, key: str | None = None) -> openai.OpenAI:
@@ -256,7 +256,9 @@ def test_an_upload_over_the_limit_is_refused_while_it_arrives(job_stack):
 def test_a_10000_line_batch_equals_the_synchronous_answers(client, http, job_stack):
     bodies = []
     for index in range(10_000):
-        body: dict = {"model": MODEL, "input": f"line {index}: {'some words ' * (index % 7)}the end"}
+        # 3 to 11 tokens, the lengths mixed in every chunk (rows padded together); short, since the
+        # batch's time is MiniLM's, in proportion to its tokens (twice as many when each was 5-21).
+        body: dict = {"model": MODEL, "input": f"{index}{' w' * (index % 7)}"}
         if index % 2:
             body["encoding_format"] = "base64"
         if index % 5 == 0:
@@ -439,8 +441,7 @@ def test_quota_refusals_fail_the_batch_as_they_refuse_a_job(job_stack):
         ("poor", ["--tokens-per-day", "50"], "insufficient_quota"),
         ("cramped", ["--job-storage-budget-bytes", "4096"], "job_storage_budget_exceeded"),
     ):
-        manage(job_stack.env, "create_tenant", "--name", slug, "--slug", slug, *limit)
-        with sdk_client(job_stack, manage(job_stack.env, "create_api_key", "--tenant", slug)) as tenant:
+        with sdk_client(job_stack, tenant_with_key(job_stack.env, slug, *limit)) as tenant:
             batch = tenant.batches.create(
                 input_file_id=upload(tenant, lines).id, endpoint="/v1/embeddings", completion_window="24h"
             )
@@ -554,12 +555,14 @@ def test_a_batch_past_its_completion_window_expires_with_partial_results(client,
 
 def test_a_worker_sigkilled_mid_batch_leaves_every_custom_id_exactly_once(client, job_stack):
     """SIGKILL the worker's process group while the batch runs; a new worker and beat finish it (the
-    watchdog re-sends the chunk whose lease lapsed, or the broker redelivers it): every custom_id
-    once, each answer right."""
+    watchdog re-sends the chunk whose lease lapsed or that was taken and never started, or the
+    broker redelivers it): every custom_id once, each answer right."""
     count = 1000
     usage_before = usage_totals(job_stack)
     lines = [
-        request_line(f"k-{index}", {"model": MODEL, "input": f"kill test {index} " * 30})
+        # 16 tokens or so: the 14 chunks left at the kill still take seconds, far beyond the
+        # moment between seeing two chunks done and the kill (they took 30 s at 110 tokens).
+        request_line(f"k-{index}", {"model": MODEL, "input": f"kill test {index} " * 4})
         for index in range(count)
     ]
     batch = client.batches.create(
@@ -573,7 +576,9 @@ def test_a_worker_sigkilled_mid_batch_leaves_every_custom_id_exactly_once(client
     job_stack.worker.wait(timeout=10)
     assert client.batches.retrieve(batch.id).status == "in_progress"
 
-    env = {**job_stack.env, "JOB_WATCHDOG_INTERVAL_S": WATCHDOG_S}
+    # A chunk the dead worker had taken but not started has no lease to lapse: it is re-sent once
+    # it has waited JOB_STALL_S (120 s as shipped, which the test would wait out).
+    env = {**job_stack.env, "JOB_WATCHDOG_INTERVAL_S": WATCHDOG_S, "JOB_STALL_S": STALL_S}
     worker_log, beat_log = job_stack.logs[1].with_name("worker2.log"), job_stack.logs[1].with_name("beat.log")
     worker, beat = start_celery("worker", worker_log, env=env), start_celery("beat", beat_log, env=env)
     job_stack.worker = worker  # serves the tests after this one; stopped with the stack
@@ -595,9 +600,10 @@ def test_a_worker_sigkilled_mid_batch_leaves_every_custom_id_exactly_once(client
         == done.usage.input_tokens
         == sum(record["response"]["body"]["usage"]["prompt_tokens"] for record in records)
     )
-    # Which of the two legitimate recoveries brought the dead worker's chunk back (the new worker's
-    # watchdog after its lease lapsed, or the broker's redelivery of the unacknowledged task) is
-    # not the user's concern, only that every line is there once: said, not asserted.
+    # Which of the legitimate recoveries brought the dead worker's chunk back (the new worker's
+    # watchdog after its lease lapsed or, taken and never started, after JOB_STALL_S; or the
+    # broker's redelivery of the unacknowledged task) is not the user's concern, only that every
+    # line is there once: said, not asserted.
     taken_over = [line for line in worker_log.read_text().splitlines() if "watchdog: job" in line]
     print("\nrecovered by " + ("the watchdog:\n" + "\n".join(taken_over) if taken_over else "redelivery"))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import httpx2
 import pytest
 
 from embeddings.triton.server import die_with_parent, free_port, shared_memory_regions
+from tests.commands import manage_in_one_process
 from tests.conftest import require_exported_model
 from tests.processes import (
     REPO_ROOT,
@@ -156,12 +158,28 @@ def kill(pid: int, signum: int = signal.SIGKILL) -> None:
         time.sleep(0.02)
 
 
-def start_stack(tmp_path: Path, *, catalog: bool, **settings_env: str) -> Stack:
+@pytest.fixture(scope="module")
+def migrated_database(tmp_path_factory) -> Path:
+    """An SQLite database migrated once for the module: each stack starts from a copy of it (a
+    migrate of its own took seconds per stack)."""
+    workdir = tmp_path_factory.mktemp("migrated")
+    env = {
+        **os.environ,
+        "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
+        "EMBEDSITE_RUN_DIR": str(workdir),
+    }
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    manage(env, "migrate", "--noinput")
+    return workdir / "db.sqlite3"
+
+
+def start_stack(tmp_path: Path, migrated: Path, *, catalog: bool, **settings_env: str) -> Stack:
     """runstack with `--workers 2` as `make run` starts it (two Redis servers, JSON logs), on free
-    ports and its own SQLite database (as `make run`), after migrate and, with `catalog`, the local
-    model registered (it loads when the stack starts) and a tenant with quotas and its key."""
+    ports and its own SQLite database (as `make run`), a copy of the `migrated` one, with `catalog`
+    the local model registered (it loads when the stack starts) and a tenant with quotas and its key."""
     require_exported_model(REPO_ROOT / "model_repository")
     port = free_port()
+    shutil.copyfile(migrated, tmp_path / "db.sqlite3")
     env = {
         **os.environ,
         "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
@@ -184,13 +202,16 @@ def start_stack(tmp_path: Path, *, catalog: bool, **settings_env: str) -> Stack:
     }
     for inherited in ("PROMETHEUS_MULTIPROC_DIR", "CELERY_BROKER_URL"):
         env.pop(inherited, None)
-    manage(env, "migrate", "--noinput")
     api_key = ""
     if catalog:
-        assert "loads when the stack starts" in manage(env, "register_local_model")
         quotas = ["--requests-per-minute", "1000000", "--tokens-per-day", "1000000000"]
-        manage(env, "create_tenant", "--name", "Stack", "--slug", "stack", *quotas)
-        api_key = manage(env, "create_api_key", "--tenant", "stack")
+        registered, _, api_key = manage_in_one_process(
+            env,
+            ["register_local_model"],
+            ["create_tenant", "--name", "Stack", "--slug", "stack", *quotas],
+            ["create_api_key", "--tenant", "stack"],
+        )
+        assert "loads when the stack starts" in registered, registered
     log = tmp_path / "runstack.log"
     with log.open("wb") as output:
         process = subprocess.Popen(
@@ -218,10 +239,10 @@ def start_stack(tmp_path: Path, *, catalog: bool, **settings_env: str) -> Stack:
     return stack
 
 
-def test_ctrl_c_stops_everything_even_with_a_restart_pending(tmp_path):
+def test_ctrl_c_stops_everything_even_with_a_restart_pending(tmp_path, migrated_database):
     """Beat killed and its restart 20 s away: Ctrl-C stops the stack at once, beat never restarted,
     exit status 0, every line JSON, nothing left."""
-    stack = start_stack(tmp_path, catalog=False, RUNSTACK_RESTART_DELAY_S="20")
+    stack = start_stack(tmp_path, migrated_database, catalog=False, RUNSTACK_RESTART_DELAY_S="20")
     try:
         beat = stack.child(" beat ")
         kill(beat)
@@ -247,12 +268,13 @@ def test_ctrl_c_stops_everything_even_with_a_restart_pending(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Iterator[Stack]:
+def stack(tmp_path_factory, migrated_database) -> Iterator[Stack]:
     """The stack the restart tests share, with the shipped delays (0.5 s, doubling), two restarts in
     a row allowed before giving up (the give-up test needs three fast deaths, not six), and a child up
     5 s counted as stable (the tests kill the job store twice, seconds apart, for different reasons)."""
     stack = start_stack(
         tmp_path_factory.mktemp("runstack"),
+        migrated_database,
         catalog=True,
         RUNSTACK_RESTART_ATTEMPTS="2",
         RUNSTACK_RESTART_STABLE_S="5",

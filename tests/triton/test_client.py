@@ -264,7 +264,9 @@ async def test_bulk_work_queued_at_triton_yields_to_a_small_request(triton_serve
 async def test_triton_killed_mid_call_fails_fast_with_a_clear_error(tmp_path):
     """SIGKILL Triton while an async and a sync call wait on a slow model: both end with
     TritonUnavailable (connection lost, reconnects refused) long before their deadline."""
-    server = start_triton(tmp_path, [TEST_MODEL_REPOSITORY], name="triton-killed")
+    # The stubs busy in slow_echo outlive SIGTERM once tritonserver is gone: kill() SIGKILLs them
+    # after this grace period, which the test need not wait out for the default 15 s.
+    server = start_triton(tmp_path, [TEST_MODEL_REPOSITORY], name="triton-killed", stop_timeout_s=2)
     timeout_s = 40.0
     # "Long before the deadline": within half of it, which leaves 20 s for a busy machine to
     # notice the lost connection; the model would answer only after the deadline.

@@ -145,7 +145,11 @@ def torch_cpu_triton(tmp_path_factory):
     (model_dir / "configs").mkdir()
     (model_dir / "configs" / f"{CPU_CONFIG_NAME}.pbtxt").write_text(template)
     (repository / "minilm_tokenizer").symlink_to(REPO_ROOT / "model_repository" / "minilm_tokenizer")
-    server = start_triton(tmp_path_factory.mktemp("triton"), [repository], model_config_name=CPU_CONFIG_NAME)
+    # Its stop need not wait out a slow unload of the torch model (14 s once in a full run, 2 s
+    # alone): after 5 s the launcher SIGKILLs the group and removes its shared memory.
+    server = start_triton(
+        tmp_path_factory.mktemp("triton"), [repository], model_config_name=CPU_CONFIG_NAME, stop_timeout_s=5
+    )
     yield server
     server.stop()
 
