@@ -18,7 +18,7 @@ import pytest
 from embeddings.management.commands.runstack import start_celery
 from embeddings.redis.connections import redis_sync
 from embeddings.services.usage import LIVE_USAGE_KEY
-from tests.database_backend import database_rows, fresh_database_url
+from tests.database_backend import database_rows, migrated_database_url
 from tests.processes import manage, stop_process_group
 
 SUBMIT = """
@@ -95,7 +95,7 @@ def job_stack(redis_server, job_store_server, triton_server, tmp_path_factory) -
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-        "DATABASE_URL": fresh_database_url(workdir),
+        "DATABASE_URL": migrated_database_url(workdir),
         "REDIS_URL": redis_server.url,
         "CELERY_BROKER_URL": redis_server.url,
         "JOB_STORE_URL": job_store_server.url,
@@ -104,7 +104,6 @@ def job_stack(redis_server, job_store_server, triton_server, tmp_path_factory) -
         "JOB_CHUNK_SIZE": "4",
         "USAGE_FOLD_INTERVAL_S": "3600",  # job usage stays in Redis, to be counted here
     }
-    manage(env, "migrate", "--noinput")
     manage(env, "register_local_model")
     for slug in ("alpha", "beta"):
         manage(env, "create_tenant", "--name", slug.title(), "--slug", slug)

@@ -20,7 +20,7 @@ from embeddings.services.catalog import embedding_model_register_local
 from embeddings.triton.server import die_with_parent, free_port
 from tests.api.raw_http import RawHttp
 from tests.conftest import TenantWithKey
-from tests.database_backend import fresh_database_url
+from tests.database_backend import migrated_database_url
 from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
 
 
@@ -83,8 +83,8 @@ def live_uvicorn(
     *, workdir: Path, triton_target: str, redis_url: str, workers: int = 2, env: dict[str, str] | None = None
 ) -> Iterator[LiveServer]:
     """`manage.py serve` as runstack runs it, with its own database on the run's backend
-    (tests/database_backend.py: migrated, the
-    local model registered, tenant `live` with a key) and the given settings in `env`; stopped on exit.
+    (tests/database_backend.py: migrated, the local model registered, tenant `live` with a key) and
+    the given settings in `env`; stopped on exit.
 
     PROMETHEUS_MULTIPROC_DIR is set as runstack sets it, so /metrics sums the workers.
     """
@@ -94,7 +94,7 @@ def live_uvicorn(
     server_env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-        "DATABASE_URL": fresh_database_url(workdir),
+        "DATABASE_URL": migrated_database_url(workdir),
         "TRITON_SERVER_URL": triton_target,
         "SERVER_PORT": str(port),
         "REDIS_URL": redis_url,
@@ -103,7 +103,6 @@ def live_uvicorn(
         **(env or {}),
     }
     server_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    manage(server_env, "migrate", "--noinput")
     manage(server_env, "register_local_model")
     manage(server_env, "create_tenant", "--name", "Live", "--slug", "live")
     api_key = manage(server_env, "create_api_key", "--tenant", "live")
