@@ -15,7 +15,7 @@ from pathlib import Path
 from embeddings.management.commands.runstack import start_celery
 from embeddings.triton.server import die_with_parent, free_port
 from tests.database_backend import migrated_database_url
-from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
+from tests.processes import REPO_ROOT, manage_commands, stop_process_group, wait_until_healthy
 
 
 @dataclass
@@ -55,9 +55,12 @@ def job_stack_running(
         **(extra_env or {}),
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    manage(env, "register_local_model")
-    manage(env, "create_tenant", "--name", "Jobs", "--slug", "jobs")
-    api_key = manage(env, "create_api_key", "--tenant", "jobs")
+    *_, api_key = manage_commands(
+        env,
+        ("register_local_model",),
+        ("create_tenant", "--name", "Jobs", "--slug", "jobs"),
+        ("create_api_key", "--tenant", "jobs"),
+    )
     server_log = workdir / "uvicorn.log"
     worker_log = workdir / "worker.log"
     with server_log.open("wb") as log:

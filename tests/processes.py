@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -56,6 +57,39 @@ def manage(env: dict[str, str], *args: str) -> str:
     )
     assert done.returncode == 0, f"manage.py {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout.strip()
+
+
+# Each command as `manage.py NAME ARGS` runs it (the same parser, the system checks), in one Python:
+# one Django start instead of one per command. A command's stdout is captured on its own.
+_MANAGE_COMMANDS = """
+import io, json, os, sys
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
+import django
+django.setup()
+from django.core.management import call_command
+outputs = []
+for name, *arguments in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    call_command(name, *arguments, stdout=out, skip_checks=False)
+    outputs.append(out.getvalue())
+print(json.dumps(outputs))
+"""
+
+
+def manage_commands(env: dict[str, str], *commands: Sequence[str]) -> list[str]:
+    """Run each `manage.py NAME ARGS` in `commands`, in order, in `env`, all in one process (Django
+    starts once); each one's stdout, stripped (fails the test if one fails: those after it don't run)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _MANAGE_COMMANDS, json.dumps([list(command) for command in commands])],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    listed = "; ".join(" ".join(command) for command in commands)
+    assert done.returncode == 0, f"manage.py {listed} failed:\n{done.stdout}\n{done.stderr}"
+    return [output.strip() for output in json.loads(done.stdout.splitlines()[-1])]
 
 
 def stop_process_group(process: subprocess.Popen, timeout_s: float = 20) -> None:

@@ -19,7 +19,7 @@ from embeddings.management.commands.runstack import start_celery
 from embeddings.redis.connections import redis_sync
 from embeddings.services.usage import LIVE_USAGE_KEY
 from tests.database_backend import database_rows, migrated_database_url
-from tests.processes import manage, stop_process_group
+from tests.processes import manage, manage_commands, stop_process_group
 
 SUBMIT = """
 import json
@@ -104,9 +104,11 @@ def job_stack(redis_server, job_store_server, triton_server, tmp_path_factory) -
         "JOB_CHUNK_SIZE": "4",
         "USAGE_FOLD_INTERVAL_S": "3600",  # job usage stays in Redis, to be counted here
     }
-    manage(env, "register_local_model")
-    for slug in ("alpha", "beta"):
-        manage(env, "create_tenant", "--name", slug.title(), "--slug", slug)
+    manage_commands(
+        env,
+        ("register_local_model",),
+        *(("create_tenant", "--name", slug.title(), "--slug", slug) for slug in ("alpha", "beta")),
+    )
     return JobStack(workdir, env)
 
 

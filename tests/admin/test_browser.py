@@ -24,7 +24,7 @@ from embeddings.services.keys import api_key_create
 from embeddings.services.tenants import tenant_create
 from embeddings.services.usage_reports import utc_day_start
 from tests.api.conftest import LiveServer, live_uvicorn
-from tests.processes import REPO_ROOT, manage
+from tests.processes import REPO_ROOT, manage, manage_commands
 
 BROWSER_TIMEOUT_MS = 20_000
 FULL_KEY = re.compile(r"emb_[a-z0-9]{12}_[A-Za-z0-9_-]{20,100}")
@@ -330,8 +330,11 @@ def test_an_admin_sets_a_burst_and_sees_the_bucket_drain(docs_server, browser_pa
     """A tenant made by `create_tenant` with a rate of one request a minute; its burst set in the
     admin; three requests through the real server; the tenant page shows the bucket Redis holds."""
     env = {name: value for name, value in docs_server.env.items() if name != "PROMETHEUS_MULTIPROC_DIR"}
-    manage(env, "create_tenant", "--name", "Rated", "--slug", "rated", "--requests-per-minute", "1")
-    key = manage(env, "create_api_key", "--tenant", "rated")
+    _, key = manage_commands(
+        env,
+        ("create_tenant", "--name", "Rated", "--slug", "rated", "--requests-per-minute", "1"),
+        ("create_api_key", "--tenant", "rated"),
+    )
     page = browser_page
     page.goto(f"{docs_server.base_url}/admin/embeddings/tenant/?q=rated")
     page.fill("#id_username", "root")

@@ -21,7 +21,7 @@ from embeddings.triton.server import die_with_parent, free_port
 from tests.api.raw_http import RawHttp
 from tests.conftest import TenantWithKey
 from tests.database_backend import migrated_database_url
-from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
+from tests.processes import REPO_ROOT, manage_commands, stop_process_group, wait_until_healthy
 
 
 @pytest.fixture
@@ -103,9 +103,12 @@ def live_uvicorn(
         **(env or {}),
     }
     server_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    manage(server_env, "register_local_model")
-    manage(server_env, "create_tenant", "--name", "Live", "--slug", "live")
-    api_key = manage(server_env, "create_api_key", "--tenant", "live")
+    *_, api_key = manage_commands(
+        server_env,
+        ("register_local_model",),
+        ("create_tenant", "--name", "Live", "--slug", "live"),
+        ("create_api_key", "--tenant", "live"),
+    )
     # Only the server's workers write there (as with runstack), so their files can be counted.
     # (`server.env` stays without it: manage.py commands a test runs must not add files there.)
     process_env = {**server_env, "PROMETHEUS_MULTIPROC_DIR": str(prometheus_dir)}

@@ -12,18 +12,20 @@ import httpx2
 import pytest
 
 from tests.admin.test_login_lockout import LOGIN_URL, PASSWORD, WRONG
-from tests.processes import manage
+from tests.processes import manage_commands
 
 
 @pytest.fixture
 def live_admin(uvicorn_server) -> Iterator[tuple[str, str]]:
     """Two superusers, fresh names per test, in the live server's database."""
     names = [f"admin_{secrets.token_hex(4)}", f"other_{secrets.token_hex(4)}"]
-    for name in names:
-        manage(
-            {**uvicorn_server.env, "DJANGO_SUPERUSER_PASSWORD": PASSWORD},
-            "createsuperuser", "--noinput", "--username", name, "--email", f"{name}@example.com",
-        )  # fmt: skip
+    manage_commands(
+        {**uvicorn_server.env, "DJANGO_SUPERUSER_PASSWORD": PASSWORD},
+        *(
+            ("createsuperuser", "--noinput", "--username", name, "--email", f"{name}@example.com")
+            for name in names
+        ),
+    )
     yield names[0], names[1]
 
 

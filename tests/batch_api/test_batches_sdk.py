@@ -24,7 +24,7 @@ import pytest
 from embeddings.management.commands.runstack import start_celery
 from tests.api.raw_http import RawHttp
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import REPO_ROOT, manage, stop_process_group
+from tests.processes import REPO_ROOT, manage, manage_commands, stop_process_group
 
 MODEL = "all-MiniLM-L6-v2"
 CHUNK_SIZE = 64
@@ -59,8 +59,12 @@ def job_stack(triton_server, redis_server, tmp_path_factory) -> Iterator[JobStac
 
 @pytest.fixture(scope="module")
 def other_key(job_stack) -> str:
-    manage(job_stack.env, "create_tenant", "--name", "Other", "--slug", "other")
-    return manage(job_stack.env, "create_api_key", "--tenant", "other")
+    _, key = manage_commands(
+        job_stack.env,
+        ("create_tenant", "--name", "Other", "--slug", "other"),
+        ("create_api_key", "--tenant", "other"),
+    )
+    return key
 
 
 def sdk_client(stack: JobStack, key: str | None = None) -> openai.OpenAI:
@@ -439,8 +443,12 @@ def test_quota_refusals_fail_the_batch_as_they_refuse_a_job(job_stack):
         ("poor", ["--tokens-per-day", "50"], "insufficient_quota"),
         ("cramped", ["--job-storage-budget-bytes", "4096"], "job_storage_budget_exceeded"),
     ):
-        manage(job_stack.env, "create_tenant", "--name", slug, "--slug", slug, *limit)
-        with sdk_client(job_stack, manage(job_stack.env, "create_api_key", "--tenant", slug)) as tenant:
+        _, key = manage_commands(
+            job_stack.env,
+            ("create_tenant", "--name", slug, "--slug", slug, *limit),
+            ("create_api_key", "--tenant", slug),
+        )
+        with sdk_client(job_stack, key) as tenant:
             batch = tenant.batches.create(
                 input_file_id=upload(tenant, lines).id, endpoint="/v1/embeddings", completion_window="24h"
             )

@@ -45,7 +45,7 @@ from django.conf import settings
 from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.server import free_port
 from tests.api.conftest import LiveServer, live_uvicorn
-from tests.processes import manage
+from tests.processes import manage, manage_commands
 from tests.reliability.schemathesis_hooks import DROPPED_LOG_ENV, REASONS
 
 # Fuzzed cases per operation; the examples phase sends the documented examples and the coverage
@@ -105,8 +105,11 @@ def fuzz_server(triton_server, fuzz_redis, tmp_path_factory) -> Iterator[FuzzSer
     ) as server:
         guard = manage(server.env, "shell", "-c", "import socket; print(socket.getaddrinfo.__module__)")
         assert guard.splitlines()[-1] == "sitecustomize", guard
-        manage(server.env, "create_tenant", "--name", "Other", "--slug", "other")
-        other_key = manage(server.env, "create_api_key", "--tenant", "other")
+        _, other_key = manage_commands(
+            server.env,
+            ("create_tenant", "--name", "Other", "--slug", "other"),
+            ("create_api_key", "--tenant", "other"),
+        )
         yield FuzzServer(**vars(server), other_api_key=other_key)
 
 
