@@ -55,14 +55,10 @@ def job_stack_running(
         **(extra_env or {}),
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    *_, api_key = manage_commands(
-        env,
-        ("register_local_model",),
-        ("create_tenant", "--name", "Jobs", "--slug", "jobs"),
-        ("create_api_key", "--tenant", "jobs"),
-    )
     server_log = workdir / "uvicorn.log"
     worker_log = workdir / "worker.log"
+    # Both start while the setup commands run: each reads the database only once a request or a
+    # task needs it, and the test sends none before the stack is up.
     with server_log.open("wb") as log:
         server = subprocess.Popen(
             [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -71,8 +67,14 @@ def job_stack_running(
             start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
     worker = start_celery("worker", worker_log, env=env)
-    stack = JobStack(f"http://127.0.0.1:{port}", api_key, env, [server_log, worker_log], worker)
     try:
+        *_, api_key = manage_commands(
+            env,
+            ("register_local_model",),
+            ("create_tenant", "--name", "Jobs", "--slug", "jobs"),
+            ("create_api_key", "--tenant", "jobs"),
+        )
+        stack = JobStack(f"http://127.0.0.1:{port}", api_key, env, [server_log, worker_log], worker)
         wait_until_healthy(server, stack.base_url, server_log)
         yield stack
     finally:

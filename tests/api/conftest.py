@@ -103,17 +103,12 @@ def live_uvicorn(
         **(env or {}),
     }
     server_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    *_, api_key = manage_commands(
-        server_env,
-        ("register_local_model",),
-        ("create_tenant", "--name", "Live", "--slug", "live"),
-        ("create_api_key", "--tenant", "live"),
-    )
     # Only the server's workers write there (as with runstack), so their files can be counted.
     # (`server.env` stays without it: manage.py commands a test runs must not add files there.)
     process_env = {**server_env, "PROMETHEUS_MULTIPROC_DIR": str(prometheus_dir)}
     log_path = workdir / "uvicorn.log"
     log = log_path.open("wb")
+    # Started before the setup commands run: a worker reads the database only when a request needs it.
     process = subprocess.Popen(
         [
             sys.executable, "manage.py", "serve",
@@ -123,6 +118,12 @@ def live_uvicorn(
         start_new_session=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     try:
+        *_, api_key = manage_commands(
+            server_env,
+            ("register_local_model",),
+            ("create_tenant", "--name", "Live", "--slug", "live"),
+            ("create_api_key", "--tenant", "live"),
+        )
         server = LiveServer(
             f"http://127.0.0.1:{port}", api_key, prometheus_dir, process, server_env, log_path
         )
