@@ -15,7 +15,7 @@ from pathlib import Path
 from embeddings.management.commands.runstack import start_celery
 from embeddings.triton.server import die_with_parent, free_port
 from tests.database_backend import migrated_database_url
-from tests.processes import REPO_ROOT, manage_commands, stop_process_group, wait_until_healthy
+from tests.processes import REPO_ROOT, manage_commands, stop_process_groups, wait_until_healthy
 
 
 @dataclass
@@ -78,5 +78,4 @@ def job_stack_running(
         wait_until_healthy(server, stack.base_url, server_log)
         yield stack
     finally:
-        stop_process_group(worker)
-        stop_process_group(server)
+        stop_process_groups(worker, server)

@@ -94,14 +94,23 @@ def manage_commands(env: dict[str, str], *commands: Sequence[str]) -> list[str]:
 
 def stop_process_group(process: subprocess.Popen, timeout_s: float = 20) -> None:
     """SIGTERM the process's group (a server's workers too), SIGKILL whatever is left after timeout_s."""
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
+    stop_process_groups(process, timeout_s=timeout_s)
+
+
+def stop_process_groups(*processes: subprocess.Popen, timeout_s: float = 20) -> None:
+    """stop_process_group for each process, the groups shutting down side by side: all have SIGTERM
+    before any is waited for."""
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+    for process in processes:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=timeout_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=15)
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=15)
 
 
 def wait_until_healthy(

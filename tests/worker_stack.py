@@ -19,7 +19,7 @@ from embeddings.management.commands.runstack import start_celery
 from embeddings.redis.connections import redis_sync
 from embeddings.services.usage import LIVE_USAGE_KEY
 from tests.database_backend import database_rows, migrated_database_url
-from tests.processes import manage, manage_commands, stop_process_group
+from tests.processes import manage, manage_commands, stop_process_groups
 
 SUBMIT = """
 import json
@@ -124,8 +124,7 @@ def start_worker(job_stack, service_redis, tmp_path) -> Iterator:
         return process, log_path
 
     yield start
-    for process in processes:
-        stop_process_group(process)
+    stop_process_groups(*processes)
 
 
 def texts(prefix: str, count: int) -> list[str]:
