@@ -133,7 +133,7 @@ def wait_until_healthy(
                     return
             except httpx2.TransportError:
                 pass
-        time.sleep(0.2)
+        time.sleep(0.05)
     pytest.fail(f"the server did not start within {timeout_s:g} s:\n{log_path.read_text()[-4000:]}")
 
 
