@@ -8,7 +8,7 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,11 +80,19 @@ class LiveServer:
 
 @contextlib.contextmanager
 def live_uvicorn(
-    *, workdir: Path, triton_target: str, redis_url: str, workers: int = 2, env: dict[str, str] | None = None
+    *,
+    workdir: Path,
+    triton_target: str,
+    redis_url: str,
+    workers: int = 2,
+    env: dict[str, str] | None = None,
+    setup: Sequence[Sequence[str]] = (),
+    setup_env: dict[str, str] | None = None,
 ) -> Iterator[LiveServer]:
     """`manage.py serve` as runstack runs it, with its own database on the run's backend
     (tests/database_backend.py: migrated, the local model registered, tenant `live` with a key) and
-    the given settings in `env`; stopped on exit.
+    the given settings in `env`; stopped on exit. `setup`: more manage.py commands (name, arguments)
+    run after those, in the same process, with `setup_env` added to the server's settings.
 
     PROMETHEUS_MULTIPROC_DIR is set as runstack sets it, so /metrics sums the workers.
     """
@@ -118,11 +126,12 @@ def live_uvicorn(
         start_new_session=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     try:
-        *_, api_key = manage_commands(
-            server_env,
+        _, _, api_key, *_ = manage_commands(
+            {**server_env, **(setup_env or {})},
             ("register_local_model",),
             ("create_tenant", "--name", "Live", "--slug", "live"),
             ("create_api_key", "--tenant", "live"),
+            *setup,
         )
         server = LiveServer(
             f"http://127.0.0.1:{port}", api_key, prometheus_dir, process, server_env, log_path
