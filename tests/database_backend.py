@@ -1,6 +1,7 @@
 """The database the tests run on: `--database postgresql` (the default: a real PostgreSQL the run
 starts itself) or `--database sqlite` (the embedded default of `make run`), and a fresh database of
-that kind for each live stack (uvicorn, Celery workers) a test starts.
+that kind for each live stack (uvicorn, Celery workers) a test starts: a copy of a template this
+process migrated once with `manage.py migrate` (`migrated_database_url`), or an empty one.
 
 A pytest plugin (pyproject's addopts load it with `-p`): it must choose DATABASE_URL before
 pytest-django imports the settings, earlier than any conftest is read.
@@ -12,7 +13,9 @@ import contextlib
 import itertools
 import os
 import re
+import shutil
 import sqlite3
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,6 +29,9 @@ from tests.postgres_server import PostgresServer
 POSTGRESQL, SQLITE = "postgresql", "sqlite"
 # The database pytest-django creates its test database (test_embedsite) beside.
 MAIN_DATABASE = "embedsite"
+# Migrated once per test process; every stack's migrated database is a copy of it. The name is the
+# process's own: each pytest process (each xdist worker) runs a PostgreSQL cluster of its own.
+TEMPLATE_DATABASE = "stack_template"
 
 
 class RunDatabases:
@@ -37,6 +43,10 @@ class RunDatabases:
         self._started = False
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
+        # The migrated template: its URL once made; a SQLite one lives in its own directory.
+        self._template_url: str | None = None
+        self._template_lock = threading.Lock()
+        self._template_directory: Path | None = None
         if backend == POSTGRESQL:
             self.server = PostgresServer(port=free_port())
 
@@ -59,8 +69,86 @@ class RunDatabases:
         if self.server is None:
             return f"sqlite:///{workdir / 'db.sqlite3'}"
         self.ensure_started()
+        return self.server.create_database(self._stack_database_name(workdir))
+
+    def migrated_url(self, workdir: Path) -> str:
+        """A new database for one stack with every migration applied: a copy of this process's
+        template (SQLite: the file copied into `workdir`; PostgreSQL: CREATE DATABASE ... TEMPLATE)."""
+        template_url = self._migrated_template()
+        if self.server is None:
+            path = workdir / "db.sqlite3"
+            # SQLite's backup copies a consistent database whatever its journal mode.
+            with (
+                contextlib.closing(sqlite3.connect(template_url.removeprefix("sqlite:///"))) as source,
+                contextlib.closing(sqlite3.connect(path)) as copy,
+            ):
+                source.backup(copy)
+            return f"sqlite:///{path}"
+        from psycopg import sql
+
+        name = self._stack_database_name(workdir)
+        self._execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(TEMPLATE_DATABASE)
+            )
+        )
+        return self.server.url(name)
+
+    def _migrated_template(self) -> str:
+        """The template's URL, migrated by `manage.py migrate` (as a stack would) the first time."""
+        from tests.processes import manage
+
+        with self._template_lock:
+            if self._template_url is None:
+                if self._template_directory is None:
+                    self._template_directory = Path(tempfile.mkdtemp(prefix="embedsite-template-"))
+                if self.server is None:
+                    path = self._template_directory / "db.sqlite3"
+                    path.unlink(missing_ok=True)  # what a failed attempt left
+                    url = f"sqlite:///{path}"
+                else:
+                    from psycopg import sql
+
+                    self.ensure_started()
+                    # What a failed attempt left.
+                    self._execute(
+                        sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(TEMPLATE_DATABASE))
+                    )
+                    url = self.server.create_database(TEMPLATE_DATABASE)
+                env = {
+                    **os.environ,
+                    "DJANGO_SETTINGS_MODULE": "embedsite.settings",
+                    "DATABASE_URL": url,
+                    "EMBEDSITE_RUN_DIR": str(self._template_directory),
+                }
+                env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+                manage(env, "migrate", "--noinput")
+                if self.server is not None:
+                    self._close_template()
+                self._template_url = url
+            return self._template_url
+
+    def _close_template(self) -> None:
+        """No session may open the template again: CREATE DATABASE ... TEMPLATE refuses to copy a
+        database someone is connected to."""
+        from psycopg import sql
+
+        self._execute(
+            sql.SQL("ALTER DATABASE {} WITH IS_TEMPLATE true ALLOW_CONNECTIONS false").format(
+                sql.Identifier(TEMPLATE_DATABASE)
+            )
+        )
+
+    def _execute(self, statement) -> None:
+        """One statement on the server's `postgres` database, outside any transaction."""
+        import psycopg
+
+        with psycopg.connect(self.server.url("postgres"), autocommit=True) as connection:
+            connection.execute(statement)
+
+    def _stack_database_name(self, workdir: Path) -> str:
         name = re.sub(r"[^a-z0-9]+", "_", workdir.name.lower()).strip("_")[:40]
-        return self.server.create_database(f"stack_{next(self._numbers)}_{name}")
+        return f"stack_{next(self._numbers)}_{name}"
 
     def end_sessions(self, database: str) -> None:
         if self.server is not None and self._started:
@@ -69,6 +157,8 @@ class RunDatabases:
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
+        if self._template_directory is not None:
+            shutil.rmtree(self._template_directory, ignore_errors=True)
 
 
 _databases: RunDatabases | None = None
@@ -80,8 +170,15 @@ def run_databases() -> RunDatabases:
 
 
 def fresh_database_url(workdir: Path) -> str:
-    """DATABASE_URL of a new, empty database on this run's backend, for a stack a test starts."""
+    """DATABASE_URL of a new, empty database on this run's backend, for a stack a test starts that
+    migrates it itself."""
     return run_databases().fresh_url(workdir)
+
+
+def migrated_database_url(workdir: Path) -> str:
+    """DATABASE_URL of a new database on this run's backend with every migration applied, for a
+    stack a test starts: a copy of the run's template (`manage.py migrate` runs once per process)."""
+    return run_databases().migrated_url(workdir)
 
 
 def is_postgresql() -> bool:

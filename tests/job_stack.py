@@ -14,8 +14,8 @@ from pathlib import Path
 
 from embeddings.management.commands.runstack import start_celery
 from embeddings.triton.server import die_with_parent, free_port
-from tests.database_backend import fresh_database_url
-from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
+from tests.database_backend import migrated_database_url
+from tests.processes import REPO_ROOT, manage_commands, stop_process_groups, wait_until_healthy
 
 
 @dataclass
@@ -39,14 +39,14 @@ class JobStack:
 def job_stack_running(
     *, triton_server, redis_server, workdir: Path, chunk_size: int, extra_env: dict[str, str] | None = None
 ) -> Iterator[JobStack]:
-    """Migrate a fresh database in `workdir`, register the local model, create tenant `jobs` with a
-    key, start uvicorn and a worker (both with `extra_env` on top of the stack's settings); stop both
-    on exit."""
+    """A migrated database of its own (tests/database_backend.py), the local model registered,
+    tenant `jobs` with a key, uvicorn and a worker (both with `extra_env` on top of the stack's
+    settings); both stopped on exit."""
     port = free_port()
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-        "DATABASE_URL": fresh_database_url(workdir),
+        "DATABASE_URL": migrated_database_url(workdir),
         "TRITON_SERVER_URL": triton_server.grpc_target,
         "REDIS_URL": redis_server.url,
         "CELERY_BROKER_URL": redis_server.url,
@@ -55,12 +55,10 @@ def job_stack_running(
         **(extra_env or {}),
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    manage(env, "migrate", "--noinput")
-    manage(env, "register_local_model")
-    manage(env, "create_tenant", "--name", "Jobs", "--slug", "jobs")
-    api_key = manage(env, "create_api_key", "--tenant", "jobs")
     server_log = workdir / "uvicorn.log"
     worker_log = workdir / "worker.log"
+    # Both start while the setup commands run: each reads the database only once a request or a
+    # task needs it, and the test sends none before the stack is up.
     with server_log.open("wb") as log:
         server = subprocess.Popen(
             [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -69,10 +67,15 @@ def job_stack_running(
             start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
     worker = start_celery("worker", worker_log, env=env)
-    stack = JobStack(f"http://127.0.0.1:{port}", api_key, env, [server_log, worker_log], worker)
     try:
+        *_, api_key = manage_commands(
+            env,
+            ("register_local_model",),
+            ("create_tenant", "--name", "Jobs", "--slug", "jobs"),
+            ("create_api_key", "--tenant", "jobs"),
+        )
+        stack = JobStack(f"http://127.0.0.1:{port}", api_key, env, [server_log, worker_log], worker)
         wait_until_healthy(server, stack.base_url, server_log)
         yield stack
     finally:
-        stop_process_group(worker)
-        stop_process_group(server)
+        stop_process_groups(worker, server)

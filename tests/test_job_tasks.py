@@ -20,8 +20,7 @@ from embeddings.services.job_leases import chunk_runs
 from embeddings.services.job_store import JobStore
 from embeddings.triton.server import free_port
 from tests import worker_stack
-from tests.commands import manage_in_one_process
-from tests.processes import manage, process_group_paused
+from tests.processes import manage, manage_commands, process_group_paused
 from tests.worker_stack import job_usage, texts
 
 job_stack = worker_stack.job_stack
@@ -220,7 +219,7 @@ def test_a_callback_is_retried_until_delivered_signed(job_stack, start_worker, c
     rotate_webhook_secret printed it) and not with another tenant's. The worker is allowed loopback
     (JOB_CALLBACK_ALLOWED_NETWORKS), which it refuses by default."""
     url, received = callback_receiver
-    secret, other_secret = manage_in_one_process(
+    secret, other_secret = manage_commands(
         job_stack.env,
         ["rotate_webhook_secret", "--tenant", "alpha"],
         ["rotate_webhook_secret", "--tenant", "beta"],

@@ -16,7 +16,7 @@ import httpx2
 import pytest
 
 from tests.api.conftest import LiveServer, live_uvicorn
-from tests.processes import REPO_ROOT, manage
+from tests.processes import REPO_ROOT
 
 PRODUCTION_BLOCK = re.compile(r"<!-- production-environment -->\s*```sh\n(.*?)```", re.DOTALL)
 PUBLIC_HOST = "embeddings.example.com"
@@ -118,11 +118,9 @@ def production_server(triton_server, redis_server, tmp_path_factory) -> Iterator
         redis_url=redis_server.url,
         workers=1,
         env=environment,
+        setup=[("createsuperuser", "--noinput", "--username", "root", "--email", "root@example.com")],
+        setup_env={"DJANGO_SUPERUSER_PASSWORD": ADMIN_PASSWORD},
     ) as server:
-        manage(
-            {**server.env, "DJANGO_SUPERUSER_PASSWORD": ADMIN_PASSWORD},
-            "createsuperuser", "--noinput", "--username", "root", "--email", "root@example.com",
-        )  # fmt: skip
         yield server
 
 

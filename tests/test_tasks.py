@@ -15,7 +15,7 @@ from celery import Celery
 from embeddings.management.commands.runstack import start_celery
 from embeddings.services.quotas import quota_release_sync
 from embeddings.services.usage import UsageEvent
-from tests.database_backend import database_rows, fresh_database_url
+from tests.database_backend import database_rows, migrated_database_url
 from tests.processes import manage, stop_process_group
 
 FOLD_TASK = "embeddings.tasks.usage_fold_task"
@@ -43,7 +43,7 @@ class StackDatabase:
 def stack_database(redis_server, tmp_path_factory) -> StackDatabase:
     """A migrated database with one tenant; the environment that points a process at it."""
     workdir = tmp_path_factory.mktemp("celery")
-    url = fresh_database_url(workdir)
+    url = migrated_database_url(workdir)
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "embedsite.settings",
@@ -52,7 +52,6 @@ def stack_database(redis_server, tmp_path_factory) -> StackDatabase:
         "CELERY_BROKER_URL": redis_server.url,
         "EMBEDSITE_RUN_DIR": str(workdir),
     }
-    manage(env, "migrate", "--noinput")
     manage(env, "create_tenant", "--name", "Worker", "--slug", "worker")
     (tenant,) = database_rows(url, "SELECT id FROM embeddings_tenant WHERE slug = %s", "worker")
     return StackDatabase(url, env, tenant["id"], workdir)

@@ -18,8 +18,8 @@ import pytest
 from embeddings.management.commands.runstack import start_celery
 from embeddings.redis.connections import redis_sync
 from embeddings.services.usage import LIVE_USAGE_KEY
-from tests.database_backend import database_rows, fresh_database_url
-from tests.processes import manage, stop_process_group
+from tests.database_backend import database_rows, migrated_database_url
+from tests.processes import manage, manage_commands, stop_process_groups
 
 SUBMIT = """
 import json
@@ -95,7 +95,7 @@ def job_stack(redis_server, job_store_server, triton_server, tmp_path_factory) -
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-        "DATABASE_URL": fresh_database_url(workdir),
+        "DATABASE_URL": migrated_database_url(workdir),
         "REDIS_URL": redis_server.url,
         "CELERY_BROKER_URL": redis_server.url,
         "JOB_STORE_URL": job_store_server.url,
@@ -104,10 +104,11 @@ def job_stack(redis_server, job_store_server, triton_server, tmp_path_factory) -
         "JOB_CHUNK_SIZE": "4",
         "USAGE_FOLD_INTERVAL_S": "3600",  # job usage stays in Redis, to be counted here
     }
-    manage(env, "migrate", "--noinput")
-    manage(env, "register_local_model")
-    for slug in ("alpha", "beta"):
-        manage(env, "create_tenant", "--name", slug.title(), "--slug", slug)
+    manage_commands(
+        env,
+        ("register_local_model",),
+        *(("create_tenant", "--name", slug.title(), "--slug", slug) for slug in ("alpha", "beta")),
+    )
     return JobStack(workdir, env)
 
 
@@ -123,8 +124,7 @@ def start_worker(job_stack, service_redis, tmp_path) -> Iterator:
         return process, log_path
 
     yield start
-    for process in processes:
-        stop_process_group(process)
+    stop_process_groups(*processes)
 
 
 def texts(prefix: str, count: int) -> list[str]:

@@ -25,8 +25,7 @@ from embeddings.services.keys import api_key_create
 from embeddings.services.tenants import tenant_create
 from embeddings.services.usage_reports import utc_day_start
 from tests.api.conftest import LiveServer, live_uvicorn
-from tests.commands import tenant_with_key
-from tests.processes import REPO_ROOT, manage
+from tests.processes import REPO_ROOT, tenant_with_key
 
 BROWSER_TIMEOUT_MS = 20_000
 FULL_KEY = re.compile(r"emb_[a-z0-9]{12}_[A-Za-z0-9_-]{20,100}")
@@ -239,11 +238,9 @@ def docs_server(triton_server, redis_server, tmp_path_factory) -> Iterator[LiveS
         redis_url=redis_server.url,
         workers=1,
         env={"DJANGO_DEBUG": "0"},
+        setup=[("createsuperuser", "--noinput", "--username", "root", "--email", "root@example.com")],
+        setup_env={"DJANGO_SUPERUSER_PASSWORD": "a-long-password"},
     ) as server:
-        manage(
-            {**server.env, "DJANGO_SUPERUSER_PASSWORD": "a-long-password"},
-            "createsuperuser", "--noinput", "--username", "root", "--email", "root@example.com",
-        )  # fmt: skip
         yield server
 
 

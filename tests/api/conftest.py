@@ -8,7 +8,7 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +20,8 @@ from embeddings.services.catalog import embedding_model_register_local
 from embeddings.triton.server import die_with_parent, free_port
 from tests.api.raw_http import RawHttp
 from tests.conftest import TenantWithKey
-from tests.database_backend import fresh_database_url
-from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
+from tests.database_backend import migrated_database_url
+from tests.processes import REPO_ROOT, manage_commands, stop_process_group, wait_until_healthy
 
 
 @pytest.fixture
@@ -80,11 +80,19 @@ class LiveServer:
 
 @contextlib.contextmanager
 def live_uvicorn(
-    *, workdir: Path, triton_target: str, redis_url: str, workers: int = 2, env: dict[str, str] | None = None
+    *,
+    workdir: Path,
+    triton_target: str,
+    redis_url: str,
+    workers: int = 2,
+    env: dict[str, str] | None = None,
+    setup: Sequence[Sequence[str]] = (),
+    setup_env: dict[str, str] | None = None,
 ) -> Iterator[LiveServer]:
     """`manage.py serve` as runstack runs it, with its own database on the run's backend
-    (tests/database_backend.py: migrated, the
-    local model registered, tenant `live` with a key) and the given settings in `env`; stopped on exit.
+    (tests/database_backend.py: migrated, the local model registered, tenant `live` with a key) and
+    the given settings in `env`; stopped on exit. `setup`: more manage.py commands (name, arguments)
+    run after those, in the same process, with `setup_env` added to the server's settings.
 
     PROMETHEUS_MULTIPROC_DIR is set as runstack sets it, so /metrics sums the workers.
     """
@@ -94,7 +102,7 @@ def live_uvicorn(
     server_env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-        "DATABASE_URL": fresh_database_url(workdir),
+        "DATABASE_URL": migrated_database_url(workdir),
         "TRITON_SERVER_URL": triton_target,
         "SERVER_PORT": str(port),
         "REDIS_URL": redis_url,
@@ -103,15 +111,12 @@ def live_uvicorn(
         **(env or {}),
     }
     server_env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    manage(server_env, "migrate", "--noinput")
-    manage(server_env, "register_local_model")
-    manage(server_env, "create_tenant", "--name", "Live", "--slug", "live")
-    api_key = manage(server_env, "create_api_key", "--tenant", "live")
     # Only the server's workers write there (as with runstack), so their files can be counted.
     # (`server.env` stays without it: manage.py commands a test runs must not add files there.)
     process_env = {**server_env, "PROMETHEUS_MULTIPROC_DIR": str(prometheus_dir)}
     log_path = workdir / "uvicorn.log"
     log = log_path.open("wb")
+    # Started before the setup commands run: a worker reads the database only when a request needs it.
     process = subprocess.Popen(
         [
             sys.executable, "manage.py", "serve",
@@ -121,6 +126,13 @@ def live_uvicorn(
         start_new_session=True, preexec_fn=die_with_parent,
     )  # fmt: skip
     try:
+        _, _, api_key, *_ = manage_commands(
+            {**server_env, **(setup_env or {})},
+            ("register_local_model",),
+            ("create_tenant", "--name", "Live", "--slug", "live"),
+            ("create_api_key", "--tenant", "live"),
+            *setup,
+        )
         server = LiveServer(
             f"http://127.0.0.1:{port}", api_key, prometheus_dir, process, server_env, log_path
         )

@@ -12,17 +12,17 @@ import httpx2
 import pytest
 
 from tests.admin.test_login_lockout import LOGIN_URL, PASSWORD, WRONG
-from tests.commands import manage_in_one_process
+from tests.processes import manage_commands
 
 
 @pytest.fixture
 def live_admin(uvicorn_server) -> Iterator[tuple[str, str]]:
     """Two superusers, fresh names per test, in the live server's database."""
     names = [f"admin_{secrets.token_hex(4)}", f"other_{secrets.token_hex(4)}"]
-    manage_in_one_process(
+    manage_commands(
         {**uvicorn_server.env, "DJANGO_SUPERUSER_PASSWORD": PASSWORD},
         *(
-            ["createsuperuser", "--noinput", "--username", name, "--email", f"{name}@example.com"]
+            ("createsuperuser", "--noinput", "--username", name, "--email", f"{name}@example.com")
             for name in names
         ),
     )

@@ -24,7 +24,7 @@ from embeddings.api.authentication import principal_cache
 from embeddings.callers import Caller, QuotaLimitValues
 from tests.api.conftest import EDGE_LIMITS, LiveServer
 from tests.api.raw_http import connect, error_code, head, read_answer
-from tests.processes import manage
+from tests.processes import manage_commands
 
 MAX_IN_FLIGHT = int(EDGE_LIMITS["ADMISSION_MAX_IN_FLIGHT"])
 MAX_QUEUED = int(EDGE_LIMITS["ADMISSION_MAX_QUEUED"])
@@ -210,8 +210,11 @@ def hold_every_slot(stack: ExitStack, server: LiveServer, key: str) -> list[Hold
 @pytest.fixture(scope="module")
 def second_key(edge_server) -> str:
     """A key of a second tenant on the edge server, verified once so its process knows whose it is."""
-    manage(edge_server.env, "create_tenant", "--name", "Second", "--slug", "second")
-    key = manage(edge_server.env, "create_api_key", "--tenant", "second")
+    _, key = manage_commands(
+        edge_server.env,
+        ("create_tenant", "--name", "Second", "--slug", "second"),
+        ("create_api_key", "--tenant", "second"),
+    )
     for tenant_key in (key, edge_server.api_key):
         response = httpx2.post(
             f"{edge_server.base_url}/v1/embeddings", content=SHORT_BODY, timeout=60,

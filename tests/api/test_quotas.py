@@ -24,7 +24,7 @@ from embeddings.triton.server import free_port
 from tests.api.conftest import LiveServer
 from tests.api.worker_metrics import answered_since, requests_answered_by_worker
 from tests.conftest import TenantWithKey
-from tests.processes import manage, process_group_paused
+from tests.processes import manage_commands, process_group_paused
 
 # A deadline against hanging only: far above what waiting for an event takes on a loaded machine.
 HANG_DEADLINE_S = 30
@@ -308,8 +308,9 @@ def live_tenant(server: LiveServer, slug: str, **limits: int) -> dict[str, str]:
     """A tenant with these limits in the live server's database, and its key's headers."""
     env = {name: value for name, value in (server.env or {}).items() if name != "PROMETHEUS_MULTIPROC_DIR"}
     options = [arg for name, value in limits.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
-    manage(env, "create_tenant", "--name", slug, "--slug", slug, *options)
-    key = manage(env, "create_api_key", "--tenant", slug)
+    _, key = manage_commands(
+        env, ("create_tenant", "--name", slug, "--slug", slug, *options), ("create_api_key", "--tenant", slug)
+    )
     return {"Authorization": f"Bearer {key}"}
 
 

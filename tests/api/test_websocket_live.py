@@ -15,7 +15,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from embeddings.consumers import CLOSE_NORMAL, CLOSE_NOT_FOUND, CLOSE_UNAUTHORIZED, SUBPROTOCOL
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import manage, process_group_paused
+from tests.processes import manage_commands, process_group_paused
 
 MODEL = "all-MiniLM-L6-v2"
 CHUNK_SIZE = 4
@@ -39,8 +39,12 @@ def job_stack(triton_server, redis_server, tmp_path_factory) -> Iterator[JobStac
 
 @pytest.fixture(scope="module")
 def other_tenant_key(job_stack) -> str:
-    manage(job_stack.env, "create_tenant", "--name", "Other", "--slug", "other")
-    return manage(job_stack.env, "create_api_key", "--tenant", "other")
+    _, key = manage_commands(
+        job_stack.env,
+        ("create_tenant", "--name", "Other", "--slug", "other"),
+        ("create_api_key", "--tenant", "other"),
+    )
+    return key
 
 
 def ws_url(stack: JobStack, job_id: str) -> str:

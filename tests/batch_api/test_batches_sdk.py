@@ -23,9 +23,8 @@ import pytest
 
 from embeddings.management.commands.runstack import start_celery
 from tests.api.raw_http import RawHttp
-from tests.commands import tenant_with_key
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import REPO_ROOT, manage, stop_process_group
+from tests.processes import REPO_ROOT, manage, stop_process_group, tenant_with_key
 
 MODEL = "all-MiniLM-L6-v2"
 CHUNK_SIZE = 64

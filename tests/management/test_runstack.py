@@ -31,12 +31,12 @@ import httpx2
 import pytest
 
 from embeddings.triton.server import die_with_parent, free_port, shared_memory_regions
-from tests.commands import manage_in_one_process
 from tests.conftest import require_exported_model
 from tests.processes import (
     REPO_ROOT,
     children_of,
     manage,
+    manage_commands,
     process_group_paused,
     stop_process_group,
     wait_until_healthy,
@@ -205,7 +205,7 @@ def start_stack(tmp_path: Path, migrated: Path, *, catalog: bool, **settings_env
     api_key = ""
     if catalog:
         quotas = ["--requests-per-minute", "1000000", "--tokens-per-day", "1000000000"]
-        registered, _, api_key = manage_in_one_process(
+        registered, _, api_key = manage_commands(
             env,
             ["register_local_model"],
             ["create_tenant", "--name", "Stack", "--slug", "stack", *quotas],

@@ -17,26 +17,30 @@ import httpx2
 import pytest
 
 from embeddings.triton.server import die_with_parent, free_port
-from tests.database_backend import fresh_database_url
-from tests.processes import REPO_ROOT, manage, stop_process_group, wait_until_healthy
+from tests.database_backend import migrated_database_url
+from tests.processes import REPO_ROOT, manage_commands, stop_process_group, wait_until_healthy
 
 
 def site_prepared(workdir: Path, **settings_env: str) -> tuple[dict[str, str], str]:
-    """A fresh database (on the run's backend) with the local model and tenant `faults` (generous
-    quotas, so every request goes through Redis) and its key; (the servers' environment, key)."""
+    """A migrated database of its own (on the run's backend) with the local model and tenant
+    `faults` (generous quotas, so every request goes through Redis) and its key; (the servers'
+    environment, key)."""
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "embedsite.settings",
-        "DATABASE_URL": fresh_database_url(workdir),
+        "DATABASE_URL": migrated_database_url(workdir),
         "EMBEDSITE_RUN_DIR": str(workdir),
         **settings_env,
     }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    manage(env, "migrate", "--noinput")
-    manage(env, "register_local_model")
     quotas = ["--requests-per-minute", "1000000", "--tokens-per-day", "1000000000"]
-    manage(env, "create_tenant", "--name", "Faults", "--slug", "faults", *quotas)
-    return env, manage(env, "create_api_key", "--tenant", "faults")
+    *_, api_key = manage_commands(
+        env,
+        ("register_local_model",),
+        ("create_tenant", "--name", "Faults", "--slug", "faults", *quotas),
+        ("create_api_key", "--tenant", "faults"),
+    )
+    return env, api_key
 
 
 @dataclass

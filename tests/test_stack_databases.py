@@ -1,0 +1,51 @@
+"""The databases the live stacks start on (tests/database_backend.py): each a copy of a template
+migrated once per test process, which must be a correct migrated database of the run's backend and
+a database of its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.database_backend import database_execute, migrated_database_url
+from tests.processes import REPO_ROOT
+
+
+def migrate_check(url: str, workdir) -> subprocess.CompletedProcess:
+    """`manage.py migrate --check` on the database at `url`: non-zero while a migration is unapplied."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "embedsite.settings",
+        "DATABASE_URL": url,
+        "EMBEDSITE_RUN_DIR": str(workdir),
+    }
+    return subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--check", "--noinput"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.integration
+def test_a_stack_database_is_migrated_and_its_own(tmp_path):
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    first = migrated_database_url(first_dir)
+    assert migrate_check(first, first_dir).returncode == 0, "a copy of the template lacks a migration"
+
+    # The check can fail: with the record of the project's migrations gone, this copy is unmigrated.
+    database_execute(first, "DELETE FROM django_migrations WHERE app = %s", "embeddings")
+    unmigrated = migrate_check(first, first_dir)
+    assert unmigrated.returncode != 0, unmigrated.stdout + unmigrated.stderr
+
+    # A copy made after is whole: the first one's change reached neither the template nor it.
+    second = migrated_database_url(second_dir)
+    assert second != first
+    assert migrate_check(second, second_dir).returncode == 0
