@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import os
 import re
+import secrets
 import shutil
 import sqlite3
 import tempfile
@@ -29,9 +30,9 @@ from tests.postgres_server import PostgresServer
 POSTGRESQL, SQLITE = "postgresql", "sqlite"
 # The database pytest-django creates its test database (test_embedsite) beside.
 MAIN_DATABASE = "embedsite"
-# Migrated once per test process; every stack's migrated database is a copy of it. The name is the
-# process's own: each pytest process (each xdist worker) runs a PostgreSQL cluster of its own.
-TEMPLATE_DATABASE = "stack_template"
+# Migrated once per test process; every stack's migrated database is a copy of it. Its name ends in
+# a token of the process's own, so no two processes' templates meet even on one cluster.
+TEMPLATE_DATABASE_PREFIX = "stack_template_"
 
 
 class RunDatabases:
@@ -45,6 +46,7 @@ class RunDatabases:
         self._numbers = itertools.count(1)
         # The migrated template: its URL once made; a SQLite one lives in its own directory.
         self._template_url: str | None = None
+        self._template_name = TEMPLATE_DATABASE_PREFIX + secrets.token_hex(4)
         self._template_lock = threading.Lock()
         self._template_directory: Path | None = None
         if backend == POSTGRESQL:
@@ -89,7 +91,7 @@ class RunDatabases:
         name = self._stack_database_name(workdir)
         self._execute(
             sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                sql.Identifier(name), sql.Identifier(TEMPLATE_DATABASE)
+                sql.Identifier(name), sql.Identifier(self._template_name)
             )
         )
         return self.server.url(name)
@@ -112,9 +114,9 @@ class RunDatabases:
                     self.ensure_started()
                     # What a failed attempt left.
                     self._execute(
-                        sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(TEMPLATE_DATABASE))
+                        sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(self._template_name))
                     )
-                    url = self.server.create_database(TEMPLATE_DATABASE)
+                    url = self.server.create_database(self._template_name)
                 env = {
                     **os.environ,
                     "DJANGO_SETTINGS_MODULE": "embedsite.settings",
@@ -135,7 +137,7 @@ class RunDatabases:
 
         self._execute(
             sql.SQL("ALTER DATABASE {} WITH IS_TEMPLATE true ALLOW_CONNECTIONS false").format(
-                sql.Identifier(TEMPLATE_DATABASE)
+                sql.Identifier(self._template_name)
             )
         )
 
