@@ -26,6 +26,7 @@ import pytest
 
 from embeddings.triton.server import free_port
 from tests.postgres_server import PostgresServer
+from tests.shared_services import SharedServices
 
 POSTGRESQL, SQLITE = "postgresql", "sqlite"
 # The database pytest-django creates its test database (test_embedsite) beside.
@@ -49,8 +50,20 @@ class RunDatabases:
         self._template_name = TEMPLATE_DATABASE_PREFIX + secrets.token_hex(4)
         self._template_lock = threading.Lock()
         self._template_directory: Path | None = None
+        # Stack databases are named per process; on a cluster `make test-services` keeps up, per run too.
+        self._run_prefix = ""
         if backend == POSTGRESQL:
-            self.server = PostgresServer(port=free_port())
+            try:
+                shared = SharedServices.from_environment()
+            except RuntimeError as error:
+                raise pytest.UsageError(str(error)) from error
+            if shared is None:
+                self.server = PostgresServer(port=free_port())
+            else:
+                self.server = PostgresServer(port=shared.postgresql["port"])
+                self.server.password = shared.postgresql["password"]
+                self._started = True
+                self._run_prefix = f"{secrets.token_hex(3)}_"
 
     @property
     def url(self) -> str | None:
@@ -150,7 +163,7 @@ class RunDatabases:
 
     def _stack_database_name(self, workdir: Path) -> str:
         name = re.sub(r"[^a-z0-9]+", "_", workdir.name.lower()).strip("_")[:40]
-        return f"stack_{next(self._numbers)}_{name}"
+        return f"stack_{self._run_prefix}{next(self._numbers)}_{name}"
 
     def end_sessions(self, database: str) -> None:
         if self.server is not None and self._started:
