@@ -46,7 +46,7 @@ test-services: setup
 # (services, admin pages, the browser) and the stacks shaped as `make run` runs them, uvicorn and a
 # Celery worker sharing one SQLite file (tests/management/test_runstack.py is on SQLite in both runs).
 # tests/services/test_embedding.py is left out: Triton only, no database (70 s saved).
-SQLITE_TESTS ?= tests/services tests/admin tests/test_tasks.py tests/api/test_jobs_end_to_end.py \
+SQLITE_TESTS ?= tests/services tests/admin tests/test_tasks.py tests/api/test_jobs_end_to_end.py tests/test_stack_databases.py \
 	--ignore=tests/services/test_embedding.py
 
 ## bench: client vs raw ONNX Runtime benchmark (table on stdout, JSON in bench/results/)
