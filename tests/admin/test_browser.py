@@ -154,6 +154,9 @@ def _log_in(page, live_server, password: str = "a-long-password") -> None:
     page.fill("#id_username", "root")
     page.fill("#id_password", password)
     page.click("input[type=submit]")
+    # The click returns once the next page has started to arrive: on a busy machine its body may
+    # not be parsed yet when the test reads it.
+    page.wait_for_load_state()
 
 
 def test_rotate_a_webhook_secret_and_see_it_once(live_server, tenant_with_usage, browser_page, tmp_path):
