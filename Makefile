@@ -31,8 +31,10 @@ test: setup
 # Test files run side by side on TEST_WORKERS pytest-xdist workers, each file whole on one worker
 # (its module's stacks start once); each worker has its own Triton, Redis and PostgreSQL. Most of a
 # test's time is waiting for processes, so more workers than cores pays (README "Tests").
+# --no-loadscope-reorder: files go out in collection order (tests/conftest.py LONGEST_FILES first),
+# not xdist's by number of tests, which started the longest files last.
 TEST_WORKERS ?= 3
-TEST_PARALLEL ?= -n $(TEST_WORKERS) --dist loadfile
+TEST_PARALLEL ?= -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 ## test-unit: the unit tier alone (no server of any kind), for the inner loop
 test-unit: setup

@@ -201,7 +201,7 @@ class FuzzRun:
 
     def summary(self) -> str:
         return (
-            f"{self.cases} cases over {self.report['operations']['tested']} operations "
+            f"{self.cases} cases over {(self.report['operations'] or {}).get('tested')} operations "
             f"({self.stateful_calls} stateful calls) in {self.wall_s:.0f} s {self.phase_seconds}; "
             f"responses {dict(sorted(self.statuses.items()))}; failures {self.report['failures']}, "
             f"errors {self.report['errors']}; right refusals of valid data dropped: "
@@ -223,10 +223,10 @@ def auth_document(live_key: str, other_key: str) -> str:
 
 
 def schemathesis_run(
-    server: FuzzServer, workdir: Path, *, config: str, options: list[str], live_key: str
+    server: FuzzServer, workdir: Path, *, schema: Path, config: str, options: list[str], live_key: str
 ) -> FuzzRun:
-    """`schemathesis run` (the CLI, as a developer would run it) against the server's /api/schema/,
-    as `live_key`'s tenant with the other tenant as its peer."""
+    """`schemathesis run` (the CLI, as a developer would run it) against the server, with its
+    /api/schema/ as saved in `schema`, as `live_key`'s tenant with the other tenant as its peer."""
     workdir.mkdir()
     (workdir / "schemathesis.toml").write_text(config)
     (workdir / "auth.json").write_text(auth_document(live_key, server.other_api_key))
@@ -236,7 +236,7 @@ def schemathesis_run(
     run = subprocess.run(
         [
             sys.executable, "-m", "schemathesis.cli", "--config-file", str(workdir / "schemathesis.toml"),
-            "run", f"{server.base_url}/api/schema/",
+            "run", str(schema), "--url", server.base_url,
             # One worker: the 2 cores are shared with the server, Triton and the other run.
             "--workers", "1", "--no-color", "--report", "json,ndjson,junit", "--report-dir", str(reports),
             *options,
@@ -292,11 +292,15 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(fuzz_server,
     # tenant's, whose key only this run has, since the full run deletes the jobs it finds (the
     # check that a deleted job stays gone).
     job_id = finished_job(fuzz_server, fuzz_server.results_api_key)
+    # The schema read once, for both runs: two runs loading it at once from a busy server timed out.
+    schema = tmp_path / "schema.json"
+    schema.write_bytes(httpx2.get(f"{fuzz_server.base_url}/api/schema/?format=json", timeout=120).content)
     with ThreadPoolExecutor(2) as runs:
         results_run = runs.submit(
             schemathesis_run,
             fuzz_server,
             tmp_path / "results",
+            schema=schema,
             config=CONFIG
             + f"""
 [[operations]]
@@ -315,6 +319,7 @@ parameters = {{ job_id = "{job_id}" }}
             schemathesis_run,
             fuzz_server,
             tmp_path / "all",
+            schema=schema,
             config=CONFIG,
             options=[],
             live_key=fuzz_server.api_key,
