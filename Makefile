@@ -38,7 +38,7 @@ TEST_PARALLEL ?= -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 ## test-unit: the unit tier alone (no server of any kind), for the inner loop
 test-unit: setup
-	$(PY) -m pytest -m unit -q $(PYTEST_ARGS)
+	$(PY) -m pytest -m unit -q -n 2 $(PYTEST_ARGS)
 
 ## test-services: keep the tests' Triton, Redis and PostgreSQL up (Ctrl-C stops them), for quick runs of one area
 test-services: setup
