@@ -45,8 +45,8 @@ class RunDatabases:
         self._started = False
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
-        # The migrated template: its URL once made; a SQLite one lives in its own directory.
-        self._template_url: str | None = None
+        # The migrated templates' URLs once made (key: on PostgreSQL); SQLite's in its own directory.
+        self._template_urls: dict[bool, str] = {}
         self._template_name = TEMPLATE_DATABASE_PREFIX + secrets.token_hex(4)
         self._template_lock = threading.Lock()
         self._template_directory: Path | None = None
@@ -89,18 +89,11 @@ class RunDatabases:
     def migrated_url(self, workdir: Path) -> str:
         """A new database for one stack with every migration applied: a copy of this process's
         template (SQLite: the file copied into `workdir`; PostgreSQL: CREATE DATABASE ... TEMPLATE)."""
-        template_url = self._migrated_template()
         if self.server is None:
-            path = workdir / "db.sqlite3"
-            # SQLite's backup copies a consistent database whatever its journal mode.
-            with (
-                contextlib.closing(sqlite3.connect(template_url.removeprefix("sqlite:///"))) as source,
-                contextlib.closing(sqlite3.connect(path)) as copy,
-            ):
-                source.backup(copy)
-            return f"sqlite:///{path}"
+            return self.migrated_sqlite_url(workdir)
         from psycopg import sql
 
+        self._migrated_template(postgresql=True)
         name = self._stack_database_name(workdir)
         self._execute(
             sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
@@ -109,15 +102,29 @@ class RunDatabases:
         )
         return self.server.url(name)
 
-    def _migrated_template(self) -> str:
-        """The template's URL, migrated by `manage.py migrate` (as a stack would) the first time."""
+    def migrated_sqlite_url(self, workdir: Path) -> str:
+        """A migrated SQLite file in `workdir` whatever the run's backend (runstack's stacks run on
+        SQLite as `make run` does): a copy of this process's SQLite template."""
+        template = self._migrated_template(postgresql=False).removeprefix("sqlite:///")
+        path = workdir / "db.sqlite3"
+        # SQLite's backup copies a consistent database whatever its journal mode.
+        with (
+            contextlib.closing(sqlite3.connect(template)) as source,
+            contextlib.closing(sqlite3.connect(path)) as copy,
+        ):
+            source.backup(copy)
+        return f"sqlite:///{path}"
+
+    def _migrated_template(self, *, postgresql: bool) -> str:
+        """The SQLite or PostgreSQL template's URL, migrated by `manage.py migrate` (as a stack
+        would) the first time it is asked for."""
         from tests.processes import manage
 
         with self._template_lock:
-            if self._template_url is None:
+            if postgresql not in self._template_urls:
                 if self._template_directory is None:
                     self._template_directory = Path(tempfile.mkdtemp(prefix="embedsite-template-"))
-                if self.server is None:
+                if not postgresql:
                     path = self._template_directory / "db.sqlite3"
                     path.unlink(missing_ok=True)  # what a failed attempt left
                     url = f"sqlite:///{path}"
@@ -138,10 +145,10 @@ class RunDatabases:
                 }
                 env.pop("PROMETHEUS_MULTIPROC_DIR", None)
                 manage(env, "migrate", "--noinput")
-                if self.server is not None:
+                if postgresql:
                     self._close_template()
-                self._template_url = url
-            return self._template_url
+                self._template_urls[postgresql] = url
+            return self._template_urls[postgresql]
 
     def _close_template(self) -> None:
         """No session may open the template again: CREATE DATABASE ... TEMPLATE refuses to copy a
@@ -188,6 +195,11 @@ def fresh_database_url(workdir: Path) -> str:
     """DATABASE_URL of a new, empty database on this run's backend, for a stack a test starts that
     migrates it itself."""
     return run_databases().fresh_url(workdir)
+
+
+def migrated_sqlite_url(workdir: Path) -> str:
+    """DATABASE_URL of a migrated SQLite file in `workdir`, whatever the run's backend."""
+    return run_databases().migrated_sqlite_url(workdir)
 
 
 def migrated_database_url(workdir: Path) -> str:

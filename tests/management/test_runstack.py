@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,10 +31,10 @@ import pytest
 
 from embeddings.triton.server import die_with_parent, free_port, shared_memory_regions
 from tests.conftest import require_exported_model
+from tests.database_backend import migrated_sqlite_url
 from tests.processes import (
     REPO_ROOT,
     children_of,
-    manage,
     manage_commands,
     process_group_paused,
     stop_process_group,
@@ -158,31 +157,15 @@ def kill(pid: int, signum: int = signal.SIGKILL) -> None:
         time.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def migrated_database(tmp_path_factory) -> Path:
-    """An SQLite database migrated once for the module: each stack starts from a copy of it (a
-    migrate of its own took seconds per stack)."""
-    workdir = tmp_path_factory.mktemp("migrated")
-    env = {
-        **os.environ,
-        "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
-        "EMBEDSITE_RUN_DIR": str(workdir),
-    }
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    manage(env, "migrate", "--noinput")
-    return workdir / "db.sqlite3"
-
-
-def start_stack(tmp_path: Path, migrated: Path, *, catalog: bool, **settings_env: str) -> Stack:
+def start_stack(tmp_path: Path, *, catalog: bool, **settings_env: str) -> Stack:
     """runstack with `--workers 2` as `make run` starts it (two Redis servers, JSON logs), on free
-    ports and its own SQLite database (as `make run`), a copy of the `migrated` one, with `catalog`
+    ports and its own SQLite database (as `make run`), migrated (tests/database_backend.py), with `catalog`
     the local model registered (it loads when the stack starts) and a tenant with quotas and its key."""
     require_exported_model(REPO_ROOT / "model_repository")
     port = free_port()
-    shutil.copyfile(migrated, tmp_path / "db.sqlite3")
     env = {
         **os.environ,
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        "DATABASE_URL": migrated_sqlite_url(tmp_path),
         "EMBEDSITE_RUN_DIR": str(tmp_path),
         "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
         # As `make run` sets it: the job store on a Redis server of its own.
@@ -239,10 +222,10 @@ def start_stack(tmp_path: Path, migrated: Path, *, catalog: bool, **settings_env
     return stack
 
 
-def test_ctrl_c_stops_everything_even_with_a_restart_pending(tmp_path, migrated_database):
+def test_ctrl_c_stops_everything_even_with_a_restart_pending(tmp_path):
     """Beat killed and its restart 20 s away: Ctrl-C stops the stack at once, beat never restarted,
     exit status 0, every line JSON, nothing left."""
-    stack = start_stack(tmp_path, migrated_database, catalog=False, RUNSTACK_RESTART_DELAY_S="20")
+    stack = start_stack(tmp_path, catalog=False, RUNSTACK_RESTART_DELAY_S="20")
     try:
         beat = stack.child(" beat ")
         kill(beat)
@@ -268,13 +251,12 @@ def test_ctrl_c_stops_everything_even_with_a_restart_pending(tmp_path, migrated_
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, migrated_database) -> Iterator[Stack]:
+def stack(tmp_path_factory) -> Iterator[Stack]:
     """The stack the restart tests share, with the shipped delays (0.5 s, doubling), two restarts in
     a row allowed before giving up (the give-up test needs three fast deaths, not six), and a child up
     5 s counted as stable (the tests kill the job store twice, seconds apart, for different reasons)."""
     stack = start_stack(
         tmp_path_factory.mktemp("runstack"),
-        migrated_database,
         catalog=True,
         RUNSTACK_RESTART_ATTEMPTS="2",
         RUNSTACK_RESTART_STABLE_S="5",
