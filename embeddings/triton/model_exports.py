@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -124,6 +125,23 @@ def model_export_info(*, repository_dir: Path, name: str, version: int | str | N
     return info
 
 
+# SHA-256 by file version: (device, inode, size, modification time, change time) -> hex digest.
+_digests: dict[tuple[int, int, int, int, int], str] = {}
+_DIGESTS_KEPT = 64
+
+
 def file_sha256(path: Path) -> str:
+    """The file's SHA-256, remembered per file version: every registration checks a model.onnx
+    (tens to hundreds of MB), and hashing it each time cost more than the rest of registering. Any
+    write to the file or a replacement of it changes its change time (which no caller can set) or
+    its inode, so a changed file is hashed again."""
     with path.open("rb") as file:
-        return hashlib.file_digest(file, "sha256").hexdigest()
+        stat = os.fstat(file.fileno())
+        version = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+        digest = _digests.get(version)
+        if digest is None:
+            digest = hashlib.file_digest(file, "sha256").hexdigest()
+            if len(_digests) >= _DIGESTS_KEPT:
+                _digests.clear()
+            _digests[version] = digest
+        return digest

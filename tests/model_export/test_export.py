@@ -14,7 +14,7 @@ from django.core.management import CommandError, call_command
 
 from embeddings.management.commands.export_model import default_source_dir
 from embeddings.tooling.model_export import model_export, model_export_outdated
-from embeddings.triton.model_exports import ModelExportError
+from embeddings.triton.model_exports import ModelExportError, ModelExportMismatch, model_export_info
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -281,3 +281,29 @@ def test_an_export_whose_model_was_replaced_or_removed_is_outdated(tmp_path):
     assert "not the model that was exported" in outdated(tmp_path)
     (version_dir / "model.onnx").unlink()
     assert "model.onnx is missing" in outdated(tmp_path)
+
+
+@pytest.mark.unit
+def test_a_models_checksum_is_computed_once_per_version_of_the_file(tmp_path, monkeypatch):
+    """Every registration checks model.onnx: the same file is hashed once, and a rewrite is hashed
+    again even when it keeps the size and is given back its modification time."""
+    version_dir = write_finished_export(tmp_path)
+    model = version_dir / "model.onnx"
+    hashed: list[int] = []
+    digest = hashlib.file_digest
+
+    def counted(file, name):
+        hashed.append(1)
+        return digest(file, name)
+
+    monkeypatch.setattr(hashlib, "file_digest", counted)
+    first = model_export_info(repository_dir=tmp_path, name="minilm")
+    model_export_info(repository_dir=tmp_path, name="minilm")
+    assert (first["sha256"], len(hashed)) == (hashlib.sha256(model.read_bytes()).hexdigest(), 1)
+
+    before = model.stat()
+    model.write_bytes(b"stand-in for another graph!!!!")  # the same size
+    os.utime(model, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(ModelExportMismatch, match="not the model that was exported"):
+        model_export_info(repository_dir=tmp_path, name="minilm")
+    assert len(hashed) == 2
