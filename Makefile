@@ -113,10 +113,13 @@ SYSTEM_PACKAGES := redis-server chromium postgresql iproute2
 	dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES))
 	touch $@
 
+# --no-compile: pip would compile every module of every package (torch's thousands included) to
+# bytecode, half of its CPU time; Python compiles what is imported, once, as it first imports it.
 $(VENV)/.installed: $(REQUIREMENTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -r requirements.txt -r requirements-test.txt -r requirements-export.txt -r requirements-deploy.txt
-	$(PIP) install -q --no-deps -r requirements-nodeps.txt
+	$(PIP) install -q --no-compile -r requirements.txt -r requirements-test.txt -r requirements-export.txt \
+		-r requirements-deploy.txt
+	$(PIP) install -q --no-compile --no-deps -r requirements-nodeps.txt
 	touch $@
 
 # generate.py does nothing when its outputs are newer than the protos; the touch keeps make from
