@@ -12,7 +12,7 @@ MODEL_ONNX := model_repository/minilm/1/model.onnx
 PROTOCOL := embeddings/triton/protocol/grpc_service_pb2.py
 COMPOSE := $(VENV)/bin/docker-compose
 
-.PHONY: run test test-unit test-services setup bench bench-api bench-peers bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
+.PHONY: run test test-unit test-services setup setup-steps bench bench-api bench-peers bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
 	clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
@@ -93,8 +93,13 @@ bench-gpu: setup
 	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
 	$(PY) bench/gpu.py $(BENCH_ARGS)
 
-setup: .run/.system-packages .run/secret_key $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated .run/.collected-static \
-	$(COMPOSE)
+SETUP_STEPS := .run/.system-packages .run/secret_key $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) .run/.migrated \
+	.run/.collected-static $(COMPOSE)
+# The steps side by side where their prerequisites allow: on a fresh machine apt downloads and
+# installs the system packages while pip installs, and the model export runs beside collectstatic.
+setup:
+	@$(MAKE) --no-print-directory -j 3 setup-steps
+setup-steps: $(SETUP_STEPS)
 
 # This checkout's Django secret key, random, made once and never overwritten (O_EXCL): settings read it
 # when DJANGO_SECRET_KEY is unset, so `make run`, `make test` and manage.py commands share one key

@@ -318,13 +318,13 @@ def test_setup_writes_a_private_random_key_once_and_settings_read_it(project_cop
 def test_make_setup_creates_the_key_before_any_manage_py_command():
     """Every setup step that runs manage.py (export, migrate) waits for the secret key."""
     plan = subprocess.run(
-        ["make", "-f", str(REPO_ROOT / "Makefile"), "-p", "-n", "--no-print-directory", "-q", "setup"],
+        ["make", "-f", str(REPO_ROOT / "Makefile"), "-p", "-n", "--no-print-directory", "-q", "setup-steps"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
     ).stdout  # fmt: skip
     rules = {
         line.split(":", 1)[0]: line for line in plan.splitlines() if ":" in line and not line.startswith("#")
     }
-    for target in ("setup", ".run/.migrated", "model_repository/minilm/1/model.onnx"):
+    for target in ("setup-steps", ".run/.migrated", "model_repository/minilm/1/model.onnx"):
         assert ".run/secret_key" in rules[target], rules[target]
 
 
