@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asgiref.sync import sync_to_async
 from django import forms
@@ -33,9 +34,7 @@ from embeddings.admin_charts import daily_bar_chart
 from embeddings.models import ApiKey, EmbeddingModel, QuotaLimits, Tenant, UsageBucket
 from embeddings.services.catalog import embedding_model_cache_clear
 from embeddings.services.encryption import SecretUndecryptable
-from embeddings.services.job_storage import size_text, tenant_job_storage
 from embeddings.services.keys import api_key_create, api_key_revoke
-from embeddings.services.model_serving import ModelServingState, models_reconcile, models_serving_states
 from embeddings.services.tenants import (
     tenant_deactivate,
     tenant_webhook_secret_rotate,
@@ -50,8 +49,15 @@ from embeddings.services.usage_reports import (
     top_keys,
     usage_csv_rows,
 )
-from embeddings.triton import TritonClient, TritonError
+from embeddings.triton import TritonError
 from embeddings.triton.model_exports import model_export_versions
+
+# The job store (redis.asyncio), model serving and the Triton client (grpc, numpy) are imported by
+# the admin views that use them, not here: every process imports this module at start-up
+# (admin.autodiscover), and most of them never render an admin page.
+if TYPE_CHECKING:
+    from embeddings.services.model_serving import ModelServingState
+    from embeddings.triton import TritonClient
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +286,8 @@ class TenantAdmin(admin.ModelAdmin):
     def job_storage_held(self, tenant: Tenant) -> str:
         if tenant.pk is None:
             return "-"
+        from embeddings.services.job_storage import size_text, tenant_job_storage
+
         storage = tenant_job_storage(tenant=tenant)
         percent = 100 * storage.used_bytes / storage.budget_bytes if storage.budget_bytes else 100.0
         return (
@@ -470,6 +478,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
 def triton_admin_client() -> TritonClient:
     """A client for admin pages: one try under READY_CHECK_TIMEOUT_S, so a Triton that is down or
     hung costs a page that long at most."""
+    from embeddings.triton import TritonClient
+
     return TritonClient(settings.TRITON_GRPC_TARGET, timeout_s=settings.READY_CHECK_TIMEOUT_S, retries=0)
 
 
@@ -543,6 +553,8 @@ class EmbeddingModelAdmin(admin.ModelAdmin):
 
     def _serving_states(self) -> dict[int, ModelServingState] | None:
         """Each row's state from one repository index; None when Triton does not answer."""
+        from embeddings.services.model_serving import models_serving_states
+
         rows = list(EmbeddingModel.objects.all())
         try:
             with triton_admin_client() as client:
@@ -573,6 +585,8 @@ class EmbeddingModelAdmin(admin.ModelAdmin):
         self._reconcile(request, list(queryset), unload=True)
 
     def _reconcile(self, request: HttpRequest, models: list[EmbeddingModel], *, unload: bool) -> None:
+        from embeddings.services.model_serving import models_reconcile
+
         names = {model.name for model in models}
         try:
             states = models_reconcile(unload=unload, triton_models={model.triton_model for model in models})

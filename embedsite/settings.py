@@ -386,6 +386,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # Generating a schema imports embeddings/api/schema.py, which registers our extensions.
+    "DEFAULT_GENERATOR_CLASS": "embeddings.api.schema.SchemaGenerator",
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "embeddings.api.schema.edge_errors_hook",

@@ -1,13 +1,25 @@
 """OpenAPI extensions for drf-spectacular: how our API key authentication appears in the schema,
 the rate-limit headers of authenticated responses, the errors any request can meet at the HTTP
 edge, the request bodies that admit no other field, and the links from an object to the operations
-on it (which Schemathesis's stateful tests follow)."""
+on it (which Schemathesis's stateful tests follow).
+
+The extensions register with drf-spectacular when this module is imported: SPECTACULAR_SETTINGS
+names SchemaGenerator below, so whatever generates the schema imports this module first.
+"""
 
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from drf_spectacular.generators import SchemaGenerator as SpectacularSchemaGenerator
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.plumbing import build_bearer_security_scheme_object, is_list_serializer
 
 from embeddings.api.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+
+
+class SchemaGenerator(SpectacularSchemaGenerator):
+    """drf-spectacular's generator, named in SPECTACULAR_SETTINGS["DEFAULT_GENERATOR_CLASS"]: the
+    /api/schema/ view, `manage.py spectacular` and `check --deploy` load it before generating, and
+    so this module with its extensions. Django's start-up need not import them (DRF, and through
+    its compat module psycopg, requests and pygments): most processes never generate a schema."""
 
 
 class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):

@@ -11,14 +11,18 @@ refused (ResultOutOfRange) rather than stored as infinity.
 from __future__ import annotations
 
 import base64
+from typing import TYPE_CHECKING
 
-import numpy as np
+# numpy is imported by the functions that code vectors, not here: models.py imports this module's
+# names in every process at start-up, and most processes (management commands) never code one.
+if TYPE_CHECKING:
+    import numpy as np
 
 FLOAT32 = "float32"
 FLOAT16 = "float16"
 DEFAULT_RESULT_DTYPE = FLOAT32
-# The names clients and admins use, and each one's little-endian storage dtype.
-RESULT_DTYPES: dict[str, np.dtype] = {FLOAT32: np.dtype("<f4"), FLOAT16: np.dtype("<f2")}
+# The names clients and admins use, and each one's little-endian storage dtype (as numpy spells it).
+RESULT_DTYPES: dict[str, str] = {FLOAT32: "<f4", FLOAT16: "<f2"}
 RESULT_DTYPE_CHOICES = [(name, name) for name in RESULT_DTYPES]
 # What every download returns, whatever the storage.
 RETURNED_DTYPE = RESULT_DTYPES[FLOAT32]
@@ -29,8 +33,10 @@ class ResultOutOfRange(ValueError):
 
 
 def result_storage_dtype(name: str) -> np.dtype:
+    import numpy as np
+
     try:
-        return RESULT_DTYPES[name]
+        return np.dtype(RESULT_DTYPES[name])
     except KeyError:
         raise ValueError(f"unknown result dtype {name!r}; one of {', '.join(RESULT_DTYPES)}") from None
 
@@ -43,6 +49,8 @@ def result_bytes_per_value(name: str) -> int:
 
 def result_encode(vectors: np.ndarray, name: str) -> bytes:
     """The vectors as stored: rows x dims little-endian values of the dtype `name`, C order."""
+    import numpy as np
+
     dtype = result_storage_dtype(name)
     source = np.asarray(vectors, dtype=np.float32)
     with np.errstate(over="ignore"):  # an overflow is found and refused just below
@@ -61,6 +69,8 @@ def result_encode(vectors: np.ndarray, name: str) -> bytes:
 
 def result_decode(raw: bytes, name: str, dims: int) -> np.ndarray:
     """Stored bytes back as a rows x dims float32 array (exact: every float16 is a float32)."""
+    import numpy as np
+
     stored = np.frombuffer(raw, dtype=result_storage_dtype(name)).reshape(-1, dims)
     return stored if stored.dtype == RETURNED_DTYPE else stored.astype(RETURNED_DTYPE)
 
@@ -68,6 +78,8 @@ def result_decode(raw: bytes, name: str, dims: int) -> np.ndarray:
 def base64_rows(vectors: np.ndarray) -> list[str]:
     """Each row as the base64 of its little-endian float32 bytes (`encoding_format: base64`, for
     requests and job downloads alike), straight from the array's buffer."""
+    import numpy as np
+
     little_endian = np.ascontiguousarray(vectors, dtype=RETURNED_DTYPE)
     row_bytes = little_endian.shape[1] * little_endian.itemsize
     raw = little_endian.tobytes()
