@@ -1,8 +1,8 @@
 """Client logic without a server: gRPC error mapping, retries, deadlines, model adaptation."""
 
 import asyncio
-import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -26,6 +26,7 @@ from embeddings.triton import client as client_module
 from embeddings.triton.client import channel_options, error_from_rpc, text_inputs, token_inputs
 from embeddings.triton.protocol import grpc_service_pb2 as pb
 from embeddings.triton.server import TRITON_PING_FLAGS
+from tests.clocks import ManualClock
 
 pytestmark = pytest.mark.unit
 
@@ -116,15 +117,20 @@ def test_other_statuses_are_not_retried(code):
     assert len(stub.calls) == 1
 
 
-def test_retries_stop_at_the_deadline():
+def test_retries_stop_at_the_deadline(monkeypatch):
+    # The client's clock is one the backoff sleeps move, by exactly the delay: a loaded machine's
+    # late wake-up cannot turn the last retry into a timeout.
+    clock = ManualClock()
+    monkeypatch.setattr(client_module, "time", SimpleNamespace(monotonic=clock, sleep=clock.advance))
     stub = FakeStub([rpc_error(grpc.StatusCode.UNAVAILABLE)] * 1000)
     client = sync_client(stub, retries=1000, timeout_s=0.3)
     client.retry_backoff_s = client.retry_backoff_max_s = 0.05
-    started = time.monotonic()
+    started = clock()
     with pytest.raises(TritonUnavailable):
         client.server_ready()
-    assert time.monotonic() - started < 0.5
-    assert 2 < len(stub.calls) < 20
+    # Each retry waits 0.025-0.05 s; the one that would end past the deadline is not made.
+    assert 0.25 < clock() - started < 0.3
+    assert 6 < len(stub.calls) <= 13
 
 
 def test_async_client_retries_like_the_sync_one():
