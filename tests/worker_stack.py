@@ -18,7 +18,7 @@ import pytest
 from embeddings.management.commands.runstack import start_celery
 from embeddings.redis.connections import redis_sync
 from embeddings.services.usage import LIVE_USAGE_KEY
-from tests.database_backend import database_rows, migrated_database_url
+from tests.database_backend import DatabaseReader, migrated_database_url
 from tests.processes import manage, manage_commands, stop_process_groups
 
 SUBMIT = """
@@ -54,6 +54,7 @@ print(json.dumps([stored.shape[0], float(np.abs(stored - expected.vectors).max()
 class JobStack:
     workdir: Path
     env: dict[str, str]
+    database: DatabaseReader  # the stack's database, for the test's reads (one connection)
 
     def shell(self, script: str, **env: str) -> str:
         """The last line `manage.py shell` prints running `script`, which goes in a file: one
@@ -72,9 +73,7 @@ class JobStack:
         return json.loads(self.shell(COMPARE.format(job_id=job_id, texts=texts)))
 
     def job(self, job_id: int) -> dict:
-        (row,) = database_rows(
-            self.env["DATABASE_URL"], "SELECT * FROM embeddings_embeddingjob WHERE id = %s", job_id
-        )
+        (row,) = self.database.rows("SELECT * FROM embeddings_embeddingjob WHERE id = %s", job_id)
         return row
 
     def wait(self, job_id: int, statuses: set[str], logs: list[Path], timeout_s: float = 120) -> dict:
@@ -90,7 +89,7 @@ class JobStack:
 
 
 @pytest.fixture(scope="module")
-def job_stack(redis_server, job_store_server, triton_server, tmp_path_factory) -> JobStack:
+def job_stack(redis_server, job_store_server, triton_server, tmp_path_factory) -> Iterator[JobStack]:
     workdir = tmp_path_factory.mktemp("jobs")
     env = {
         **os.environ,
@@ -109,7 +108,9 @@ def job_stack(redis_server, job_store_server, triton_server, tmp_path_factory) -
         ("register_local_model",),
         *(("create_tenant", "--name", slug.title(), "--slug", slug) for slug in ("alpha", "beta")),
     )
-    return JobStack(workdir, env)
+    stack = JobStack(workdir, env, DatabaseReader(env["DATABASE_URL"]))
+    yield stack
+    stack.database.close()
 
 
 @pytest.fixture
