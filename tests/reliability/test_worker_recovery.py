@@ -16,7 +16,7 @@ from embeddings.redis.connections import redis_job_store
 from embeddings.services.job_leases import chunk_runs
 from embeddings.services.job_store import JobStore
 from tests import worker_stack
-from tests.processes import manage, process_group_paused
+from tests.processes import process_group_paused
 from tests.worker_stack import JobStack, job_usage, texts
 
 job_stack = worker_stack.job_stack
@@ -74,7 +74,7 @@ def test_a_worker_killed_mid_chunk_is_replaced_within_the_lease(job_stack, start
     _, beat_log = start_worker("beat", JOB_WATCHDOG_INTERVAL_S=str(interval_s))
     logs = [log for _, log in workers.values()] + [beat_log]
     inputs = long_texts("recover", chunk_size * chunks)
-    (job_id,) = job_stack.submit([("alpha", inputs)], JOB_CHUNK_SIZE=str(chunk_size))
+    (job_id,) = job_stack.submit([("alpha", inputs)], chunk_size=chunk_size)
     store = job_store_of(job_stack, job_id)
 
     # Wait for a chunk in hand after the job got going; its worker, stopped, can neither finish it
@@ -144,12 +144,7 @@ def test_a_worker_killed_mid_chunk_is_replaced_within_the_lease(job_stack, start
 
     # Celery delivers the dead worker's message again after its visibility timeout: nothing changes.
     before = len(task_lines([survivor_log], "job_chunk_task"))
-    manage(
-        job_stack.env,
-        "shell",
-        "-c",
-        f"from embeddings.services.jobs import _send_chunk; _send_chunk({job_id}, {chunk})",
-    )
+    job_stack.django.run(f"from embeddings.services.jobs import _send_chunk; _send_chunk({job_id}, {chunk})")
     deadline = time.monotonic() + 60
     while len(task_lines([survivor_log], "job_chunk_task")) == before:
         assert time.monotonic() < deadline, survivor_log.read_text()[-3000:]
@@ -175,7 +170,7 @@ def test_a_chunk_longer_than_many_leases_is_not_resent_while_its_worker_lives(
     logs = [first_log, second_log, beat_log]
     inputs = texts("long", count)
     with process_group_paused(triton_server.process):
-        (job_id,) = job_stack.submit([("beta", inputs)], JOB_CHUNK_SIZE=str(count))
+        (job_id,) = job_stack.submit([("beta", inputs)], chunk_size=count)
         store = job_store_of(job_stack, job_id)
         deadline = time.monotonic() + 120  # against hanging
         while (started_ms := chunk_runs(store).started_ms.get(0)) is None:

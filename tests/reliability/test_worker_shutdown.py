@@ -62,7 +62,7 @@ def test_a_job_spanning_a_worker_restart_completes_exactly_once(
     try:
         first, first_log = start("first")
         inputs = texts(f"restart {pool}", chunk_size * chunks)
-        (job_id,) = job_stack.submit([("alpha", inputs)], JOB_CHUNK_SIZE=str(chunk_size))
+        (job_id,) = job_stack.submit([("alpha", inputs)], chunk_size=chunk_size)
         store = job_store_of(job_stack, job_id)
         # SIGTERM once the worker holds a chunk after the first (the job well under way, most still
         # queued). Triton is paused from when a chunk after the first has started: the chunk the
