@@ -168,12 +168,17 @@ class DjangoShell:
         stop_process_group(self.process)
 
 
-def tenant_with_key(env: dict[str, str], slug: str, *options: str, name: str | None = None) -> str:
-    """`create_tenant --slug SLUG OPTIONS` and `create_api_key --tenant SLUG` in one process: the key."""
-    _, key = manage_commands(
-        env,
+def tenant_with_key(
+    where: dict[str, str] | DjangoShell, slug: str, *options: str, name: str | None = None
+) -> str:
+    """`create_tenant --slug SLUG OPTIONS` and `create_api_key --tenant SLUG` in one process, a new
+    one in the environment `where` or the DjangoShell `where`: the key."""
+    commands = (
         ("create_tenant", "--name", name or slug, "--slug", slug, *options),
         ("create_api_key", "--tenant", slug),
+    )
+    _, key = (
+        where.commands(*commands) if isinstance(where, DjangoShell) else manage_commands(where, *commands)
     )
     return key
 

@@ -24,7 +24,7 @@ import pytest
 from embeddings.management.commands.runstack import start_celery
 from tests.api.raw_http import RawHttp
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import REPO_ROOT, manage, stop_process_group, tenant_with_key
+from tests.processes import REPO_ROOT, stop_process_group, tenant_with_key
 
 MODEL = "all-MiniLM-L6-v2"
 CHUNK_SIZE = 64
@@ -59,7 +59,7 @@ def job_stack(triton_server, redis_server, tmp_path_factory) -> Iterator[JobStac
 
 @pytest.fixture(scope="module")
 def other_key(job_stack) -> str:
-    return tenant_with_key(job_stack.env, "other", name="Other")
+    return tenant_with_key(job_stack.django, "other", name="Other")
 
 
 def sdk_client(stack: JobStack, key: str | None = None) -> openai.OpenAI:
@@ -180,7 +180,7 @@ def test_files_create_list_retrieve_content_delete(client, job_stack, other_key)
         assert created.id not in {item.id for item in other.files.list().data}
 
     # Past its expires_at a file is gone: expired by beat's sweep, its bytes deleted.
-    stored = manage(job_stack.env, "shell", "-c", EXPIRE_FILES)
+    stored = job_stack.django.run(EXPIRE_FILES)
     assert stored.splitlines()[-1] == "1"
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(expiring.id)
@@ -399,7 +399,7 @@ def test_a_batch_file_without_a_line_is_refused_at_upload(client, content):
 
 def test_a_batch_of_a_file_without_a_line_is_refused_at_creation(client, job_stack):
     """Files stored before uploads were checked: refused when the batch is created, not validated."""
-    file_id = manage(job_stack.env, "shell", "-c", LEGACY_EMPTY_FILE).splitlines()[-1]
+    file_id = job_stack.django.run(LEGACY_EMPTY_FILE).splitlines()[-1]
     with pytest.raises(openai.BadRequestError) as refused:
         client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
     assert refused.value.body["code"] == "empty_file" and refused.value.body["param"] == "input_file_id"
@@ -440,7 +440,7 @@ def test_quota_refusals_fail_the_batch_as_they_refuse_a_job(job_stack):
         ("poor", ["--tokens-per-day", "50"], "insufficient_quota"),
         ("cramped", ["--job-storage-budget-bytes", "4096"], "job_storage_budget_exceeded"),
     ):
-        with sdk_client(job_stack, tenant_with_key(job_stack.env, slug, *limit)) as tenant:
+        with sdk_client(job_stack, tenant_with_key(job_stack.django, slug, *limit)) as tenant:
             batch = tenant.batches.create(
                 input_file_id=upload(tenant, lines).id, endpoint="/v1/embeddings", completion_window="24h"
             )
@@ -544,7 +544,7 @@ def test_a_batch_past_its_completion_window_expires_with_partial_results(client,
     while client.batches.retrieve(batch.id).request_counts.completed == 0:
         assert time.monotonic() < deadline, job_stack.logs_tail()
         time.sleep(0.1)
-    assert manage(job_stack.env, "shell", "-c", EXPIRE_NOW).splitlines()[-1] == "1"
+    assert job_stack.django.run(EXPIRE_NOW).splitlines()[-1] == "1"
     done = finished(client, job_stack, batch.id)
     assert done.status == "expired" and done.expired_at is not None and done.completed_at is None
     output, errors = file_lines(client, done.output_file_id), file_lines(client, done.error_file_id)
