@@ -24,7 +24,7 @@ import pytest
 from embeddings.management.commands.runstack import start_celery
 from tests.api.raw_http import RawHttp
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import REPO_ROOT, stop_process_group, tenant_with_key
+from tests.processes import REPO_ROOT, process_group_paused, stop_process_group, tenant_with_key
 
 MODEL = "all-MiniLM-L6-v2"
 CHUNK_SIZE = 64
@@ -489,9 +489,9 @@ def test_another_tenants_batch_and_file_are_not_found(client, job_stack, other_k
 
 
 def test_cancel_keeps_what_finished_and_names_every_other_request(client, job_stack):
-    lines = [
-        request_line(f"c-{index}", {"model": MODEL, "input": f"text {index} " * 40}) for index in range(3000)
-    ]
+    """Cancelled while the worker is paused (SIGSTOP) mid-batch: however fast its chunks (the lines
+    are short), the batch cannot finish before the cancel lands."""
+    lines = [request_line(f"c-{index}", {"model": MODEL, "input": f"text {index}"}) for index in range(3000)]
     batch = client.batches.create(
         input_file_id=upload(client, lines).id, endpoint="/v1/embeddings", completion_window="24h"
     )
@@ -499,7 +499,8 @@ def test_cancel_keeps_what_finished_and_names_every_other_request(client, job_st
     while client.batches.retrieve(batch.id).request_counts.completed == 0:
         assert time.monotonic() < deadline, job_stack.logs_tail()
         time.sleep(0.1)
-    cancelling = client.batches.cancel(batch.id)
+    with process_group_paused(job_stack.worker):
+        cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
     done = finished(client, job_stack, batch.id)
     assert done.status == "cancelled" and done.cancelled_at is not None
@@ -532,9 +533,10 @@ print(batches_expire_due(now=timezone.now() + timedelta(days=2)))
 
 
 def test_a_batch_past_its_completion_window_expires_with_partial_results(client, job_stack):
+    """Expired while the worker is paused (SIGSTOP) mid-batch: however fast its chunks (the lines
+    are short), the batch cannot finish before it expires."""
     lines = [
-        request_line(f"e-{index}", {"model": MODEL, "input": f"expiring {index} " * 40})
-        for index in range(1500)
+        request_line(f"e-{index}", {"model": MODEL, "input": f"expiring {index}"}) for index in range(1500)
     ]
     batch = client.batches.create(
         input_file_id=upload(client, lines).id, endpoint="/v1/embeddings", completion_window="24h"
@@ -544,7 +546,8 @@ def test_a_batch_past_its_completion_window_expires_with_partial_results(client,
     while client.batches.retrieve(batch.id).request_counts.completed == 0:
         assert time.monotonic() < deadline, job_stack.logs_tail()
         time.sleep(0.1)
-    assert job_stack.django.run(EXPIRE_NOW).splitlines()[-1] == "1"
+    with process_group_paused(job_stack.worker):
+        assert job_stack.django.run(EXPIRE_NOW).splitlines()[-1] == "1"
     done = finished(client, job_stack, batch.id)
     assert done.status == "expired" and done.expired_at is not None and done.completed_at is None
     output, errors = file_lines(client, done.output_file_id), file_lines(client, done.error_file_id)
@@ -559,9 +562,9 @@ def test_a_worker_sigkilled_mid_batch_leaves_every_custom_id_exactly_once(client
     count = 1000
     usage_before = usage_totals(job_stack)
     lines = [
-        # 16 tokens or so: the 14 chunks left at the kill still take seconds, far beyond the
-        # moment between seeing two chunks done and the kill (they took 30 s at 110 tokens).
-        request_line(f"k-{index}", {"model": MODEL, "input": f"kill test {index} " * 4})
+        # 5 tokens: the 14 chunks left at the kill still take over a second (0.1 s each here), far
+        # beyond the moment between seeing two chunks done and the kill (30 s at 110 tokens).
+        request_line(f"k-{index}", {"model": MODEL, "input": f"kill test {index}"})
         for index in range(count)
     ]
     batch = client.batches.create(
