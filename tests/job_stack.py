@@ -15,7 +15,7 @@ from pathlib import Path
 from embeddings.management.commands.runstack import start_celery
 from embeddings.triton.server import die_with_parent, free_port
 from tests.database_backend import migrated_database_url
-from tests.processes import REPO_ROOT, manage_commands, stop_process_groups, wait_until_healthy
+from tests.processes import REPO_ROOT, DjangoShell, stop_process_groups, wait_until_healthy
 
 
 @dataclass
@@ -24,6 +24,7 @@ class JobStack:
     api_key: str
     env: dict[str, str]  # the servers' environment (settings, database file), for manage.py commands
     logs: list[Path]
+    django: DjangoShell  # runs scripts and commands as manage.py does, in `env` (one Django start)
     # The Celery worker's process (its own group): tests may pause it (SIGSTOP) or kill it.
     worker: subprocess.Popen | None = None
 
@@ -41,7 +42,7 @@ def job_stack_running(
 ) -> Iterator[JobStack]:
     """A migrated database of its own (tests/database_backend.py), the local model registered,
     tenant `jobs` with a key, uvicorn and a worker (both with `extra_env` on top of the stack's
-    settings); both stopped on exit."""
+    settings), and a DjangoShell in the same settings that ran the setup commands; all stopped on exit."""
     port = free_port()
     env = {
         **os.environ,
@@ -67,15 +68,16 @@ def job_stack_running(
             start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
     worker = start_celery("worker", worker_log, env=env)
+    django = DjangoShell(env, workdir / "shell.log")
     try:
-        *_, api_key = manage_commands(
-            env,
+        *_, api_key = django.commands(
             ("register_local_model",),
             ("create_tenant", "--name", "Jobs", "--slug", "jobs"),
             ("create_api_key", "--tenant", "jobs"),
         )
-        stack = JobStack(f"http://127.0.0.1:{port}", api_key, env, [server_log, worker_log], worker)
+        stack = JobStack(f"http://127.0.0.1:{port}", api_key, env, [server_log, worker_log], django, worker)
         wait_until_healthy(server, stack.base_url, server_log)
         yield stack
     finally:
+        django.close()
         stop_process_groups(worker, server)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -59,21 +60,27 @@ def manage(env: dict[str, str], *args: str) -> str:
     return done.stdout.strip()
 
 
-# Each command as `manage.py NAME ARGS` runs it (the same parser, the system checks), in one Python:
-# one Django start instead of one per command. A command's stdout is captured on its own.
-_MANAGE_COMMANDS = """
-import io, json, os, sys
+_DJANGO_SETUP = """
+import os
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
 import django
 django.setup()
+"""
+
+# Each command in COMMANDS (JSON) as `manage.py NAME ARGS` runs it (the same parser, the system
+# checks), in one Python: one Django start instead of one per command. A command's stdout is
+# captured on its own; the last line printed is every command's, as JSON.
+_RUN_COMMANDS = """
+import io, json
 from django.core.management import call_command
 outputs = []
-for name, *arguments in json.loads(sys.argv[1]):
+for name, *arguments in json.loads(COMMANDS):
     out = io.StringIO()
     call_command(name, *arguments, stdout=out, skip_checks=False)
     outputs.append(out.getvalue())
 print(json.dumps(outputs))
 """
+_MANAGE_COMMANDS = _DJANGO_SETUP + "import sys\nCOMMANDS = sys.argv[1]\n" + _RUN_COMMANDS
 
 
 def manage_commands(env: dict[str, str], *commands: Sequence[str]) -> list[str]:
@@ -92,12 +99,86 @@ def manage_commands(env: dict[str, str], *commands: Sequence[str]) -> list[str]:
     return [output.strip() for output in json.loads(done.stdout.splitlines()[-1])]
 
 
-def tenant_with_key(env: dict[str, str], slug: str, *options: str, name: str | None = None) -> str:
-    """`create_tenant --slug SLUG OPTIONS` and `create_api_key --tenant SLUG` in one process: the key."""
-    _, key = manage_commands(
-        env,
+# Scripts run one after another, each as `manage.py shell -c SCRIPT` runs it: a request is a JSON
+# line on stdin (the script), its answer a JSON line on the pipe argv[1] names (what the script
+# printed, the traceback if it raised). Django's own output (its log lines) goes to stdout, a file.
+_DJANGO_SHELL = (
+    _DJANGO_SETUP
+    + """
+import contextlib, io, json, sys, traceback
+from django.db import connections
+answers = os.fdopen(int(sys.argv[1]), "w")
+for request in sys.stdin:
+    printed, error = io.StringIO(), None
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(json.loads(request), "<script>", "exec"), {"__name__": "__main__"})
+    except BaseException:
+        error = traceback.format_exc()
+    connections.close_all()  # as a `manage.py shell` process ends with its connections
+    answers.write(json.dumps({"printed": printed.getvalue(), "error": error}) + "\\n")
+    answers.flush()
+"""
+)
+
+
+class DjangoShell:
+    """One Python with Django set up in `env` that runs scripts as `manage.py shell -c SCRIPT` does,
+    one at a time: Django starts once (~1.7 CPU-s), not for every script. What a script leaves in
+    memory stays for the next (a module's caches, clients): give each what it needs."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        from embeddings.triton.server import die_with_parent
+
+        self.log_path = log_path
+        answers, answers_in_child = os.pipe()
+        with log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _DJANGO_SHELL, str(answers_in_child)],
+                cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=(answers_in_child,), start_new_session=True, preexec_fn=die_with_parent,
+            )  # fmt: skip
+        os.close(answers_in_child)
+        self._answers = os.fdopen(answers, "r")
+
+    def run(self, script: str, timeout_s: float = 120) -> str:
+        """What `script` printed, stripped (fails the test if it raised or took over timeout_s)."""
+        self.process.stdin.write((json.dumps(script) + "\n").encode())
+        self.process.stdin.flush()
+        ready, _, _ = select.select([self._answers], [], [], timeout_s)
+        line = self._answers.readline() if ready else ""
+        if not line:  # stopped, so that no later script reads this one's answer
+            stop_process_group(self.process)
+            log = self.log_path.read_text()[-4000:]
+            pytest.fail(f"the shell ended, or gave no answer within {timeout_s:g} s:\n{log}")
+        answer = json.loads(line)
+        assert answer["error"] is None, f"the script failed:\n{script[:2000]}\n{answer['error']}"
+        return answer["printed"].strip()
+
+    def commands(self, *commands: Sequence[str]) -> list[str]:
+        """manage_commands(env, *commands) in this shell."""
+        script = f"COMMANDS = {json.dumps([list(command) for command in commands])!r}\n{_RUN_COMMANDS}"
+        return [output.strip() for output in json.loads(self.run(script).splitlines()[-1])]
+
+    def close(self) -> None:
+        self.process.stdin.close()  # the loop ends, and the process with it
+        self._answers.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=10)
+        stop_process_group(self.process)
+
+
+def tenant_with_key(
+    where: dict[str, str] | DjangoShell, slug: str, *options: str, name: str | None = None
+) -> str:
+    """`create_tenant --slug SLUG OPTIONS` and `create_api_key --tenant SLUG` in one process, a new
+    one in the environment `where` or the DjangoShell `where`: the key."""
+    commands = (
         ("create_tenant", "--name", name or slug, "--slug", slug, *options),
         ("create_api_key", "--tenant", slug),
+    )
+    _, key = (
+        where.commands(*commands) if isinstance(where, DjangoShell) else manage_commands(where, *commands)
     )
     return key
 

@@ -20,7 +20,7 @@ from embeddings.services.job_leases import chunk_runs
 from embeddings.services.job_store import JobStore
 from embeddings.triton.server import free_port
 from tests import worker_stack
-from tests.processes import manage, manage_commands, process_group_paused
+from tests.processes import process_group_paused
 from tests.worker_stack import job_usage, texts
 
 job_stack = worker_stack.job_stack
@@ -118,7 +118,7 @@ def test_a_chunk_that_cannot_be_embedded_fails_without_being_retried(job_stack, 
     and the job goes on to the end (failed), instead of a chunk re-sent until the job expires."""
     _, log = start_worker()
     script = SUBMIT_TO_A_WRONG_MODEL.format(texts=texts("wrong", 10))
-    job_id = json.loads(manage(job_stack.env, "shell", "-c", script).splitlines()[-1])
+    job_id = json.loads(job_stack.shell(script))
     job = job_stack.wait(job_id, {"completed", "failed"}, [log])
     assert (job["status"], job["completed"], job["failed"]) == ("failed", 0, 10)
     assert job["error_code"] == "embedding_failed" and "1024-d vectors, 384 expected" in job["error_message"]
@@ -139,13 +139,10 @@ def test_cancel_stops_a_running_job(job_stack, start_worker):
     with process_group_paused(worker):
         paused = job_stack.job(job_id)
         assert paused["status"] == "running" and 8 <= paused["completed"] < 400, paused
-        manage(
-            job_stack.env,
-            "shell",
-            "-c",
+        job_stack.django.run(
             "from embeddings.models import EmbeddingJob\n"
             "from embeddings.services.jobs import job_cancel\n"
-            f"job_cancel(job=EmbeddingJob.objects.get(pk={job_id}))",
+            f"job_cancel(job=EmbeddingJob.objects.get(pk={job_id}))"
         )
         assert job_stack.job(job_id)["status"] == "cancelling"
     job = job_stack.wait(job_id, {"cancelled"}, [log], timeout_s=30)
@@ -219,15 +216,14 @@ def test_a_callback_is_retried_until_delivered_signed(job_stack, start_worker, c
     rotate_webhook_secret printed it) and not with another tenant's. The worker is allowed loopback
     (JOB_CALLBACK_ALLOWED_NETWORKS), which it refuses by default."""
     url, received = callback_receiver
-    secret, other_secret = manage_commands(
-        job_stack.env,
+    secret, other_secret = job_stack.django.commands(
         ["rotate_webhook_secret", "--tenant", "alpha"],
         ["rotate_webhook_secret", "--tenant", "beta"],
     )
     assert secret.startswith("whsec_") and other_secret.startswith("whsec_") and secret != other_secret
     _, log = start_worker(JOB_CALLBACK_ALLOWED_NETWORKS="127.0.0.1/32", JOB_CALLBACK_BACKOFF_S="0.1")
     script = SUBMIT_WITH_CALLBACK.format(texts=texts("callback", 6), url=url)
-    job_id = json.loads(manage(job_stack.env, "shell", "-c", script).splitlines()[-1])
+    job_id = json.loads(job_stack.shell(script))
     job_stack.wait(job_id, {"completed"}, [log])
     deadline = time.monotonic() + 60
     while job_stack.job(job_id)["callback_delivered_at"] is None and time.monotonic() < deadline:
@@ -235,9 +231,7 @@ def test_a_callback_is_retried_until_delivered_signed(job_stack, start_worker, c
     job = job_stack.job(job_id)
     assert job["callback_delivered_at"] is not None, log.read_text()[-4000:]
     assert job["callback_attempts"] == 3 and len(received) == 3
-    expected = json.loads(
-        manage(job_stack.env, "shell", "-c", JOB_OBJECT.format(job_id=job_id)).splitlines()[-1]
-    )
+    expected = json.loads(job_stack.shell(JOB_OBJECT.format(job_id=job_id)))
     assert expected["status"] == "completed" and expected["counts"]["completed"] == 6
     for headers, body in received:
         assert headers["Content-Type"] == "application/json"

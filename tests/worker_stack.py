@@ -1,8 +1,9 @@
 """Jobs run by real `celery -A embedsite worker` processes (started as runstack starts them) against
 the test Redis servers (the critical one and the job store, two servers as deployed), the test
 Triton and a database shared with the test (on the run's backend); jobs are
-submitted by `manage.py shell` against it, as the web process would. Shared by tests/test_job_tasks.py
-and tests/reliability/test_worker_recovery.py."""
+submitted by scripts run as `manage.py shell` runs them (one Django process for the module,
+tests/processes.py DjangoShell), as the web process would. Shared by tests/test_job_tasks.py
+and tests/reliability/."""
 
 from __future__ import annotations
 
@@ -18,20 +19,22 @@ import pytest
 from embeddings.management.commands.runstack import start_celery
 from embeddings.redis.connections import redis_sync
 from embeddings.services.usage import LIVE_USAGE_KEY
-from tests.database_backend import database_rows, migrated_database_url
-from tests.processes import manage, manage_commands, stop_process_groups
+from tests.database_backend import DatabaseReader, migrated_database_url
+from tests.processes import DjangoShell, stop_process_groups
 
 SUBMIT = """
 import json
 from django.conf import settings
+from django.test import override_settings
 from embeddings.models import EmbeddingModel, Tenant
 from embeddings.services.jobs import JobSpec, job_create
 model = EmbeddingModel.objects.get(name=settings.DEFAULT_EMBEDDING_MODEL)
 ids = []
-for slug, texts in {jobs!r}:
-    tenant = Tenant.objects.get(slug=slug)
-    job, _ = job_create(tenant_id=tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=texts))
-    ids.append(job.pk)
+with override_settings(JOB_CHUNK_SIZE={chunk_size!r} or settings.JOB_CHUNK_SIZE):
+    for slug, texts in {jobs!r}:
+        tenant = Tenant.objects.get(slug=slug)
+        job, _ = job_create(tenant_id=tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=texts))
+        ids.append(job.pk)
 print(json.dumps(ids))
 """
 
@@ -54,27 +57,23 @@ print(json.dumps([stored.shape[0], float(np.abs(stored - expected.vectors).max()
 class JobStack:
     workdir: Path
     env: dict[str, str]
+    database: DatabaseReader  # the stack's database, for the test's reads (one connection)
+    django: DjangoShell  # runs scripts as `manage.py shell -c` does, in the stack's environment
 
-    def shell(self, script: str, **env: str) -> str:
-        """The last line `manage.py shell` prints running `script`, which goes in a file: one
-        command-line argument holds at most 128 KiB on Linux, less than a job of long texts."""
-        path = self.workdir / f"script-{time.monotonic_ns()}.py"
-        path.write_text(script)
-        command = f"exec(open({str(path)!r}).read())"
-        return manage({**self.env, **env}, "shell", "-c", command).splitlines()[-1]
+    def shell(self, script: str) -> str:
+        """The last line `script` prints, run as `manage.py shell -c` runs it."""
+        return self.django.run(script).splitlines()[-1]
 
-    def submit(self, jobs: list[tuple[str, list[str]]], **env: str) -> list[int]:
-        """Submit (tenant slug, texts) jobs; `env` overrides settings (JOB_CHUNK_SIZE=...)."""
-        return json.loads(self.shell(SUBMIT.format(jobs=jobs), **env))
+    def submit(self, jobs: list[tuple[str, list[str]]], chunk_size: int | None = None) -> list[int]:
+        """Submit (tenant slug, texts) jobs, in chunks of `chunk_size` (None: JOB_CHUNK_SIZE)."""
+        return json.loads(self.shell(SUBMIT.format(jobs=jobs, chunk_size=chunk_size)))
 
     def compare(self, job_id: int, texts: list[str]) -> list:
         """[rows stored, largest difference from the synchronous vectors of `texts`, their tokens]."""
         return json.loads(self.shell(COMPARE.format(job_id=job_id, texts=texts)))
 
     def job(self, job_id: int) -> dict:
-        (row,) = database_rows(
-            self.env["DATABASE_URL"], "SELECT * FROM embeddings_embeddingjob WHERE id = %s", job_id
-        )
+        (row,) = self.database.rows("SELECT * FROM embeddings_embeddingjob WHERE id = %s", job_id)
         return row
 
     def wait(self, job_id: int, statuses: set[str], logs: list[Path], timeout_s: float = 120) -> dict:
@@ -90,7 +89,7 @@ class JobStack:
 
 
 @pytest.fixture(scope="module")
-def job_stack(redis_server, job_store_server, triton_server, tmp_path_factory) -> JobStack:
+def job_stack(redis_server, job_store_server, triton_server, tmp_path_factory) -> Iterator[JobStack]:
     workdir = tmp_path_factory.mktemp("jobs")
     env = {
         **os.environ,
@@ -104,12 +103,16 @@ def job_stack(redis_server, job_store_server, triton_server, tmp_path_factory) -
         "JOB_CHUNK_SIZE": "4",
         "USAGE_FOLD_INTERVAL_S": "3600",  # job usage stays in Redis, to be counted here
     }
-    manage_commands(
-        env,
+    stack = JobStack(
+        workdir, env, DatabaseReader(env["DATABASE_URL"]), DjangoShell(env, workdir / "shell.log")
+    )
+    stack.django.commands(
         ("register_local_model",),
         *(("create_tenant", "--name", slug.title(), "--slug", slug) for slug in ("alpha", "beta")),
     )
-    return JobStack(workdir, env)
+    yield stack
+    stack.django.close()
+    stack.database.close()
 
 
 @pytest.fixture

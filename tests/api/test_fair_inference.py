@@ -5,6 +5,9 @@ and a request past its deadline or abandoned by its client leaves Triton nothing
 Every bound is derived from times measured in the same test (one sub-batch alone, two at once)
 or counted in rows (what Triton computed after the answer),
 never a fixed number of seconds, so a slower or busier machine moves the bound with it.
+
+The head-of-line test runs on a server of its own that cuts at a quarter of the shipped sizes
+(SMALL_BATCHES): the same sub-batches per request at a quarter of the CPU.
 """
 
 from __future__ import annotations
@@ -54,9 +57,12 @@ async def post(http: httpx2.AsyncClient, server: Server, texts: list[str]) -> tu
     return response, time.monotonic() - started
 
 
-async def sub_batch_times(http: httpx2.AsyncClient, server: Server) -> tuple[float, float]:
-    """(one sub-batch alone, two sub-batches at once): the slowest of three tries each, in s."""
-    rows = settings.MAX_BATCH_TOKENS // 256
+async def sub_batch_times(
+    http: httpx2.AsyncClient, server: Server, batch_tokens: int = settings.MAX_BATCH_TOKENS
+) -> tuple[float, float]:
+    """(one sub-batch alone, two sub-batches at once) on a server cutting sub-batches of
+    `batch_tokens` (MAX_BATCH_TOKENS): the slowest of three tries each, in s."""
+    rows = batch_tokens // 256
     batch = [long_text(i) for i in range(rows)]
     alone, pair = 0.0, 0.0
     for _ in range(3):
@@ -98,13 +104,35 @@ async def wait_until_triton_is_idle(target: str, settle_s: float) -> tuple[int, 
     return last, last_change
 
 
-async def test_single_texts_are_answered_beside_a_maximum_size_request(uvicorn_server, triton_server):
-    server = Server(uvicorn_server.base_url, uvicorn_server.headers)
-    rows = settings.MAX_TOKENS_PER_REQUEST // 256
+# A quarter of the shipped MAX_BATCH_TOKENS and MAX_TOKENS_PER_REQUEST (MAX_TOKENS_IN_FLIGHT follows,
+# two sub-batches): a maximum-size request is still 16 sub-batches, each of two 256-token rows.
+SMALL_BATCHES = {"MAX_BATCH_TOKENS": "512", "MAX_TOKENS_PER_REQUEST": "8192"}
+
+
+@pytest.fixture(scope="module")
+def small_batches_server(triton_server, redis_server, tmp_path_factory) -> Iterator[Server]:
+    """uvicorn as runstack starts it, with SMALL_BATCHES and one worker process: every request
+    meets the large one in the same scheduler (there is one per process)."""
+    with live_uvicorn(
+        workdir=tmp_path_factory.mktemp("small_batches"),
+        triton_target=triton_server.grpc_target,
+        redis_url=redis_server.url,
+        workers=1,
+        env=SMALL_BATCHES,
+    ) as server:
+        yield Server(server.base_url, server.headers)
+
+
+async def test_single_texts_are_answered_beside_a_maximum_size_request(small_batches_server, triton_server):
+    server = small_batches_server
+    max_tokens = int(SMALL_BATCHES["MAX_TOKENS_PER_REQUEST"])
+    rows = max_tokens // 256
     large_texts = [long_text(i) for i in range(rows)]
     async with httpx2.AsyncClient(timeout=120) as http:
         await post(http, server, ["warm up"])
-        one_sub_batch, two_sub_batches = await sub_batch_times(http, server)
+        one_sub_batch, two_sub_batches = await sub_batch_times(
+            http, server, int(SMALL_BATCHES["MAX_BATCH_TOKENS"])
+        )
         single_alone = min([(await post(http, server, ["a short query"]))[1] for _ in range(5)])
         # A small request waits for at most the sub-batches already running when it arrives (two
         # at once, on the two model instances), then runs itself: that is one pair of sub-batches;
@@ -146,7 +174,7 @@ async def test_single_texts_are_answered_beside_a_maximum_size_request(uvicorn_s
     )
     if large_response.status_code != 200:
         return
-    assert large_response.json()["usage"]["prompt_tokens"] == settings.MAX_TOKENS_PER_REQUEST
+    assert large_response.json()["usage"]["prompt_tokens"] == max_tokens
     # Sub-batches were put back in input order: rows equal the same texts embedded alone.
     vectors = decoded(large_response)
     async with httpx2.AsyncClient(timeout=60) as http:

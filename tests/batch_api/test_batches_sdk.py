@@ -24,7 +24,7 @@ import pytest
 from embeddings.management.commands.runstack import start_celery
 from tests.api.raw_http import RawHttp
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import REPO_ROOT, manage, stop_process_group, tenant_with_key
+from tests.processes import REPO_ROOT, process_group_paused, stop_process_group, tenant_with_key
 
 MODEL = "all-MiniLM-L6-v2"
 CHUNK_SIZE = 64
@@ -59,7 +59,7 @@ def job_stack(triton_server, redis_server, tmp_path_factory) -> Iterator[JobStac
 
 @pytest.fixture(scope="module")
 def other_key(job_stack) -> str:
-    return tenant_with_key(job_stack.env, "other", name="Other")
+    return tenant_with_key(job_stack.django, "other", name="Other")
 
 
 def sdk_client(stack: JobStack, key: str | None = None) -> openai.OpenAI:
@@ -88,13 +88,17 @@ def upload(client: openai.OpenAI, lines: list[bytes], name: str = "requests.json
 
 
 def finished(client: openai.OpenAI, stack: JobStack, batch_id: str, timeout_s: float = 600):
-    """Poll until the batch is final (a deadline against hanging, not a timing)."""
+    """Poll until the batch is final (a deadline against hanging, not a timing). Every 0.1 s at
+    first, backing off to every 1 s: each poll costs the server a database connection (~20 ms of
+    CPU), and a long batch's end is as well seen a second late."""
     deadline = time.monotonic() + timeout_s
+    pause_s = 0.1
     while time.monotonic() < deadline:
         batch = client.batches.retrieve(batch_id)
         if batch.status in {"completed", "failed", "cancelled", "expired"}:
             return batch
-        time.sleep(0.3)
+        time.sleep(pause_s)
+        pause_s = min(1.0, pause_s * 1.5)
     pytest.fail(f"batch {batch_id} did not finish: {batch}\n{stack.logs_tail()}")
 
 
@@ -180,7 +184,7 @@ def test_files_create_list_retrieve_content_delete(client, job_stack, other_key)
         assert created.id not in {item.id for item in other.files.list().data}
 
     # Past its expires_at a file is gone: expired by beat's sweep, its bytes deleted.
-    stored = manage(job_stack.env, "shell", "-c", EXPIRE_FILES)
+    stored = job_stack.django.run(EXPIRE_FILES)
     assert stored.splitlines()[-1] == "1"
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(expiring.id)
@@ -255,9 +259,10 @@ def test_an_upload_over_the_limit_is_refused_while_it_arrives(job_stack):
 def test_a_10000_line_batch_equals_the_synchronous_answers(client, http, job_stack):
     bodies = []
     for index in range(10_000):
-        # 3 to 11 tokens, the lengths mixed in every chunk (rows padded together); short, since the
-        # batch's time is MiniLM's, in proportion to its tokens (twice as many when each was 5-21).
-        body: dict = {"model": MODEL, "input": f"{index}{' w' * (index % 7)}"}
+        # 3 to 7 tokens, the lengths mixed in every chunk (rows padded together); short, since the
+        # batch's time is MiniLM's, in proportion to the tokens it computes, padding included:
+        # about 66,000, against 107,000 when each was 3-11 tokens.
+        body: dict = {"model": MODEL, "input": f"{index}{' w' * (index % 3)}"}
         if index % 2:
             body["encoding_format"] = "base64"
         if index % 5 == 0:
@@ -399,7 +404,7 @@ def test_a_batch_file_without_a_line_is_refused_at_upload(client, content):
 
 def test_a_batch_of_a_file_without_a_line_is_refused_at_creation(client, job_stack):
     """Files stored before uploads were checked: refused when the batch is created, not validated."""
-    file_id = manage(job_stack.env, "shell", "-c", LEGACY_EMPTY_FILE).splitlines()[-1]
+    file_id = job_stack.django.run(LEGACY_EMPTY_FILE).splitlines()[-1]
     with pytest.raises(openai.BadRequestError) as refused:
         client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
     assert refused.value.body["code"] == "empty_file" and refused.value.body["param"] == "input_file_id"
@@ -440,7 +445,7 @@ def test_quota_refusals_fail_the_batch_as_they_refuse_a_job(job_stack):
         ("poor", ["--tokens-per-day", "50"], "insufficient_quota"),
         ("cramped", ["--job-storage-budget-bytes", "4096"], "job_storage_budget_exceeded"),
     ):
-        with sdk_client(job_stack, tenant_with_key(job_stack.env, slug, *limit)) as tenant:
+        with sdk_client(job_stack, tenant_with_key(job_stack.django, slug, *limit)) as tenant:
             batch = tenant.batches.create(
                 input_file_id=upload(tenant, lines).id, endpoint="/v1/embeddings", completion_window="24h"
             )
@@ -489,9 +494,9 @@ def test_another_tenants_batch_and_file_are_not_found(client, job_stack, other_k
 
 
 def test_cancel_keeps_what_finished_and_names_every_other_request(client, job_stack):
-    lines = [
-        request_line(f"c-{index}", {"model": MODEL, "input": f"text {index} " * 40}) for index in range(3000)
-    ]
+    """Cancelled while the worker is paused (SIGSTOP) mid-batch: however fast its chunks (the lines
+    are short), the batch cannot finish before the cancel lands."""
+    lines = [request_line(f"c-{index}", {"model": MODEL, "input": f"text {index}"}) for index in range(3000)]
     batch = client.batches.create(
         input_file_id=upload(client, lines).id, endpoint="/v1/embeddings", completion_window="24h"
     )
@@ -499,7 +504,8 @@ def test_cancel_keeps_what_finished_and_names_every_other_request(client, job_st
     while client.batches.retrieve(batch.id).request_counts.completed == 0:
         assert time.monotonic() < deadline, job_stack.logs_tail()
         time.sleep(0.1)
-    cancelling = client.batches.cancel(batch.id)
+    with process_group_paused(job_stack.worker):
+        cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
     done = finished(client, job_stack, batch.id)
     assert done.status == "cancelled" and done.cancelled_at is not None
@@ -532,9 +538,10 @@ print(batches_expire_due(now=timezone.now() + timedelta(days=2)))
 
 
 def test_a_batch_past_its_completion_window_expires_with_partial_results(client, job_stack):
+    """Expired while the worker is paused (SIGSTOP) mid-batch: however fast its chunks (the lines
+    are short), the batch cannot finish before it expires."""
     lines = [
-        request_line(f"e-{index}", {"model": MODEL, "input": f"expiring {index} " * 40})
-        for index in range(1500)
+        request_line(f"e-{index}", {"model": MODEL, "input": f"expiring {index}"}) for index in range(1500)
     ]
     batch = client.batches.create(
         input_file_id=upload(client, lines).id, endpoint="/v1/embeddings", completion_window="24h"
@@ -544,7 +551,8 @@ def test_a_batch_past_its_completion_window_expires_with_partial_results(client,
     while client.batches.retrieve(batch.id).request_counts.completed == 0:
         assert time.monotonic() < deadline, job_stack.logs_tail()
         time.sleep(0.1)
-    assert manage(job_stack.env, "shell", "-c", EXPIRE_NOW).splitlines()[-1] == "1"
+    with process_group_paused(job_stack.worker):
+        assert job_stack.django.run(EXPIRE_NOW).splitlines()[-1] == "1"
     done = finished(client, job_stack, batch.id)
     assert done.status == "expired" and done.expired_at is not None and done.completed_at is None
     output, errors = file_lines(client, done.output_file_id), file_lines(client, done.error_file_id)
@@ -559,9 +567,9 @@ def test_a_worker_sigkilled_mid_batch_leaves_every_custom_id_exactly_once(client
     count = 1000
     usage_before = usage_totals(job_stack)
     lines = [
-        # 16 tokens or so: the 14 chunks left at the kill still take seconds, far beyond the
-        # moment between seeing two chunks done and the kill (they took 30 s at 110 tokens).
-        request_line(f"k-{index}", {"model": MODEL, "input": f"kill test {index} " * 4})
+        # 5 tokens: the 14 chunks left at the kill still take over a second (0.1 s each here), far
+        # beyond the moment between seeing two chunks done and the kill (30 s at 110 tokens).
+        request_line(f"k-{index}", {"model": MODEL, "input": f"kill test {index}"})
         for index in range(count)
     ]
     batch = client.batches.create(

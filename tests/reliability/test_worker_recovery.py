@@ -16,8 +16,8 @@ from embeddings.redis.connections import redis_job_store
 from embeddings.services.job_leases import chunk_runs
 from embeddings.services.job_store import JobStore
 from tests import worker_stack
-from tests.processes import manage, process_group_paused
-from tests.worker_stack import JobStack, job_usage
+from tests.processes import process_group_paused
+from tests.worker_stack import JobStack, job_usage, texts
 
 job_stack = worker_stack.job_stack
 start_worker = worker_stack.start_worker
@@ -32,9 +32,9 @@ WORDS = (
 
 
 def long_texts(prefix: str, count: int) -> list[str]:
-    """Texts of about 300 words: each fills the model's 256 tokens, so a chunk takes a while."""
+    """Texts of 120 words (about 140 tokens, half the model's 256), so a chunk takes a while."""
     return [
-        f"{prefix} {index}: " + " ".join(WORDS[(index + k) % len(WORDS)] for k in range(300))
+        f"{prefix} {index}: " + " ".join(WORDS[(index + k) % len(WORDS)] for k in range(120))
         for index in range(count)
     ]
 
@@ -62,7 +62,8 @@ def task_lines(logs: list[Path], task: str, outcome: str = "succeeded") -> list[
 
 def test_a_worker_killed_mid_chunk_is_replaced_within_the_lease(job_stack, start_worker):
     """Two workers and beat as shipped (lease 3 s, watchdog every 1 s); SIGKILL the process group of
-    the worker holding a chunk's lease just after it took it; the other worker re-runs that chunk."""
+    the worker holding a chunk's lease, stopped (SIGSTOP) first so that the chunk is known unfinished
+    when it dies; the other worker re-runs that chunk."""
     lease_s, interval_s = 3.0, 1.0
     chunk_size, chunks = 8, 10
     settings_env = {"JOB_CHUNK_LEASE_S": str(lease_s), "JOB_STALL_S": "600"}
@@ -73,31 +74,34 @@ def test_a_worker_killed_mid_chunk_is_replaced_within_the_lease(job_stack, start
     _, beat_log = start_worker("beat", JOB_WATCHDOG_INTERVAL_S=str(interval_s))
     logs = [log for _, log in workers.values()] + [beat_log]
     inputs = long_texts("recover", chunk_size * chunks)
-    (job_id,) = job_stack.submit([("alpha", inputs)], JOB_CHUNK_SIZE=str(chunk_size))
+    (job_id,) = job_stack.submit([("alpha", inputs)], chunk_size=chunk_size)
     store = job_store_of(job_stack, job_id)
 
-    # Wait for a chunk that has just started (its lease fresh, a quarter of a chunk's time as the
-    # first chunks here took) after the job got going.
+    # Wait for a chunk in hand after the job got going; its worker, stopped, can neither finish it
+    # nor renew its lease: killed if the chunk is still unfinished and its own, else let go on.
     deadline = time.monotonic() + 120
-    while not (chunk_lines := task_lines(logs, "job_chunk_task")):
-        assert time.monotonic() < deadline, f"no chunk finished:\n{job_stack.job(job_id)}"
-        time.sleep(0.02)
-    chunk_s = min(float(re.search(r"succeeded in ([\d.]+)s", line).group(1)) for line in chunk_lines)
     victim = None
     while victim is None:
         assert time.monotonic() < deadline, f"no chunk started:\n{job_stack.job(job_id)}"
-        runs = chunk_runs(store)
         now = redis_now_ms()
         for field, value in store.client.hgetall(store.key("lease")).items():
             chunk, (due, owner) = int(field), value.decode().split(" ")
-            fresh = now - runs.started_ms.get(chunk, 0) < chunk_s * 1000 / 4
-            if chunk >= 2 and fresh and int(due) > now and not store.is_chunk_done(chunk):
-                victim = chunk, int(owner.rsplit(":", 1)[1])
-                break
+            if chunk >= 2 and int(due) > now and not store.is_chunk_done(chunk):
+                pid = int(owner.rsplit(":", 1)[1])
+                killed_at = time.time()  # it does nothing after this
+                os.killpg(pid, signal.SIGSTOP)
+                lease = store.client.hget(store.key("lease"), field)
+                if (
+                    lease is not None
+                    and lease.decode().split(" ")[1] == owner
+                    and not store.is_chunk_done(chunk)
+                ):
+                    victim = chunk, pid
+                    break
+                os.killpg(pid, signal.SIGCONT)
         time.sleep(0.02)
     chunk, pid = victim
     killed, _ = workers.pop(pid)
-    killed_at = time.time()
     os.killpg(pid, signal.SIGKILL)
     killed.wait(timeout=10)
     assert not store.is_chunk_done(chunk), "the chunk finished before its worker died; nothing to recover"
@@ -140,12 +144,7 @@ def test_a_worker_killed_mid_chunk_is_replaced_within_the_lease(job_stack, start
 
     # Celery delivers the dead worker's message again after its visibility timeout: nothing changes.
     before = len(task_lines([survivor_log], "job_chunk_task"))
-    manage(
-        job_stack.env,
-        "shell",
-        "-c",
-        f"from embeddings.services.jobs import _send_chunk; _send_chunk({job_id}, {chunk})",
-    )
+    job_stack.django.run(f"from embeddings.services.jobs import _send_chunk; _send_chunk({job_id}, {chunk})")
     deadline = time.monotonic() + 60
     while len(task_lines([survivor_log], "job_chunk_task")) == before:
         assert time.monotonic() < deadline, survivor_log.read_text()[-3000:]
@@ -161,7 +160,7 @@ def test_a_chunk_longer_than_many_leases_is_not_resent_while_its_worker_lives(
     worker: the heartbeat keeps the lease, the chunk runs once. The chunk is long because its Triton
     answers late, as a saturated one does: Triton is paused (SIGSTOP) from before the chunk starts
     until it has been in hand for HELD_LEASES leases by the job store's clock, whatever the
-    machine's speed; no other work keeps it waiting that long."""
+    machine's speed; no other work keeps it waiting that long. So the texts can be short."""
     lease_s, interval_s = 2.0, 0.5
     count = 16
     env = {"JOB_CHUNK_LEASE_S": str(lease_s), "JOB_STALL_S": "600"}
@@ -169,9 +168,9 @@ def test_a_chunk_longer_than_many_leases_is_not_resent_while_its_worker_lives(
     _, second_log = start_worker(**env)
     _, beat_log = start_worker("beat", JOB_WATCHDOG_INTERVAL_S=str(interval_s))
     logs = [first_log, second_log, beat_log]
-    inputs = long_texts("long", count)
+    inputs = texts("long", count)
     with process_group_paused(triton_server.process):
-        (job_id,) = job_stack.submit([("beta", inputs)], JOB_CHUNK_SIZE=str(count))
+        (job_id,) = job_stack.submit([("beta", inputs)], chunk_size=count)
         store = job_store_of(job_stack, job_id)
         deadline = time.monotonic() + 120  # against hanging
         while (started_ms := chunk_runs(store).started_ms.get(0)) is None:

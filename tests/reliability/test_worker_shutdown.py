@@ -1,7 +1,10 @@
 """A Celery worker stopped by SIGTERM in the middle of a job (a rolling restart) finishes the chunks it
 holds and leaves the rest queued; its replacement completes the job, every chunk run and counted once.
 Real workers as runstack starts them (solo pool) and as compose/Kubernetes do (prefork, concurrency 2),
-the real Triton and Redis (tests/worker_stack.py)."""
+the real Triton and Redis (tests/worker_stack.py).
+
+The texts are short (chunks take milliseconds): what holds a chunk in the worker's hands while it is
+told to stop is Triton, paused (SIGSTOP) meanwhile, not the chunk's length."""
 
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ from embeddings.management.commands.runstack import start_celery
 from embeddings.services.job_leases import chunk_runs
 from embeddings.triton.server import die_with_parent
 from tests import worker_stack
-from tests.processes import REPO_ROOT, stop_process_group
-from tests.reliability.test_worker_recovery import job_store_of, long_texts, task_lines
-from tests.worker_stack import job_usage
+from tests.processes import REPO_ROOT, process_group_paused, stop_process_group
+from tests.reliability.test_worker_recovery import job_store_of, task_lines
+from tests.worker_stack import job_usage, texts
 
 job_stack = worker_stack.job_stack
 
@@ -39,7 +42,9 @@ def start_deployed_worker(env: dict[str, str], log_path: Path) -> subprocess.Pop
 
 
 @pytest.mark.parametrize("pool", ["solo", "prefork"])
-def test_a_job_spanning_a_worker_restart_completes_exactly_once(job_stack, service_redis, tmp_path, pool):
+def test_a_job_spanning_a_worker_restart_completes_exactly_once(
+    job_stack, service_redis, triton_server, tmp_path, pool
+):
     chunk_size, chunks = 8, 8
     # No beat, hence no watchdog: nothing but the workers themselves can finish or re-send a chunk.
     env = {**job_stack.env, "JOB_STALL_S": "600"}
@@ -56,19 +61,26 @@ def test_a_job_spanning_a_worker_restart_completes_exactly_once(job_stack, servi
 
     try:
         first, first_log = start("first")
-        inputs = long_texts(f"restart {pool}", chunk_size * chunks)
-        (job_id,) = job_stack.submit([("alpha", inputs)], JOB_CHUNK_SIZE=str(chunk_size))
+        inputs = texts(f"restart {pool}", chunk_size * chunks)
+        (job_id,) = job_stack.submit([("alpha", inputs)], chunk_size=chunk_size)
         store = job_store_of(job_stack, job_id)
-        # SIGTERM once the worker holds a chunk after the first (the job well under way, most still queued).
+        # SIGTERM once the worker holds a chunk after the first (the job well under way, most still
+        # queued). Triton is paused from when a chunk after the first has started: the chunk the
+        # worker holds then, or the one it takes next, cannot finish before the SIGTERM.
         deadline = time.monotonic() + HANG_S
-        while True:
+        while not any(chunk >= 1 for chunk in chunk_runs(store).started_ms):
             assert time.monotonic() < deadline, f"no chunk started:\n{first_log.read_text()[-3000:]}"
-            in_hand = [chunk for chunk in chunk_runs(store).started_ms if not store.is_chunk_done(chunk)]
-            if any(chunk >= 1 for chunk in in_hand):
-                break
             time.sleep(0.01)
-        signalled_at = time.monotonic()
-        first.send_signal(signal.SIGTERM)
+        with process_group_paused(triton_server.process):
+            while True:
+                assert time.monotonic() < deadline, f"no chunk in hand:\n{first_log.read_text()[-3000:]}"
+                in_hand = [chunk for chunk in chunk_runs(store).started_ms if not store.is_chunk_done(chunk)]
+                if any(chunk >= 1 for chunk in in_hand):
+                    break
+                assert not all(store.is_chunk_done(chunk) for chunk in range(chunks)), "the job ran out"
+                time.sleep(0.01)
+            signalled_at = time.monotonic()
+            first.send_signal(signal.SIGTERM)
         first.wait(timeout=HANG_S)
         stop_s = time.monotonic() - signalled_at
         first_text = first_log.read_text()
