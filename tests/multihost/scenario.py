@@ -8,7 +8,8 @@ beat beside worker-b), and this client. Phases:
 1. quota: 120 requests at once, split over both web hosts, against a burst of 40 and a rate of one
    a minute: exactly 40 may pass.
 2. failover: clients sending all the time to both web hosts; triton-b's link drops every packet for
-   12 s at least, and until 20 requests sent since have been answered, then comes back. Every answer, its time and status; triton-b's executions read each 0.5 s.
+   12 s at least, and until 20 requests sent since have been answered, then comes back. Every
+   answer, its time and status; triton-b's executions read each 0.5 s.
 3. jobs: one tenant's 40-chunk job, then another tenant's 2-chunk job, on the two workers: the
    small one waits for at most the big one's chunks already queued (fair share across hosts); then
    a job with worker-a SIGKILLed while it holds a chunk's lease: the job completes on worker-b,
