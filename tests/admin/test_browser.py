@@ -96,6 +96,16 @@ def tenant_with_usage(transactional_db):
     return tenant
 
 
+def _click_and_load(page, selector: str) -> None:
+    """Click what leads to another page, and return once that page has loaded.
+
+    A bare click returns as soon as the next page starts to arrive; on a busy machine its body is
+    then not parsed yet, and a locator's count() (which does not wait) reads the empty page.
+    """
+    with page.expect_navigation():
+        page.click(selector)
+
+
 def test_log_in_see_the_usage_chart_and_create_a_key(live_server, tenant_with_usage, browser_page):
     # Everything is checked through the browser: Django refuses ORM calls from this thread once
     # Playwright's event loop runs in it (the database is set up before the browser starts).
@@ -127,9 +137,9 @@ def test_log_in_see_the_usage_chart_and_create_a_key(live_server, tenant_with_us
         assert heights[-1] > 0 and all(height == 0 for height in heights[:-1])
     assert "Tokens per day" in page.locator("svg#usage-tokens-chart > title").text_content()
 
-    page.click("text=Create an API key for this tenant")
+    _click_and_load(page, "text=Create an API key for this tenant")
     page.fill("#id_name", "made-in-a-browser")
-    page.click("input[name=_save]")
+    _click_and_load(page, "input[name=_save]")
     shown = page.locator("#new-api-key").inner_text()
     assert FULL_KEY.fullmatch(shown)
     assert "shown only this once" in page.content()
@@ -153,10 +163,7 @@ def _log_in(page, live_server, password: str = "a-long-password") -> None:
     page.goto(live_server.url + reverse("admin:login"))
     page.fill("#id_username", "root")
     page.fill("#id_password", password)
-    page.click("input[type=submit]")
-    # The click returns once the next page has started to arrive: on a busy machine its body may
-    # not be parsed yet when the test reads it.
-    page.wait_for_load_state()
+    _click_and_load(page, "input[type=submit]")
 
 
 def test_rotate_a_webhook_secret_and_see_it_once(live_server, tenant_with_usage, browser_page, tmp_path):
@@ -165,7 +172,7 @@ def test_rotate_a_webhook_secret_and_see_it_once(live_server, tenant_with_usage,
     page.goto(live_server.url + reverse("admin:embeddings_tenant_changelist"))
     page.check("#result_list tbody tr input.action-select")
     page.select_option("select[name=action]", "rotate_webhook_secrets")
-    page.click("button[name=index]")
+    _click_and_load(page, "button[name=index]")
     secret = page.locator("code.new-webhook-secret")
     assert secret.count() == 1 and secret.is_visible()
     shown = secret.inner_text()
@@ -197,7 +204,7 @@ def test_load_a_model_into_triton_from_the_changelist(
     assert row.locator("td.field-triton_state").inner_text().split()[0] in {"not", "UNAVAILABLE"}
     row.locator("input.action-select").check()
     page.select_option("select[name=action]", "load_into_triton")
-    page.click("button[name=index]")
+    _click_and_load(page, "button[name=index]")
     # The admin capitalises its messages' first letter.
     message = page.locator(".messagelist").inner_text().strip()
     assert message == "Copy: Triton model minilm_copy version 1 is loaded and serving."
@@ -370,10 +377,10 @@ def test_an_admin_sets_a_burst_and_sees_the_bucket_drain(docs_server, docs_page)
     page.goto(f"{docs_server.base_url}/admin/embeddings/tenant/?q=rated")
     page.fill("#id_username", "root")
     page.fill("#id_password", "a-long-password")
-    page.click("input[type=submit]")
-    page.click("#result_list tbody tr a")  # the tenant's name
+    _click_and_load(page, "input[type=submit]")
+    _click_and_load(page, "#result_list tbody tr a")  # the tenant's name
     page.fill("#id_request_burst", "50")
-    page.click("input[name=_continue]")
+    _click_and_load(page, "input[name=_continue]")
     assert "was changed successfully" in page.locator(".messagelist").inner_text()
     for _ in range(3):
         response = httpx2.post(
