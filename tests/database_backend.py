@@ -280,6 +280,13 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> 
     """Before pytest-django loads the settings: DATABASE_URL names this run's backend (the server
     itself starts only when a test needs a database)."""
     global _databases
+    # Before gRPC loads (no module imported so far loads it): the test processes hold gRPC channels
+    # and fork children that exec servers at once. gRPC's fork handlers, on by default, run in
+    # such a child between fork and exec and can leave it hung there (seen: a Celery worker that
+    # never started, its log only "epoll_wait error: Bad file descriptor", the parent's "Other
+    # threads are currently calling into gRPC, skipping fork() handlers"). No child uses gRPC
+    # state it inherits (the client opens channels again after a fork), so they buy nothing here.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     _databases = RunDatabases(early_config.known_args_namespace.database)
     if _databases.url is None:
         os.environ.pop("DATABASE_URL", None)
