@@ -1,6 +1,7 @@
 """Settings read from the environment: seed variable names, loud failures on bad values, and the
 secret key (required and strong outside DEBUG, from the environment or a file)."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -326,6 +327,27 @@ def test_make_setup_creates_the_key_before_any_manage_py_command():
     }
     for target in ("setup-steps", ".run/.migrated", "model_repository/minilm/1/model.onnx"):
         assert ".run/secret_key" in rules[target], rules[target]
+
+
+def test_make_setup_leaves_bytecode_for_what_the_processes_import():
+    """Where PYTHONDONTWRITEBYTECODE is set (CI sets it) Python writes no bytecode, so without the
+    setup's (pip's, then `make bytecode`'s) every process compiled each module it imports, at each
+    start. A package's bytecode must match its source (packages are not edited); our own modules'
+    must exist (one edited since the setup is compiled again by the next)."""
+    import django.db.models.query
+    import grpc
+    import numpy
+
+    import embeddings.triton.client
+
+    for module in (django.db.models.query, grpc, numpy):
+        source = Path(module.__file__)
+        header = Path(importlib.util.cache_from_source(source)).read_bytes()[:16]
+        # A timestamp-checked .pyc: magic, flags 0, then the source's mtime and size it was made from.
+        assert header[:4] == importlib.util.MAGIC_NUMBER and header[4:8] == bytes(4), source
+        assert int.from_bytes(header[8:12], "little") == int(source.stat().st_mtime) & 0xFFFFFFFF, source
+    for module in (embeddings.triton.client, sys.modules[__name__]):
+        assert Path(importlib.util.cache_from_source(module.__file__)).exists(), module.__file__
 
 
 def test_admin_lockout_settings_from_the_environment(project_copy):
