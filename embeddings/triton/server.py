@@ -344,6 +344,10 @@ class TritonServer:
             *TRITON_PING_FLAGS,
             "--pinned-memory-pool-byte-size=0",
             "--exit-timeout-secs=10",
+            # Every config we serve is complete. Auto-completion would start one Python stub per
+            # model at each load only to ask its model.py (none completes anything): 3 of a
+            # start's 4.5 s here.
+            "--disable-auto-complete-config",
             # Larger shared-memory regions between Triton and the Python stub: fewer resizes
             # for big batches of embeddings.
             "--backend-config=python,shm-default-byte-size=16777216",
