@@ -93,8 +93,8 @@ bench-gpu: setup
 	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
 	$(PY) bench/gpu.py $(BENCH_ARGS)
 
-SETUP_STEPS := .run/.system-packages .run/secret_key $(VENV)/.installed $(PROTOCOL) bytecode $(MODEL_ONNX) \
-	.run/.migrated .run/.collected-static $(COMPOSE)
+SETUP_STEPS := .run/.system-packages .run/secret_key $(VENV)/.installed $(VENV)/.compiled $(PROTOCOL) bytecode \
+	$(MODEL_ONNX) .run/.migrated .run/.collected-static $(COMPOSE)
 # The steps side by side where their prerequisites allow: on a fresh machine apt downloads and
 # installs the system packages while pip installs, and the model export runs beside collectstatic.
 setup:
@@ -118,15 +118,22 @@ SYSTEM_PACKAGES := redis-server chromium postgresql iproute2
 	dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES))
 	touch $@
 
-# pip compiles every module to bytecode as it installs (about 75 CPU-s of the step): where
-# PYTHONDONTWRITEBYTECODE is set (CI's environment sets it) Python writes no bytecode of its own, so
-# without this every process of `make run` and of the tests compiled every module it imported from
-# source, again at each start (a fresh-clone test run took 1,018 s instead of 731 s).
+# Bytecode is compiled in its own step ($(VENV)/.compiled), beside the export, not by pip one file
+# after another as it installs (pip's compile is half of its CPU time and on the setup's longest path).
 $(VENV)/.installed: $(REQUIREMENTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -r requirements.txt -r requirements-test.txt -r requirements-export.txt \
+	$(PIP) install -q --no-compile -r requirements.txt -r requirements-test.txt -r requirements-export.txt \
 		-r requirements-deploy.txt
-	$(PIP) install -q --no-deps -r requirements-nodeps.txt
+	$(PIP) install -q --no-compile --no-deps -r requirements-nodeps.txt
+	touch $@
+
+# Every installed module compiled to bytecode, on all cores. Where PYTHONDONTWRITEBYTECODE is set
+# (CI's environment sets it) Python writes none of its own: without this step every process of
+# `make run` and of the tests compiled each module it imported from source, at each start (a
+# fresh-clone PostgreSQL pass took 1,018 s instead of 736 s). A file this Python cannot compile
+# (torch ships some in newer syntax) is one it never imports: compile_dir's verdict is not needed.
+$(VENV)/.compiled: $(VENV)/.installed
+	$(PY) -c 'import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)' $(VENV)/lib
 	touch $@
 
 # Our own modules' bytecode, for the same reason (under a second; unchanged files are skipped), after
