@@ -112,7 +112,9 @@ async def test_docs_pages_use_only_local_assets(client, path):
     assets = re.findall(r"""(?:src|href)=["']([^"']+)["']""", html)
     assert any("drf_spectacular_sidecar" in asset for asset in assets), assets
     assert not [asset for asset in assets if re.match(r"(https?:)?//", asset)], assets
-    assert "googleapis" not in html and "cdn" not in html.lower()
+    # Nor a script's: no URL naming a host (a CDN, Google's fonts) anywhere in the page. Not a
+    # search for "cdn" in the text: the page carries random tokens, which once held those letters.
+    assert not re.findall(r"(?:https?:)?//[\w-]+(?:\.[\w-]+)+", html), html
     assert "/api/schema/" in html
 
 
