@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from django.conf import settings
 
-from embeddings.triton.client import TritonClient
+from embeddings.triton.client import ModelStatistics, TritonClient
 from tests.api.conftest import live_uvicorn
 
 MODEL = "all-MiniLM-L6-v2"
@@ -42,16 +42,19 @@ class Server:
     headers: dict[str, str]
 
 
+def minilm_statistics(triton_target: str) -> ModelStatistics:
+    with TritonClient(triton_target, channels=1, timeout_s=10) as client:
+        return client.model_statistics("minilm")
+
+
 def inferred_rows(triton_target: str) -> int:
     """Rows Triton has computed for minilm so far (successes and failures)."""
-    with TritonClient(triton_target, channels=1, timeout_s=10) as client:
-        return client.model_statistics("minilm").inference_count
+    return minilm_statistics(triton_target).inference_count
 
 
 def triton_executions(triton_target: str) -> Counter:
     """Executions (batches run) Triton has done for minilm so far, by batch size (rows)."""
-    with TritonClient(triton_target, channels=1, timeout_s=10) as client:
-        return Counter(client.model_statistics("minilm").batch_executions)
+    return Counter(minilm_statistics(triton_target).batch_executions)
 
 
 async def post(http: httpx2.AsyncClient, server: Server, texts: list[str]) -> tuple[httpx2.Response, float]:
