@@ -12,7 +12,15 @@ MODEL_ONNX := model_repository/minilm/1/model.onnx
 PROTOCOL := embeddings/triton/protocol/grpc_service_pb2.py
 COMPOSE := $(VENV)/bin/docker-compose
 
-.PHONY: run test test-unit test-services setup setup-steps bytecode bench bench-api bench-peers bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
+# Every process started here (the setup's, the service's, the tests') writes the bytecode of what it
+# imports, even where PYTHONDONTWRITEBYTECODE is set (CI's environment sets it): without it each of
+# the ~200 Python processes a test run starts compiled every module it imported from source, at every
+# start (a fresh-clone PostgreSQL pass took 1,018 s instead of 736 s). Compiled on first import, not
+# ahead: the virtualenv holds 17,900 modules (torch, transformers, sympy) and the processes import a
+# few thousand; compiling them all cost the setup 100 CPU-seconds. pip still installs --no-compile.
+unexport PYTHONDONTWRITEBYTECODE
+
+.PHONY: run test test-unit test-services setup setup-steps bench bench-api bench-peers bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
 	clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
@@ -93,8 +101,8 @@ bench-gpu: setup
 	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
 	$(PY) bench/gpu.py $(BENCH_ARGS)
 
-SETUP_STEPS := .run/.system-packages .run/secret_key $(VENV)/.installed $(VENV)/.compiled $(PROTOCOL) bytecode \
-	$(MODEL_ONNX) .run/.migrated .run/.collected-static $(COMPOSE)
+SETUP_STEPS := .run/.system-packages .run/secret_key $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) \
+	.run/.migrated .run/.collected-static $(COMPOSE)
 # The steps side by side where their prerequisites allow: on a fresh machine apt downloads and
 # installs the system packages while pip installs, and the model export runs beside collectstatic.
 setup:
@@ -118,28 +126,13 @@ SYSTEM_PACKAGES := redis-server chromium postgresql iproute2
 	dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES))
 	touch $@
 
-# Bytecode is compiled in its own step ($(VENV)/.compiled), beside the export, not by pip one file
-# after another as it installs (pip's compile is half of its CPU time and on the setup's longest path).
+# --no-compile: the processes compile what they import (PYTHONDONTWRITEBYTECODE above).
 $(VENV)/.installed: $(REQUIREMENTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --no-compile -r requirements.txt -r requirements-test.txt -r requirements-export.txt \
 		-r requirements-deploy.txt
 	$(PIP) install -q --no-compile --no-deps -r requirements-nodeps.txt
 	touch $@
-
-# Every installed module compiled to bytecode, on all cores. Where PYTHONDONTWRITEBYTECODE is set
-# (CI's environment sets it) Python writes none of its own: without this step every process of
-# `make run` and of the tests compiled each module it imported from source, at each start (a
-# fresh-clone PostgreSQL pass took 1,018 s instead of 736 s). A file this Python cannot compile
-# (torch ships some in newer syntax) is one it never imports: compile_dir's verdict is not needed.
-$(VENV)/.compiled: $(VENV)/.installed
-	$(PY) -c 'import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)' $(VENV)/lib
-	touch $@
-
-# Our own modules' bytecode, for the same reason (under a second; unchanged files are skipped), after
-# the generated gRPC modules exist. Run at every setup: sources change between runs.
-bytecode: $(PROTOCOL)
-	$(PY) -m compileall -q -j 0 manage.py embedsite embeddings tests bench protos
 
 # generate.py does nothing when its outputs are newer than the protos; the touch keeps make from
 # asking again (and re-migrating) after every package install.

@@ -329,25 +329,28 @@ def test_make_setup_creates_the_key_before_any_manage_py_command():
         assert ".run/secret_key" in rules[target], rules[target]
 
 
-def test_make_setup_leaves_bytecode_for_what_the_processes_import():
-    """Where PYTHONDONTWRITEBYTECODE is set (CI sets it) Python writes no bytecode, so without the
-    setup's (pip's, then `make bytecode`'s) every process compiled each module it imports, at each
-    start. A package's bytecode must match its source (packages are not edited); our own modules'
-    must exist (one edited since the setup is compiled again by the next)."""
-    import django.db.models.query
-    import grpc
-    import numpy
-
-    import embeddings.triton.client
-
-    for module in (django.db.models.query, grpc, numpy):
-        source = Path(module.__file__)
-        header = Path(importlib.util.cache_from_source(source)).read_bytes()[:16]
-        # A timestamp-checked .pyc: magic, flags 0, then the source's mtime and size it was made from.
-        assert header[:4] == importlib.util.MAGIC_NUMBER and header[4:8] == bytes(4), source
-        assert int.from_bytes(header[8:12], "little") == int(source.stat().st_mtime) & 0xFFFFFFFF, source
-    for module in (embeddings.triton.client, sys.modules[__name__]):
-        assert Path(importlib.util.cache_from_source(module.__file__)).exists(), module.__file__
+def test_processes_make_starts_write_bytecode_where_the_environment_says_not_to():
+    """Where PYTHONDONTWRITEBYTECODE is set (CI sets it) Python writes no bytecode, and every process
+    the tests start compiled each module it imports, at each start. The Makefile's processes write it:
+    one importing gRPC leaves gRPC's bytecode, matching its source."""
+    probe = (
+        "import importlib.util, sys, grpc; "
+        "print(sys.dont_write_bytecode, importlib.util.cache_from_source(grpc.__file__))"
+    )
+    done = subprocess.run(
+        ["make", "--no-print-directory", "-s", "-f", str(REPO_ROOT / "Makefile"),
+         "--eval", f"bytecode-probe: ; @$(PY) -c '{probe}'", "bytecode-probe"],
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    dont_write, cached = done.stdout.split()
+    assert dont_write == "False"
+    header = Path(cached).read_bytes()[:16]
+    # A timestamp-checked .pyc: magic, flags 0, then the source's mtime it was made from.
+    source = Path(cached).parent.parent / "__init__.py"
+    assert header[:4] == importlib.util.MAGIC_NUMBER and header[4:8] == bytes(4)
+    assert int.from_bytes(header[8:12], "little") == int(source.stat().st_mtime) & 0xFFFFFFFF
 
 
 def test_admin_lockout_settings_from_the_environment(project_copy):
