@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from django.conf import settings
+from django.contrib.auth.hashers import PBKDF2PasswordHasher
 
 from embeddings.tooling.local_redis import RedisServer
 from embeddings.triton.server import TritonServer, free_port
@@ -25,6 +26,19 @@ if TYPE_CHECKING:
 
 TESTS_DIR = Path(__file__).resolve().parent
 TEST_MODEL_REPOSITORY = TESTS_DIR / "triton_models"
+
+
+class QuickPBKDF2PasswordHasher(PBKDF2PasswordHasher):
+    """The shipped algorithm at 1,000 iterations instead of 1,000,000 (0.3 CPU-s a password), in the
+    test processes only: the hashes made here (the admin users tests create, their logins) are still
+    pbkdf2_sha256, which the servers the tests start verify with the shipped hashers. What the tests
+    check is lockout and permissions, not the cost of a hash (Django's advice for test settings)."""
+
+    iterations = 1_000
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    settings.PASSWORD_HASHERS = [f"{__name__}.QuickPBKDF2PasswordHasher", *settings.PASSWORD_HASHERS]
 
 
 def require_exported_model(repository: Path, name: str = "minilm") -> Path:
