@@ -68,7 +68,7 @@ def ensure_matplotlib() -> None:
 def bench_triton(workdir: Path):
     """A Triton on free ports serving the model repository and the test-only models (instant_1024),
     logging into `workdir`; not started."""
-    from embeddings.triton.server import TritonServer, free_port
+    from embeddings.tooling.triton_server import TritonServer, free_port
 
     return TritonServer(
         model_repositories=[ROOT / "model_repository", ROOT / "tests" / "triton_models"],
@@ -85,7 +85,7 @@ class RedisPair:
 
     def __init__(self, workdir: Path) -> None:
         from embeddings.tooling.local_redis import RedisServer
-        from embeddings.triton.server import free_port
+        from embeddings.tooling.triton_server import free_port
 
         self.critical = RedisServer(port=free_port(), data_dir=workdir / "redis", persistent=False)
         self.jobs = RedisServer(port=free_port(), data_dir=workdir / "redis-jobs", persistent=False)
@@ -350,7 +350,7 @@ def main() -> None:
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
     from embeddings.tokenization import TextTokenizer
-    from embeddings.triton.server import free_port
+    from embeddings.tooling.triton_server import free_port
 
     workdir = Path(tempfile.mkdtemp(prefix="embedsite-bench-api-"))
     servers: dict[str, Server] = {}

@@ -157,7 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> None:
-    from embeddings.triton.server import free_port
+    from embeddings.tooling.triton_server import free_port
 
     args = parse_args()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")

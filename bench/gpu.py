@@ -417,7 +417,7 @@ def load_in_process_model(device: str):
     try:
         import torch
 
-        from embeddings.triton.backends.embedsite_torch.encoder import load_encoder
+        from embeddings.in_triton.backends.embedsite_torch.encoder import load_encoder
     except ImportError:
         if device != "cpu":
             raise
@@ -872,7 +872,7 @@ def free_device_memory() -> None:
 
 
 def start_triton(run: Run, workdir: Path, stack: ExitStack):
-    from embeddings.triton.server import TritonServer, free_port
+    from embeddings.tooling.triton_server import TritonServer, free_port
 
     triton = TritonServer(
         model_repositories=[ROOT / "model_repository"],
@@ -987,7 +987,7 @@ def measure_http(
 ) -> None:
     from api import RedisPair, prepare_database
 
-    from embeddings.triton.server import free_port
+    from embeddings.tooling.triton_server import free_port
 
     args = run.args
     try:

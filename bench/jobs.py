@@ -116,10 +116,10 @@ def main() -> None:
     django.setup()
     from django.conf import settings
 
-    from embeddings.jobs_client import FINISHED_STATUSES, JobsClient
+    from embeddings.management.jobs_client import FINISHED_STATUSES, JobsClient
     from embeddings.tokenization import TextTokenizer
     from embeddings.tooling.local_redis import RedisServer
-    from embeddings.triton.server import TritonServer, free_port
+    from embeddings.tooling.triton_server import TritonServer, free_port
 
     workdir = Path(tempfile.mkdtemp(prefix="embedsite-bench-jobs-"))
     triton = TritonServer(

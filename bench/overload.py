@@ -254,7 +254,7 @@ def baseline_checkout(reference: str) -> Path:
 def measure(
     name: str, root: Path, env: dict[str, str], keys: dict[str, str], args: argparse.Namespace, workdir: Path
 ) -> list[dict]:
-    from embeddings.triton.server import free_port
+    from embeddings.tooling.triton_server import free_port
 
     cells = []
     with (workdir / f"server-{name}.log").open("ab") as log:
@@ -299,7 +299,7 @@ def refusal_cost(env: dict[str, str], keys: dict[str, str], args: argparse.Names
     """The web CPU time of a refusal: a budget of one request in flight and no queue, flooded by 256
     connections, so nearly every answer is an immediate refusal; beside it, GET /health flooded the
     same way on the same server, the cheapest answer the application itself gives."""
-    from embeddings.triton.server import free_port
+    from embeddings.tooling.triton_server import free_port
 
     tight = {**env, "ADMISSION_MAX_IN_FLIGHT": "1", "ADMISSION_QUEUE_TIMEOUT_S": "0"}
     with (workdir / "server-refusals.log").open("ab") as log:

@@ -372,7 +372,7 @@ def measure_raw(seconds: float) -> dict:
 
 
 def measure_infinity(args: argparse.Namespace, raw: RawOnnxRuntime, workdir: Path) -> dict:
-    from embeddings.triton.server import free_port
+    from embeddings.tooling.triton_server import free_port
 
     infinity = Infinity(args.infinity_dir)
     infinity.install()
@@ -394,7 +394,7 @@ def measure_infinity(args: argparse.Namespace, raw: RawOnnxRuntime, workdir: Pat
 
 
 def measure_embedsite(args: argparse.Namespace, raw: RawOnnxRuntime, workdir: Path) -> dict:
-    from embeddings.triton.server import free_port
+    from embeddings.tooling.triton_server import free_port
 
     results: dict = {}
     with shipped_stack(workdir) as (env, key, _):

@@ -81,7 +81,8 @@ def prepare_database(env: dict[str, str]) -> dict[str, str]:
         env,
         "shell",
         "-c",
-        "from embeddings.models import ApiKey; from embeddings.services.tenants import quota_limits_update; "
+        "from embeddings.models import ApiKey; "
+        "from embeddings.services.accounts.tenants import quota_limits_update; "
         f"quota_limits_update(owner=ApiKey.objects.get(tenant__slug='both'), limits={KEY_LIMITS})",
     )
     return keys
@@ -165,21 +166,21 @@ def measure_transports(env: dict[str, str], rounds: int) -> dict:
     from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser
 
     from embeddings.redis.connections import reset_redis_clients
-    from embeddings.redis.transport import run_async
+    from embeddings.redis.transport import operation_run
 
     settings.REDIS_URL = env["REDIS_URL"]  # settings may have been read before env was set
     reset_redis_clients()
-    from embeddings.services.quotas import (
-        QuotaHolder,
+    from embeddings.callers import Caller
+    from embeddings.services.quotas.limits import (
         QuotaLimitValues,
         reserve_operation,
         settle_operation,
         status_operation,
     )
-    from embeddings.services.usage import UsageEvent
+    from embeddings.services.quotas.usage import UsageEvent
 
     limits = QuotaLimitValues(**TRANSPORT_KEY_LIMITS)
-    subject = QuotaHolder(10**6, 10**6, limits, limits)  # ids no tenant of the bench has
+    caller = Caller(10**6, 10**6, limits, limits)  # ids no tenant of the bench has
     usage = UsageEvent(10**6, 10**6, INSTANT_MODEL, "openai", "succeeded", 1, 1, 1)
 
     # redis-py picks hiredis when it is importable; then its pure-Python parser is timed too.
@@ -198,11 +199,11 @@ def measure_transports(env: dict[str, str], rounds: int) -> dict:
             for round_number in range(rounds + rounds // 10):
                 for name, options in transports.items():
                     started = time.perf_counter()
-                    reservation = await run_async(reserve_operation(subject, 1, 1, None), **options)
+                    reservation = await operation_run(reserve_operation(caller, 1, 1, None), **options)
                     reserved = time.perf_counter()
-                    await run_async(settle_operation(reservation, False, usage), **options)
+                    await operation_run(settle_operation(reservation, False, usage), **options)
                     settled = time.perf_counter()
-                    await run_async(status_operation(subject, time.time()), **options)
+                    await operation_run(status_operation(caller, time.time()), **options)
                     done = time.perf_counter()
                     if round_number >= rounds // 10:  # the first tenth warms up
                         timings[("reserve", name)].append((reserved - started) * 1e6)
@@ -219,7 +220,7 @@ def measure_transports(env: dict[str, str], rounds: int) -> dict:
         try:
             await client.config_resetstat()
             for _ in range(rounds):
-                reservation = await run_async(reserve_operation(subject, 1, 1, None))
+                reservation = await operation_run(reserve_operation(caller, 1, 1, None))
                 await client.zrem(reservation.leases[0].key, reservation.lease_member)
                 await client.zrem(reservation.leases[1].key, reservation.lease_member)
             stats = await client.info("commandstats")
@@ -256,7 +257,7 @@ def main() -> None:
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
     from embeddings.tooling.local_redis import RedisServer
-    from embeddings.triton.server import free_port
+    from embeddings.tooling.triton_server import free_port
 
     workdir = Path(tempfile.mkdtemp(prefix="embedsite-bench-quota-"))
     triton = bench_triton(workdir)

@@ -29,7 +29,7 @@ from peers import shape_texts, wrk_shape  # noqa: E402
 
 
 def main() -> None:
-    from embeddings.triton.server import free_port
+    from embeddings.tooling.triton_server import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", type=shape_named, default=shape_named("16 x 8"))

@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from embeddings.tokenization import TextTokenizer  # noqa: E402
+from embeddings.tooling.triton_server import TritonServer, free_port  # noqa: E402
 from embeddings.triton.client import AsyncTritonClient  # noqa: E402
 from embeddings.triton.codec import decode_infer_response  # noqa: E402
 from embeddings.triton.protocol import grpc_service_pb2 as pb  # noqa: E402
-from embeddings.triton.server import TritonServer, free_port  # noqa: E402
 
 MODEL = "minilm"
 REPOSITORY = ROOT / "model_repository"

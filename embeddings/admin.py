@@ -3,7 +3,7 @@
 Tenants show their keys, quotas, usage and webhook secrets; catalog models their state in Triton.
 
 Thin: creating, revoking, deactivating and rotating go through the services the API and commands use; usage
-numbers come from embeddings/services/usage_reports.py, charts from embeddings/admin_charts.py.
+numbers come from embeddings/services/quotas/reports.py, charts from embeddings/admin_charts.py.
 """
 
 from __future__ import annotations
@@ -32,16 +32,17 @@ from django.utils.html import format_html
 
 from embeddings.admin_charts import daily_bar_chart
 from embeddings.models import ApiKey, EmbeddingModel, QuotaLimits, Tenant, UsageBucket
-from embeddings.services.catalog import embedding_model_cache_clear
-from embeddings.services.encryption import SecretUndecryptable
-from embeddings.services.keys import api_key_create, api_key_revoke
-from embeddings.services.tenants import (
+from embeddings.services.accounts.api_keys import api_key_create, api_key_revoke
+from embeddings.services.accounts.encryption import SecretUndecryptable
+from embeddings.services.accounts.tenants import (
     tenant_deactivate,
     tenant_webhook_secret_rotate,
     tenant_webhook_signing_secrets,
     webhook_secret_fingerprint,
 )
-from embeddings.services.usage_reports import (
+from embeddings.services.inference.catalog import embedding_model_cache_clear
+from embeddings.services.inference.exports import model_export_versions
+from embeddings.services.quotas.reports import (
     CHART_DAYS,
     api_keys_with_month_usage,
     daily_usage,
@@ -50,13 +51,12 @@ from embeddings.services.usage_reports import (
     usage_csv_rows,
 )
 from embeddings.triton import TritonError
-from embeddings.triton.model_exports import model_export_versions
 
 # The job store (redis.asyncio), model serving and the Triton client (grpc, numpy) are imported by
 # the admin views that use them, not here: every process imports this module at start-up
 # (admin.autodiscover), and most of them never render an admin page.
 if TYPE_CHECKING:
-    from embeddings.services.model_serving import ModelServingState
+    from embeddings.services.inference.serving import ModelServingState
     from embeddings.triton import TritonClient
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def live_quota_state(tenant: Tenant) -> tuple[list[dict], str | None]:
     The page's numbers come from the database; this is extra, and the page renders without it.
     """
     try:
-        from embeddings.services.quotas import quota_status_sync
+        from embeddings.services.quotas.limits import quota_status_sync
 
         status = quota_status_sync(tenant.pk)
     except Exception as error:  # Redis down or slow, or the quota module absent: say so, render the rest
@@ -286,7 +286,7 @@ class TenantAdmin(admin.ModelAdmin):
     def job_storage_held(self, tenant: Tenant) -> str:
         if tenant.pk is None:
             return "-"
-        from embeddings.services.job_storage import size_text, tenant_job_storage
+        from embeddings.services.jobs.budget import size_text, tenant_job_storage
 
         storage = tenant_job_storage(tenant=tenant)
         percent = 100 * storage.used_bytes / storage.budget_bytes if storage.budget_bytes else 100.0
@@ -516,7 +516,7 @@ def exported_versions(triton_model: str) -> list[int]:
 
 @admin.register(EmbeddingModel)
 class EmbeddingModelAdmin(admin.ModelAdmin):
-    """Catalog models. Loading and unloading go through services/model_serving.py, as beat's
+    """Catalog models. Loading and unloading go through services/inference/serving.py, as beat's
     reconcile and `register_model` do; Triton's failures are shown as messages, never a 500."""
 
     form = EmbeddingModelForm
@@ -553,12 +553,12 @@ class EmbeddingModelAdmin(admin.ModelAdmin):
 
     def _serving_states(self) -> dict[int, ModelServingState] | None:
         """Each row's state from one repository index; None when Triton does not answer."""
-        from embeddings.services.model_serving import models_serving_states
+        from embeddings.services.inference.serving import models_serving_states_sync
 
         rows = list(EmbeddingModel.objects.all())
         try:
             with triton_admin_client() as client:
-                states = models_serving_states(models=rows, client=client)
+                states = models_serving_states_sync(models=rows, client=client)
         except TritonError as error:
             logger.warning("admin: Triton's repository index unavailable: %s", error)
             return None
@@ -585,7 +585,7 @@ class EmbeddingModelAdmin(admin.ModelAdmin):
         self._reconcile(request, list(queryset), unload=True)
 
     def _reconcile(self, request: HttpRequest, models: list[EmbeddingModel], *, unload: bool) -> None:
-        from embeddings.services.model_serving import models_reconcile
+        from embeddings.services.inference.serving import models_reconcile
 
         names = {model.name for model in models}
         try:

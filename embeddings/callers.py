@@ -1,8 +1,8 @@
 """Who is calling, and the limits they are held to: one type below both the API and the services.
 
 The API's authenticator builds a `Caller` for each API key (embeddings/api/authentication.py); a
-job's chunks build one for the tenant and key that submitted it (services/jobs.py). Quotas,
-catalog and jobs take this type, so nothing under embeddings/services needs embeddings/api.
+job's submission builds one for the tenant and key that submit it (services/jobs/submission.py).
+Quotas, catalog and jobs take this type, so nothing under embeddings/services needs embeddings/api.
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ import orjson
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer, AsyncWebsocketConsumer
 
-from embeddings.api.authentication import principal_for_api_key
-from embeddings.api.errors import ApiError, Unauthorized
+from embeddings.api.authentication import caller_for_api_key
+from embeddings.errors.answers import ApiError, Unauthorized
 from embeddings.models import EmbeddingJob
-from embeddings.services.job_events import job_group
-from embeddings.services.jobs import job_for_tenant, job_object
+from embeddings.services.jobs.events import job_group
+from embeddings.services.jobs.reads import job_for_tenant, job_object
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def _progress(job: dict) -> tuple[bool, int]:
 
 
 class JobProgressConsumer(AsyncJsonWebsocketConsumer):
-    """One watcher of one job: joins the job's group (services/job_events.py) once authorised."""
+    """One watcher of one job: joins the job's group (services/jobs/events.py) once authorised."""
 
     async def connect(self) -> None:
         subprotocol = SUBPROTOCOL if SUBPROTOCOL in self.scope.get("subprotocols", []) else None
@@ -70,7 +70,7 @@ class JobProgressConsumer(AsyncJsonWebsocketConsumer):
         try:
             if key is None:
                 raise Unauthorized("No API key.")
-            principal = await principal_for_api_key(key)
+            caller = await caller_for_api_key(key)
         except ApiError as error:
             await self.accept(subprotocol)
             code = CLOSE_UNAUTHORIZED if isinstance(error, Unauthorized) else CLOSE_FORBIDDEN
@@ -80,9 +80,7 @@ class JobProgressConsumer(AsyncJsonWebsocketConsumer):
         # messages are handled only after connect() returns: none reaches a refused watcher).
         self.group = job_group(public_id)
         await self.channel_layer.group_add(self.group, self.channel_name)
-        job = await database_sync_to_async(_job_for_tenant)(
-            tenant_id=principal.tenant_id, public_id=public_id
-        )
+        job = await database_sync_to_async(_job_for_tenant)(tenant_id=caller.tenant_id, public_id=public_id)
         await self.accept(subprotocol)
         if job is None:
             await self._leave()

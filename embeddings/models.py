@@ -9,7 +9,7 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
-from embeddings.services.result_dtypes import DEFAULT_RESULT_DTYPE, RESULT_DTYPE_CHOICES
+from embeddings.result_dtypes import DEFAULT_RESULT_DTYPE, RESULT_DTYPE_CHOICES
 
 
 class EmbeddingModel(models.Model):
@@ -58,7 +58,7 @@ class QuotaLimits(models.Model):
     """Limits a tenant (or one of its keys) is held to; blank means no limit at that level.
 
     A tenant's limits count everything its keys do together; a key's own limits count that key
-    alone, on top of its tenant's (see embeddings/services/quotas.py). Request and token rates are
+    alone, on top of its tenant's (see embeddings/services/quotas/limits.py). Request and token rates are
     smooth (a sustained rate and a burst); the daily and monthly budgets are UTC calendar windows.
     """
 
@@ -138,13 +138,13 @@ class Tenant(QuotaLimits):
     allow_all_models = models.BooleanField(default=True, help_text="Off: only the models listed below")
     allowed_models = models.ManyToManyField(EmbeddingModel, blank=True, related_name="tenants")
     created_at = models.DateTimeField(default=timezone.now)
-    # Signs the tenant's job callbacks (services/tenants.py): Fernet ciphertext, never the plaintext.
+    # Signs the tenant's job callbacks (services/accounts/tenants.py): Fernet ciphertext, never the plaintext.
     # The previous secret signs too until its overlap window ends, so receivers can switch over.
     webhook_secret_encrypted = models.TextField(blank=True, editable=False)
     webhook_secret_created_at = models.DateTimeField(null=True, blank=True, editable=False)
     webhook_previous_secret_encrypted = models.TextField(blank=True, editable=False)
     webhook_previous_secret_expires_at = models.DateTimeField(null=True, blank=True, editable=False)
-    # Bytes its jobs may hold in the job store at once (services/job_storage.py).
+    # Bytes its jobs may hold in the job store at once (services/jobs/budget.py).
     job_storage_budget_bytes = models.PositiveBigIntegerField(
         null=True,
         blank=True,
@@ -192,7 +192,7 @@ class ApiKey(QuotaLimits):
 class UsageBucket(models.Model):
     """What one key did with one model through one endpoint in one UTC hour.
 
-    Written only by the usage fold (embeddings/services/usage.py), which adds Redis's counters here.
+    Written only by the usage fold (embeddings/services/quotas/usage.py), which adds Redis's counters here.
     """
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage_buckets")
@@ -241,7 +241,7 @@ class UsageFold(models.Model):
 
 
 class EmbeddingJob(models.Model):
-    """An asynchronous embedding job: its inputs and results live in Redis (services/job_store.py),
+    """An asynchronous embedding job: its inputs and results live in Redis (services/jobs/store.py),
     its state here. Status moves queued -> running -> completed | failed | cancelled, with
     cancelling between running and cancelled, and expired once its results are gone."""
 
@@ -255,9 +255,17 @@ class EmbeddingJob(models.Model):
         EXPIRED = "expired"
 
     FINISHED = (Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.EXPIRED)
+    # Its chunks may still run: the engine works on it.
+    ACTIVE = (Status.QUEUED, Status.RUNNING, Status.CANCELLING)
 
     public_id = models.CharField(max_length=40, unique=True, editable=False)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="jobs")
+    kind = models.CharField(
+        max_length=32,
+        default="embeddings",
+        editable=False,
+        help_text="How its chunks are embedded (settings.JOB_KINDS): embeddings, or a batch's lines",
+    )
     api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
     model = models.ForeignKey(EmbeddingModel, on_delete=models.PROTECT, related_name="jobs")
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.QUEUED)
@@ -318,7 +326,7 @@ class EmbeddingJob(models.Model):
 
 
 class JobStorageHold(models.Model):
-    """The bytes one job holds in the job store, as admission counted them (services/job_storage.py).
+    """The bytes one job holds in the job store, as admission counted them (services/jobs/budget.py).
 
     Made before the job's inputs are stored, lowered when they are freed, deleted with the job's
     data: a tenant's stored bytes are the sum of its holds, and everyone's the sum of all.

@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import logging
 
-import redis
 from celery import shared_task
 from django.conf import settings
 
-from embeddings.api.batch_lines import line_body_parse, line_error_render
-from embeddings.services.batches import batch_finalize, batch_validate, batches_expire_due, batches_watch
-from embeddings.services.errors import (
-    InvalidRequest,
-    JobQueueUnavailable,
-    JobStoreUnavailable,
-    LimitExceeded,
-    ModelNotLoaded,
-    QuotaUnavailable,
-)
-from embeddings.services.files import files_expire_due
-from embeddings.services.job_callbacks import CallbackRetry, job_callback_deliver
-from embeddings.services.job_storage import job_storage_sweep
-from embeddings.services.jobs import (
+from embeddings.errors.answers import Retry, retry_for
+from embeddings.services.inference.serving import models_reconcile
+from embeddings.services.jobs.budget import job_storage_sweep
+from embeddings.services.jobs.callbacks import CallbackRetry, job_callback_deliver
+from embeddings.services.jobs.engine import (
     job_chunk_fail,
     job_chunk_give_up,
     job_chunk_retry_scheduled,
@@ -29,17 +19,15 @@ from embeddings.services.jobs import (
     job_expire_due,
     job_watchdog,
 )
-from embeddings.services.model_serving import models_reconcile
-from embeddings.services.result_dtypes import ResultOutOfRange
-from embeddings.services.usage import usage_fold
-from embeddings.tokenization import TokenizationError
-from embeddings.triton import (
-    TritonError,
-    TritonInvalidInput,
-    TritonModelError,
-    TritonTimeout,
-    TritonUnavailable,
+from embeddings.services.openai_api.batches import (
+    batch_finalize,
+    batch_validate,
+    batches_expire_due,
+    batches_watch,
 )
+from embeddings.services.openai_api.files import files_expire_due
+from embeddings.services.quotas.usage import usage_fold
+from embeddings.triton import TritonError
 
 logger = logging.getLogger(__name__)
 
@@ -67,22 +55,7 @@ def models_reconcile_task() -> dict[str, str]:
     return {state.name: state.state or "NOT LOADED" for state in states}
 
 
-# --- Embedding jobs (embeddings/services/jobs.py) --------------------------------------------------
-
-# Transient Triton failures a chunk retries; anything else (a bad model output, a tokenizer error)
-# would fail the same way again. A model not loaded is loaded again by the next reconcile.
-CHUNK_RETRYABLE = (TritonUnavailable, TritonTimeout, ModelNotLoaded)
-# Failures the same inputs would meet again: the chunk's inputs count failed and the job goes on
-# (re-running it, as a stalled chunk would be, could only fail again); a vector float16 storage
-# cannot hold among them.
-CHUNK_FAILURES = (
-    TritonModelError,
-    TritonInvalidInput,
-    TokenizationError,
-    InvalidRequest,
-    LimitExceeded,
-    ResultOutOfRange,
-)
+# --- Embedding jobs (embeddings/services/jobs/engine.py) ----------------------------------------
 
 
 def chunk_retry_countdown(retries: int) -> float:
@@ -95,12 +68,21 @@ def job_chunk_task(self, job_id: int, chunk: int) -> None:
     """Embed one chunk of a job. Idempotent (a chunk is written and counted once, and hands out one
     successor), so a redelivery after a lost worker, or the watchdog's re-send, is harmless."""
     try:
-        job_chunk_run(job_id=job_id, chunk=chunk, render_error=line_error_render)
-    except CHUNK_FAILURES as error:
-        logger.warning("job %s chunk %s failed: %s", job_id, chunk, error)
-        message = f"Some inputs could not be embedded: {error}"
-        job_chunk_fail(job_id=job_id, chunk=chunk, code="embedding_failed", message=message)
-    except CHUNK_RETRYABLE as error:
+        job_chunk_run(job_id=job_id, chunk=chunk)
+    except Exception as error:
+        # The one error table (embeddings/errors/answers.py) says what a failure means for a job.
+        retry = retry_for(error)
+        if retry is Retry.NEVER:
+            # The same inputs would fail the same way: they count failed and the job goes on
+            # (re-running the chunk, as a stalled one would be, could only fail again).
+            logger.warning("job %s chunk %s failed: %s", job_id, chunk, error)
+            message = f"Some inputs could not be embedded: {error}"
+            job_chunk_fail(job_id=job_id, chunk=chunk, code="embedding_failed", message=message)
+            return
+        if retry is not Retry.BACKOFF:
+            # A store down (the watchdog re-sends the chunk once it is back), or unexpected.
+            raise
+        # The model server, for a moment. A model not loaded is loaded by the next reconcile.
         if self.request.retries >= settings.JOB_CHUNK_RETRIES:
             code = "model_unavailable"
             message = (
@@ -133,10 +115,7 @@ def job_watchdog_task() -> int:
     return touched + batches_watch()
 
 
-# --- Batches (embeddings/services/batches.py) ------------------------------------------------------
-
-# What a batch's validation may meet that passes: it is tried again later.
-BATCH_RETRYABLE = (QuotaUnavailable, JobQueueUnavailable, JobStoreUnavailable, redis.RedisError)
+# --- Batches (embeddings/services/openai_api/batches.py) --------------------------------------------
 
 
 @shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=None)
@@ -144,8 +123,11 @@ def batch_validate_task(self, batch_id: int) -> None:
     """Validate a batch's lines and start its job. Idempotent: the job is created under the batch's
     id as idempotency key, and a batch that left `validating` is not validated again."""
     try:
-        batch_validate(batch_id=batch_id, parse_body=line_body_parse, render_error=line_error_render)
-    except BATCH_RETRYABLE as error:
+        batch_validate(batch_id=batch_id)
+    except Exception as error:
+        # A store or the queue down passes (embeddings/errors/answers.py: Retry.LATER): tried again.
+        if retry_for(error) is not Retry.LATER:
+            raise
         if self.request.retries >= settings.JOB_CHUNK_RETRIES:
             logger.warning(
                 "batch %s: validation given up for now (the watchdog retries): %s", batch_id, error

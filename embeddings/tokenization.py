@@ -11,10 +11,12 @@ from typing import Literal
 import numpy as np
 from tokenizers import Tokenizer
 
+from embeddings.errors import EmbedsiteError
+
 TruncationDirection = Literal["right", "left"]
 
 
-class TokenizationError(ValueError):
+class TokenizationError(EmbedsiteError, ValueError):
     """Base for inputs the tokenizer cannot take; `index` names the offending input."""
 
     def __init__(self, message: str, *, index: int | None = None) -> None:

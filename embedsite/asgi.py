@@ -20,9 +20,9 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path, re_path  # noqa: E402
 
 from embeddings import lifecycle, metrics  # noqa: E402
-from embeddings.api.errors import ShuttingDown, json_error_response  # noqa: E402
 from embeddings.api.handler import FullStackASGIHandler, LeanASGIHandler  # noqa: E402
 from embeddings.consumers import JobProgressConsumer, UnknownRouteConsumer  # noqa: E402
+from embeddings.errors.answers import ShuttingDown, json_error_response  # noqa: E402
 from embeddings.observability import tracing  # noqa: E402
 from embeddings.observability.middleware import RequestIdMiddleware  # noqa: E402
 

@@ -437,7 +437,7 @@ ADMISSION_MAX_IN_FLIGHT = env_int(
 )
 ADMISSION_QUEUE_TIMEOUT_S = env_float("ADMISSION_QUEUE_TIMEOUT_S", 10.0, minimum=0)
 ADMISSION_MAX_QUEUED = env_int("ADMISSION_MAX_QUEUED", HTTP_MAX_CONNECTIONS, minimum=0)
-# Fair, bounded inference (embeddings/services/scheduling.py): a request's rows go to Triton in
+# Fair, bounded inference (embeddings/services/inference/scheduling.py): a request's rows go to Triton in
 # sub-batches of at most MAX_BATCH_TOKENS padded tokens, and each server process keeps at most
 # MAX_TOKENS_IN_FLIGHT of them at Triton, interleaving requests so a small one waits for about one
 # sub-batch of a large one, never its backlog. On 2 CPU cores a 2,048-token sub-batch takes ~0.5 s
@@ -450,7 +450,7 @@ if MAX_TOKENS_IN_FLIGHT < MAX_BATCH_TOKENS:
         f"MAX_BATCH_TOKENS ({MAX_BATCH_TOKENS})"
     )
 # Merge concurrent requests' sub-batches into one Triton call per model (embeddings/services/
-# coalescing.py): at most COALESCE_MAX_CALLS merged calls per model at Triton from one process;
+# inference/coalescing.py): at most COALESCE_MAX_CALLS merged calls per model at Triton from one process;
 # what arrives meanwhile leaves in the next call. Token-input models and one-sub-batch requests only.
 # One call at a time measured best on the 2-core CPU at every load shape (bench/configs.py, README);
 # with more Triton instances than server processes (a GPU), allow about one per instance.
@@ -574,11 +574,17 @@ RATE_LIMIT_REQUEST_BURST_SECONDS = env_float("RATE_LIMIT_REQUEST_BURST_SECONDS",
 RATE_LIMIT_TOKEN_BURST_SECONDS = env_float("RATE_LIMIT_TOKEN_BURST_SECONDS", 60.0, minimum=0.001)
 # How often Celery beat folds Redis's usage counters into UsageBucket rows.
 USAGE_FOLD_INTERVAL_S = env_float("USAGE_FOLD_INTERVAL_S", 60.0, minimum=1)
-# How often Celery beat makes Triton serve what the catalog says (services/model_serving.py): a
+# How often Celery beat makes Triton serve what the catalog says (services/inference/serving.py): a
 # restarted Triton gets the catalog's models back, and a switched version's old one is unloaded.
 MODEL_RECONCILE_INTERVAL_S = env_float("MODEL_RECONCILE_INTERVAL_S", 60.0, minimum=1)
 
 # --- Asynchronous jobs (/v1/jobs) ---------------------------------------------------------------
+# The job kinds the engine runs (embeddings/services/jobs/kinds.py): a job's kind says how its chunks
+# are embedded and what happens at its end. The engine imports none of them; they are named here.
+JOB_KINDS = {
+    "embeddings": "embeddings.services.jobs.kinds.EMBEDDINGS",
+    "batch": "embeddings.services.openai_api.batches.BATCH_JOB_KIND",
+}
 # Results (and inputs) stay in Redis this long after submission; the job says when (expires_at).
 JOB_RESULT_TTL_S = env_int("JOB_RESULT_TTL_S", 7 * 24 * 3600, minimum=60)
 # Inputs per chunk: the unit a worker embeds, stores and counts at once.
@@ -591,8 +597,8 @@ JOB_MAX_LINE_BYTES = env_int("JOB_MAX_LINE_BYTES", 64 * 1024, minimum=16)
 JOB_CHUNKS_IN_FLIGHT = env_int("JOB_CHUNKS_IN_FLIGHT", 2, minimum=1)
 # A chunk retries Triton this many times (with backoff) before its inputs count as failed.
 JOB_CHUNK_RETRIES = env_int("JOB_CHUNK_RETRIES", 5, minimum=0)
-# Callbacks are signed with each tenant's own webhook secret (embeddings/services/tenants.py), and
-# go only to globally reachable addresses (embeddings/services/callback_targets.py), plus these
+# Callbacks are signed with each tenant's own webhook secret (embeddings/services/accounts/tenants.py), and
+# go only to globally reachable addresses (embeddings/services/jobs/callback_targets.py), plus these
 # networks, named as CIDRs, for deployments whose receivers are internal ("10.0.0.0/8,127.0.0.1/32").
 JOB_CALLBACK_ALLOWED_NETWORKS = env_networks("JOB_CALLBACK_ALLOWED_NETWORKS")
 # A callback host must resolve within this long, at submission (else 422) and at delivery (else retried).
@@ -619,7 +625,7 @@ JOB_WATCHDOG_INTERVAL_S = env_float("JOB_WATCHDOG_INTERVAL_S", 15.0, minimum=0.1
 # harmless duplicate, so keep it above the usual queue wait.
 JOB_STALL_S = env_float("JOB_STALL_S", 120.0, minimum=1.0)
 JOB_EXPIRE_INTERVAL_S = env_float("JOB_EXPIRE_INTERVAL_S", 300.0, minimum=0.1)
-# Admission by bytes (embeddings/services/job_storage.py; README "Sizing the job store"): a job is
+# Admission by bytes (embeddings/services/jobs/budget.py; README "Sizing the job store"): a job is
 # refused at submission when what it would hold in the job store (inputs + inputs x dimensions x
 # bytes per value) does not fit its tenant's budget (Tenant.job_storage_budget_bytes, else this
 # default) or the global one. Keep the global budget x 1.25 (Redis's allocator rounding) under
@@ -627,7 +633,7 @@ JOB_EXPIRE_INTERVAL_S = env_float("JOB_EXPIRE_INTERVAL_S", 300.0, minimum=0.1)
 JOB_STORAGE_TENANT_BUDGET_BYTES = env_int("JOB_STORAGE_TENANT_BUDGET_BYTES", 1 << 30, minimum=0)
 JOB_STORAGE_GLOBAL_BUDGET_BYTES = env_int("JOB_STORAGE_GLOBAL_BUDGET_BYTES", 1536 << 20, minimum=0)
 
-# --- Files and batches (OpenAI's /v1/files and /v1/batches; embeddings/services/files.py) -------
+# --- Files and batches (OpenAI's /v1/files and /v1/batches; embeddings/services/openai_api/files.py) -------
 # Uploaded and output files live in the "files" storage: a directory every web and worker process
 # shares (a volume in compose/Kubernetes), or any Django storage backend named by FILES_STORAGE_BACKEND.
 FILES_STORAGE_DIR = Path(env_str("FILES_STORAGE_DIR", str(RUN_DIR / "files")))
@@ -661,7 +667,7 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Fair share between jobs: each worker process holds one message at a time, so chunks of the jobs
-# in the queue take turns (embeddings.services.jobs). Unacked messages (acks_late) come back after
+# in the queue take turns (embeddings.services.jobs.engine). Unacked messages (acks_late) come back after
 # the visibility timeout, which must be above the longest chunk and the longest retry countdown
 # (a dead worker's chunk is re-sent by the watchdog long before; the late redelivery is a no-op).
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

@@ -5,7 +5,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from embeddings.api import health, metrics_export
-from embeddings.api.errors import json_not_found, json_server_error
+from embeddings.errors.answers import json_not_found, json_server_error
 
 urlpatterns = [
     path("", include("embeddings.api.urls")),

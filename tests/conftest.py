@@ -17,7 +17,7 @@ from django.conf import settings
 from django.contrib.auth.hashers import PBKDF2PasswordHasher
 
 from embeddings.tooling.local_redis import RedisServer
-from embeddings.triton.server import TritonServer, free_port
+from embeddings.tooling.triton_server import TritonServer, free_port
 from tests.database_backend import is_postgresql, run_databases
 from tests.shared_services import SharedServices
 
@@ -204,7 +204,7 @@ def explicit_triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def explicit_triton(explicit_triton_server: ExplicitTriton, settings) -> Iterator[ExplicitTriton]:
     """The service pointed at `explicit_triton_server` (its Triton and its repository), which
     starts with nothing loaded."""
-    from embeddings.services.inference import reset_clients
+    from embeddings.services.inference.clients import reset_clients
 
     explicit_triton_server.unload_all()
     settings.TRITON_GRPC_TARGET = explicit_triton_server.server.grpc_target
@@ -216,8 +216,8 @@ def explicit_triton(explicit_triton_server: ExplicitTriton, settings) -> Iterato
 
 @pytest.fixture
 def service_triton(triton_server: TritonServer, settings) -> Iterator[TritonServer]:
-    """Point the service's Triton clients (embeddings.services.inference) at the test Triton."""
-    from embeddings.services.inference import reset_clients
+    """Point the service's Triton clients (embeddings.services.inference.clients) at the test Triton."""
+    from embeddings.services.inference.clients import reset_clients
 
     settings.TRITON_GRPC_TARGET = triton_server.grpc_target
     reset_clients()
@@ -241,8 +241,8 @@ class TenantWithKey:
 
 def tenant_with_key(name: str, *, allow_all_models: bool = True, **key_options) -> TenantWithKey:
     """A new tenant and one key of it (`key_options`: api_key_create's, e.g. expires_at)."""
-    from embeddings.services.keys import api_key_create
-    from embeddings.services.tenants import tenant_create
+    from embeddings.services.accounts.api_keys import api_key_create
+    from embeddings.services.accounts.tenants import tenant_create
 
     tenant = tenant_create(name=name, allow_all_models=allow_all_models)
     api_key, secret = api_key_create(tenant=tenant, name=f"{name} key", **key_options)
@@ -253,14 +253,14 @@ def tenant_with_key(name: str, *, allow_all_models: bool = True, **key_options) 
 def alpha(db) -> Tenant:
     """A tenant (all models allowed, no limits, no key); `beta` is the other one, which must not
     see or touch what is Alpha's. tests/api overrides both with a tenant and its key."""
-    from embeddings.services.tenants import tenant_create
+    from embeddings.services.accounts.tenants import tenant_create
 
     return tenant_create(name="Alpha")
 
 
 @pytest.fixture
 def beta(db) -> Tenant:
-    from embeddings.services.tenants import tenant_create
+    from embeddings.services.accounts.tenants import tenant_create
 
     return tenant_create(name="Beta")
 
@@ -354,7 +354,7 @@ def service_redis(
     settings.REDIS_URL = redis_server.url
     settings.JOB_STORE_URL = job_store_server.url
     settings.CELERY_BROKER_URL = redis_server.url
-    # Job progress events (job_events.py) go to the test Redis too, never a developer's own.
+    # Job progress events (services/jobs/events.py) go to the test Redis too, never a developer's own.
     settings.CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
@@ -381,7 +381,7 @@ class FakeDns:
         self.answers[name] = list(answers)
 
     def __call__(self, host: str, port: int, timeout_s: float) -> list[str]:
-        from embeddings.services.callback_targets import CallbackHostUnresolved
+        from embeddings.services.jobs.callback_targets import CallbackHostUnresolved
 
         self.lookups.append(host)
         answers = self.answers.get(host)
@@ -394,7 +394,7 @@ class FakeDns:
 def fake_dns(monkeypatch: pytest.MonkeyPatch) -> FakeDns:
     """Every in-process test resolves callback hosts with a FakeDns (processes a test starts use
     the real resolver: give them literal addresses or localhost)."""
-    from embeddings.services import job_callbacks
+    from embeddings.services.jobs import callbacks as job_callbacks
 
     resolver = FakeDns()
     monkeypatch.setattr(job_callbacks, "callback_resolver", resolver)

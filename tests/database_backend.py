@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from embeddings.triton.server import free_port
+from embeddings.tooling.triton_server import free_port
 from tests.postgres_server import PostgresServer
 from tests.shared_services import SharedServices
 

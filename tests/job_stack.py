@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from embeddings.management.commands.runstack import start_celery
-from embeddings.triton.server import die_with_parent, free_port
+from embeddings.tooling.triton_server import die_with_parent, free_port
 from tests.database_backend import migrated_database_url
 from tests.processes import REPO_ROOT, DjangoShell, stop_process_groups, wait_until_healthy
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from embeddings.triton.server import die_with_parent
+from embeddings.tooling.triton_server import die_with_parent
 
 SUPERUSER = "embedsite"
 

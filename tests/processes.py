@@ -128,7 +128,7 @@ class DjangoShell:
     memory stays for the next (a module's caches, clients): give each what it needs."""
 
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        from embeddings.triton.server import die_with_parent
+        from embeddings.tooling.triton_server import die_with_parent
 
         self.log_path = log_path
         answers, answers_in_child = os.pipe()

@@ -63,7 +63,7 @@ def main() -> None:
 
     django.setup()
     from embeddings.tooling.local_redis import RedisServer
-    from embeddings.triton.server import free_port
+    from embeddings.tooling.triton_server import free_port
     from tests.conftest import session_triton_repositories, start_triton
     from tests.database_backend import MAIN_DATABASE
     from tests.postgres_server import PostgresServer

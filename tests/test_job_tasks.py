@@ -15,10 +15,10 @@ import pytest
 from django.conf import settings
 
 from embeddings.redis.connections import redis_job_store
-from embeddings.services.job_callbacks import SIGNATURE_HEADER, callback_signature_valid
-from embeddings.services.job_leases import chunk_runs
-from embeddings.services.job_store import JobStore
-from embeddings.triton.server import free_port
+from embeddings.services.jobs.callbacks import SIGNATURE_HEADER, callback_signature_valid
+from embeddings.services.jobs.leases import chunk_runs
+from embeddings.services.jobs.store import JobStore
+from embeddings.tooling.triton_server import free_port
 from tests import worker_stack
 from tests.processes import process_group_paused
 from tests.worker_stack import job_usage, texts
@@ -102,7 +102,7 @@ def test_triton_down_fails_the_job_after_retries(job_stack, start_worker):
 SUBMIT_TO_A_WRONG_MODEL = """
 import json
 from embeddings.models import EmbeddingModel, Tenant
-from embeddings.services.jobs import JobSpec, job_create
+from embeddings.services.jobs.submission import JobSpec, job_create
 # instant_1024 answers 1024-d vectors: a model registered as 384-d gets a TritonModelError each time.
 model, _ = EmbeddingModel.objects.get_or_create(
     name="wrong-dimensions", defaults=dict(triton_model="instant_1024", dimensions=384, max_tokens=128)
@@ -141,7 +141,7 @@ def test_cancel_stops_a_running_job(job_stack, start_worker):
         assert paused["status"] == "running" and 8 <= paused["completed"] < 400, paused
         job_stack.django.run(
             "from embeddings.models import EmbeddingJob\n"
-            "from embeddings.services.jobs import job_cancel\n"
+            "from embeddings.services.jobs.engine import job_cancel\n"
             f"job_cancel(job=EmbeddingJob.objects.get(pk={job_id}))"
         )
         assert job_stack.job(job_id)["status"] == "cancelling"
@@ -170,7 +170,7 @@ SUBMIT_WITH_CALLBACK = """
 import json
 from django.conf import settings
 from embeddings.models import EmbeddingModel, Tenant
-from embeddings.services.jobs import JobSpec, job_create
+from embeddings.services.jobs.submission import JobSpec, job_create
 model = EmbeddingModel.objects.get(name=settings.DEFAULT_EMBEDDING_MODEL)
 spec = JobSpec(model=model, texts={texts!r}, callback_url={url!r})
 job, _ = job_create(tenant_id=Tenant.objects.get(slug="alpha").pk, api_key_id=None, spec=spec)
@@ -180,7 +180,7 @@ print(json.dumps(job.pk))
 JOB_OBJECT = """
 import json
 from embeddings.models import EmbeddingJob
-from embeddings.services.jobs import job_object
+from embeddings.services.jobs.reads import job_object
 print(json.dumps(job_object(EmbeddingJob.objects.select_related("model").get(pk={job_id}))))
 """
 

@@ -13,8 +13,8 @@ import pytest
 from celery import Celery
 
 from embeddings.management.commands.runstack import start_celery
-from embeddings.services.quotas import quota_release_sync
-from embeddings.services.usage import UsageEvent
+from embeddings.services.quotas.limits import quota_release_sync
+from embeddings.services.quotas.usage import UsageEvent
 from tests.database_backend import database_rows, migrated_database_url
 from tests.processes import manage, stop_process_group
 

@@ -18,7 +18,7 @@ import pytest
 
 from embeddings.management.commands.runstack import start_celery
 from embeddings.redis.connections import redis_sync
-from embeddings.services.usage import LIVE_USAGE_KEY
+from embeddings.services.quotas.usage import LIVE_USAGE_KEY
 from tests.database_backend import DatabaseReader, migrated_database_url
 from tests.processes import DjangoShell, stop_process_groups
 
@@ -27,7 +27,7 @@ import json
 from django.conf import settings
 from django.test import override_settings
 from embeddings.models import EmbeddingModel, Tenant
-from embeddings.services.jobs import JobSpec, job_create
+from embeddings.services.jobs.submission import JobSpec, job_create
 model = EmbeddingModel.objects.get(name=settings.DEFAULT_EMBEDDING_MODEL)
 ids = []
 with override_settings(JOB_CHUNK_SIZE={chunk_size!r} or settings.JOB_CHUNK_SIZE):
@@ -42,8 +42,9 @@ COMPARE = """
 import json
 import numpy as np
 from embeddings.models import EmbeddingJob
-from embeddings.services.embedding import embeddings_create_sync
-from embeddings.services.jobs import job_embedding_target, job_results_source
+from embeddings.services.inference.embedding import embeddings_create_sync
+from embeddings.services.jobs.kinds import job_embedding_target
+from embeddings.services.jobs.reads import job_results_source
 job = EmbeddingJob.objects.select_related("model").get(pk={job_id})
 store, rows, dims = job_results_source(job)
 stored = np.concatenate([store.chunk_result(chunk, dims) for chunk in range(len(rows))])

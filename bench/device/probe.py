@@ -52,8 +52,8 @@ def make(directory: Path) -> None:
 def probe(directory: Path) -> int:
     import torch
 
+    from embeddings.tooling.triton_server import TritonServer, free_port
     from embeddings.triton.client import AsyncTritonClient
-    from embeddings.triton.server import TritonServer, free_port
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     print("python", sys.version.split()[0], "numpy", np.__version__, "torch", torch.__version__, gpu)

@@ -32,7 +32,7 @@ from collections.abc import Hashable
 
 from django.conf import settings
 
-from embeddings.api.authentication import principal_cache
+from embeddings.api.authentication import caller_cache
 from embeddings.metrics import ADMISSION_WAIT_SECONDS, ADMISSION_WAITING
 from embeddings.observability.context import SANE_REQUEST_ID
 from embedsite.edge import Refusal, RefusalLog
@@ -49,7 +49,7 @@ def tenant_of(headers: list[tuple[bytes, bytes]]) -> Hashable:
     for name, value in headers:
         if name == b"authorization":
             _, _, key = value.partition(b" ")
-            tenant_id = principal_cache.tenant_id_for(hashlib.sha256(key.strip()).hexdigest())
+            tenant_id = caller_cache.tenant_id_for(hashlib.sha256(key.strip()).hexdigest())
             return UNVERIFIED if tenant_id is None else tenant_id
     return UNVERIFIED
 

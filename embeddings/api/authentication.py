@@ -12,6 +12,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -19,10 +20,14 @@ from django.db import DatabaseError
 from django.utils import timezone
 from rest_framework.request import Request
 
-from embeddings.api.errors import ApiError, Forbidden, ModelForbidden, Unauthorized
 from embeddings.callers import Caller, QuotaLimitValues
+from embeddings.errors.answers import ApiError, Forbidden, ModelForbidden, ModelNotFound, Unauthorized
 from embeddings.models import ApiKey, EmbeddingModel
-from embeddings.services.keys import api_key_for_secret, api_key_touch, parse_api_key
+from embeddings.services.accounts.api_keys import api_key_for_secret, api_key_touch, parse_api_key
+from embeddings.services.inference import catalog
+
+if TYPE_CHECKING:
+    from rest_framework.views import APIView
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +35,13 @@ NEGATIVE_CACHE_SECONDS = 1.0
 CACHE_MAX_ENTRIES = 10_000
 
 
-def ensure_model_allowed(principal: Caller, model: EmbeddingModel) -> None:
-    if not principal.may_use(model):
+def ensure_model_allowed(caller: Caller, model: EmbeddingModel) -> None:
+    if not caller.may_use(model):
         raise ModelForbidden(f"This API key may not use the model {model.name!r}.", param="model")
 
 
-def _principal_for_key(key: str) -> Caller | ApiError:
-    """The principal for a key, or the error to answer with (both are cached)."""
+def _caller_for_key(key: str) -> Caller | ApiError:
+    """The caller for a key, or the error to answer with (both are cached)."""
     api_key: ApiKey | None = api_key_for_secret(key=key)
     if api_key is None:
         return Unauthorized("Incorrect API key provided.")
@@ -65,8 +70,8 @@ def _principal_for_key(key: str) -> Caller | ApiError:
     )
 
 
-class PrincipalCache:
-    """key digest -> (expiry on `clock`, principal or error). `clock` is time.monotonic; a test may
+class CallerCache:
+    """key digest -> (expiry on `clock`, caller or error). `clock` is time.monotonic; a test may
     give the cache a clock it moves itself, to cross a TTL without waiting for it."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -114,7 +119,7 @@ class PrincipalCache:
         self.last_touched.clear()
 
 
-principal_cache = PrincipalCache()
+caller_cache = CallerCache()
 
 
 async def _touch(key_id: int) -> None:
@@ -125,8 +130,8 @@ async def _touch(key_id: int) -> None:
         logger.warning("could not record the use of API key %s: %s", key_id, error)
 
 
-async def principal_for_api_key(key: str) -> Caller:
-    """The principal for a raw key (HTTP header or WebSocket subprotocol), through the cache;
+async def caller_for_api_key(key: str) -> Caller:
+    """The caller for a raw key (HTTP header or WebSocket subprotocol), through the cache;
     raises the ApiError to answer with (Unauthorized, Forbidden) when the key may not be used."""
     if parse_api_key(key) is None:
         # Refused without the database or the cache: garbage cannot fill either.
@@ -135,16 +140,16 @@ async def principal_for_api_key(key: str) -> Caller:
             code="malformed_api_key",
         )
     digest = hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
-    result = principal_cache.get(digest)
+    result = caller_cache.get(digest)
     if result is None:
-        result = await sync_to_async(_principal_for_key)(key)
-        principal_cache.put(digest, result)
+        result = await sync_to_async(_caller_for_key)(key)
+        caller_cache.put(digest, result)
     if isinstance(result, ApiError):
         # A fresh instance each time: re-raising one cached object would chain its tracebacks.
         raise type(result)(result.message, code=result.error_code, param=result.param)
     if result.expires_at is not None and result.expires_at <= timezone.now():
         raise Unauthorized("This API key has expired.", code="api_key_expired")
-    if principal_cache.should_touch(result.key_id):
+    if caller_cache.should_touch(result.key_id):
         await _touch(result.key_id)
     return result
 
@@ -165,7 +170,22 @@ class ApiKeyAuthentication:
             )
         if scheme.lower() != "bearer" or not key:
             raise Unauthorized("Send the API key as 'Authorization: Bearer emb_...'.")
-        return await principal_for_api_key(key), None
+        return await caller_for_api_key(key), None
 
     def authenticate_header(self, request: Request) -> str:
         return self.keyword
+
+
+async def model_for_request(view: APIView, name: str | None) -> EmbeddingModel:
+    """The model a request names (or the default), which this key must be allowed to use.
+
+    The view's metrics are labelled with it from here on (errors included).
+    """
+    model = await catalog.embedding_model_resolve(name=name or settings.DEFAULT_EMBEDDING_MODEL)
+    if model is None:
+        raise ModelNotFound(
+            f"The model {name!r} does not exist or you do not have access to it.", param="model"
+        )
+    view.model_name = model.name
+    ensure_model_allowed(view.request.user, model)
+    return model

@@ -3,7 +3,7 @@
 adrf runs DRF's `initial()` (authentication, permissions, throttles) through `sync_to_async`, a hop
 to one shared thread per request, and calls async authenticators through `async_to_sync` from
 there. Our authenticators are coroutines, so this base awaits them directly on the event loop and
-renders every failure through `embeddings.api.errors`. Responses are rendered here too, on the
+renders every failure through `embeddings.errors.answers`. Responses are rendered here too, on the
 loop (orjson takes microseconds): Django renders a template response, which DRF's Response is,
 through a thread hop.
 """
@@ -21,14 +21,14 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from embeddings.api.authentication import ApiKeyAuthentication
-from embeddings.api.errors import ApiError, as_api_error
 from embeddings.api.middleware import ARRIVED
 from embeddings.api.rendering import OrjsonParser, OrjsonRenderer
 from embeddings.callers import Caller
+from embeddings.errors.answers import ApiError, as_api_error
 from embeddings.metrics import request_observed
 from embeddings.observability import context as request_context
 from embeddings.observability import tracing
-from embeddings.services.quotas import RequestQuota, quota_headers
+from embeddings.services.quotas.limits import RequestQuota, quota_headers
 
 
 def rendered(response: HttpResponseBase) -> HttpResponseBase:
@@ -68,7 +68,7 @@ class ApiView(APIView):
     # The catalog model the request resolved to (set by the view), for the `model` label.
     model_name: str = ""
     # Set once the request is authenticated: its x-ratelimit-* headers are then always sent.
-    principal: Caller | None = None
+    caller: Caller | None = None
     # The quota bookkeeping of a request that embeds (see request_quota).
     quota: RequestQuota | None = None
 
@@ -92,7 +92,7 @@ class ApiView(APIView):
                 response = await response
         except Exception as exc:  # every failure becomes an API error response, never a 500 page
             response = self.handle_exception(exc)
-        if self.principal is not None:
+        if self.caller is not None:
             await self.add_ratelimit_headers(response)
         match = request._request.resolver_match
         request_context.annotate(
@@ -120,10 +120,8 @@ class ApiView(APIView):
                 if result is not None:
                     request._authenticator = authenticator
                     request.user, request.auth = result
-                    self.principal = result[0]
-                    request_context.annotate(
-                        tenant=self.principal.tenant_slug, key_id=self.principal.key_public_id
-                    )
+                    self.caller = result[0]
+                    request_context.annotate(tenant=self.caller.tenant_slug, key_id=self.caller.key_public_id)
                     return
             request._not_authenticated()
 
@@ -131,7 +129,7 @@ class ApiView(APIView):
         """The quota and usage bookkeeping for this request's embedding call (embeddings_create)."""
         arrived = self.request._request.META.get(ARRIVED, time.perf_counter())
         self.quota = RequestQuota(
-            subject=self.principal, model=model_name, endpoint=self.endpoint, started=arrived
+            caller=self.caller, model=model_name, endpoint=self.endpoint, started=arrived
         )
         return self.quota
 
@@ -140,7 +138,7 @@ class ApiView(APIView):
         if self.quota is not None and self.quota.headers is not None:
             headers = self.quota.headers
         else:
-            headers = await quota_headers(self.principal)
+            headers = await quota_headers(self.caller)
         for name, value in headers.items():
             response[name] = value
 

@@ -1,4 +1,4 @@
-"""/v1/batches: OpenAI's Batch API (create, list, retrieve, cancel) over services/batches.py."""
+"""/v1/batches: OpenAI's Batch API (create, list, retrieve, cancel) over services/openai_api/batches.py."""
 
 from __future__ import annotations
 
@@ -8,14 +8,20 @@ from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from embeddings.api import serializers as s
 from embeddings.api.base import ApiView, list_page
-from embeddings.api.errors import NotFound, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
-from embeddings.api.files import tenant_file
-from embeddings.api.views import AUTH_ERRORS, _error_response, validated
+from embeddings.api.docs import AUTH_ERRORS, ListPageSerializer, error_response
 from embeddings.callers import Caller
+from embeddings.contracts.fields import (
+    MetadataField,
+    QueryIntegerField,
+    StrictCharField,
+    cursor_field,
+    id_schema,
+    validated,
+)
+from embeddings.errors.answers import NotFound, PayloadTooLarge, UnsupportedMediaType, ValidationFailed
 from embeddings.models import Batch
-from embeddings.services.batches import (
+from embeddings.services.openai_api.batches import (
     BATCH_ID_PATTERN,
     COMPLETION_WINDOWS,
     ENDPOINTS,
@@ -25,20 +31,21 @@ from embeddings.services.batches import (
     batch_object,
     batches_for_tenant,
 )
+from embeddings.services.openai_api.files import file_of_tenant
 
 
 class BatchCreateRequest(serializers.Serializer):
-    input_file_id = s.StrictCharField(
+    input_file_id = StrictCharField(
         lookup=True, max_length=64, help_text="A file of yours with purpose `batch` (another string: 404)."
     )
     endpoint = serializers.ChoiceField(choices=list(ENDPOINTS))
     completion_window = serializers.ChoiceField(choices=list(COMPLETION_WINDOWS))
-    metadata = s.MetadataField(required=False, allow_null=True)
+    metadata = MetadataField(required=False, allow_null=True)
 
 
 class BatchListQuery(serializers.Serializer):
-    limit = s.QueryIntegerField(min_value=1, max_value=100, default=20)
-    after = s.cursor_field(
+    limit = QueryIntegerField(min_value=1, max_value=100, default=20)
+    after = cursor_field(
         pattern=BATCH_ID_PATTERN, what="a batch id (`batch_` and 24 lowercase letters or digits)"
     )
 
@@ -88,7 +95,7 @@ class BatchObjectSerializer(serializers.Serializer):
     metadata = serializers.DictField(child=serializers.CharField(), allow_null=True)
 
 
-class BatchListSerializer(s.ListPageSerializer):
+class BatchListSerializer(ListPageSerializer):
     data = BatchObjectSerializer(many=True)
 
 
@@ -124,11 +131,11 @@ BATCH_EXAMPLE = {
 }
 BATCH_ID_PARAMETER = OpenApiParameter(
     "batch_id",
-    s.id_schema(BATCH_ID_PATTERN),
+    id_schema(BATCH_ID_PATTERN),
     OpenApiParameter.PATH,
     description="The batch's id (any other string is no batch: 404).",
 )
-BATCH_NOT_FOUND = _error_response(
+BATCH_NOT_FOUND = error_response(
     "No batch (or input file) of yours has this id; another tenant's is not found either",
     NotFound("You have no batch 'batch_0123'.", param="batch_id", code="batch_not_found"),
 )
@@ -137,19 +144,19 @@ BATCH_RESPONSE_EXAMPLE = OpenApiExample(
 )
 
 
-def _tenant_batch(principal: Caller, batch_id: str) -> Batch:
-    batch = batch_for_tenant(tenant_id=principal.tenant_id, public_id=batch_id)
+def _tenant_batch(caller: Caller, batch_id: str) -> Batch:
+    batch = batch_for_tenant(tenant_id=caller.tenant_id, public_id=batch_id)
     if batch is None:
         raise NotFound(f"You have no batch {batch_id!r}.", param="batch_id", code="batch_not_found")
     return batch
 
 
 @sync_to_async
-def _create(principal: Caller, params: dict) -> dict:
-    input_file = tenant_file(principal, params["input_file_id"])
+def _create(caller: Caller, params: dict) -> dict:
+    input_file = file_of_tenant(tenant_id=caller.tenant_id, public_id=params["input_file_id"])
     batch = batch_create(
-        tenant_id=principal.tenant_id,
-        api_key_id=principal.key_id,
+        tenant_id=caller.tenant_id,
+        api_key_id=caller.key_id,
         input_file=input_file,
         endpoint=params["endpoint"],
         completion_window=params["completion_window"],
@@ -159,19 +166,19 @@ def _create(principal: Caller, params: dict) -> dict:
 
 
 @sync_to_async
-def _read(principal: Caller, batch_id: str) -> dict:
-    return batch_object(_tenant_batch(principal, batch_id))
+def _read(caller: Caller, batch_id: str) -> dict:
+    return batch_object(_tenant_batch(caller, batch_id))
 
 
 @sync_to_async
-def _cancel(principal: Caller, batch_id: str) -> dict:
-    return batch_object(batch_cancel(batch=_tenant_batch(principal, batch_id)))
+def _cancel(caller: Caller, batch_id: str) -> dict:
+    return batch_object(batch_cancel(batch=_tenant_batch(caller, batch_id)))
 
 
 @sync_to_async
-def _list(principal: Caller, params: dict) -> tuple[list[dict], bool]:
+def _list(caller: Caller, params: dict) -> tuple[list[dict], bool]:
     batches, has_more = batches_for_tenant(
-        tenant_id=principal.tenant_id, limit=params["limit"], after=params.get("after") or None
+        tenant_id=caller.tenant_id, limit=params["limit"], after=params.get("after") or None
     )
     return [batch_object(batch) for batch in batches], has_more
 
@@ -193,15 +200,15 @@ class BatchListCreateView(ApiView):
             200: BatchObjectSerializer,
             **AUTH_ERRORS,
             404: BATCH_NOT_FOUND,
-            413: _error_response(
+            413: error_response(
                 "The input file is larger than BATCH_MAX_INPUT_FILE_BYTES",
                 PayloadTooLarge("The input file has 250000000 bytes; a batch's may have at most 200000000."),
             ),
-            415: _error_response(
+            415: error_response(
                 "A body that is not JSON",
                 UnsupportedMediaType('Unsupported media type "text/plain" in request.'),
             ),
-            422: _error_response(
+            422: error_response(
                 "An unknown endpoint or completion window, or a file whose purpose is not `batch`",
                 ValidationFailed('endpoint: "/v1/chat/completions" is not a valid choice.', param="endpoint"),
             ),
@@ -227,13 +234,13 @@ class BatchListCreateView(ApiView):
         responses={
             200: BatchListSerializer,
             **AUTH_ERRORS,
-            404: _error_response(
+            404: error_response(
                 "`after` names no batch of yours",
                 NotFound(
                     "You have no batch 'batch_0123...' to list after.", param="after", code="batch_not_found"
                 ),
             ),
-            422: _error_response(
+            422: error_response(
                 "A bad limit or `after`",
                 ValidationFailed("limit: Ensure this value is less than or equal to 100.", param="limit"),
             ),

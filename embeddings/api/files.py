@@ -1,4 +1,4 @@
-"""/v1/files: OpenAI's Files API (upload, list, retrieve, download, delete) over services/files.py.
+"""/v1/files: OpenAI's Files API (upload, list, retrieve, download, delete) over services/openai_api/files.py.
 
 The upload's size is enforced while it arrives (embeddings/api/intake.py: FILES_MAX_UPLOAD_BYTES
 for this route), spooled to disk, then copied to the files storage a piece at a time.
@@ -25,32 +25,26 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from embeddings.api.base import ApiView, list_page
-from embeddings.api.errors import (
+from embeddings.api.docs import AUTH_ERRORS, ListPageSerializer, error_response
+from embeddings.api.forms import form_fields
+from embeddings.api.rendering import MultipartUploadParser, OrjsonParser, in_threads
+from embeddings.callers import Caller
+from embeddings.contracts.fields import DECIMAL_INTEGER, QueryIntegerField, cursor_field, id_schema, validated
+from embeddings.errors.answers import (
     BadRequest,
     NotFound,
     PayloadTooLarge,
     UnsupportedMediaType,
     ValidationFailed,
 )
-from embeddings.api.jobs import _form_fields, in_threads
-from embeddings.api.rendering import MultipartUploadParser, OrjsonParser
-from embeddings.api.serializers import (
-    DECIMAL_INTEGER,
-    ListPageSerializer,
-    QueryIntegerField,
-    cursor_field,
-    id_schema,
-)
-from embeddings.api.views import AUTH_ERRORS, _error_response, validated
-from embeddings.callers import Caller
 from embeddings.models import StoredFile
-from embeddings.services.files import (
+from embeddings.services.openai_api.files import (
     FILE_ID_PATTERN,
     expires_after_seconds,
     file_create,
     file_delete,
-    file_for_tenant,
     file_object,
+    file_of_tenant,
     file_pieces,
     files_for_tenant,
 )
@@ -85,7 +79,7 @@ class FileDeletedSerializer(serializers.Serializer):
 
 @extend_schema_field({"type": "string", "format": "binary", "minLength": 1})
 class BatchInputFileField(serializers.FileField):
-    """Documentation only (the view reads the form): a file with a line (embeddings.services.files)."""
+    """Documentation only (the view reads the form): a file with a line (services/openai_api/files.py)."""
 
 
 @extend_schema_field(
@@ -141,7 +135,7 @@ FILE_ID_PARAMETER = OpenApiParameter(
     OpenApiParameter.PATH,
     description="The file's id (any other string is no file: 404).",
 )
-FILE_NOT_FOUND = _error_response(
+FILE_NOT_FOUND = error_response(
     "No file of yours has this id (another tenant's file is not found either)",
     NotFound("You have no file 'file-0123'.", param="file_id", code="file_not_found"),
 )
@@ -192,9 +186,9 @@ def _printable(name: str | None) -> str:
     return "".join(character for character in name or "" if character.isprintable())[:255]
 
 
-def _upload(request: Request, principal: Caller) -> dict:
+def _upload(request: Request, caller: Caller) -> dict:
     """Check the form and store its file (sync: it copies the spooled upload to the storage)."""
-    fields = _form_fields(request.data, known=FORM_FIELDS)
+    fields = form_fields(request.data, known=FORM_FIELDS)
     upload = fields.pop("file", None)
     purpose = fields.pop("purpose", None)
     if purpose not in UPLOAD_PURPOSES:
@@ -215,7 +209,7 @@ def _upload(request: Request, principal: Caller) -> dict:
         )
     upload.seek(0)
     stored = file_create(
-        tenant_id=principal.tenant_id,
+        tenant_id=caller.tenant_id,
         purpose=purpose,
         filename=_printable(upload.name) or "upload.jsonl",
         content=upload.file,
@@ -224,17 +218,10 @@ def _upload(request: Request, principal: Caller) -> dict:
     return file_object(stored)
 
 
-def tenant_file(principal: Caller, file_id: str) -> StoredFile:
-    stored = file_for_tenant(tenant_id=principal.tenant_id, public_id=file_id)
-    if stored is None:
-        raise NotFound(f"You have no file {file_id!r}.", param="file_id", code="file_not_found")
-    return stored
-
-
 @sync_to_async
-def _file_list(principal: Caller, params: dict) -> tuple[list[dict], bool]:
+def _file_list(caller: Caller, params: dict) -> tuple[list[dict], bool]:
     files, has_more = files_for_tenant(
-        tenant_id=principal.tenant_id,
+        tenant_id=caller.tenant_id,
         purpose=params.get("purpose") or None,
         limit=params["limit"],
         order=params["order"],
@@ -244,13 +231,13 @@ def _file_list(principal: Caller, params: dict) -> tuple[list[dict], bool]:
 
 
 @sync_to_async
-def _file_read(principal: Caller, file_id: str) -> dict:
-    return file_object(tenant_file(principal, file_id))
+def _file_read(caller: Caller, file_id: str) -> dict:
+    return file_object(file_of_tenant(tenant_id=caller.tenant_id, public_id=file_id))
 
 
 @sync_to_async
-def _file_delete(principal: Caller, file_id: str) -> str:
-    stored = tenant_file(principal, file_id)
+def _file_delete(caller: Caller, file_id: str) -> str:
+    stored = file_of_tenant(tenant_id=caller.tenant_id, public_id=file_id)
     file_delete(stored=stored)
     return stored.public_id
 
@@ -276,7 +263,7 @@ class FileListCreateView(ApiView):
         },
         responses={
             200: FileObjectSerializer,
-            400: _error_response(
+            400: error_response(
                 "An unknown purpose, no file part, a file without a line, a bad expires_after, a field "
                 "the form does not have",
                 BadRequest(
@@ -289,12 +276,12 @@ class FileListCreateView(ApiView):
                 ),
             ),
             **AUTH_ERRORS,
-            413: _error_response("The upload is too large", PayloadTooLarge("The upload is larger than ...")),
-            415: _error_response(
+            413: error_response("The upload is too large", PayloadTooLarge("The upload is larger than ...")),
+            415: error_response(
                 "A body that is neither multipart nor JSON",
                 UnsupportedMediaType('Unsupported media type "text/plain" in request.'),
             ),
-            422: _error_response(
+            422: error_response(
                 "A form field or file part sent twice",
                 ValidationFailed("file: sent 2 times in the form; send it once", param="file"),
             ),
@@ -314,13 +301,13 @@ class FileListCreateView(ApiView):
         responses={
             200: FileListSerializer,
             **AUTH_ERRORS,
-            404: _error_response(
+            404: error_response(
                 "`after` names no file of yours",
                 NotFound(
                     "You have no file 'file-0123...' to list after.", param="after", code="file_not_found"
                 ),
             ),
-            422: _error_response(
+            422: error_response(
                 "A bad limit, order, purpose or `after`",
                 ValidationFailed("limit: Ensure this value is less than or equal to 10000.", param="limit"),
             ),
@@ -373,7 +360,7 @@ class FileContentView(ApiView):
         tags=["files"],
     )
     async def get(self, request: Request, file_id: str):
-        stored = await sync_to_async(tenant_file)(request.user, file_id)
+        stored = await sync_to_async(file_of_tenant)(tenant_id=request.user.tenant_id, public_id=file_id)
         response = StreamingHttpResponse(
             in_threads(lambda: file_pieces(stored)), content_type="application/octet-stream"
         )

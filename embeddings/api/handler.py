@@ -38,7 +38,7 @@ from django.http import HttpResponseBase
 from django.urls import set_script_prefix
 
 from embeddings.api import intake
-from embeddings.api.errors import json_error_response
+from embeddings.errors.answers import json_error_response
 
 # Threads kept between API requests: about the requests one process has in flight at once.
 IDLE_REQUEST_THREADS = 64

@@ -29,16 +29,17 @@ from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from embeddings import lifecycle
+from embeddings.errors import EmbedsiteError
 from embeddings.redis.connections import redis_async, redis_job_store
-from embeddings.services import catalog
-from embeddings.services.inference import triton_async_client
-from embeddings.services.model_serving import models_serving_states_async
+from embeddings.services.inference import catalog
+from embeddings.services.inference.clients import triton_async_client
+from embeddings.services.inference.serving import models_serving_states
 from embeddings.triton import TritonError, TritonModelNotLoaded
 
 logger = logging.getLogger(__name__)
 
 
-class NotReady(Exception):
+class NotReady(EmbedsiteError):
     """A dependency answered, but is not ready (the message says how)."""
 
 
@@ -202,7 +203,7 @@ async def models_report() -> dict[str, dict[str, str]]:
     try:
         async with asyncio.timeout(settings.READY_CHECK_TIMEOUT_S):
             models = await catalog.embedding_models_enabled_cached()
-            states = await models_serving_states_async(models=models)
+            states = await models_serving_states(models=models)
     except Exception as error:
         logger.warning("readiness: the models' states could not be read: %s", error)
         return {}

@@ -22,7 +22,14 @@ from django.conf import settings
 from django.core.exceptions import RequestAborted
 from django.urls import Resolver404, resolve
 
-from embeddings.api.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from embeddings.errors import EmbedsiteError
+from embeddings.errors.answers import (
+    ApiError,
+    BadRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnsupportedMediaType,
+)
 
 # A multipart upload's envelope (boundaries, part headers, the option fields) on top of the file.
 MULTIPART_ENVELOPE_BYTES = 64 * 1024
@@ -32,7 +39,7 @@ JOB_UPLOAD_ROUTE = "jobs"
 FILE_UPLOAD_ROUTE = "files"
 
 
-class BodyRefused(Exception):
+class BodyRefused(EmbedsiteError):
     """The request is answered with `error` before Django sees it (nothing has been sent yet)."""
 
     def __init__(self, error: ApiError) -> None:

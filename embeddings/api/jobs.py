@@ -1,14 +1,15 @@
 """/v1/jobs: submit an asynchronous embedding job, follow it, cancel or delete it, download its results.
 
-Thin views over embeddings.services.jobs, whose functions are synchronous (database and blocking
-Redis): each request calls them in one `sync_to_async` hop. Downloads stream chunk by chunk, each
-chunk's Redis read in a worker thread, so a million-vector download holds one chunk in memory.
+Thin views over the job engine (embeddings/services/jobs/), whose functions are synchronous
+(database and blocking Redis): each request calls them in one `sync_to_async` hop. Downloads
+stream chunk by chunk, each chunk's Redis read in a worker thread, so a million-vector download
+holds one chunk in memory.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Callable, Collection, Iterator
+from collections.abc import Iterator
 
 import orjson
 from asgiref.sync import sync_to_async
@@ -22,13 +23,38 @@ from drf_spectacular.utils import (
     OpenApiRequest,
     OpenApiResponse,
     extend_schema,
+    extend_schema_field,
 )
+from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from embeddings.api import serializers as s
+from embeddings.api.authentication import model_for_request
 from embeddings.api.base import ApiView, list_page
-from embeddings.api.errors import (
+from embeddings.api.docs import (
+    AUTH_ERRORS,
+    ERRORS,
+    EXAMPLE_VECTOR,
+    EmbeddingVectorField,
+    ListPageSerializer,
+    error_response,
+)
+from embeddings.api.forms import form_fields
+from embeddings.api.rendering import MultipartUploadParser, OrjsonParser, in_threads, refuse_non_utf8
+from embeddings.callers import Caller
+from embeddings.contracts.embeddings_request import TEXT_ERRORS, TEXT_SCHEMA, refuse_empty_texts
+from embeddings.contracts.fields import (
+    INT32_MAX,
+    MetadataField,
+    QueryIntegerField,
+    StrictBooleanField,
+    StrictCharField,
+    cursor_field,
+    dimensions_field,
+    id_schema,
+    validated,
+)
+from embeddings.errors.answers import (
     IdempotencyKeyReused,
     InsufficientQuota,
     NotFound,
@@ -37,38 +63,34 @@ from embeddings.api.errors import (
     UnsupportedMediaType,
     ValidationFailed,
 )
-from embeddings.api.rendering import MultipartUploadParser, OrjsonParser, refuse_non_utf8
-from embeddings.api.views import (
-    AUTH_ERRORS,
-    ERRORS,
-    EXAMPLE_VECTOR,
-    _error_response,
-    model_for_request,
-    validated,
-)
-from embeddings.callers import Caller
-from embeddings.models import EmbeddingJob, EmbeddingModel
-from embeddings.services.errors import (
+from embeddings.errors.service import (
     JobExpired,
     JobNotFinished,
     JobQueueUnavailable,
     JobStoreUnavailable,
     QuotaUnavailable,
 )
-from embeddings.services.job_inputs import JobInputs, job_inputs_count_check, job_inputs_parse, job_max_inputs
-from embeddings.services.job_results import iter_jsonl, iter_npy, json_page, npy_header
-from embeddings.services.jobs import (
+from embeddings.models import EmbeddingJob, EmbeddingModel
+from embeddings.result_dtypes import RESULT_DTYPES
+from embeddings.services.jobs.callback_targets import CallbackTargetError
+from embeddings.services.jobs.callbacks import callback_target_check
+from embeddings.services.jobs.engine import job_cancel, job_delete
+from embeddings.services.jobs.inputs import (
+    JobInputs,
+    job_inputs_count_check,
+    job_inputs_parse,
+    job_max_inputs,
+)
+from embeddings.services.jobs.reads import (
     JOB_ID_PATTERN,
-    JobSpec,
-    job_cancel,
-    job_create,
-    job_delete,
     job_for_tenant,
     job_object,
     job_refreshed,
     job_results_download,
     jobs_for_tenant,
 )
+from embeddings.services.jobs.results import iter_jsonl, iter_npy, json_page, npy_header
+from embeddings.services.jobs.submission import JobSpec, job_create
 
 IDEMPOTENCY_KEY_MAX_CHARS = 255
 # Content types of an uploaded file: text, JSON lines, or unlabelled bytes (curl sends a .jsonl
@@ -87,6 +109,187 @@ JSONL_UPLOAD_TYPES = {
 
 # As documented: text first, then JSON lines, then unlabelled bytes.
 UPLOAD_CONTENT_TYPES = ("text/plain", *sorted(JSONL_UPLOAD_TYPES), "application/octet-stream")
+
+
+# --- Request and response shapes -------------------------------------------------------------------
+
+
+@extend_schema_field(
+    {
+        "type": "array",
+        "items": TEXT_SCHEMA,
+        "minItems": 1,
+        "description": "The texts to embed, one vector each, in this order.",
+        "example": ["The first document.", "The second document."],
+    }
+)
+class JobTextsField(serializers.Field):
+    default_error_messages = {
+        "invalid": "must be an array of strings",
+        "empty": "must not be empty",
+        **TEXT_ERRORS,
+    }
+
+    def to_internal_value(self, data: object) -> list[str]:
+        if not isinstance(data, list) or not all(type(item) is str for item in data):
+            self.fail("invalid")
+        if not data:
+            self.fail("empty")
+        refuse_empty_texts(data, self)
+        return data
+
+    def to_representation(self, value):
+        return value
+
+
+def callback_url_deliverable(url: str) -> None:
+    """Refuse a callback_url the address policy refuses now (its host is resolved here: call from
+    a thread, not the event loop)."""
+    try:
+        callback_target_check(url=url)
+    except CallbackTargetError as error:
+        raise serializers.ValidationError(error.reason) from error
+
+
+class JobOptions(serializers.Serializer):
+    """What a job asks for besides its inputs (JSON body fields, or multipart form fields)."""
+
+    model = StrictCharField(lookup=True, help_text="A model id from GET /v1/models (or one of its aliases).")
+    encoding_format = serializers.ChoiceField(
+        choices=["float", "base64"],
+        default="float",
+        help_text="How `json` and `jsonl` results encode vectors (a download may ask for the other).",
+    )
+    dimensions = dimensions_field()
+    normalize = StrictBooleanField(default=True, help_text="Unit-length vectors.")
+    result_dtype = serializers.ChoiceField(
+        choices=list(RESULT_DTYPES),
+        required=False,
+        allow_null=True,
+        help_text="How the results are stored while they wait for download: `float16` takes half the "
+        "memory, each value within 2^-11 of float32 relative to it (cosine to float32 above 0.9999). "
+        "Downloads are float32 either way. Default: the model's setting (float32 unless set).",
+    )
+    metadata = MetadataField(required=False)
+    callback_url = serializers.URLField(
+        required=False,
+        allow_blank=True,
+        trim_whitespace=False,
+        max_length=2000,
+        # The policy first, so its reason is the message; URLField's own check still follows.
+        validators=[callback_url_deliverable],
+        help_text="POSTed the job when it finishes, signed (HMAC-SHA256) in the Embedsite-Signature header. "
+        "http or https, to a public address: a host that does not resolve, or resolves to a loopback, "
+        "private, link-local or other non-public address, is refused.",
+    )
+
+
+class JobCreateRequest(JobOptions):
+    input = JobTextsField()
+
+
+class JobUploadRequest(JobOptions):
+    """The multipart form: the file and the same options as form fields (metadata as a JSON object)."""
+
+    file = serializers.FileField(
+        help_text="UTF-8 text, one input per line (blank lines skipped), or JSONL: one "
+        '`{"id": ..., "text": ...}` object a line, ids kept in the results. Content type text/plain, '
+        "application/jsonl (or x-ndjson) or application/octet-stream."
+    )
+
+
+class JobListQuery(serializers.Serializer):
+    limit = QueryIntegerField(min_value=1, max_value=100, default=20, help_text="1 to 100.")
+    after = cursor_field(pattern=JOB_ID_PATTERN, what="a job id (`job_` and 24 lowercase letters or digits)")
+
+
+# Past the last input of any job.
+RESULTS_MAX_OFFSET = INT32_MAX
+
+
+class JobResultsQuery(serializers.Serializer):
+    format = serializers.ChoiceField(
+        choices=["jsonl", "json", "npy"],
+        default="jsonl",
+        help_text="`jsonl`: one object a line, streamed; `npy`: one float32 array (rows of failed "
+        "inputs are NaN), streamed; `json`: one page (`offset`, `limit`).",
+    )
+    encoding_format = serializers.ChoiceField(
+        choices=["float", "base64"], required=False, help_text="Default: the job's encoding_format."
+    )
+    offset = QueryIntegerField(
+        min_value=0,
+        max_value=RESULTS_MAX_OFFSET,
+        default=0,
+        help_text="`json` only: the first input (past the last one: an empty page).",
+    )
+    limit = QueryIntegerField(
+        min_value=1, max_value=1000, default=100, help_text="`json` only: inputs per page, 1 to 1000."
+    )
+
+
+class JobCountsSerializer(serializers.Serializer):
+    total = serializers.IntegerField()
+    completed = serializers.IntegerField()
+    failed = serializers.IntegerField()
+
+
+class JobUsageSerializer(serializers.Serializer):
+    prompt_tokens = serializers.IntegerField()
+
+
+class JobErrorSerializer(serializers.Serializer):
+    code = serializers.CharField()
+    message = serializers.CharField()
+
+
+class JobObjectSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(default="embedding.job")
+    status = serializers.ChoiceField(
+        choices=["queued", "running", "completed", "failed", "cancelling", "cancelled", "expired"]
+    )
+    model = serializers.CharField()
+    counts = JobCountsSerializer()
+    usage = JobUsageSerializer()
+    created_at = serializers.IntegerField(help_text="Unix seconds")
+    started_at = serializers.IntegerField(allow_null=True)
+    finished_at = serializers.IntegerField(allow_null=True)
+    expires_at = serializers.IntegerField(allow_null=True, help_text="When the results are removed")
+    error = JobErrorSerializer(allow_null=True)
+    metadata = serializers.DictField(child=serializers.CharField())
+    encoding_format = serializers.CharField()
+    dimensions = serializers.IntegerField(allow_null=True)
+    result_dtype = serializers.ChoiceField(
+        choices=list(RESULT_DTYPES), help_text="How the results are stored; downloads are float32"
+    )
+
+
+class JobListSerializer(ListPageSerializer):
+    data = JobObjectSerializer(many=True)
+
+
+class JobDeletedSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(default="embedding.job.deleted")
+    deleted = serializers.BooleanField()
+
+
+class JobResultObjectSerializer(serializers.Serializer):
+    object = serializers.CharField(default="embedding")
+    index = serializers.IntegerField()
+    id = serializers.CharField(required=False, help_text="The upload's id for this input (JSONL uploads)")
+    embedding = EmbeddingVectorField(allow_null=True, help_text="Null when the input's chunk failed")
+    error = JobErrorSerializer(required=False)
+
+
+class JobResultsPageSerializer(serializers.Serializer):
+    object = serializers.CharField(default="list")
+    data = JobResultObjectSerializer(many=True)
+    model = serializers.CharField()
+    offset = serializers.IntegerField()
+    total = serializers.IntegerField()
+    has_more = serializers.BooleanField()
 
 
 def job_location(job: EmbeddingJob) -> str:
@@ -126,7 +329,7 @@ def idempotency_key(request: Request) -> str:
 
 
 # The job options whose schema allows null.
-FORM_NULLABLE_FIELDS = tuple(name for name, field in s.JobOptions().fields.items() if field.allow_null)
+FORM_NULLABLE_FIELDS = tuple(name for name, field in JobOptions().fields.items() if field.allow_null)
 
 
 def _upload_lines(upload: UploadedFile) -> Iterator[bytes]:
@@ -135,24 +338,12 @@ def _upload_lines(upload: UploadedFile) -> Iterator[bytes]:
     return iter(upload.file)
 
 
-def _form_fields(form, *, known: Collection[str]) -> dict[str, object]:
-    """Each field of a multipart form (the first value of one it does not know). A field it reads
-    must come once: a repeated one (two `file` parts, two `model`s) is refused rather than one of
-    them silently dropped."""
-    fields: dict[str, object] = {}
-    for name, values in form.lists():
-        if len(values) > 1 and name in known:
-            raise ValidationFailed(f"{name}: sent {len(values)} times in the form; send it once", param=name)
-        fields[name] = values[0]
-    return fields
-
-
-def upload_parse(request: Request, principal: Caller) -> tuple[dict, JobInputs]:
+def upload_parse(request: Request, caller: Caller) -> tuple[dict, JobInputs]:
     """The options and inputs of a multipart upload (sync: it reads the spooled body and the file).
 
     The upload's size was enforced while the body arrived (embeddings/api/intake.py).
     """
-    fields = _form_fields(request.data, known=s.JobUploadRequest().fields)
+    fields = form_fields(request.data, known=JobUploadRequest().fields)
     upload = fields.pop("file", None)
     if not isinstance(upload, UploadedFile):
         raise ValidationFailed("file: a multipart upload needs a `file` part", param="file")
@@ -175,10 +366,10 @@ def upload_parse(request: Request, principal: Caller) -> tuple[dict, JobInputs]:
     for name in FORM_NULLABLE_FIELDS:
         if fields.get(name) in ("", "null"):
             fields[name] = None
-    options = validated(s.JobOptions, fields, form=True)
+    options = validated(JobOptions, fields, form=True)
     inputs = job_inputs_parse(
         _upload_lines(upload),
-        max_inputs=job_max_inputs(principal)[0],
+        max_inputs=job_max_inputs(caller)[0],
         max_line_bytes=settings.JOB_MAX_LINE_BYTES,
         jsonl=True if content_type in JSONL_UPLOAD_TYPES else None,
     )
@@ -187,11 +378,11 @@ def upload_parse(request: Request, principal: Caller) -> tuple[dict, JobInputs]:
 
 @sync_to_async
 def _create(
-    *, principal: Caller, spec: JobSpec, idempotency_key: str, fingerprint: str
+    *, caller: Caller, spec: JobSpec, idempotency_key: str, fingerprint: str
 ) -> tuple[dict, bool, str]:
     job, created = job_create(
-        tenant_id=principal.tenant_id,
-        api_key_id=principal.key_id,
+        tenant_id=caller.tenant_id,
+        api_key_id=caller.key_id,
         spec=spec,
         idempotency_key=idempotency_key,
         fingerprint=fingerprint,
@@ -199,54 +390,43 @@ def _create(
     return job_object(job), created, job_location(job)
 
 
-def _tenant_job(principal: Caller, job_id: str) -> EmbeddingJob:
-    job = job_for_tenant(tenant_id=principal.tenant_id, public_id=job_id)
+def _tenant_job(caller: Caller, job_id: str) -> EmbeddingJob:
+    job = job_for_tenant(tenant_id=caller.tenant_id, public_id=job_id)
     if job is None:
         raise NotFound(f"You have no job {job_id!r}.", param="job_id", code="job_not_found")
     return job
 
 
 @sync_to_async
-def _job_read(principal: Caller, job_id: str) -> dict:
-    return job_object(job_refreshed(_tenant_job(principal, job_id)))
+def _job_read(caller: Caller, job_id: str) -> dict:
+    return job_object(job_refreshed(_tenant_job(caller, job_id)))
 
 
 @sync_to_async
-def _job_list(principal: Caller, limit: int, after: str | None) -> tuple[list[dict], bool]:
-    jobs, has_more = jobs_for_tenant(tenant_id=principal.tenant_id, limit=limit, after=after)
+def _job_list(caller: Caller, limit: int, after: str | None) -> tuple[list[dict], bool]:
+    jobs, has_more = jobs_for_tenant(tenant_id=caller.tenant_id, limit=limit, after=after)
     return [job_object(job) for job in jobs], has_more
 
 
 @sync_to_async
-def _job_cancel(principal: Caller, job_id: str) -> dict:
-    job = _tenant_job(principal, job_id)
+def _job_cancel(caller: Caller, job_id: str) -> dict:
+    job = _tenant_job(caller, job_id)
     job_cancel(job=job)
     return job_object(job_refreshed(job))
 
 
 @sync_to_async
-def _job_delete(principal: Caller, job_id: str) -> str:
-    job = _tenant_job(principal, job_id)
+def _job_delete(caller: Caller, job_id: str) -> str:
+    job = _tenant_job(caller, job_id)
     job_delete(job=job)
     return job.public_id
 
 
 @sync_to_async
-def _finished_job(principal: Caller, job_id: str) -> tuple[EmbeddingJob, str, tuple]:
+def _finished_job(caller: Caller, job_id: str) -> tuple[EmbeddingJob, str, tuple]:
     """The job, its model's name and where its results are, if they can be downloaded."""
-    job = job_refreshed(_tenant_job(principal, job_id))
+    job = job_refreshed(_tenant_job(caller, job_id))
     return job, job.model.name, job_results_download(job)
-
-
-async def in_threads(chunks: Callable[[], Iterator[bytes]]) -> AsyncIterator[bytes]:
-    """A sync generator's pieces, each produced in a worker thread (its Redis read blocks)."""
-    iterator = await sync_to_async(chunks, thread_sensitive=False)()
-    done = object()
-    while True:
-        piece = await sync_to_async(next, thread_sensitive=False)(iterator, done)
-        if piece is done:
-            return
-        yield piece
 
 
 JOB_EXAMPLE = {
@@ -268,11 +448,11 @@ JOB_EXAMPLE = {
 }
 JOB_ID_PARAMETER = OpenApiParameter(
     "job_id",
-    s.id_schema(JOB_ID_PATTERN),
+    id_schema(JOB_ID_PATTERN),
     OpenApiParameter.PATH,
     description="The job's id (any other string is no job: 404).",
 )
-JOB_NOT_FOUND = _error_response(
+JOB_NOT_FOUND = error_response(
     "No job of yours has this id (another tenant's job is not found either)",
     NotFound("You have no job 'job_0123'.", param="job_id", code="job_not_found"),
 )
@@ -306,42 +486,42 @@ class JobListCreateView(ApiView):
             )
         ],
         request={
-            "application/json": s.JobCreateRequest,
+            "application/json": JobCreateRequest,
             "multipart/form-data": OpenApiRequest(
-                s.JobUploadRequest, encoding={"file": {"contentType": ", ".join(UPLOAD_CONTENT_TYPES)}}
+                JobUploadRequest, encoding={"file": {"contentType": ", ".join(UPLOAD_CONTENT_TYPES)}}
             ),
         },
         responses={
-            202: OpenApiResponse(s.JobObjectSerializer, description="Created; `Location` is the job's URL."),
+            202: OpenApiResponse(JobObjectSerializer, description="Created; `Location` is the job's URL."),
             200: OpenApiResponse(
-                s.JobObjectSerializer,
+                JobObjectSerializer,
                 description="An Idempotency-Key already used with this same request: the job it created.",
             ),
             400: ERRORS[400],
             **AUTH_ERRORS,
             404: ERRORS[404],
-            409: _error_response(
+            409: error_response(
                 "The Idempotency-Key was used with a different request", IdempotencyKeyReused()
             ),
-            413: _error_response(
+            413: error_response(
                 "More inputs than your max per job, a line or the upload too long, or a job larger than "
                 "your whole job storage budget (job_storage_budget_exceeded)",
                 PayloadTooLarge("more than 1000000 inputs (at line 1000001)", param="file"),
             ),
-            415: _error_response(
+            415: error_response(
                 "A body that is neither JSON nor multipart, or a file neither text nor JSONL",
                 UnsupportedMediaType(
                     "file: content type 'image/png' is not text/plain or JSONL (application/jsonl)",
                     param="file",
                 ),
             ),
-            422: _error_response(
+            422: error_response(
                 "Invalid fields (a refused `callback_url` among them), a form field sent twice, or a file "
                 "that cannot be read (not UTF-8, empty, a bad JSONL line)",
                 ValidationFailed("line 3: not UTF-8 (byte 7)", param="file"),
                 ValidationFailed("metadata: may have at most 16 pairs", param="metadata"),
             ),
-            429: _error_response(
+            429: error_response(
                 "The job's tokens do not fit your budget, its bytes do not fit what your job storage "
                 "budget has free (job_storage_budget_exceeded), or too many jobs running at once",
                 InsufficientQuota(
@@ -352,7 +532,7 @@ class JobListCreateView(ApiView):
                     "This tenant already runs 2 jobs, its max_concurrent_jobs.", limit_type="requests"
                 ),
             ),
-            503: _error_response(
+            503: error_response(
                 "Not submitted, nothing kept: quotas cannot be checked (Redis down), the job queue "
                 "refused it, or the job store is full or down. Retry after the Retry-After header's seconds.",
                 QuotaUnavailable(
@@ -397,15 +577,15 @@ class JobListCreateView(ApiView):
         tags=["jobs"],
     )
     async def post(self, request: Request) -> Response:
-        principal: Caller = request.user
+        caller: Caller = request.user
         key = idempotency_key(request)
         if request.content_type.startswith("multipart/form-data"):
-            options, inputs = await sync_to_async(upload_parse)(request, principal)
+            options, inputs = await sync_to_async(upload_parse)(request, caller)
         else:
             # In a thread: validating callback_url resolves its host (a blocking lookup).
-            options = await sync_to_async(validated)(s.JobCreateRequest, request.data)
+            options = await sync_to_async(validated)(JobCreateRequest, request.data)
             inputs = JobInputs(texts=options.pop("input"), ids=None)
-            job_inputs_count_check(count=len(inputs.texts), caller=principal)
+            job_inputs_count_check(count=len(inputs.texts), caller=caller)
         model = await model_for_request(self, options["model"])
         spec = JobSpec(
             model=model,
@@ -420,22 +600,22 @@ class JobListCreateView(ApiView):
         )
         fingerprint = request_fingerprint(model, options, inputs) if key else ""
         body, created, location = await _create(
-            principal=principal, spec=spec, idempotency_key=key, fingerprint=fingerprint
+            caller=caller, spec=spec, idempotency_key=key, fingerprint=fingerprint
         )
         return Response(body, status=202 if created else 200, headers={"Location": location})
 
     @extend_schema(
         operation_id="list_jobs",
         summary="Your jobs, newest first",
-        parameters=[s.JobListQuery],
+        parameters=[JobListQuery],
         responses={
-            200: s.JobListSerializer,
+            200: JobListSerializer,
             **AUTH_ERRORS,
-            404: _error_response(
+            404: error_response(
                 "`after` names no job of yours",
                 NotFound("You have no job 'job_0123...' to list after.", param="after", code="job_not_found"),
             ),
-            422: _error_response(
+            422: error_response(
                 "A bad limit or `after`",
                 ValidationFailed("limit: Ensure this value is less than or equal to 100.", param="limit"),
             ),
@@ -457,7 +637,7 @@ class JobListCreateView(ApiView):
         tags=["jobs"],
     )
     async def get(self, request: Request) -> Response:
-        params = validated(s.JobListQuery, request.query_params.dict())
+        params = validated(JobListQuery, request.query_params.dict())
         data, has_more = await _job_list(request.user, params["limit"], params.get("after") or None)
         return Response(list_page(data, has_more))
 
@@ -469,7 +649,7 @@ class JobDetailView(ApiView):
         operation_id="retrieve_job",
         summary="One job: status, counts, usage",
         parameters=[JOB_ID_PARAMETER],
-        responses={200: s.JobObjectSerializer, **AUTH_ERRORS, 404: JOB_NOT_FOUND},
+        responses={200: JobObjectSerializer, **AUTH_ERRORS, 404: JOB_NOT_FOUND},
         examples=[JOB_RESPONSE_EXAMPLE],
         tags=["jobs"],
     )
@@ -482,7 +662,7 @@ class JobDetailView(ApiView):
         description="Cancels it if it still runs and removes its inputs and results; "
         "downloading its results answers 410 from then on.",
         parameters=[JOB_ID_PARAMETER],
-        responses={200: s.JobDeletedSerializer, **AUTH_ERRORS, 404: JOB_NOT_FOUND},
+        responses={200: JobDeletedSerializer, **AUTH_ERRORS, 404: JOB_NOT_FOUND},
         examples=[
             OpenApiExample(
                 "Deleted",
@@ -509,7 +689,7 @@ class JobCancelView(ApiView):
         "A finished job is answered as it is.",
         request=None,
         parameters=[JOB_ID_PARAMETER],
-        responses={200: s.JobObjectSerializer, **AUTH_ERRORS, 404: JOB_NOT_FOUND},
+        responses={200: JobObjectSerializer, **AUTH_ERRORS, 404: JOB_NOT_FOUND},
         examples=[
             OpenApiExample(
                 "Cancelling",
@@ -543,9 +723,9 @@ class JobResultsView(ApiView):
             "objects with `embedding: null` and an `error` in `jsonl` and `json`. 409 while the job "
             "runs, 410 once its results expired or were deleted."
         ),
-        parameters=[JOB_ID_PARAMETER, s.JobResultsQuery],
+        parameters=[JOB_ID_PARAMETER, JobResultsQuery],
         responses={
-            (200, "application/json"): s.JobResultsPageSerializer,
+            (200, "application/json"): JobResultsPageSerializer,
             (200, "application/jsonl"): OpenApiResponse(
                 OpenApiTypes.STR,
                 description="One JSON object a line",
@@ -558,15 +738,15 @@ class JobResultsView(ApiView):
             ),
             **AUTH_ERRORS,
             404: JOB_NOT_FOUND,
-            409: _error_response(
+            409: error_response(
                 "The job has not finished",
                 JobNotFinished("The job has not finished; its results can be downloaded once it has."),
             ),
-            410: _error_response(
+            410: error_response(
                 "The results expired or were deleted",
                 JobExpired("The job's results have expired or were deleted."),
             ),
-            422: _error_response(
+            422: error_response(
                 "A bad format, offset or limit",
                 ValidationFailed('format: "csv" is not a valid choice.', param="format"),
             ),
@@ -590,7 +770,7 @@ class JobResultsView(ApiView):
         tags=["jobs"],
     )
     async def get(self, request: Request, job_id: str):
-        params = validated(s.JobResultsQuery, request.query_params.dict())
+        params = validated(JobResultsQuery, request.query_params.dict())
         job, model_name, (store, rows_per_chunk, dims) = await _finished_job(request.user, job_id)
         encoding = params.get("encoding_format") or job.encoding_format
         total = sum(rows_per_chunk)

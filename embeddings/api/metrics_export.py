@@ -8,7 +8,7 @@ from django.db import DatabaseError
 from django_prometheus.exports import ExportToDjangoView
 
 from embeddings.metrics import JOB_INPUTS_PENDING, JOB_OLDEST_ACTIVE_SECONDS, JOBS_ACTIVE
-from embeddings.services.job_backlog import job_backlog
+from embeddings.services.jobs.backlog import job_backlog
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import time
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.core.exceptions import DisallowedHost
 
-from embeddings.api.errors import BadRequest, json_error_response
+from embeddings.errors.answers import BadRequest, json_error_response
 
 ARRIVED = "embedsite.arrived"
 

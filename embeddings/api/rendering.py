@@ -1,17 +1,19 @@
 """JSON in and out with orjson (numpy arrays are serialised directly, with no per-float Python loop),
-and the request parsers, which take UTF-8 only."""
+the request parsers, which take UTF-8 only, and streamed downloads (`in_threads`)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import orjson
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.utils.http import parse_header_parameters
 from rest_framework.parsers import BaseParser, MultiPartParser
 from rest_framework.renderers import BaseRenderer
 
-from embeddings.api.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from embeddings.errors.answers import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from embeddings.metrics import SERIALIZATION_SECONDS
 
 ORJSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
@@ -84,3 +86,14 @@ class MultipartUploadParser(MultiPartParser):
     def parse(self, stream, media_type=None, parser_context=None):
         refuse_non_utf8(media_type_charset(media_type), what="A multipart form")
         return super().parse(stream, media_type, parser_context)
+
+
+async def in_threads(chunks: Callable[[], Iterator[bytes]]) -> AsyncIterator[bytes]:
+    """A sync generator's pieces, each produced in a worker thread (its Redis read blocks)."""
+    iterator = await sync_to_async(chunks, thread_sensitive=False)()
+    done = object()
+    while True:
+        piece = await sync_to_async(next, thread_sensitive=False)(iterator, done)
+        if piece is done:
+            return
+        yield piece

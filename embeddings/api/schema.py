@@ -12,7 +12,13 @@ from drf_spectacular.generators import SchemaGenerator as SpectacularSchemaGener
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.plumbing import build_bearer_security_scheme_object, is_list_serializer
 
-from embeddings.api.errors import ApiError, BadRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from embeddings.errors.answers import (
+    ApiError,
+    BadRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnsupportedMediaType,
+)
 
 
 class SchemaGenerator(SpectacularSchemaGenerator):
@@ -120,7 +126,7 @@ EDGE_ERRORS: dict[str, tuple[str, ApiError]] = {
 ERROR_SCHEMA = {"$ref": "#/components/schemas/Error"}
 
 
-def _error_response(description: str, error: ApiError) -> dict:
+def error_response(description: str, error: ApiError) -> dict:
     name = f"{type(error).__name__}: {error.error_code}"
     return {
         "description": description,
@@ -141,7 +147,7 @@ def edge_errors_hook(result, generator, request, public):
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             for status, (description, error) in EDGE_ERRORS.items():
-                edge = _error_response(description, error)
+                edge = error_response(description, error)
                 own = responses.setdefault(status, edge)
                 if own is not edge:
                     own["description"] = f"{own['description']}; or: {description}"

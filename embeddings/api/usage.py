@@ -6,20 +6,23 @@ import logging
 from datetime import UTC, date, datetime, timedelta
 
 from asgiref.sync import sync_to_async
-from drf_spectacular.utils import OpenApiExample, extend_schema
+from django.core.validators import RegexValidator
+from drf_spectacular.utils import OpenApiExample, extend_schema, extend_schema_field
 from redis.exceptions import RedisError
+from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from embeddings.api import serializers as s
 from embeddings.api.base import ApiView
-from embeddings.api.errors import NotFound, ValidationFailed
-from embeddings.api.views import AUTH_ERRORS, _error_response, validated
+from embeddings.api.docs import AUTH_ERRORS, error_response
 from embeddings.callers import Caller
+from embeddings.contracts.fields import validated
+from embeddings.errors.answers import NotFound, ValidationFailed
 from embeddings.models import ApiKey, Tenant
-from embeddings.services.job_storage import TenantJobStorage, tenant_job_storage
-from embeddings.services.quotas import quota_status_sync
-from embeddings.services.usage import TenantUsage, usage_for_tenant
+from embeddings.services.accounts.api_keys import KEY_PREFIX, KEY_PUBLIC_ID_PATTERN
+from embeddings.services.jobs.budget import TenantJobStorage, tenant_job_storage
+from embeddings.services.quotas.limits import quota_status_sync
+from embeddings.services.quotas.usage import TenantUsage, usage_for_tenant
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,104 @@ LATEST_BOUND = datetime(9999, 1, 1, tzinfo=UTC)
 # The code of a well-formed range refused for where it lies (before 1970, after 9999-01-01, end not
 # after start, over MAX_USAGE_RANGE): what the schema's date formats cannot say.
 RANGE_REFUSED = "invalid_range"
+
+
+# --- Request and response shapes -------------------------------------------------------------------
+
+
+@extend_schema_field(
+    {
+        "anyOf": [
+            {"type": "string", "format": "date"},
+            {"type": "string", "format": "date-time"},
+            {"type": "string", "maxLength": 0},
+        ]
+    }
+)
+class UsageBoundField(serializers.CharField):
+    """A bound of GET /v1/usage's range, read by the view (embeddings/api/usage.py parse_bound)."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(required=False, allow_blank=True, trim_whitespace=False, **options)
+
+
+class UsageQuery(serializers.Serializer):
+    """The query string of GET /v1/usage (the view turns the bounds into datetimes). An empty
+    value means the parameter's default, as if it were not sent."""
+
+    start = UsageBoundField(
+        help_text="UTC date `YYYY-MM-DD` (from its midnight) or ISO 8601 datetime (from the start of "
+        "its hour; without an offset, UTC), from 1970-01-01 to 9999-01-01. Default: the first day of "
+        "end's UTC month."
+    )
+    end = UsageBoundField(
+        help_text="UTC date `YYYY-MM-DD` (that day included) or ISO 8601 datetime (exclusive; without "
+        "an offset, UTC), from 1970-01-01 to 9999-01-01, after start and at most 366 days from it. "
+        "Default: now."
+    )
+    group_by = serializers.ChoiceField(choices=["day", "model", "key"], default="day")
+    key = serializers.CharField(
+        required=False,
+        allow_blank=True,
+        trim_whitespace=False,
+        # The public id alone, or the key's first part or whole (its secret is not read).
+        validators=[
+            RegexValidator(
+                rf"\A(?:{KEY_PREFIX})?{KEY_PUBLIC_ID_PATTERN}(?:_[A-Za-z0-9_-]{{0,100}})?\Z",
+                message="must be an API key's public id",
+            )
+        ],
+        help_text="Only this key of yours: its public id (`emb_<public id>_…`'s middle).",
+    )
+
+
+class UsageCountersSerializer(serializers.Serializer):
+    requests = serializers.IntegerField()
+    succeeded = serializers.IntegerField()
+    rejected = serializers.IntegerField(help_text="Refused by a quota or rate limit")
+    failed = serializers.IntegerField(help_text="Accepted, then failed")
+    inputs = serializers.IntegerField()
+    tokens = serializers.IntegerField()
+    mean_latency_ms = serializers.FloatField(allow_null=True, help_text="Null without requests")
+
+
+class UsageKeySerializer(serializers.Serializer):
+    id = serializers.CharField(help_text="The key's public id")
+    name = serializers.CharField()
+
+
+class UsageRowSerializer(UsageCountersSerializer):
+    day = serializers.DateField(required=False, help_text="group_by=day")
+    model = serializers.CharField(required=False, help_text="group_by=model")
+    key = UsageKeySerializer(
+        required=False, allow_null=True, help_text="group_by=key; null: no key, or a deleted one"
+    )
+
+
+class JobStorageSerializer(serializers.Serializer):
+    used_bytes = serializers.IntegerField(help_text="Bytes your jobs hold in the job store now")
+    budget_bytes = serializers.IntegerField(help_text="Bytes your jobs may hold at once")
+    available_bytes = serializers.IntegerField(help_text="budget_bytes - used_bytes (at least 0)")
+
+
+class UsageResponse(serializers.Serializer):
+    object = serializers.CharField(default="usage")
+    start = serializers.DateTimeField()
+    end = serializers.DateTimeField()
+    group_by = serializers.CharField()
+    includes_unfolded = serializers.BooleanField(
+        help_text="True: counters not yet folded into the database are included (up to the second)"
+    )
+    totals = UsageCountersSerializer()
+    data = UsageRowSerializer(many=True)
+    quota = serializers.JSONField(
+        allow_null=True,
+        help_text="Limits and current windows of your tenant and this key; null if unreadable",
+    )
+    job_storage = JobStorageSerializer(
+        help_text="Your jobs' inputs and results held in the job store, against your budget: a job "
+        "that would not fit is refused (429 or 413 job_storage_budget_exceeded)"
+    )
 
 
 def parse_bound(text: str, *, param: str) -> datetime:
@@ -121,7 +222,7 @@ def _key_of_tenant(*, tenant_id: int, public_id: str) -> int:
 
 @sync_to_async
 def _tenant_usage(
-    *, principal: Caller, start: datetime, end: datetime, group_by: str, key: str | None
+    *, caller: Caller, start: datetime, end: datetime, group_by: str, key: str | None
 ) -> tuple[TenantUsage, dict | None, TenantJobStorage]:
     """The usage report, the quota state (None when Redis cannot be read) and the job storage held,
     in one thread hop.
@@ -129,13 +230,13 @@ def _tenant_usage(
     The quota state is read with the limits as they are in the database now (not as cached with
     the key), so a limit just changed in the admin shows at once.
     """
-    tenant_id = principal.tenant_id
+    tenant_id = caller.tenant_id
     api_key_id = _key_of_tenant(tenant_id=tenant_id, public_id=key) if key else None
     report = usage_for_tenant(
         tenant_id=tenant_id, start=start, end=end, group_by=group_by, api_key_id=api_key_id
     )
     try:
-        quota = quota_status_sync(tenant_id, principal.key_id)
+        quota = quota_status_sync(tenant_id, caller.key_id)
     except RedisError as error:
         logger.warning("usage: quota state unreadable: %s", error)
         quota = None
@@ -195,15 +296,15 @@ class UsageView(ApiView):
             "`job_storage`: the bytes your jobs hold in the job store now, against your budget. "
             "Ranges of at most 366 days."
         ),
-        parameters=[s.UsageQuery],
+        parameters=[UsageQuery],
         responses={
-            200: s.UsageResponse,
+            200: UsageResponse,
             **AUTH_ERRORS,
-            404: _error_response(
+            404: error_response(
                 "`key` names no key of yours",
                 NotFound("You have no API key 'AbCdEf12'.", param="key", code="api_key_not_found"),
             ),
-            422: _error_response(
+            422: error_response(
                 "Bad dates, end before start, a range over 366 days, unknown group_by",
                 ValidationFailed("end: must be after start", param="end"),
             ),
@@ -214,11 +315,11 @@ class UsageView(ApiView):
         tags=["usage"],
     )
     async def get(self, request: Request) -> Response:
-        query = validated(s.UsageQuery, request.query_params.dict())
+        query = validated(UsageQuery, request.query_params.dict())
         params = {name: value for name, value in query.items() if value != ""}
         start, end = usage_range(params, datetime.now(UTC))
         usage, quota, storage = await _tenant_usage(
-            principal=request.user, start=start, end=end, group_by=params["group_by"], key=params.get("key")
+            caller=request.user, start=start, end=end, group_by=params["group_by"], key=params.get("key")
         )
         return Response(
             {

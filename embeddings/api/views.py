@@ -5,155 +5,179 @@ from __future__ import annotations
 import logging
 import time
 
-from django.conf import settings
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
     OpenApiExample,
     OpenApiParameter,
-    OpenApiResponse,
     extend_schema,
+    extend_schema_field,
 )
+from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from embeddings.api import serializers as s
-from embeddings.api.authentication import ensure_model_allowed
+from embeddings.api.authentication import model_for_request
 from embeddings.api.base import ApiView
-from embeddings.api.errors import (
-    BadRequest,
-    Forbidden,
-    InsufficientQuota,
-    ModelNotFound,
-    PayloadTooLarge,
-    RateLimited,
-    Unauthorized,
-    UnsupportedMediaType,
-    UpstreamTimeout,
-    UpstreamUnavailable,
-    ValidationFailed,
-    as_api_error,
-)
+from embeddings.api.docs import AUTH_ERRORS, ERRORS, EXAMPLE_VECTOR, EmbeddingVectorField
 from embeddings.api.middleware import ARRIVED
 from embeddings.api.schema import ListLengthAutoSchema
 from embeddings.callers import Caller
+from embeddings.contracts.embeddings_request import (
+    TEXT_SCHEMA,
+    OpenAIEmbeddingsRequest,
+    ParsedInput,
+    TextsField,
+    refuse_empty_texts,
+)
+from embeddings.contracts.fields import StrictBooleanField, StrictCharField, dimensions_field, validated
 from embeddings.metrics import embedded_observed
 from embeddings.models import EmbeddingModel
-from embeddings.services import catalog
-from embeddings.services.embedding import (
+from embeddings.services.inference import catalog
+from embeddings.services.inference.embedding import (
     EmbeddingOptions,
     EmbeddingResult,
     EmbeddingTarget,
     embeddings_create,
 )
-from embeddings.services.errors import ModelNotLoaded, QuotaUnavailable
-from embeddings.services.openai_embeddings import embeddings_response_body
+from embeddings.services.openai_api.embeddings_body import embeddings_response_body
 
 logger = logging.getLogger("embeddings.requests")
 
 
-def _error_response(description: str, *errors: Exception) -> OpenApiResponse:
-    """A documented error status, its examples rendered as the API renders those errors."""
-    examples = [
-        OpenApiExample(
-            f"{type(error).__name__}: {as_api_error(error).error_code}",
-            value=as_api_error(error).body(with_request_id=False),
-            response_only=True,
-        )
-        for error in errors
-    ]
-    return OpenApiResponse(s.ErrorSerializer, description=description, examples=examples)
+# --- Request and response shapes -------------------------------------------------------------------
 
 
-ERRORS = {
-    400: _error_response("Malformed JSON", BadRequest("The request body is not valid JSON: ...")),
-    401: _error_response("Missing, unknown, revoked or expired API key", Unauthorized()),
-    403: _error_response("Inactive tenant, or a model this key may not use", Forbidden()),
-    404: _error_response(
-        "Unknown model",
-        ModelNotFound("The model 'nope' does not exist or you do not have access to it.", param="model"),
-    ),
-    413: _error_response(
-        "Body, inputs or tokens over a limit (or an input too long with truncation off)",
-        PayloadTooLarge("3000 inputs in one request; this model takes at most 2048", param="input"),
-    ),
-    415: _error_response(
-        "A body that is not JSON, or JSON declared in another charset than UTF-8",
-        UnsupportedMediaType("A JSON body must be UTF-8; charset 'latin-1' is not supported."),
-    ),
-    422: _error_response(
-        "Invalid fields",
-        ValidationFailed(
-            "input: must be a string, an array of strings, an array of token ids or an array of "
-            "arrays of token ids",
-            param="input",
-        ),
-    ),
-    429: _error_response(
-        "A rate limit (requests or tokens per minute, concurrent requests: `rate_limit_exceeded`), the "
-        "daily or monthly token budget (`insufficient_quota`), or the server is overloaded. Retry after "
-        "the Retry-After header's seconds; the x-ratelimit-* headers describe the binding window.",
-        RateLimited(
-            "Rate limit reached for this tenant's requests per minute (RPM): limit 60, used 60, "
-            "requested 1. Please try again in 12s.",
-            limit_type="requests",
-        ),
-        InsufficientQuota(
-            "You exceeded this tenant's quota of tokens per month: limit 1000000, used 999990, "
-            "requested 24. It resets in 190h0m0s."
-        ),
-        RateLimited(),
-    ),
-    503: _error_response(
-        "The model server is unavailable, the model is registered but not loaded on it "
-        "(`model_not_loaded`), or quotas cannot be checked (Redis down, QUOTA_REDIS_FAILURE=closed)",
-        UpstreamUnavailable(),
-        ModelNotLoaded(model="bge-small", triton_model="bge_small", version="2"),
-        QuotaUnavailable("Rate limiting is unavailable, so the request was not served; retry shortly."),
-    ),
-    504: _error_response("The model server missed its deadline", UpstreamTimeout()),
-}
-AUTH_ERRORS = {code: ERRORS[code] for code in (401, 403)}
-# Shortened vectors for examples (real ones have the model's dimensions, e.g. 384).
-EXAMPLE_VECTOR = [0.0123, -0.0456, 0.0789]
+@extend_schema_field(
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"query": TEXT_SCHEMA},
+            "required": ["query"],
+        },
+        "minItems": 1,
+        "example": [{"query": "hello"}, {"query": "world"}],
+    }
+)
+class SeedQueriesField(serializers.Field):
+    default_error_messages = {
+        "invalid": 'must be an array of objects like {{"query": "text"}}',
+        "empty": "must not be empty",
+        "empty_item": "item {index}'s query is an empty string",
+    }
+
+    def to_internal_value(self, data: object) -> list[str]:
+        if not isinstance(data, list):
+            self.fail("invalid")
+        if not data:
+            self.fail("empty")
+        try:
+            texts = [item["query"] for item in data]
+        except (TypeError, KeyError):
+            self.fail("invalid")
+        if not all(type(text) is str for text in texts):
+            self.fail("invalid")
+        refuse_empty_texts(texts, self)
+        return texts
+
+    def to_representation(self, value):
+        return value
 
 
-def validated(serializer_class: type, data: object, *, form: bool = False) -> dict:
-    """The serializer's validated data. form: the values are multipart form fields (text), read
-    as DRF reads them; otherwise JSON values must have the type the schema names."""
-    if not isinstance(data, dict):
-        raise ValidationFailed("The request body must be a JSON object.")
-    serializer = serializer_class(data=data, context={"form": form})
-    serializer.is_valid(raise_exception=True)
-    return serializer.validated_data
+class TeiEmbedRequest(serializers.Serializer):
+    inputs = TextsField()
+    model = StrictCharField(lookup=True, required=False, help_text="Default: the server's default model.")
+    truncate = StrictBooleanField(
+        default=True, help_text="Truncate inputs longer than the model's maximum; false: refuse them (413)."
+    )
+    truncation_direction = serializers.ChoiceField(choices=["Left", "Right"], default="Right")
+    prompt_name = StrictCharField(
+        lookup=True,
+        required=False,
+        allow_null=True,
+        help_text="A prompt of the model, e.g. `query`, prepended to inputs (one it lacks: 422 "
+        "unsupported_by_model).",
+    )
+    normalize = StrictBooleanField(default=True)
+    dimensions = dimensions_field()
 
 
-async def model_for_request(view: ApiView, name: str | None) -> EmbeddingModel:
-    """The model a request names (or the default), which this key must be allowed to use.
+class UsageSerializer(serializers.Serializer):
+    prompt_tokens = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
 
-    The view's metrics are labelled with it from here on (errors included).
-    """
-    model = await catalog.embedding_model_resolve(name=name or settings.DEFAULT_EMBEDDING_MODEL)
-    if model is None:
-        raise ModelNotFound(
-            f"The model {name!r} does not exist or you do not have access to it.", param="model"
-        )
-    view.model_name = model.name
-    ensure_model_allowed(view.request.user, model)
-    return model
+
+class EmbeddingObjectSerializer(serializers.Serializer):
+    object = serializers.CharField(default="embedding")
+    index = serializers.IntegerField()
+    embedding = EmbeddingVectorField()
+
+
+class OpenAIEmbeddingsResponse(serializers.Serializer):
+    object = serializers.CharField(default="list")
+    data = EmbeddingObjectSerializer(many=True)
+    model = serializers.CharField()
+    usage = UsageSerializer()
+
+
+class SeedQuerySerializer(serializers.Serializer):
+    """One item of the seed endpoint's request body (documentation; SeedQueriesField validates)."""
+
+    query = serializers.CharField(min_length=1)
+
+
+class SeedEmbeddingSerializer(serializers.Serializer):
+    embedding = serializers.ListField(child=serializers.FloatField())
+
+
+class TeiEmbeddingSerializer(serializers.Serializer):
+    embedding = serializers.ListField(child=serializers.FloatField())
+    index = serializers.IntegerField()
+
+
+class TimingsSerializer(serializers.Serializer):
+    tokenization = serializers.FloatField(help_text="milliseconds")
+    queue = serializers.FloatField(help_text="milliseconds from arrival to the start of tokenisation")
+    inference = serializers.FloatField(help_text="milliseconds in Triton")
+
+
+class TeiEmbedResponse(serializers.Serializer):
+    data = TeiEmbeddingSerializer(many=True)
+    model = serializers.CharField()
+    usage = UsageSerializer()
+    timings = TimingsSerializer()
+
+
+class ModelObjectSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(default="model")
+    created = serializers.IntegerField(help_text="Unix seconds")
+    owned_by = serializers.CharField()
+    dimensions = serializers.IntegerField()
+    max_tokens = serializers.IntegerField()
+    aliases = serializers.ListField(child=serializers.CharField())
+
+
+class ModelListSerializer(serializers.Serializer):
+    object = serializers.CharField(default="list")
+    data = ModelObjectSerializer(many=True)
+
+
+# --- Views -----------------------------------------------------------------------------------------
 
 
 def log_request(
     request: Request, endpoint: str, model: EmbeddingModel, result: EmbeddingResult, user: str = ""
 ):
-    principal: Caller = request.user
+    caller: Caller = request.user
     embedded_observed(
         endpoint=endpoint, model=model.name, inputs=len(result.token_counts), tokens=result.total_tokens
     )
     logger.info(
         "embed endpoint=%s tenant=%s key=%s model=%s inputs=%d tokens=%d inference_ms=%.1f user=%s",
         endpoint,
-        principal.tenant_slug,
-        principal.key_public_id,
+        caller.tenant_slug,
+        caller.key_public_id,
         model.name,
         len(result.token_counts),
         result.total_tokens,
@@ -184,8 +208,8 @@ class OpenAIEmbeddingsView(ApiView):
         operation_id="create_embeddings",
         summary="Create embeddings (OpenAI-compatible)",
         description="Works with the official `openai` SDKs: point `base_url` at `/v1`.",
-        request=s.OpenAIEmbeddingsRequest,
-        responses={200: s.OpenAIEmbeddingsResponse, **ERRORS},
+        request=OpenAIEmbeddingsRequest,
+        responses={200: OpenAIEmbeddingsResponse, **ERRORS},
         examples=[
             OpenApiExample(
                 "Two texts",
@@ -220,9 +244,9 @@ class OpenAIEmbeddingsView(ApiView):
         tags=["embeddings"],
     )
     async def post(self, request: Request) -> Response:
-        params = validated(s.OpenAIEmbeddingsRequest, request.data)
+        params = validated(OpenAIEmbeddingsRequest, request.data)
         model = await model_for_request(self, params["model"])
-        parsed: s.ParsedInput = params["input"]
+        parsed: ParsedInput = params["input"]
         result = await embeddings_create(
             target=EmbeddingTarget.for_model(model),
             texts=parsed.texts,
@@ -249,8 +273,8 @@ class SeedEmbeddingView(ApiView):
         operation_id="create_embedding_seed",
         summary="Embed queries (the seed proxy's shape)",
         description='`[{"query": "..."}, ...]` → `[{"embedding": [...]}, ...]`, with the default model.',
-        request=s.SeedQuerySerializer(many=True, min_length=1),
-        responses={200: s.SeedEmbeddingSerializer(many=True), **ERRORS},
+        request=SeedQuerySerializer(many=True, min_length=1),
+        responses={200: SeedEmbeddingSerializer(many=True), **ERRORS},
         # drf-spectacular lists a many=True example itself: each value is one item of the array.
         examples=[
             OpenApiExample("One query", value={"query": "hello"}, request_only=True),
@@ -261,7 +285,7 @@ class SeedEmbeddingView(ApiView):
         tags=["embeddings"],
     )
     async def post(self, request: Request) -> Response:
-        texts = s.SeedQueriesField().run_validation(request.data)
+        texts = SeedQueriesField().run_validation(request.data)
         model = await model_for_request(self, None)
         result = await embeddings_create(
             target=EmbeddingTarget.for_model(model), texts=texts, quota=self.request_quota(model.name)
@@ -271,8 +295,8 @@ class SeedEmbeddingView(ApiView):
 
 
 TEI_EMBED_SCHEMA = dict(
-    request=s.TeiEmbedRequest,
-    responses={200: s.TeiEmbedResponse, **ERRORS},
+    request=TeiEmbedRequest,
+    responses={200: TeiEmbedResponse, **ERRORS},
     examples=[
         OpenApiExample(
             "A query with a prompt",
@@ -303,7 +327,7 @@ class TeiEmbedView(ApiView):
     )
     async def post(self, request: Request) -> Response:
         arrived = request._request.META.get(ARRIVED, time.perf_counter())
-        params = validated(s.TeiEmbedRequest, request.data)
+        params = validated(TeiEmbedRequest, request.data)
         model = await model_for_request(self, params.get("model"))
         queue_s = time.perf_counter() - arrived
         result = await embeddings_create(
@@ -377,7 +401,7 @@ class ModelListView(ApiView):
     @extend_schema(
         operation_id="list_models",
         summary="Models this key may use",
-        responses={200: s.ModelListSerializer, **AUTH_ERRORS},
+        responses={200: ModelListSerializer, **AUTH_ERRORS},
         examples=[
             OpenApiExample(
                 "The local model",
@@ -389,7 +413,7 @@ class ModelListView(ApiView):
         tags=["models"],
     )
     async def get(self, request: Request) -> Response:
-        models = await catalog.embedding_models_for_principal(principal=request.user)
+        models = await catalog.embedding_models_for_caller(caller=request.user)
         return Response({"object": "list", "data": [model_object(model) for model in models]})
 
 
@@ -407,7 +431,7 @@ class ModelDetailView(ApiView):
                 description="A model id or alias; it may contain `/`.",
             )
         ],
-        responses={200: s.ModelObjectSerializer, **AUTH_ERRORS, 404: ERRORS[404]},
+        responses={200: ModelObjectSerializer, **AUTH_ERRORS, 404: ERRORS[404]},
         examples=[
             OpenApiExample("The local model", value=MODEL_EXAMPLE, response_only=True, status_codes=["200"])
         ],

@@ -16,9 +16,10 @@ from urllib.parse import quote, unquote
 
 REDACTED = "***"
 
-# Our keys: embeddings/services/keys.py KEY_PATTERN (emb_<public id>_<secret>), found anywhere, with
-# a secret of any length from 20 characters (the rest of a run is hidden too). The public id stays:
-# it names the key, as every line's `key_id` does. Not imported from keys.py, which loads the models.
+# Our keys: services/accounts/api_keys.py KEY_PATTERN (emb_<public id>_<secret>), found anywhere,
+# with a secret of any length from 20 characters (the rest of a run is hidden too). The public id
+# stays: it names the key, as every line's `key_id` does. Not imported from api_keys.py, which
+# loads the models.
 KEY = re.compile(r"emb_([a-z0-9]{12})_[A-Za-z0-9_-]{20,}")
 
 # `name=value` after `?`, `&` or `;`: a query parameter in a URL or query string. Both stop where a

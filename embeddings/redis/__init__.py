@@ -2,7 +2,7 @@
 
     connections.py  the process's clients and pools (critical Redis, job store; sync and asyncio)
                     and the hand-written lean asyncio client
-    transport.py    operations written once as generators, run by `run_sync` or `run_async`;
+    transport.py    operations written once as generators, run by `operation_run_sync` or `operation_run`;
                     EVALSHA with the one NOSCRIPT reload
     scripts.py      every Lua script, a named `Script` each
     keys.py         every key: its layout, type and TTL (the docstring's table), and its name

@@ -1,6 +1,6 @@
 """Typed Redis operations of quotas, usage and jobs, each written once as a generator.
 
-Run one with `run_sync(operation, client)` or `await run_async(operation)`
+Run one with `operation_run_sync(operation, client)` or `await operation_run(operation)`
 (embeddings.redis.transport). Keys come from embeddings.redis.keys, scripts from
 embeddings.redis.scripts; what the numbers mean (windows, plans, refusals) is the services' policy.
 Replies are raw RESP from the asyncio transport and redis-py's parsed ones from the blocking one:

@@ -32,7 +32,7 @@ local function refund(counter, amount)
 end
 """
 
-# --- Quotas (embeddings.services.quotas) ---------------------------------------------------------
+# --- Quotas (embeddings.services.quotas.limits) ---------------------------------------------------------
 
 # KEYS[1..m] rate cells, KEYS[m+1..m+n] budget counters, KEYS[m+n+1..] lease sets.
 # ARGV: now (ms, the caller's clock: leases), tokens, lease member, lease expiry (ms), lease set TTL
@@ -160,7 +160,7 @@ return 1
 """,
 )
 
-# --- Usage (embeddings.services.usage) -----------------------------------------------------------
+# --- Usage (embeddings.services.quotas.usage) -----------------------------------------------------------
 
 # Counts one unit's increments (a job's chunk) once. KEYS: the owner's marker bitmap, the live hash.
 # ARGV: the unit's bit, ttl seconds, then field/amount pairs. A bitmap: one bit per chunk (a
@@ -206,7 +206,7 @@ return out
 """,
 )
 
-# --- Jobs (embeddings.services.job_store, jobs) --------------------------------------------------
+# --- Jobs (embeddings.services.jobs.store, jobs) --------------------------------------------------
 
 # KEYS: done set, result key, progress hash, uncounted usage hash.
 # ARGV: chunk number, payload, ttl seconds, rows, tokens, counter ("completed" or "failed"), the
@@ -233,7 +233,7 @@ return 1
 """,
 )
 
-# --- Chunk leases (embeddings.services.job_leases): times in ms of the job store's clock ---------
+# --- Chunk leases (embeddings.services.jobs.leases): times in ms of the job store's clock ---------
 
 _NOW = """
 local function now_ms()
@@ -365,7 +365,7 @@ return live
     ),
 )
 
-# The watchdog's pass over one job (embeddings.services.job_leases explains it). KEYS: sent, lease,
+# The watchdog's pass over one job (embeddings.services.jobs.leases explains it). KEYS: sent, lease,
 # done, handoff, next. ARGV: stall ms, ttl, chunks. Returns {lost running, never started, successors handed
 # out, chunks still in flight}; the first three are marked handed out now.
 JOB_CHUNKS_SCAN = Script(

@@ -2,8 +2,8 @@
 
 An operation is a generator: it yields what it needs from Redis (a `Command`, a `ScriptCall`, or a
 list of commands to pipeline in one round trip) and is sent the raw replies back, then returns its
-result. `run_sync` runs it on a redis-py client (Celery workers, commands, the admin, views'
-threads); `run_async` on the running loop's connection to the critical Redis (the request path).
+result. `operation_run_sync` runs it on a redis-py client (Celery workers, commands, the admin, views'
+threads); `operation_run` on the running loop's connection to the critical Redis (the request path).
 Scripts run by EVALSHA; a NOSCRIPT reply (first use, or Redis restarted) loads the script and runs
 it again, once (`_lowered`, shared by every transport). Failures are `redis.exceptions.RedisError`.
 
@@ -133,7 +133,7 @@ def _lowered(operation: Operation[T]) -> Generator[Request, Any, T]:
 # --- Blocking transport (redis-py) ----------------------------------------------------------------
 
 
-def run_sync(operation: Operation[T], client: redis.Redis) -> T:
+def operation_run_sync(operation: Operation[T], client: redis.Redis) -> T:
     """Run `operation` on a blocking redis-py client; its result."""
     steps, reply = _lowered(operation), None
     while True:
@@ -164,7 +164,7 @@ def _sync_send(client: redis.Redis, plain: Request):
 # --- asyncio transport (the request path, critical Redis) -----------------------------------------
 
 
-async def run_async(operation: Operation[T], *, client: redis.asyncio.Redis | None = None) -> T:
+async def operation_run(operation: Operation[T], *, client: redis.asyncio.Redis | None = None) -> T:
     """Run `operation` on the critical Redis from the running loop; its result.
 
     On the lean client where REDIS_URL is plain TCP, else on redis-py's asyncio client; `client`

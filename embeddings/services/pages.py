@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from django.db.models import Q, QuerySet
 
-from embeddings.services.errors import ObjectNotFound
+from embeddings.errors.service import ObjectNotFound
 
 
 def creation_page(

@@ -12,10 +12,11 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 
-from embeddings.triton.server import die_with_parent
+from embeddings.errors import EmbedsiteError
+from embeddings.tooling.triton_server import die_with_parent
 
 
-class RedisServerError(RuntimeError):
+class RedisServerError(EmbedsiteError, RuntimeError):
     """redis-server is missing, would not start, or stopped."""
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from embeddings.triton.server import TritonServer
+from embeddings.tooling.triton_server import TritonServer
 from embeddings.triton.targets import TritonTarget
 
 

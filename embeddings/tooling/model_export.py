@@ -17,8 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from embeddings.triton.model_configs import model_configs_write
-from embeddings.triton.model_exports import (
+from embeddings.services.inference.exports import (
     EXPORT_INFO_FILENAME,
     MODEL_FILENAME,
     POOLINGS,
@@ -31,6 +30,7 @@ from embeddings.triton.model_exports import (
     model_export_versions,
     model_version_number,
 )
+from embeddings.tooling.model_configs import model_configs_write
 
 CONFIG_FILENAME = "config.pbtxt"
 MIN_COSINE = 0.9999

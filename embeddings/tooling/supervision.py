@@ -23,8 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from embeddings.errors import EmbedsiteError
 
-class StackFailed(RuntimeError):
+
+class StackFailed(EmbedsiteError, RuntimeError):
     """A child could not be started, or kept dying: the stack stops."""
 
 

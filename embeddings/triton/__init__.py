@@ -1,4 +1,7 @@
-"""Triton Inference Server: the gRPC client, tensor codecs and the local server launcher. Nothing Django.
+"""Triton Inference Server at run time: the gRPC client, tensor codecs, targets. Nothing Django.
+
+The local server launcher is embeddings/tooling/triton_server.py; what runs inside Triton's
+process (our backends, the model configuration templates), embeddings/in_triton/.
 
 The client's names below load the client module (grpc, the protobuf stubs, numpy) on first use,
 not with the package: Django's start-up imports the package (settings parse TRITON_SERVER_URL with

@@ -19,8 +19,10 @@ Errors from gRPC are raised `from` the original `grpc.RpcError`; the message nam
 target, the method, the model and the gRPC status so a log line alone explains the cause.
 """
 
+from embeddings.errors import EmbedsiteError
 
-class TritonError(Exception):
+
+class TritonError(EmbedsiteError):
     """Base class: a call to Triton did not produce a usable answer."""
 
     def __init__(

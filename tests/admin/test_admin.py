@@ -15,9 +15,14 @@ from django.urls import reverse
 from django.utils import timezone
 
 from embeddings.models import ApiKey, EmbeddingModel, Tenant
-from embeddings.services.job_storage import StorageNeed, job_storage_admit
-from embeddings.services.keys import api_key_create, api_key_for_secret, api_key_revoke, parse_api_key
-from embeddings.triton.server import free_port
+from embeddings.services.accounts.api_keys import (
+    api_key_create,
+    api_key_for_secret,
+    api_key_revoke,
+    parse_api_key,
+)
+from embeddings.services.jobs.budget import StorageNeed, job_storage_admit
+from embeddings.tooling.triton_server import free_port
 from tests.conftest import write_finished_export
 
 pytestmark = pytest.mark.django_db
@@ -217,7 +222,7 @@ def test_staff_who_may_only_view_cannot_revoke_or_deactivate(client, alpha):
 @pytest.fixture
 def no_triton(settings):
     """The service's Triton target a free port nobody listens on."""
-    from embeddings.services.inference import reset_clients
+    from embeddings.services.inference.clients import reset_clients
 
     settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"
     reset_clients()

@@ -7,9 +7,9 @@ import pytest
 from django.urls import reverse
 
 from embeddings.models import EmbeddingModel
-from embeddings.services.catalog import embedding_model_register
-from embeddings.services.inference import reset_clients, triton_sync_client
-from embeddings.triton.server import free_port
+from embeddings.services.inference.catalog import embedding_model_register
+from embeddings.services.inference.clients import reset_clients, triton_sync_client
+from embeddings.tooling.triton_server import free_port
 
 CHANGELIST = "admin:embeddings_embeddingmodel_changelist"
 

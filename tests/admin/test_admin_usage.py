@@ -18,9 +18,9 @@ from django.urls import reverse
 from django.utils import timezone
 
 from embeddings.models import UsageBucket
-from embeddings.services.keys import api_key_create
-from embeddings.services.usage_reports import USAGE_CSV_HEADER, utc_day_start
-from embeddings.triton.server import free_port
+from embeddings.services.accounts.api_keys import api_key_create
+from embeddings.services.quotas.reports import USAGE_CSV_HEADER, utc_day_start
+from embeddings.tooling.triton_server import free_port
 from tests.factories import usage_bucket
 
 pytestmark = pytest.mark.django_db
@@ -281,8 +281,8 @@ async def test_csv_streamed_over_asgi_is_one_snapshot_while_a_fold_commits(
     from django.test import Client
 
     from embeddings import admin as embeddings_admin
-    from embeddings.services.quotas import quota_release_sync
-    from embeddings.services.usage import UsageEvent, usage_fold
+    from embeddings.services.quotas.limits import quota_release_sync
+    from embeddings.services.quotas.usage import UsageEvent, usage_fold
     from embedsite.asgi import application
 
     @sync_to_async

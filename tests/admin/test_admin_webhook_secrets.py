@@ -14,8 +14,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from embeddings.models import Tenant
-from embeddings.services.encryption import SecretUndecryptable
-from embeddings.services.tenants import (
+from embeddings.services.accounts.encryption import SecretUndecryptable
+from embeddings.services.accounts.tenants import (
     tenant_webhook_secret_rotate,
     tenant_webhook_signing_secrets,
     webhook_secret_fingerprint,

@@ -21,9 +21,9 @@ from django.urls import reverse
 from django.utils import timezone
 
 from embeddings.models import UsageBucket
-from embeddings.services.keys import api_key_create
-from embeddings.services.tenants import tenant_create
-from embeddings.services.usage_reports import utc_day_start
+from embeddings.services.accounts.api_keys import api_key_create
+from embeddings.services.accounts.tenants import tenant_create
+from embeddings.services.quotas.reports import utc_day_start
 from tests.api.conftest import LiveServer, live_uvicorn
 from tests.processes import REPO_ROOT, tenant_with_key
 
@@ -188,7 +188,7 @@ def test_rotate_a_webhook_secret_and_see_it_once(live_server, tenant_with_usage,
 @pytest.fixture
 def unloaded_copy(transactional_db, explicit_triton) -> None:
     """A second model registered, disabled and not loaded (before the browser: no ORM calls after)."""
-    from embeddings.services.catalog import embedding_model_register
+    from embeddings.services.inference.catalog import embedding_model_register
 
     embedding_model_register(triton_model="minilm_copy", name="copy", enabled=False)
 

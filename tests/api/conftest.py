@@ -16,8 +16,8 @@ import httpx2
 import pytest
 
 from embeddings.models import EmbeddingModel
-from embeddings.services.catalog import embedding_model_register_local
-from embeddings.triton.server import die_with_parent, free_port
+from embeddings.services.inference.catalog import embedding_model_register_local
+from embeddings.tooling.triton_server import die_with_parent, free_port
 from tests.api.raw_http import RawHttp
 from tests.conftest import TenantWithKey
 from tests.database_backend import migrated_database_url

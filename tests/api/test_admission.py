@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from embeddings.api.admission import UNVERIFIED, AdmissionController, tenant_of
-from embeddings.api.authentication import principal_cache
+from embeddings.api.authentication import caller_cache
 from embeddings.callers import Caller, QuotaLimitValues
 from tests.api.conftest import EDGE_LIMITS, LiveServer
 from tests.api.raw_http import connect, error_code, head, read_answer
@@ -57,7 +57,7 @@ def scope(tenant: str, path: str = "/v1/embeddings") -> dict:
 def tenants(monkeypatch):
     """Keys named "a", "b", "c" are known to belong to tenants 1, 2, 3 (as verified keys are)."""
     known = {hashlib.sha256(name.encode()).hexdigest(): number for number, name in enumerate("abc", 1)}
-    monkeypatch.setattr(principal_cache, "tenant_id_for", known.get)
+    monkeypatch.setattr(caller_cache, "tenant_id_for", known.get)
 
 
 def controller(*, max_in_flight=2, queue_timeout_s=10.0, max_queued=4) -> AdmissionController:
@@ -148,7 +148,7 @@ def test_the_tenant_is_read_from_keys_this_process_verified(monkeypatch):
     )  # fmt: skip
     key = "emb_abc_secret"
     digest = hashlib.sha256(key.encode()).hexdigest()
-    monkeypatch.setattr(principal_cache, "entries", {digest: (0.0, caller)})  # expired: still sorts
+    monkeypatch.setattr(caller_cache, "entries", {digest: (0.0, caller)})  # expired: still sorts
     assert tenant_of([(b"authorization", f"Bearer {key}".encode())]) == 7
     assert tenant_of([(b"authorization", b"Bearer emb_abc_other")]) == UNVERIFIED
     assert tenant_of([(b"authorization", b"garbage")]) == UNVERIFIED

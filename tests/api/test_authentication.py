@@ -16,11 +16,11 @@ from rest_framework.test import APIRequestFactory
 
 from embeddings.api import authentication
 from embeddings.api.authentication import ApiKeyAuthentication, ensure_model_allowed
-from embeddings.api.errors import Forbidden, ModelForbidden, Unauthorized
 from embeddings.callers import Caller
+from embeddings.errors.answers import Forbidden, ModelForbidden, Unauthorized
 from embeddings.models import ApiKey, EmbeddingModel, Tenant
-from embeddings.services.keys import api_key_create, api_key_revoke
-from embeddings.services.tenants import tenant_deactivate
+from embeddings.services.accounts.api_keys import api_key_create, api_key_revoke
+from embeddings.services.accounts.tenants import tenant_deactivate
 from tests.clocks import ManualClock
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -39,24 +39,24 @@ async def authenticate(authorization: str | None):
 def cache_clock(settings, monkeypatch) -> Iterator[ManualClock]:
     """An empty key cache reading a clock the test moves: TTLs are crossed without sleeping."""
     settings.API_KEY_CACHE_SECONDS = 5.0
-    authentication.principal_cache.clear()
+    authentication.caller_cache.clear()
     clock = ManualClock()
-    monkeypatch.setattr(authentication.principal_cache, "clock", clock)
+    monkeypatch.setattr(authentication.caller_cache, "clock", clock)
     yield clock
-    authentication.principal_cache.clear()
+    authentication.caller_cache.clear()
 
 
 @pytest.fixture
 def database_reads(monkeypatch) -> list[str]:
     """Each key the authenticator looked up in the database."""
     reads: list[str] = []
-    resolve = authentication._principal_for_key
+    resolve = authentication._caller_for_key
 
     def counting(key: str):
         reads.append(key)
         return resolve(key)
 
-    monkeypatch.setattr(authentication, "_principal_for_key", counting)
+    monkeypatch.setattr(authentication, "_caller_for_key", counting)
     return reads
 
 
@@ -83,11 +83,11 @@ def setup(transactional_db, two_tenants):
     )
 
 
-async def test_valid_key_gives_the_tenants_principal(setup):
-    principal, auth = await authenticate(f"Bearer {setup.alpha_secret}")
+async def test_valid_key_gives_the_tenants_caller(setup):
+    caller, auth = await authenticate(f"Bearer {setup.alpha_secret}")
 
     assert auth is None
-    assert principal == Caller(
+    assert caller == Caller(
         tenant_id=setup.alpha.pk,
         tenant_slug="alpha",
         key_id=setup.alpha_key.pk,
@@ -95,12 +95,12 @@ async def test_valid_key_gives_the_tenants_principal(setup):
         allow_all_models=True,
         allowed_model_ids=frozenset(),
     )
-    assert principal.is_authenticated
+    assert caller.is_authenticated
     with pytest.raises(dataclasses.FrozenInstanceError):
-        principal.tenant_id = setup.beta.pk
+        caller.tenant_id = setup.beta.pk
 
 
-async def test_two_tenants_get_their_own_principals(setup):
+async def test_two_tenants_get_their_own_callers(setup):
     alpha, _ = await authenticate(f"Bearer {setup.alpha_secret}")
     beta, _ = await authenticate(f"Bearer {setup.beta_secret}")
 
@@ -110,8 +110,8 @@ async def test_two_tenants_get_their_own_principals(setup):
 
 
 async def test_scheme_is_case_insensitive(setup):
-    principal, _ = await authenticate(f"bearer {setup.alpha_secret}")
-    assert principal.tenant_slug == "alpha"
+    caller, _ = await authenticate(f"bearer {setup.alpha_secret}")
+    assert caller.tenant_slug == "alpha"
 
 
 @pytest.mark.parametrize(
@@ -137,7 +137,7 @@ async def test_missing_or_malformed_header_is_401_without_the_database(
     assert refused.value.error_code == code
     assert message in refused.value.message
     assert database_reads == []
-    assert authentication.principal_cache.entries == {}
+    assert authentication.caller_cache.entries == {}
 
 
 async def test_wrong_secret_is_401(setup):
@@ -198,8 +198,8 @@ async def test_inactive_tenant_is_403(setup):
     assert refused.value.status == 403
     assert refused.value.error_code == "tenant_inactive"
     # The other tenant is unaffected.
-    principal, _ = await authenticate(f"Bearer {setup.beta_secret}")
-    assert principal.tenant_slug == "beta"
+    caller, _ = await authenticate(f"Bearer {setup.beta_secret}")
+    assert caller.tenant_slug == "beta"
 
 
 async def test_cached_key_works_until_the_ttl_then_revocation_applies(
@@ -209,8 +209,8 @@ async def test_cached_key_works_until_the_ttl_then_revocation_applies(
     await sync_to_async(api_key_revoke)(api_key=setup.alpha_key)
 
     cache_clock.advance(settings.API_KEY_CACHE_SECONDS)  # the last instant of the TTL
-    principal, _ = await authenticate(f"Bearer {setup.alpha_secret}")  # within the TTL: cached
-    assert principal.key_id == setup.alpha_key.pk
+    caller, _ = await authenticate(f"Bearer {setup.alpha_secret}")  # within the TTL: cached
+    assert caller.key_id == setup.alpha_key.pk
     assert len(database_reads) == 1
 
     cache_clock.advance(0.001)
@@ -243,8 +243,8 @@ async def test_refusals_are_cached_briefly(setup, settings, database_reads, cach
     setup.alpha.is_active = True
     await sync_to_async(setup.alpha.save)(update_fields=["is_active"])
     cache_clock.advance(0.001)  # a refusal is kept far shorter than API_KEY_CACHE_SECONDS
-    principal, _ = await authenticate(f"Bearer {setup.alpha_secret}")
-    assert principal.tenant_slug == "alpha"
+    caller, _ = await authenticate(f"Bearer {setup.alpha_secret}")
+    assert caller.tenant_slug == "alpha"
     assert len(database_reads) == 2
 
 
@@ -253,7 +253,7 @@ async def test_negative_cache_is_at_most_a_second(setup, settings, cache_clock):
     assert authentication.NEGATIVE_CACHE_SECONDS <= 1.0
     with pytest.raises(Unauthorized):
         await authenticate(f"Bearer emb_zzzzzzzzzzzz_{'s' * 43}")
-    (expiry, _), *_ = authentication.principal_cache.entries.values()
+    (expiry, _), *_ = authentication.caller_cache.entries.values()
     assert expiry - cache_clock() == authentication.NEGATIVE_CACHE_SECONDS
 
 
@@ -261,7 +261,7 @@ async def test_cache_is_keyed_by_a_hash_never_the_key(setup):
     await authenticate(f"Bearer {setup.alpha_secret}")
 
     secret = setup.alpha_secret.split("_", 2)[2]
-    for digest in authentication.principal_cache.entries:
+    for digest in authentication.caller_cache.entries:
         assert secret not in digest and setup.alpha_secret not in digest
         assert len(digest) == 64
 
@@ -290,9 +290,9 @@ async def test_a_failed_last_used_update_does_not_fail_the_request(setup, monkey
         raise OperationalError("database table is locked: embeddings_apikey")
 
     monkeypatch.setattr(authentication, "api_key_touch", locked)
-    principal, _ = await authenticate(f"Bearer {setup.alpha_secret}")
+    caller, _ = await authenticate(f"Bearer {setup.alpha_secret}")
 
-    assert principal.key_id == setup.alpha_key.pk
+    assert caller.key_id == setup.alpha_key.pk
     assert "could not record the use of API key" in caplog.text
 
 

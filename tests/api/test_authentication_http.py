@@ -1,6 +1,6 @@
 """API keys through the real ASGI app and the real Triton: statuses, codes, cache TTL, tenants apart.
 
-The authenticator's own cases (cache, refusals, principals) are in test_authentication.py; these
+The authenticator's own cases (cache, refusals, callers) are in test_authentication.py; these
 check what a client sees on the wire, on every authenticated route.
 """
 
@@ -17,8 +17,8 @@ from django.utils import timezone
 
 from embeddings.api import authentication
 from embeddings.models import ApiKey
-from embeddings.services.keys import api_key_revoke
-from embeddings.services.tenants import tenant_deactivate
+from embeddings.services.accounts.api_keys import api_key_revoke
+from embeddings.services.accounts.tenants import tenant_deactivate
 from tests.api.test_embeddings import assert_error
 from tests.clocks import ManualClock
 from tests.conftest import tenant_with_key
@@ -38,11 +38,11 @@ AUTHENTICATED_ROUTES = [
 def cache_clock(monkeypatch) -> Iterator[ManualClock]:
     """An empty key cache (process-wide: earlier tests' entries must not leak into these) reading a
     clock the test moves, so its TTL is crossed without sleeping."""
-    authentication.principal_cache.clear()
+    authentication.caller_cache.clear()
     clock = ManualClock()
-    monkeypatch.setattr(authentication.principal_cache, "clock", clock)
+    monkeypatch.setattr(authentication.caller_cache, "clock", clock)
     yield clock
-    authentication.principal_cache.clear()
+    authentication.caller_cache.clear()
 
 
 def bearer(key: str) -> dict[str, str]:

@@ -10,10 +10,10 @@ import httpx2
 import numpy as np
 import pytest
 
-from embeddings.services.catalog import embedding_model_cache_clear
-from embeddings.services.inference import model_tokenizer, reset_clients
-from embeddings.services.scheduling import sub_batches
-from embeddings.triton.server import free_port
+from embeddings.services.inference.catalog import embedding_model_cache_clear
+from embeddings.services.inference.clients import model_tokenizer, reset_clients
+from embeddings.services.inference.scheduling import sub_batches
+from embeddings.tooling.triton_server import free_port
 from tests import onnx_reference
 
 # " ": the shortest input there is (an empty string is refused), its special tokens alone.
@@ -332,7 +332,7 @@ async def test_triton_deadline_is_504(client, alpha, settings):
     ).status_code == 200
     settings.TRITON_TIMEOUT_S = 0.02
     reset_clients()
-    from embeddings.services.inference import triton_async_client
+    from embeddings.services.inference.clients import triton_async_client
 
     await triton_async_client().model_metadata("minilm")  # may be slower than 20 ms on its own
     body = {"model": "minilm", "input": ["a long sentence to keep the model busy " * 25] * 64}

@@ -6,8 +6,8 @@ import pytest
 from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from rest_framework import exceptions as drf
 
-from embeddings.api.errors import ANSWERS, ApiError, Unauthorized, as_api_error
-from embeddings.services import errors as service
+from embeddings.errors import service
+from embeddings.errors.answers import ANSWERS, ApiError, Unauthorized, as_api_error
 from embeddings.tokenization import InputTooLong, InvalidText, TokenizationError, TokenOutsideVocabulary
 from embeddings.triton.errors import (
     TritonError,
@@ -308,7 +308,7 @@ def test_each_error_gets_its_answer(exc, status, error_body, headers):
 
 
 def test_every_class_of_the_service_tree_has_a_row():
-    """A new class in services/errors.py must be answered on purpose, not by its base class's row
+    """A new class in errors/service.py must be answered on purpose, not by its base class's row
     (subclasses elsewhere, such as job_inputs.JobInputTooLarge, share their base's answer)."""
     tree = {
         value

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 from embeddings.redis.connections import reset_redis_clients
-from embeddings.services.catalog import embedding_model_cache_clear
-from embeddings.services.inference import reset_clients
-from embeddings.triton.server import free_port
+from embeddings.services.inference.catalog import embedding_model_cache_clear
+from embeddings.services.inference.clients import reset_clients
+from embeddings.tooling.triton_server import free_port
 from tests.processes import process_group_paused
 
 
@@ -143,7 +143,7 @@ async def test_replicas_serving_the_model_differently_are_refused_not_mixed(
 ):
     # The explicit Triton's minilm has versions 1 and 2: loaded, it serves version 2; the other
     # replica serves version 1.
-    from embeddings.services.inference import triton_sync_client
+    from embeddings.services.inference.clients import triton_sync_client
 
     triton_sync_client().model_load("minilm")
     settings.TRITON_GRPC_TARGET = replicas_target(triton_server, explicit_triton.server)

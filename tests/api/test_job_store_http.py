@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from embeddings.tooling.local_redis import RedisServer
-from embeddings.triton.server import free_port
+from embeddings.tooling.triton_server import free_port
 from tests.api.conftest import live_uvicorn
 from tests.services.test_stores import BIG_JOB_TEXTS, fill_job_store, job_keys_besides_the_filler
 

@@ -15,9 +15,9 @@ from django.utils import timezone
 
 from embeddings.models import EmbeddingJob
 from embeddings.redis.connections import redis_job_store
-from embeddings.services.catalog import embedding_model_cache_clear
-from embeddings.services.jobs import job_chunk_run, job_expire_due
-from embeddings.services.quotas import quota_status_sync
+from embeddings.services.inference.catalog import embedding_model_cache_clear
+from embeddings.services.jobs.engine import job_chunk_run, job_expire_due
+from embeddings.services.quotas.limits import quota_status_sync
 
 MODEL = "all-MiniLM-L6-v2"
 
@@ -417,7 +417,7 @@ async def test_a_job_over_the_token_budget_is_429_and_creates_nothing(client, al
     assert not list(redis_job_store().scan_iter("job:*"))
 
 
-# --- Job storage budget (embeddings/services/job_storage.py) --------------------------------------
+# --- Job storage budget (embeddings/services/jobs/budget.py) --------------------------------------
 
 
 @sync_to_async

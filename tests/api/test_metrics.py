@@ -8,8 +8,8 @@ import time
 import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
-from embeddings.services.inference import reset_clients
-from embeddings.triton.server import free_port
+from embeddings.services.inference.clients import reset_clients
+from embeddings.tooling.triton_server import free_port
 from tests.api.worker_metrics import answered_since, requests_answered_by_worker
 from tests.processes import process_group_paused
 

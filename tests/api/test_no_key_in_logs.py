@@ -18,7 +18,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from embeddings.consumers import CLOSE_NOT_FOUND, CLOSE_UNAUTHORIZED, SUBPROTOCOL
-from embeddings.services.keys import parse_api_key
+from embeddings.services.accounts.api_keys import parse_api_key
 from tests.api.conftest import LiveServer, live_uvicorn
 
 # Against hanging only: how long the server may take to write the lines of requests it answered.

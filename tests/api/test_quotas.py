@@ -13,14 +13,14 @@ import redis
 from asgiref.sync import sync_to_async
 from prometheus_client import REGISTRY
 
-from embeddings.api.authentication import principal_cache
+from embeddings.api.authentication import caller_cache
 from embeddings.redis.connections import redis_sync, reset_redis_clients
-from embeddings.services import quotas
-from embeddings.services.inference import model_tokenizer, reset_clients
-from embeddings.services.quotas import quota_status_sync
-from embeddings.services.tenants import quota_limits_update
-from embeddings.services.usage import LIVE_USAGE_KEY
-from embeddings.triton.server import free_port
+from embeddings.services.accounts.tenants import quota_limits_update
+from embeddings.services.inference.clients import model_tokenizer, reset_clients
+from embeddings.services.quotas import limits as quotas
+from embeddings.services.quotas.limits import quota_status_sync
+from embeddings.services.quotas.usage import LIVE_USAGE_KEY
+from embeddings.tooling.triton_server import free_port
 from tests.api.conftest import LiveServer
 from tests.api.worker_metrics import answered_since, requests_answered_by_worker
 from tests.conftest import TenantWithKey
@@ -55,7 +55,7 @@ def set_limits(who: TenantWithKey, key: dict | None, tenant_limits: dict) -> Non
         quota_limits_update(owner=who.tenant, limits=tenant_limits)
     if key:
         quota_limits_update(owner=who.api_key, limits=key)
-    principal_cache.clear()
+    caller_cache.clear()
 
 
 def embed(client, who: TenantWithKey, text="hello", model="minilm"):

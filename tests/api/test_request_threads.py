@@ -60,9 +60,9 @@ def signal_threads():
 
 def forget_keys():
     """The next request looks its key up in the database: sync work, in the request's thread."""
-    from embeddings.api.authentication import principal_cache
+    from embeddings.api.authentication import caller_cache
 
-    principal_cache.clear()
+    caller_cache.clear()
 
 
 async def test_sync_work_runs_in_a_pooled_thread_between_the_request_signals(client, alpha, signal_threads):

@@ -12,12 +12,12 @@ from django.db.models import Sum
 
 from embeddings.models import UsageBucket
 from embeddings.redis.connections import reset_redis_clients
-from embeddings.services import usage
-from embeddings.services.keys import api_key_create
-from embeddings.services.quotas import quota_release
-from embeddings.services.usage import UsageEvent, usage_fold
+from embeddings.services.accounts.api_keys import api_key_create
+from embeddings.services.quotas import usage
+from embeddings.services.quotas.limits import quota_release
+from embeddings.services.quotas.usage import UsageEvent, usage_fold
 from embeddings.tooling.local_redis import RedisServer
-from embeddings.triton.server import free_port
+from embeddings.tooling.triton_server import free_port
 from tests.factories import usage_bucket
 
 JUNE_1 = datetime(2026, 6, 1, tzinfo=UTC)

@@ -12,8 +12,8 @@ from channels.testing import WebsocketCommunicator
 from embeddings.api import authentication
 from embeddings.consumers import CLOSE_NORMAL, CLOSE_NOT_FOUND, CLOSE_UNAUTHORIZED
 from embeddings.models import EmbeddingJob, EmbeddingModel
-from embeddings.services.job_events import job_event_publish
-from embeddings.services.jobs import job_object
+from embeddings.services.jobs.events import job_event_publish
+from embeddings.services.jobs.reads import job_object
 from tests.conftest import TenantWithKey
 
 TIMEOUT_S = 5
@@ -24,7 +24,7 @@ def ws_setup(transactional_db, two_tenants, service_redis, settings):
     """Two tenants with a key each and a running job of Alpha's; the channel layer on the test Redis."""
     settings.API_KEY_CACHE_SECONDS = 0.2
     assert settings.CHANNEL_LAYERS["default"]["CONFIG"]["hosts"] == [service_redis.url]
-    authentication.principal_cache.clear()
+    authentication.caller_cache.clear()
     model = EmbeddingModel.objects.create(name="ws-model", triton_model="ws", dimensions=4, max_tokens=16)
     alpha, beta = two_tenants.alpha, two_tenants.beta
     job = EmbeddingJob.objects.create(
@@ -36,7 +36,7 @@ def ws_setup(transactional_db, two_tenants, service_redis, settings):
         completed=2,
     )
     yield {"alpha": alpha, "beta": beta, "job": job}
-    authentication.principal_cache.clear()
+    authentication.caller_cache.clear()
 
 
 def _communicator(path: str, *, headers=None, subprotocols=None) -> WebsocketCommunicator:

@@ -10,12 +10,12 @@ import numpy as np
 import orjson
 import pytest
 
+from embeddings.errors.service import InvalidRequest, LimitExceeded
 from embeddings.models import EmbeddingModel
-from embeddings.services import batch_lines
-from embeddings.services.batch_lines import LineRequest, batch_chunk_embed
-from embeddings.services.batches import _lines
-from embeddings.services.embedding import EmbeddingResult
-from embeddings.services.errors import InvalidRequest, LimitExceeded
+from embeddings.services.inference.embedding import EmbeddingResult
+from embeddings.services.openai_api import batch_lines
+from embeddings.services.openai_api.batch_lines import LineRequest, batch_chunk_embed
+from embeddings.services.openai_api.batches import _lines
 
 pytestmark = pytest.mark.unit
 

@@ -139,7 +139,7 @@ def assert_same_answer(batch_body: dict, sync_body: dict) -> float:
 EXPIRE_FILES = """
 from datetime import timedelta
 from django.utils import timezone
-from embeddings.services.files import files_expire_due
+from embeddings.services.openai_api.files import files_expire_due
 print(files_expire_due(now=timezone.now() + timedelta(hours=2)))
 """
 
@@ -384,7 +384,7 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
 LEGACY_EMPTY_FILE = """
 from django.core.files.base import ContentFile
 from embeddings.models import StoredFile, Tenant
-from embeddings.services.files import files_storage
+from embeddings.services.openai_api.files import files_storage
 name = files_storage().save("legacy/empty.jsonl", ContentFile(b" \\n\\n"))
 stored = StoredFile.objects.create(
     public_id="file-" + "E" * 24, tenant=Tenant.objects.get(slug="jobs"), purpose="batch",
@@ -532,7 +532,7 @@ def usage_totals(stack: JobStack) -> dict:
 EXPIRE_NOW = """
 from datetime import timedelta
 from django.utils import timezone
-from embeddings.services.batches import batches_expire_due
+from embeddings.services.openai_api.batches import batches_expire_due
 print(batches_expire_due(now=timezone.now() + timedelta(days=2)))
 """
 

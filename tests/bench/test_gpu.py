@@ -257,7 +257,7 @@ def test_a_cell_that_would_overrun_the_budget_is_skipped_not_run(tmp_path):
 
 
 def test_on_cpu_the_in_process_model_falls_back_to_onnx_runtime_only_without_the_encoder(monkeypatch):
-    monkeypatch.setitem(sys.modules, "embeddings.triton.backends.embedsite_torch.encoder", None)
+    monkeypatch.setitem(sys.modules, "embeddings.in_triton.backends.embedsite_torch.encoder", None)
     model, description = gpu.load_in_process_model("cpu")
     assert description == "onnxruntime-cpu-float32"
     tokens = gpu.tokenizer().encode(["a short text"])

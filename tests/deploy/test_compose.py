@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from embeddings.triton.server import TRITON_PING_FLAGS
+from embeddings.tooling.triton_server import TRITON_PING_FLAGS
 from tests.deploy.env_files import (
     generated_secret,
     read_env_file,

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from embeddings.triton.server import TRITON_PING_FLAGS
+from embeddings.tooling.triton_server import TRITON_PING_FLAGS
 from tests.deploy.env_files import generated_secret, read_env_file, settings_check_deploy, write_env_file
 from tests.processes import REPO_ROOT
 

@@ -9,8 +9,8 @@ import onnxruntime
 import pytest
 from google.protobuf import text_format
 
+from embeddings.tooling.triton_server import TritonServer, free_port
 from embeddings.triton.protocol import model_config_pb2
-from embeddings.triton.server import TritonServer, free_port
 from tests.conftest import require_exported_model
 from tests.processes import REPO_ROOT
 

@@ -8,8 +8,8 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from embeddings.models import EmbeddingModel
-from embeddings.services.inference import reset_clients, triton_sync_client
-from embeddings.triton.server import free_port
+from embeddings.services.inference.clients import reset_clients, triton_sync_client
+from embeddings.tooling.triton_server import free_port
 
 pytestmark = pytest.mark.django_db
 

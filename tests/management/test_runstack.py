@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import httpx2
 import pytest
 
-from embeddings.triton.server import die_with_parent, free_port, shared_memory_regions
+from embeddings.tooling.triton_server import die_with_parent, free_port, shared_memory_regions
 from tests.conftest import require_exported_model
 from tests.database_backend import migrated_sqlite_url
 from tests.processes import (

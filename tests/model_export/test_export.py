@@ -13,8 +13,8 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from embeddings.management.commands.export_model import default_source_dir
+from embeddings.services.inference.exports import ModelExportError, ModelExportMismatch, model_export_info
 from embeddings.tooling.model_export import model_export, model_export_outdated
-from embeddings.triton.model_exports import ModelExportError, ModelExportMismatch, model_export_info
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

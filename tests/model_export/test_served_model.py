@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from django.core.management import CommandError, call_command
 
-from embeddings.services import embedding
-from embeddings.services.embedding import EmbeddingTarget
-from embeddings.triton.server import TritonServer
+from embeddings.services.inference import embedding
+from embeddings.services.inference.embedding import EmbeddingTarget
+from embeddings.tooling.triton_server import TritonServer
 from tests.conftest import start_triton
 from tests.onnx_reference import row_cosines, served_version_dir
 

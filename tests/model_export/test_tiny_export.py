@@ -13,8 +13,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from google.protobuf import text_format
 
-from embeddings.tooling.model_export import SUPPORTED_MODEL_TYPES, model_export
-from embeddings.triton.model_exports import (
+from embeddings.services.inference.exports import (
     POOLINGS,
     ModelExportError,
     model_export_exists,
@@ -22,6 +21,7 @@ from embeddings.triton.model_exports import (
     model_export_path,
     model_export_versions,
 )
+from embeddings.tooling.model_export import SUPPORTED_MODEL_TYPES, model_export
 from embeddings.triton.protocol import model_config_pb2
 from tests.onnx_reference import row_cosines
 from tests.tiny_models import build_tiny_bert, embed_with_torch

@@ -39,7 +39,7 @@ import httpx2
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from embeddings.triton.server import die_with_parent  # noqa: E402
+from embeddings.tooling.triton_server import die_with_parent  # noqa: E402
 from tests.netns import Host, Network  # noqa: E402
 from tests.postgres_server import PostgresServer  # noqa: E402
 
@@ -417,8 +417,8 @@ def fair_share(base: str, bulk_key: str, small_key: str, processes: Processes) -
 
     from embeddings.models import EmbeddingJob
     from embeddings.redis.connections import redis_job_store
-    from embeddings.services.job_leases import chunk_runs
-    from embeddings.services.job_store import JobStore
+    from embeddings.services.jobs.leases import chunk_runs
+    from embeddings.services.jobs.store import JobStore
 
     def submit(key: str, count: int) -> str:
         texts = [f"fair share {key[-6:]} {i}" for i in range(count)]
@@ -460,8 +460,8 @@ def fair_share(base: str, bulk_key: str, small_key: str, processes: Processes) -
 def kill_a_worker_mid_job(processes: Processes, base: str, key: str) -> dict:
     from embeddings.models import EmbeddingJob
     from embeddings.redis.connections import redis_job_store
-    from embeddings.services.job_leases import chunk_runs
-    from embeddings.services.job_store import JobStore
+    from embeddings.services.jobs.leases import chunk_runs
+    from embeddings.services.jobs.store import JobStore
     from tests.worker_stack import job_usage
 
     # Eight chunks: one for worker-a to be killed holding, the rest for worker-b meanwhile.

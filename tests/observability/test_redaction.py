@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from embeddings.observability import logs
 from embeddings.observability.redaction import redact_credentials
-from embeddings.services.keys import KEY_PATTERN
+from embeddings.services.accounts.api_keys import KEY_PATTERN
 from tests.observability.test_logs import logged
 
 KEY = "emb_abcdefghij12_" + "S3cr3t-Value_" * 3 + "x"

@@ -13,7 +13,7 @@ import httpx2
 import pytest
 from django.conf import settings
 
-from embeddings.services.keys import parse_api_key
+from embeddings.services.accounts.api_keys import parse_api_key
 from tests.conftest import require_exported_model, start_triton
 from tests.job_stack import JobStack, job_stack_running
 from tests.observability.otlp_receiver import (

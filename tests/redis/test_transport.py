@@ -8,7 +8,15 @@ import redis.asyncio
 
 from embeddings.redis import keys, operations, scripts
 from embeddings.redis.connections import redis_lean_async, redis_sync
-from embeddings.redis.transport import Command, PackedRun, ScriptCall, _packed, run_async, run_sync, single
+from embeddings.redis.transport import (
+    Command,
+    PackedRun,
+    ScriptCall,
+    _packed,
+    operation_run,
+    operation_run_sync,
+    single,
+)
 
 
 @pytest.mark.unit
@@ -58,11 +66,11 @@ async def test_one_operation_runs_alike_on_every_transport_and_reloads_flushed_s
     redis_py = redis.asyncio.Redis.from_url(service_redis.url)
     try:
         client.script_flush()  # as after a Redis restart: each transport must load it again
-        results = [run_sync(_count_twice("sync"), client)]
+        results = [operation_run_sync(_count_twice("sync"), client)]
         client.script_flush()
-        results.append(await run_async(_count_twice("lean")))
+        results.append(await operation_run(_count_twice("lean")))
         client.script_flush()
-        results.append(await run_async(_count_twice("redis-py"), client=redis_py))
+        results.append(await operation_run(_count_twice("redis-py"), client=redis_py))
     finally:
         await redis_py.aclose()
     assert results == [(True, False, 2, 1), (True, False, 4, 1), (True, False, 6, 1)]
@@ -71,10 +79,10 @@ async def test_one_operation_runs_alike_on_every_transport_and_reloads_flushed_s
 async def test_an_error_reply_in_a_pipeline_leaves_the_lean_connection_in_step(service_redis):
     redis_sync().set("a-string", "x")
     with pytest.raises(redis.exceptions.ResponseError):
-        await run_async(single([Command.of("HGET", "a-string", "f"), Command.of("GET", "a-string")]))
-    assert await run_async(single(Command.of("GET", "a-string"))) == b"x"
-    assert await run_async(single([Command.of("GET", "a-string")])) == [b"x"]  # a batch of one
-    assert run_sync(single([Command.of("GET", "a-string")]), redis_sync()) == [b"x"]
+        await operation_run(single([Command.of("HGET", "a-string", "f"), Command.of("GET", "a-string")]))
+    assert await operation_run(single(Command.of("GET", "a-string"))) == b"x"
+    assert await operation_run(single([Command.of("GET", "a-string")])) == [b"x"]  # a batch of one
+    assert operation_run_sync(single([Command.of("GET", "a-string")]), redis_sync()) == [b"x"]
     call = ScriptCall(scripts.QUOTA_SETTLE, [keys.LIVE_USAGE], [0, "", "g", 5])
-    assert await run_async(single(call)) == 1
+    assert await operation_run(single(call)) == 1
     assert redis_sync().hget(keys.LIVE_USAGE, "g") == b"5"

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from embeddings.triton.server import die_with_parent, free_port
+from embeddings.tooling.triton_server import die_with_parent, free_port
 from tests.database_backend import migrated_database_url
 from tests.processes import REPO_ROOT, manage_commands, stop_process_group, wait_until_healthy
 

@@ -17,8 +17,8 @@ import redis
 from django.conf import settings
 
 from embeddings.tooling.local_redis import RedisServer
+from embeddings.tooling.triton_server import TritonServer, free_port
 from embeddings.triton.client import channel_options
-from embeddings.triton.server import TritonServer, free_port
 from tests.conftest import serving_model_folder
 from tests.database_backend import database_rows
 from tests.processes import manage
@@ -200,7 +200,7 @@ def test_redis_killed_under_load(tmp_path, own_redis, triton_server):
 QUOTA_TOKENS_USED = """
 import json
 from embeddings.models import Tenant
-from embeddings.services.quotas import quota_status_sync
+from embeddings.services.quotas.limits import quota_status_sync
 print(json.dumps(quota_status_sync(Tenant.objects.get(slug="faults").pk)["tenant"]["tokens_per_day"]["used"]))
 """
 

@@ -44,7 +44,7 @@ import redis
 from django.conf import settings
 
 from embeddings.tooling.local_redis import RedisServer
-from embeddings.triton.server import free_port
+from embeddings.tooling.triton_server import free_port
 from tests.api.conftest import LiveServer, live_uvicorn
 from tests.processes import manage
 from tests.reliability.schemathesis_hooks import DROPPED_LOG_ENV, REASONS
@@ -65,7 +65,7 @@ POP_COMMANDS = ("brpop", "blpop", "rpop", "lpop", "brpoplpush", "rpoplpush", "lm
 
 FINISH_JOB = """
 from embeddings.models import EmbeddingJob
-from embeddings.services.jobs import job_chunk_run
+from embeddings.services.jobs.engine import job_chunk_run
 job = EmbeddingJob.objects.get(public_id={job_id!r})
 for chunk in range(job.chunks):
     job_chunk_run(job_id=job.pk, chunk=chunk)

@@ -13,8 +13,8 @@ from datetime import datetime
 from pathlib import Path
 
 from embeddings.redis.connections import redis_job_store
-from embeddings.services.job_leases import chunk_runs
-from embeddings.services.job_store import JobStore
+from embeddings.services.jobs.leases import chunk_runs
+from embeddings.services.jobs.store import JobStore
 from tests import worker_stack
 from tests.processes import process_group_paused
 from tests.worker_stack import JobStack, job_usage, texts
@@ -144,7 +144,9 @@ def test_a_worker_killed_mid_chunk_is_replaced_within_the_lease(job_stack, start
 
     # Celery delivers the dead worker's message again after its visibility timeout: nothing changes.
     before = len(task_lines([survivor_log], "job_chunk_task"))
-    job_stack.django.run(f"from embeddings.services.jobs import _send_chunk; _send_chunk({job_id}, {chunk})")
+    job_stack.django.run(
+        f"from embeddings.services.jobs.engine import chunk_send; chunk_send({job_id}, {chunk})"
+    )
     deadline = time.monotonic() + 60
     while len(task_lines([survivor_log], "job_chunk_task")) == before:
         assert time.monotonic() < deadline, survivor_log.read_text()[-3000:]

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from embeddings.management.commands.runstack import start_celery
-from embeddings.services.job_leases import chunk_runs
-from embeddings.triton.server import die_with_parent
+from embeddings.services.jobs.leases import chunk_runs
+from embeddings.tooling.triton_server import die_with_parent
 from tests import worker_stack
 from tests.processes import REPO_ROOT, process_group_paused, stop_process_group
 from tests.reliability.test_worker_recovery import job_store_of, task_lines

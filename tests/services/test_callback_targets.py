@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from embeddings.services import callback_targets
-from embeddings.services.callback_targets import (
+from embeddings.services.jobs import callback_targets
+from embeddings.services.jobs.callback_targets import (
     CallbackAddressRefused,
     CallbackHostUnresolved,
     CallbackUrlInvalid,

@@ -8,18 +8,18 @@ from __future__ import annotations
 import pytest
 from asgiref.sync import async_to_sync
 
-from embeddings.api.authentication import principal_cache, principal_for_api_key
+from embeddings.api.authentication import caller_cache, caller_for_api_key
 from embeddings.callers import Caller
 from embeddings.models import EmbeddingModel, Tenant
-from embeddings.services.catalog import (
+from embeddings.services.accounts.api_keys import api_key_create
+from embeddings.services.accounts.tenants import tenant_create, tenant_deactivate
+from embeddings.services.inference.catalog import (
     CatalogError,
     embedding_model_cache_clear,
     embedding_model_register_local,
     embedding_model_resolve,
-    embedding_models_for_principal,
+    embedding_models_for_caller,
 )
-from embeddings.services.keys import api_key_create
-from embeddings.services.tenants import tenant_create, tenant_deactivate
 from tests.conftest import write_finished_export
 
 resolve = async_to_sync(embedding_model_resolve)
@@ -51,14 +51,14 @@ def models(db) -> dict[str, EmbeddingModel]:
 
 def caller_for(tenant: Tenant) -> Caller:
     """The caller a request with a new key of `tenant` is served as."""
-    principal_cache.clear()
+    caller_cache.clear()
     _, secret = api_key_create(tenant=tenant, name="catalog test")
-    return async_to_sync(principal_for_api_key)(secret)
+    return async_to_sync(caller_for_api_key)(secret)
 
 
 def models_for(tenant: Tenant) -> list[EmbeddingModel]:
     """What GET /v1/models lists for a key of `tenant`."""
-    return async_to_sync(embedding_models_for_principal)(principal=caller_for(tenant))
+    return async_to_sync(embedding_models_for_caller)(caller=caller_for(tenant))
 
 
 def test_lookup_by_name_and_alias(models):

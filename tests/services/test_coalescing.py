@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from embeddings.services.coalescing import Coalescer, merged_inputs
+from embeddings.services.inference.coalescing import Coalescer, merged_inputs
 from embeddings.triton import TritonInvalidInput, TritonUnavailable
 
 pytestmark = pytest.mark.unit
@@ -147,7 +147,7 @@ def test_merged_inputs_pad_shorter_rows_with_masked_zeros():
 
 
 def merged_inputs_of(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    from embeddings.services.coalescing import Waiter
+    from embeddings.services.inference.coalescing import Waiter
 
     return merged_inputs([Waiter(ids, mask, 0.0, None) for ids, mask in parts])  # type: ignore[arg-type]
 

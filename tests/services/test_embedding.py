@@ -13,13 +13,13 @@ import orjson
 import pytest
 from django.core.management import CommandError, call_command
 
-from embeddings.services import embedding
-from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget
-from embeddings.services.errors import InferenceTimeout, InvalidRequest, ModelNotLoaded, Overloaded
-from embeddings.services.inference import model_tokenizer
+from embeddings.errors.service import InferenceTimeout, InvalidRequest, ModelNotLoaded, Overloaded
+from embeddings.services.inference import embedding
+from embeddings.services.inference.clients import model_tokenizer
+from embeddings.services.inference.embedding import EmbeddingOptions, EmbeddingTarget
 from embeddings.tokenization import InputTooLong, InvalidText
+from embeddings.tooling.triton_server import free_port
 from embeddings.triton import TritonModelError, TritonTimeout, TritonUnavailable
-from embeddings.triton.server import free_port
 from tests import onnx_reference
 from tests.conftest import start_triton
 
@@ -125,7 +125,7 @@ async def test_a_model_triton_does_not_serve_is_not_loaded(service_triton):
 
 
 async def test_triton_not_running_fails_fast_with_unavailable(settings):
-    from embeddings.services.inference import reset_clients
+    from embeddings.services.inference.clients import reset_clients
 
     settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"
     settings.TRITON_TIMEOUT_S = 3.0
@@ -143,7 +143,7 @@ def test_triton_killed_mid_call_raises_within_the_deadline(tmp_path, settings):
     """A private Triton is SIGKILLed while a large request is in flight: a clear error, no hang."""
     import threading
 
-    from embeddings.services.inference import reset_clients
+    from embeddings.services.inference.clients import reset_clients
 
     server = start_triton(tmp_path, [Path(settings.TRITON_MODEL_REPOSITORY)], name="doomed")
     settings.TRITON_GRPC_TARGET = server.grpc_target
@@ -305,7 +305,7 @@ async def test_a_request_past_its_deadline_ends_at_the_deadline(service_triton, 
     elapsed = asyncio.get_running_loop().time() - started
     assert 0.5 <= elapsed < 1.5, elapsed
     assert embedding.inflight_gate.in_flight == 0
-    from embeddings.services.inference import inference_scheduler
+    from embeddings.services.inference.clients import inference_scheduler
 
     # Nothing of it waits any more, and the calls it had at Triton were cancelled with it.
     scheduler = inference_scheduler()

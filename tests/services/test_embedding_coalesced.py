@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from embeddings.services import embedding
-from embeddings.services.embedding import EmbeddingTarget
-from embeddings.services.errors import InferenceTimeout
+from embeddings.errors.service import InferenceTimeout
+from embeddings.services.inference import embedding
+from embeddings.services.inference.embedding import EmbeddingTarget
 from embeddings.tokenization import InvalidText
 
 TEXTS = [f"query number {i}: " + "word " * (i % 9) for i in range(24)]

@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 
 from embeddings.models import EmbeddingJob, EmbeddingModel
-from embeddings.services.job_backlog import job_backlog
+from embeddings.services.jobs.backlog import job_backlog
 
 Status = EmbeddingJob.Status
 

@@ -26,18 +26,18 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from django.utils import timezone
 
-from embeddings.api.serializers import JobOptions
+from embeddings.api.jobs import JobOptions
 from embeddings.models import EmbeddingJob, EmbeddingModel, Tenant
-from embeddings.services import job_callbacks
-from embeddings.services.job_callbacks import (
+from embeddings.services.accounts.tenants import tenant_create, tenant_webhook_secret_rotate
+from embeddings.services.jobs import callbacks as job_callbacks
+from embeddings.services.jobs.callbacks import (
     SIGNATURE_HEADER,
     CallbackRetry,
     callback_signature,
     callback_signature_valid,
     job_callback_deliver,
 )
-from embeddings.services.jobs import job_object
-from embeddings.services.tenants import tenant_create, tenant_webhook_secret_rotate
+from embeddings.services.jobs.reads import job_object
 
 SECRET = "whsec_callback-secret"
 BODY = b'{"id": "job_1", "status": "completed"}'

@@ -7,7 +7,7 @@ import io
 import pytest
 
 from embeddings.callers import Caller, QuotaLimitValues
-from embeddings.services.job_inputs import (
+from embeddings.services.jobs.inputs import (
     JobInputError,
     JobInputTooLarge,
     job_inputs_count_check,

@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from embeddings.redis.connections import redis_job_store
-from embeddings.services.job_results import iter_jsonl, iter_npy, json_page, npy_header
-from embeddings.services.job_store import JobStore
+from embeddings.services.jobs.results import iter_jsonl, iter_npy, json_page, npy_header
+from embeddings.services.jobs.store import JobStore
 
 DIMS = 3
 CHUNK_ROWS = [2, 2, 1]  # five inputs in three chunks; chunk 1 failed

@@ -1,4 +1,4 @@
-"""Admission by bytes (embeddings/services/job_storage.py) with the real Triton, Redis and database:
+"""Admission by bytes (embeddings/services/jobs/budget.py) with the real Triton, Redis and database:
 refusals that store nothing, bytes given back as jobs end, races for the last bytes (PostgreSQL),
 and what is held against what Redis itself reports (MEMORY USAGE)."""
 
@@ -12,10 +12,10 @@ import pytest
 from django.db import connection, transaction
 from django.utils import timezone
 
+from embeddings.errors.service import StorageBudgetExceeded
 from embeddings.models import EmbeddingJob, JobStorageHold
 from embeddings.redis.connections import redis_job_store
-from embeddings.services.errors import StorageBudgetExceeded
-from embeddings.services.job_storage import (
+from embeddings.services.jobs.budget import (
     BOOKKEEPING_BYTES_PER_CHUNK,
     BOOKKEEPING_BYTES_PER_JOB,
     KEY_OVERHEAD_BYTES,
@@ -26,17 +26,10 @@ from embeddings.services.job_storage import (
     job_storage_sweep,
     job_storage_used,
 )
-from embeddings.services.job_store import inputs_encode
-from embeddings.services.jobs import (
-    JobSpec,
-    job_cancel,
-    job_chunk_run,
-    job_create,
-    job_delete,
-    job_expire_due,
-    job_store,
-)
-from embeddings.services.quotas import quota_status_sync
+from embeddings.services.jobs.engine import job_cancel, job_chunk_run, job_delete, job_expire_due
+from embeddings.services.jobs.store import inputs_encode, job_store
+from embeddings.services.jobs.submission import JobSpec, job_create
+from embeddings.services.quotas.limits import quota_status_sync
 from tests.api import conftest as api_fixtures
 from tests.database_backend import wait_for_lock_waiters
 

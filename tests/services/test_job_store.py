@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from embeddings.redis.connections import redis_job_store
-from embeddings.services.job_store import JobProgress, JobStore
-from embeddings.services.result_dtypes import ResultOutOfRange
+from embeddings.result_dtypes import ResultOutOfRange
+from embeddings.services.jobs.store import JobProgress, JobStore
 
 DIMS = 4
 
@@ -113,7 +113,7 @@ def test_usage_is_kept_with_the_chunk_once_until_forgotten(store):
 
 def test_usage_counts_once_per_chunk_in_the_critical_redis(store):
     from embeddings.redis.connections import redis_sync
-    from embeddings.services.usage import LIVE_USAGE_KEY, usage_count_once
+    from embeddings.services.quotas.usage import LIVE_USAGE_KEY, usage_count_once
 
     usage = {"1|2|3600|jobs|tokens|minilm": 7, "1|2|3600|jobs|requests|minilm": 1}
     offered = [usage_count_once(owner=store.job_id, unit=0, increments=usage, ttl_s=600) for _ in range(3)]
@@ -130,7 +130,7 @@ def test_usage_counts_once_per_chunk_in_the_critical_redis(store):
 
 def test_concurrent_offers_of_one_chunk_count_once(store):
     from embeddings.redis.connections import redis_sync
-    from embeddings.services.usage import LIVE_USAGE_KEY, usage_count_once
+    from embeddings.services.quotas.usage import LIVE_USAGE_KEY, usage_count_once
 
     results: list[bool] = []
 

@@ -13,32 +13,32 @@ import pytest
 from django.db import transaction
 from django.utils import timezone
 
+from embeddings.errors.service import InvalidRequest, JobConflict, LimitExceeded, QuotaExceeded
 from embeddings.models import EmbeddingJob, Tenant
 from embeddings.redis.connections import redis_job_store, redis_sync
-from embeddings.services import jobs
-from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
-from embeddings.services.errors import InvalidRequest, JobConflict, LimitExceeded, QuotaExceeded
-from embeddings.services.job_leases import ChunkLease, chunk_runs, live_leases
-from embeddings.services.job_store import JobStore
-from embeddings.services.jobs import (
-    JobSpec,
+from embeddings.services.inference.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
+from embeddings.services.jobs import engine, kinds, submission
+from embeddings.services.jobs.engine import (
     job_cancel,
     job_chunk_fail,
     job_chunk_retry_scheduled,
     job_chunk_run,
-    job_create,
     job_delete,
     job_expire_due,
+    job_watchdog,
+)
+from embeddings.services.jobs.leases import ChunkLease, chunk_runs, live_leases
+from embeddings.services.jobs.reads import (
     job_for_tenant,
     job_object,
     job_refreshed,
     job_results_source,
-    job_store,
-    job_watchdog,
     jobs_for_tenant,
 )
-from embeddings.services.quotas import quota_status_sync
-from embeddings.services.usage import LIVE_USAGE_KEY, counters_from_hash
+from embeddings.services.jobs.store import JobStore, job_store
+from embeddings.services.jobs.submission import JobSpec, job_create
+from embeddings.services.quotas.limits import quota_status_sync
+from embeddings.services.quotas.usage import LIVE_USAGE_KEY, counters_from_hash
 from tests.api import conftest as api_fixtures
 from tests.database_backend import wait_for_lock_waiters
 
@@ -264,7 +264,10 @@ def sent_chunks(monkeypatch) -> list[tuple[int, int]]:
     """The chunks the engine hands to the broker, (job id, chunk), instead of sending them: these
     tests run chunks themselves (the Celery path is tests/reliability/test_worker_recovery.py)."""
     sent: list[tuple[int, int]] = []
-    monkeypatch.setattr(jobs, "_send_chunk", lambda job_id, chunk, *priority: sent.append((job_id, chunk)))
+    for module in (submission, engine):  # the first window, then every later chunk
+        monkeypatch.setattr(
+            module, "chunk_send", lambda job_id, chunk, *priority: sent.append((job_id, chunk))
+        )
     return sent
 
 
@@ -391,13 +394,13 @@ def test_a_chunk_redelivered_after_its_result_was_written_counts_usage_once(
     store = job_store(job)
     # Chunk 0's worker dies after writing its result, before counting its usage.
     with monkeypatch.context() as patch, pytest.raises(WorkerDied):
-        patch.setattr(jobs, "usage_count_once", _die)
+        patch.setattr(engine, "usage_count_once", _die)
         job_chunk_run(job_id=job.pk, chunk=0)
     assert store.is_chunk_done(0) and list(store.uncounted_usage()) == [0]
     assert _job_usage_totals() == {}
     # Redelivered (acks_late), twice: counted once, without embedding again.
     with monkeypatch.context() as patch:
-        patch.setattr(jobs, "embeddings_create_sync", _die)
+        patch.setattr(kinds, "embeddings_create_sync", _die)
         job_chunk_run(job_id=job.pk, chunk=0)
         once = _job_usage_totals()
         assert (once["requests"], once["succeeded"], once["inputs"]) == (1, 1, 5) and once["tokens"] > 0
@@ -424,7 +427,7 @@ def test_a_job_ending_before_the_redelivery_counts_the_dead_workers_chunk(
 ):
     job = _submit(api_setup, TEXTS[:10])  # two chunks
     with monkeypatch.context() as patch, pytest.raises(WorkerDied):
-        patch.setattr(jobs, "usage_count_once", _die)
+        patch.setattr(engine, "usage_count_once", _die)
         job_chunk_run(job_id=job.pk, chunk=0)
     job_chunk_run(job_id=job.pk, chunk=1)  # the last chunk ends the job, counting chunk 0 too
     job.refresh_from_db()
@@ -440,7 +443,7 @@ def test_the_watchdog_counts_a_dead_workers_chunk_while_the_job_runs(
 ):
     job = _submit(api_setup)
     with monkeypatch.context() as patch, pytest.raises(WorkerDied):
-        patch.setattr(jobs, "usage_count_once", _die)
+        patch.setattr(engine, "usage_count_once", _die)
         job_chunk_run(job_id=job.pk, chunk=0)
     assert _job_usage_totals() == {}
     job_watchdog()
@@ -508,7 +511,7 @@ def test_the_same_idempotency_key_submitted_concurrently_makes_one_job(api_setup
     assert quota_status_sync(alpha.tenant.pk)["tenant"]["tokens_per_month"]["used"] == job.reserved_tokens
 
 
-# --- Result storage dtype (services/result_dtypes.py) --------------------------------------------
+# --- Result storage dtype (result_dtypes.py) --------------------------------------------
 
 
 def test_results_are_stored_as_the_job_asks_else_as_its_model_says(api_setup, small_chunks):
@@ -572,13 +575,13 @@ def test_a_vector_float16_cannot_hold_fails_its_chunk_not_the_worker(api_setup, 
     alpha = api_setup["alpha"]
     spec = JobSpec(model=api_setup["model"], texts=TEXTS[:5], normalize=False, result_dtype="float16")
     job, _ = job_create(tenant_id=alpha.tenant.pk, api_key_id=None, spec=spec)
-    real = jobs.embeddings_create_sync
+    real = kinds.embeddings_create_sync
 
     def huge(**arguments):
         result = real(**arguments)
         return dataclasses.replace(result, vectors=result.vectors * 1e6)
 
-    monkeypatch.setattr(jobs, "embeddings_create_sync", huge)
+    monkeypatch.setattr(kinds, "embeddings_create_sync", huge)
     job_chunk_task.apply(args=[job.pk, 0])
     job.refresh_from_db()
     assert (job.status, job.completed, job.failed, job.error_code) == ("failed", 0, 5, "embedding_failed")

@@ -13,15 +13,15 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from embeddings.models import ApiKey
-from embeddings.services import keys
-from embeddings.services.keys import (
+from embeddings.services.accounts import api_keys as keys
+from embeddings.services.accounts.api_keys import (
     api_key_create,
     api_key_for_secret,
     api_key_revoke,
     api_key_touch,
     parse_api_key,
 )
-from embeddings.services.tenants import tenant_create
+from embeddings.services.accounts.tenants import tenant_create
 from tests.database_backend import wait_for_lock_waiters
 
 FULL_KEY = re.compile(r"^emb_(?P<public_id>[a-z0-9]{12})_(?P<secret>[A-Za-z0-9_-]{43})$")

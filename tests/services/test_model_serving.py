@@ -9,17 +9,17 @@ import pytest
 from google.protobuf import json_format
 
 from embeddings.models import EmbeddingModel
-from embeddings.services.catalog import CatalogError, embedding_model_register
-from embeddings.services.inference import triton_sync_client
-from embeddings.services.model_serving import (
+from embeddings.services.inference.catalog import CatalogError, embedding_model_register
+from embeddings.services.inference.clients import triton_sync_client
+from embeddings.services.inference.serving import (
     ModelConfigMissing,
     model_config_override,
     models_reconcile,
-    models_serving_states,
+    models_serving_states_sync,
 )
+from embeddings.tooling.triton_server import free_port
 from embeddings.triton import TritonClient, TritonModelNotLoaded, TritonUnavailable
 from embeddings.triton.protocol import model_config_pb2
-from embeddings.triton.server import free_port
 from tests.conftest import serving_model_folder
 
 TOKENS = np.array([[101, 7592, 2088, 102]], dtype=np.int64)
@@ -189,7 +189,7 @@ def test_a_failed_load_is_reported_and_the_others_still_load(explicit_triton):
     broken = state_of(states, "broken")
     assert not broken.ready and "no_such_backend" in broken.reason
     assert state_of(states, "copy").ready
-    assert [state.name for state in models_serving_states()] == ["broken", "copy"]
+    assert [state.name for state in models_serving_states_sync()] == ["broken", "copy"]
 
 
 @pytest.mark.django_db
@@ -228,7 +228,7 @@ def test_the_task_loads_what_triton_lost(explicit_triton):
 
 @pytest.mark.django_db
 def test_the_task_survives_triton_being_down(settings):
-    from embeddings.services.inference import reset_clients
+    from embeddings.services.inference.clients import reset_clients
     from embeddings.tasks import models_reconcile_task
 
     settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"
@@ -244,7 +244,7 @@ def test_the_task_survives_triton_being_down(settings):
 def test_write_serving_states_prints_each_model(explicit_triton):
     import io
 
-    from embeddings.services.model_serving import write_serving_states
+    from embeddings.services.inference.serving import write_serving_states
 
     embedding_model_register(triton_model="minilm_copy", name="copy")
     EmbeddingModel.objects.create(

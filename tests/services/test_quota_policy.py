@@ -6,10 +6,11 @@ from datetime import UTC, datetime
 
 import pytest
 
+from embeddings.callers import Caller
+from embeddings.errors.service import LimitExceeded, QuotaExceeded
 from embeddings.redis import scripts
 from embeddings.redis.transport import ScriptCall
-from embeddings.services.errors import LimitExceeded, QuotaExceeded
-from embeddings.services.quotas import QuotaHolder, QuotaLimitValues, quota_plan, reserve_operation
+from embeddings.services.quotas.limits import QuotaLimitValues, quota_plan, reserve_operation
 
 pytestmark = pytest.mark.unit
 
@@ -20,13 +21,13 @@ MONTH = int(datetime(2026, 3, 1, tzinfo=UTC).timestamp())
 MONTH_END = int(datetime(2026, 4, 1, tzinfo=UTC).timestamp())
 
 
-def holder(tenant: dict | None = None, key: dict | None = None) -> QuotaHolder:
-    return QuotaHolder(1, 10, QuotaLimitValues(**(tenant or {})), QuotaLimitValues(**(key or {})))
+def caller_with(tenant: dict | None = None, key: dict | None = None) -> Caller:
+    return Caller(1, 10, QuotaLimitValues(**(tenant or {})), QuotaLimitValues(**(key or {})))
 
 
-def reserve(subject: QuotaHolder, tokens: int, reply: str, *, inputs: int = 1):
+def reserve(caller: Caller, tokens: int, reply: str, *, inputs: int = 1):
     """Run the reserve operation with `reply` as Redis's answer; what it asked and what it returned."""
-    operation = reserve_operation(subject, inputs, tokens, NOW)
+    operation = reserve_operation(caller, inputs, tokens, NOW)
     call = next(operation)
     try:
         operation.send(reply.encode())
@@ -37,7 +38,7 @@ def reserve(subject: QuotaHolder, tokens: int, reply: str, *, inputs: int = 1):
 
 def test_a_plan_lists_rate_cells_then_budget_counters_then_lease_sets():
     plan = quota_plan(
-        holder(
+        caller_with(
             {"tokens_per_minute": 120_000, "tokens_per_day": 10**6, "max_concurrent_requests": 2},
             {"requests_per_minute": 7},
         ),
@@ -61,26 +62,26 @@ def test_a_plan_lists_rate_cells_then_budget_counters_then_lease_sets():
 
 
 def test_no_limits_ask_nothing_of_redis():
-    operation = reserve_operation(holder(), 1, 5, NOW)
+    operation = reserve_operation(caller_with(), 1, 5, NOW)
     with pytest.raises(StopIteration) as done:
         next(operation)
     assert done.value.value.headers == {}
 
 
 def test_rates_run_on_redis_clock_unless_a_test_pins_it():
-    subject = holder({"requests_per_second": 5})
-    pinned = next(reserve_operation(subject, 1, 1, NOW))
-    live = next(reserve_operation(subject, 1, 1, None))
+    caller = caller_with({"requests_per_second": 5})
+    pinned = next(reserve_operation(caller, 1, 1, NOW))
+    live = next(reserve_operation(caller, 1, 1, None))
     assert pinned.args[7] == round(NOW * 1_000_000)
     assert live.args[7] == 0  # the script reads Redis's TIME
 
 
 def test_an_admitted_request_gets_the_binding_limits_headers():
-    subject = holder(
+    caller = caller_with(
         {"requests_per_second": 10, "request_burst": 5, "tokens_per_minute": 6000, "token_burst": 100}
     )
     # Before this request: the request cell 200 ms ahead (3 left), the token cell 500 ms (50 left).
-    call, reservation = reserve(subject, 30, "1,200000,500000")
+    call, reservation = reserve(caller, 30, "1,200000,500000")
     assert isinstance(call, ScriptCall) and call.script is scripts.QUOTA_RESERVE
     assert reservation.headers == {
         "x-ratelimit-limit-requests": "5",
@@ -95,22 +96,22 @@ def test_an_admitted_request_gets_the_binding_limits_headers():
 
 
 def test_a_budget_is_the_binding_token_limit_when_it_has_less_left():
-    subject = holder({"tokens_per_minute": 6000, "tokens_per_month": 1000})
-    _, reservation = reserve(subject, 30, "1,0,960")
+    caller = caller_with({"tokens_per_minute": 6000, "tokens_per_month": 1000})
+    _, reservation = reserve(caller, 30, "1,0,960")
     assert reservation.headers["x-ratelimit-limit-tokens"] == "1000"
     assert reservation.headers["x-ratelimit-remaining-tokens"] == "10"
     assert reservation.refunds() == [("quota:{t1}:t:rate:tpm", 300_000), (f"quota:{{t1}}:t:tpmo:{MONTH}", 30)]
 
 
 def test_refusals_name_the_most_lasting_reason_and_the_time_until_all_admit():
-    subject = holder({"tokens_per_minute": 6000, "token_burst": 100, "tokens_per_month": 1000})
+    caller = caller_with({"tokens_per_minute": 6000, "token_burst": 100, "tokens_per_month": 1000})
     with pytest.raises(QuotaExceeded) as budget:
-        reserve(subject, 50, "0,800000,990")
+        reserve(caller, 50, "0,800000,990")
     assert budget.value.reason == "insufficient_quota"
     assert "quota of tokens per month: limit 1000, used 990, requested 50" in budget.value.message
     assert budget.value.retry_after_s == MONTH_END - NOW
     with pytest.raises(QuotaExceeded) as rate:
-        reserve(subject, 50, "0,800000,10")
+        reserve(caller, 50, "0,800000,10")
     # 800 ms ahead + 500 ms for 50 tokens - 1 s of burst: admitted in 300 ms.
     assert rate.value.reason == "rate_limit_exceeded" and rate.value.kind == "tokens"
     assert rate.value.retry_after_s == 1 and rate.value.headers["retry-after-ms"] == "300"
@@ -120,18 +121,18 @@ def test_refusals_name_the_most_lasting_reason_and_the_time_until_all_admit():
     )
     assert rate.value.message.endswith("Please try again in 300ms.")
     with pytest.raises(QuotaExceeded) as too_large:
-        reserve(subject, 150, "0,0,0")
+        reserve(caller, 150, "0,0,0")
     assert "Request too large for this tenant's tokens per minute (TPM)" in too_large.value.message
 
 
 def test_a_full_lease_set_refuses_with_the_concurrency_message():
     with pytest.raises(QuotaExceeded) as full:
-        reserve(holder(key={"max_concurrent_requests": 2}), 1, "0,2")
+        reserve(caller_with(key={"max_concurrent_requests": 2}), 1, "0,2")
     assert full.value.message.startswith("Too many concurrent requests for this API key: limit 2.")
     assert full.value.retry_after_s == 1
 
 
 def test_too_many_inputs_are_refused_before_redis():
-    operation = reserve_operation(holder(key={"max_inputs_per_request": 3}), 4, 1, NOW)
+    operation = reserve_operation(caller_with(key={"max_inputs_per_request": 3}), 4, 1, NOW)
     with pytest.raises(LimitExceeded, match="this API key may send at most 3"):
         next(operation)

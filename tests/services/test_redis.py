@@ -10,7 +10,7 @@ import redis
 
 from embeddings.redis.connections import redis_async, redis_job_store, redis_sync, reset_redis_clients
 from embeddings.tooling.local_redis import RedisServer
-from embeddings.triton.server import free_port
+from embeddings.tooling.triton_server import free_port
 
 
 def test_sync_client_talks_to_the_test_redis(service_redis):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from embeddings.services.result_dtypes import (
+from embeddings.result_dtypes import (
     RESULT_DTYPES,
     ResultOutOfRange,
     result_bytes_per_value,

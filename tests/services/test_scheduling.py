@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embeddings.services.scheduling import FairScheduler, SubBatch, reassembled, sub_batches
+from embeddings.services.inference.scheduling import FairScheduler, SubBatch, reassembled, sub_batches
 
 pytestmark = pytest.mark.unit
 

@@ -12,29 +12,29 @@ import pytest
 import redis
 from django.db.models import Sum
 
+from embeddings.callers import Caller
+from embeddings.errors.service import JobStoreUnavailable, QuotaExceeded
 from embeddings.models import EmbeddingJob, UsageBucket
 from embeddings.redis.connections import redis_job_store, redis_sync, reset_redis_clients
-from embeddings.services.catalog import embedding_model_register_local
-from embeddings.services.errors import JobStoreUnavailable, QuotaExceeded
-from embeddings.services.job_store import JobStore
-from embeddings.services.jobs import JobSpec, job_create
-from embeddings.services.quotas import (
-    QuotaHolder,
+from embeddings.services.accounts.tenants import tenant_create
+from embeddings.services.inference.catalog import embedding_model_register_local
+from embeddings.services.jobs.store import JobStore
+from embeddings.services.jobs.submission import JobSpec, job_create
+from embeddings.services.quotas.limits import (
     QuotaLimitValues,
     quota_release_sync,
     quota_reserve,
     quota_reserve_sync,
     quota_status_sync,
 )
-from embeddings.services.tenants import tenant_create
-from embeddings.services.usage import (
+from embeddings.services.quotas.usage import (
     LIVE_USAGE_KEY,
     UsageEvent,
     usage_count_once,
     usage_fold,
 )
 from embeddings.tooling.local_redis import RedisServer, local_redis_servers
-from embeddings.triton.server import free_port
+from embeddings.tooling.triton_server import free_port
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -167,12 +167,12 @@ def test_a_full_job_store_leaves_quota_checks_and_the_broker_unaffected(local_st
     assert quota_status_sync(tenant.pk)["tenant"]["tokens_per_day"]["used"] == 0
     # The request path's quota check (async, lean client) and the workers' (sync) still count and
     # still refuse, in a minute of their own (two ahead: the submission's request is not in it).
-    subject = QuotaHolder(tenant.pk, None, QuotaLimitValues.of(tenant))
+    caller = Caller(tenant.pk, None, QuotaLimitValues.of(tenant))
     later = time.time() + 120
-    asyncio.run(quota_reserve(subject=subject, inputs=1, tokens=5, now=later))
-    quota_reserve_sync(subject=subject, inputs=1, tokens=5, now=later)
+    asyncio.run(quota_reserve(caller=caller, inputs=1, tokens=5, now=later))
+    quota_reserve_sync(caller=caller, inputs=1, tokens=5, now=later)
     with pytest.raises(QuotaExceeded):
-        quota_reserve_sync(subject=subject, inputs=1, tokens=5, now=later)
+        quota_reserve_sync(caller=caller, inputs=1, tokens=5, now=later)
     assert usage_count_once(owner="job_x", unit=0, increments={"f": 1}, ttl_s=60) is True
     assert broker_round_trip(settings.CELERY_BROKER_URL) == {"job": 1, "chunk": 2}
 

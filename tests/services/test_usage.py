@@ -12,9 +12,9 @@ from django.utils import timezone
 
 from embeddings.models import UsageBucket, UsageFold
 from embeddings.redis.connections import redis_sync
-from embeddings.services import usage
-from embeddings.services.quotas import quota_release_sync
-from embeddings.services.usage import (
+from embeddings.services.quotas import usage
+from embeddings.services.quotas.limits import quota_release_sync
+from embeddings.services.quotas.usage import (
     FOLDING_BATCHES_KEY,
     LIVE_USAGE_KEY,
     UsageEvent,

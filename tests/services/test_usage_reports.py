@@ -7,8 +7,8 @@ from datetime import UTC, date, datetime, timedelta
 import pytest
 
 from embeddings.models import ApiKey, UsageBucket
-from embeddings.services.keys import api_key_create
-from embeddings.services.usage_reports import (
+from embeddings.services.accounts.api_keys import api_key_create
+from embeddings.services.quotas.reports import (
     USAGE_CSV_HEADER,
     BudgetUse,
     api_keys_with_month_usage,

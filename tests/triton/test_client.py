@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
+from embeddings.tooling.triton_server import free_port
 from embeddings.triton import (
     PRIORITY_BULK,
     PRIORITY_INTERACTIVE,
@@ -30,7 +31,6 @@ from embeddings.triton import (
     TritonTimeout,
     TritonUnavailable,
 )
-from embeddings.triton.server import free_port
 from tests.conftest import TEST_MODEL_REPOSITORY, start_triton
 
 INSTANT = "instant_1024"

@@ -8,6 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
+from embeddings.tooling.triton_server import TRITON_PING_FLAGS
 from embeddings.triton import (
     AsyncTritonClient,
     ModelSpec,
@@ -25,7 +26,6 @@ from embeddings.triton import (
 from embeddings.triton import client as client_module
 from embeddings.triton.client import channel_options, error_from_rpc, text_inputs, token_inputs
 from embeddings.triton.protocol import grpc_service_pb2 as pb
-from embeddings.triton.server import TRITON_PING_FLAGS
 from tests.clocks import ManualClock
 
 pytestmark = pytest.mark.unit

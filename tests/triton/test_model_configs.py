@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import text_format
 
-from embeddings.triton.model_configs import model_config_texts, model_configs_write
+from embeddings.tooling.model_configs import model_config_texts, model_configs_write
 from embeddings.triton.protocol import model_config_pb2
 from tests.processes import REPO_ROOT
 
@@ -27,7 +27,7 @@ def test_minilms_committed_configs_are_the_templates_rendering():
     rendered = model_config_texts(name="minilm", dims=384)
     assert sorted(rendered) == sorted(CONFIG_PATHS)
     for path in CONFIG_PATHS:
-        # On a difference: edit embeddings/triton/model_configs/*.pbtxt, then re-render minilm's
+        # On a difference: edit embeddings/in_triton/model_configs/*.pbtxt, then re-render minilm's
         # (model_configs_write(model_dir=MINILM_DIR, name="minilm", dims=384)).
         assert (MINILM_DIR / path).read_text(encoding="utf-8") == rendered[path], path
 

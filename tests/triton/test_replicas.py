@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
+from embeddings.tooling.triton_server import TritonServer, free_port
 from embeddings.triton.client import AsyncTritonClient, TritonClient
-from embeddings.triton.server import TritonServer, free_port
 from tests.processes import process_group_paused
 
 MODEL = "minilm"

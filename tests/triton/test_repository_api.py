@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from google.protobuf import json_format, text_format
 
+from embeddings.tooling.triton_server import TritonServer
 from embeddings.triton import (
     AsyncTritonClient,
     RepositoryModel,
@@ -26,7 +27,6 @@ from embeddings.triton import (
 )
 from embeddings.triton import client as client_module
 from embeddings.triton.protocol import model_config_pb2
-from embeddings.triton.server import TritonServer
 from tests.conftest import TEST_MODEL_REPOSITORY, require_exported_model, start_triton
 from tests.processes import REPO_ROOT
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from django.conf import settings
 
+from embeddings.tooling.triton_server import TritonServer, shared_memory_regions
 from embeddings.triton import TritonClient, TritonUnavailable
-from embeddings.triton.server import TritonServer, shared_memory_regions
 from tests.conftest import TEST_MODEL_REPOSITORY, require_exported_model, start_triton
 from tests.processes import proc_stats
 

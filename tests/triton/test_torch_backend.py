@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from embeddings.in_triton.backends.embedsite_torch.encoder import EncoderLoadError, load_encoder
+from embeddings.tooling.model_configs import model_config_texts
 from embeddings.tooling.model_export import model_export
-from embeddings.triton.backends.embedsite_torch.encoder import EncoderLoadError, load_encoder
 from embeddings.triton.client import AsyncTritonClient
 from embeddings.triton.errors import TritonInvalidInput
-from embeddings.triton.model_configs import model_config_texts
 from tests.conftest import require_exported_model, start_triton
 from tests.onnx_reference import reference_session, row_cosines, token_ids, vectors_for_ids
 from tests.processes import REPO_ROOT

@@ -6,7 +6,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from embeddings.models import Tenant
-from embeddings.services.keys import api_key_create
+from embeddings.services.accounts.api_keys import api_key_create
 
 
 class Command(BaseCommand):

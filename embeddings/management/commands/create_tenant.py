@@ -5,7 +5,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import IntegrityError, transaction
 
 from embeddings.models import Tenant
-from embeddings.services.tenants import quota_limits_update, tenant_create
+from embeddings.services.accounts.tenants import quota_limits_update, tenant_create
 
 
 class Command(BaseCommand):

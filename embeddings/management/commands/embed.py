@@ -3,8 +3,8 @@
 import orjson
 from django.core.management.base import BaseCommand, CommandError
 
-from embeddings.services.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
-from embeddings.services.errors import ServiceError
+from embeddings.errors.service import ServiceError
+from embeddings.services.inference.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
 from embeddings.tokenization import TokenizationError
 from embeddings.triton.errors import TritonError
 

@@ -12,8 +12,8 @@ from typing import TextIO
 
 from django.core.management.base import BaseCommand, CommandError
 
-from embeddings.jobs_client import FINISHED_STATUSES, JobsApiError, JobsClient
-from embeddings.services.result_dtypes import RESULT_DTYPES
+from embeddings.management.jobs_client import FINISHED_STATUSES, JobsApiError, JobsClient
+from embeddings.result_dtypes import RESULT_DTYPES
 
 RESULT_FORMATS = {".npy": "npy", ".jsonl": "jsonl"}
 BAR_WIDTH = 30

@@ -6,13 +6,13 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from embeddings.tooling.model_export import SUPPORTED_MODEL_TYPES, model_export, model_export_outdated
-from embeddings.triton.model_exports import (
+from embeddings.services.inference.exports import (
     POOLINGS,
     ModelExportError,
     model_export_path,
     model_export_versions,
 )
+from embeddings.tooling.model_export import SUPPORTED_MODEL_TYPES, model_export, model_export_outdated
 
 
 def default_source_dir() -> Path | None:

@@ -2,7 +2,7 @@
 
 from django.core.management.base import BaseCommand
 
-from embeddings.services.model_serving import write_serving_states
+from embeddings.services.inference.serving import write_serving_states
 
 
 class Command(BaseCommand):

@@ -1,7 +1,7 @@
 """Register the locally exported MiniLM (version 1) so a first run can serve it (setup runs this)."""
 
 from embeddings.management.commands.register_model import Command as RegisterModelCommand
-from embeddings.services.catalog import LOCAL_MODEL_ALIASES, LOCAL_MODEL_NAME
+from embeddings.services.inference.catalog import LOCAL_MODEL_ALIASES, LOCAL_MODEL_NAME
 
 
 class Command(RegisterModelCommand):

@@ -2,8 +2,12 @@
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from embeddings.services.catalog import CatalogError, embedding_model_cache_clear, embedding_model_register
-from embeddings.services.model_serving import models_reconcile
+from embeddings.services.inference.catalog import (
+    CatalogError,
+    embedding_model_cache_clear,
+    embedding_model_register,
+)
+from embeddings.services.inference.serving import models_reconcile
 from embeddings.triton import TritonError
 
 

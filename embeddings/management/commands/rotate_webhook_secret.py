@@ -5,7 +5,7 @@ from datetime import timedelta
 from django.core.management.base import BaseCommand, CommandError
 
 from embeddings.models import Tenant
-from embeddings.services.tenants import tenant_webhook_secret_rotate, webhook_secret_fingerprint
+from embeddings.services.accounts.tenants import tenant_webhook_secret_rotate, webhook_secret_fingerprint
 
 DEFAULT_OVERLAP_HOURS = 24.0
 

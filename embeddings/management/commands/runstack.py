@@ -24,7 +24,12 @@ from embeddings.observability.logs import LogLines
 from embeddings.tooling.local_redis import RedisServer, RedisServerError, local_redis_servers
 from embeddings.tooling.local_triton import local_triton_server
 from embeddings.tooling.supervision import Child, RestartPolicy, StackFailed, Supervisor
-from embeddings.triton.server import TritonServer, TritonServerError, die_with_parent, end_process_group
+from embeddings.tooling.triton_server import (
+    TritonServer,
+    TritonServerError,
+    die_with_parent,
+    end_process_group,
+)
 
 # How often the supervisor looks at its children: a death is noticed within this long.
 TICK_S = 0.2

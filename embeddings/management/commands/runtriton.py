@@ -6,9 +6,9 @@ import threading
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from embeddings.services.model_serving import write_serving_states
+from embeddings.services.inference.serving import write_serving_states
 from embeddings.tooling.local_triton import local_triton_server
-from embeddings.triton.server import TritonServerError
+from embeddings.tooling.triton_server import TritonServerError
 
 
 class Command(BaseCommand):

@@ -1,0 +1,167 @@
+"""The body of an embeddings request (POST /v1/embeddings, and each line of a batch), read and
+validated the same way wherever it arrives.
+
+Inputs can be 2,048 items long, so the input fields check types in one pass each instead of
+running a DRF field per item.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from embeddings.contracts.fields import INT32_MAX, StrictCharField, dimensions_field, validated
+
+INPUT_HELP = (
+    "A string, an array of strings, an array of token ids, or an array of arrays of token ids "
+    "(ids of the model's own tokenizer, used as given)."
+)
+
+
+@dataclass(frozen=True)
+class ParsedInput:
+    """Either texts or pre-tokenised ids, never both."""
+
+    texts: list[str] | None = None
+    token_ids: list[list[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.texts if self.texts is not None else self.token_ids or ())
+
+
+def _is_token_list(value: object) -> bool:
+    return isinstance(value, list) and all(type(item) is int for item in value)
+
+
+# A text to embed has at least one character: OpenAI refuses "" too, and an empty text has no
+# meaning to embed (it would be the model's special tokens alone).
+TEXT_SCHEMA = {"type": "string", "minLength": 1}
+# Ids of the model's tokenizer: below its vocabulary's size (422 unsupported_by_model above it),
+# which no tokenizer has 2^31 of.
+TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "maximum": INT32_MAX}
+TEXT_ERRORS = {"empty_text": "must not be an empty string", "empty_item": "item {index} is an empty string"}
+
+
+def refuse_empty_texts(texts: list[str], field: serializers.Field, *, single: bool = False) -> None:
+    if "" in texts:
+        if single:
+            field.fail("empty_text")
+        field.fail("empty_item", index=texts.index(""))
+
+
+def _parse_texts(data: object, field: serializers.Field) -> list[str]:
+    if isinstance(data, str):
+        refuse_empty_texts([data], field, single=True)
+        return [data]
+    if not isinstance(data, list):
+        field.fail("invalid")
+    if not data:
+        field.fail("empty")
+    if not all(type(item) is str for item in data):
+        field.fail("invalid")
+    refuse_empty_texts(data, field)
+    return data
+
+
+@extend_schema_field(
+    {
+        "oneOf": [
+            TEXT_SCHEMA,
+            {"type": "array", "items": TEXT_SCHEMA, "minItems": 1},
+            {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1},
+            {
+                "type": "array",
+                "items": {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1},
+                "minItems": 1,
+            },
+        ],
+        "description": INPUT_HELP,
+        "example": ["The food was delicious and the waiter was friendly."],
+    }
+)
+class EmbeddingInputField(serializers.Field):
+    default_error_messages = {
+        "invalid": "must be a string, an array of strings, an array of token ids or an array of arrays "
+        "of token ids",
+        "empty": "must not be empty",
+        "empty_tokens": "item {index} is an empty array of token ids",
+        "token_range": f"item {{index}} has a token id outside 0 to {INT32_MAX}",
+        **TEXT_ERRORS,
+    }
+
+    def to_internal_value(self, data: object) -> ParsedInput:
+        if isinstance(data, list) and data and all(type(item) is int for item in data):
+            self._check_range([data])
+            return ParsedInput(token_ids=[data])
+        if isinstance(data, list) and data and isinstance(data[0], list):
+            if not all(_is_token_list(item) for item in data):
+                self.fail("invalid")
+            for index, item in enumerate(data):
+                if not item:
+                    self.fail("empty_tokens", index=index)
+            self._check_range(data)
+            return ParsedInput(token_ids=data)
+        return ParsedInput(texts=_parse_texts(data, self))
+
+    def _check_range(self, rows: list[list[int]]) -> None:
+        """The schema's bounds (an id no model has); the model's vocabulary is the tokenizer's check."""
+        for index, row in enumerate(rows):
+            if min(row) < 0 or max(row) > INT32_MAX:
+                self.fail("token_range", index=index)
+
+    def to_representation(self, value):
+        return value
+
+
+@extend_schema_field(
+    {
+        "oneOf": [TEXT_SCHEMA, {"type": "array", "items": TEXT_SCHEMA, "minItems": 1}],
+        "example": "What is Deep Learning?",
+    }
+)
+class TextsField(serializers.Field):
+    default_error_messages = {
+        "invalid": "must be a string or an array of strings",
+        "empty": "must not be empty",
+        **TEXT_ERRORS,
+    }
+
+    def to_internal_value(self, data: object) -> list[str]:
+        return _parse_texts(data, self)
+
+    def to_representation(self, value):
+        return value
+
+
+class OpenAIEmbeddingsRequest(serializers.Serializer):
+    model = StrictCharField(lookup=True, help_text="A model id from GET /v1/models (or one of its aliases).")
+    input = EmbeddingInputField(help_text=INPUT_HELP)
+    encoding_format = serializers.ChoiceField(
+        choices=["float", "base64"],
+        default="float",
+        help_text="`base64`: each embedding is the base64 of its little-endian float32 bytes.",
+    )
+    dimensions = dimensions_field()
+    user = StrictCharField(
+        lookup=True,
+        required=False,
+        allow_blank=True,
+        max_length=256,
+        help_text="Your end user's id, recorded (in the request's log line).",
+    )
+
+
+def embeddings_request_parse(body: object) -> dict:
+    """An embeddings request's fields: model, texts or token_ids, dimensions, encoding_format;
+    raises what the endpoint refuses it with (a DRF ValidationError, or ValidationFailed)."""
+    params = validated(OpenAIEmbeddingsRequest, body)
+    parsed: ParsedInput = params["input"]
+    return {
+        "model": params["model"],
+        "texts": parsed.texts,
+        "token_ids": parsed.token_ids,
+        "dimensions": params.get("dimensions"),
+        "encoding_format": params["encoding_format"],
+    }

@@ -1,0 +1,88 @@
+"""How a job's vectors are stored in the job store: float32 (default) or float16, always read back as float32.
+
+float16 halves a job's result bytes. It keeps 11 significant bits: each stored value is within
+2^-11 (about 4.9e-4) of the float32 value relative to it (values below 2^-14, about 6.1e-5, keep
+an absolute error of at most 2^-25), so the cosine of a stored unit vector with its float32
+original stays above 0.9999998 (README, "Result precision"; measured on real sentences in
+tests/api/test_jobs_end_to_end.py). Values beyond ±65504 cannot be stored at all: such a chunk is
+refused (ResultOutOfRange) rather than stored as infinity.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import TYPE_CHECKING
+
+from embeddings.errors import EmbedsiteError
+
+# numpy is imported by the functions that code vectors, not here: models.py imports this module's
+# names in every process at start-up, and most processes (management commands) never code one.
+if TYPE_CHECKING:
+    import numpy as np
+
+FLOAT32 = "float32"
+FLOAT16 = "float16"
+DEFAULT_RESULT_DTYPE = FLOAT32
+# The names clients and admins use, and each one's little-endian storage dtype (as numpy spells it).
+RESULT_DTYPES: dict[str, str] = {FLOAT32: "<f4", FLOAT16: "<f2"}
+RESULT_DTYPE_CHOICES = [(name, name) for name in RESULT_DTYPES]
+# What every download returns, whatever the storage.
+RETURNED_DTYPE = RESULT_DTYPES[FLOAT32]
+
+
+class ResultOutOfRange(EmbedsiteError, ValueError):
+    """A vector value that the job's storage dtype cannot hold (beyond float16's ±65504)."""
+
+
+def result_storage_dtype(name: str) -> np.dtype:
+    import numpy as np
+
+    try:
+        return np.dtype(RESULT_DTYPES[name])
+    except KeyError:
+        raise ValueError(f"unknown result dtype {name!r}; one of {', '.join(RESULT_DTYPES)}") from None
+
+
+def result_bytes_per_value(name: str) -> int:
+    """Bytes one stored vector component takes (4 for float32, 2 for float16): what a job's
+    results cost in the job store is inputs x dimensions x this."""
+    return result_storage_dtype(name).itemsize
+
+
+def result_encode(vectors: np.ndarray, name: str) -> bytes:
+    """The vectors as stored: rows x dims little-endian values of the dtype `name`, C order."""
+    import numpy as np
+
+    dtype = result_storage_dtype(name)
+    source = np.asarray(vectors, dtype=np.float32)
+    with np.errstate(over="ignore"):  # an overflow is found and refused just below
+        stored = np.ascontiguousarray(source, dtype=dtype)
+    if dtype != RETURNED_DTYPE:
+        overflowed = np.isinf(stored) & np.isfinite(source)
+        if overflowed.any():
+            value = float(source[overflowed].flat[0])
+            limit = float(np.finfo(dtype).max)
+            raise ResultOutOfRange(
+                f"a vector value ({value:g}) is beyond {name}'s range (±{limit:g}); "
+                f"submit the job with result_dtype {FLOAT32}"
+            )
+    return stored.tobytes()
+
+
+def result_decode(raw: bytes, name: str, dims: int) -> np.ndarray:
+    """Stored bytes back as a rows x dims float32 array (exact: every float16 is a float32)."""
+    import numpy as np
+
+    stored = np.frombuffer(raw, dtype=result_storage_dtype(name)).reshape(-1, dims)
+    return stored if stored.dtype == RETURNED_DTYPE else stored.astype(RETURNED_DTYPE)
+
+
+def base64_rows(vectors: np.ndarray) -> list[str]:
+    """Each row as the base64 of its little-endian float32 bytes (`encoding_format: base64`, for
+    requests and job downloads alike), straight from the array's buffer."""
+    import numpy as np
+
+    little_endian = np.ascontiguousarray(vectors, dtype=RETURNED_DTYPE)
+    row_bytes = little_endian.shape[1] * little_endian.itemsize
+    raw = little_endian.tobytes()
+    return [base64.b64encode(raw[i : i + row_bytes]).decode("ascii") for i in range(0, len(raw), row_bytes)]

@@ -1,0 +1,151 @@
+"""The embedding models clients can name: lookup (cached per process), listing, registration."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from embeddings.errors import EmbedsiteError
+from embeddings.models import EmbeddingModel
+from embeddings.services.inference.exports import ModelExportError, model_export_info, model_export_versions
+
+if TYPE_CHECKING:
+    from embeddings.callers import Caller
+
+LOCAL_MODEL_NAME = "all-MiniLM-L6-v2"
+LOCAL_MODEL_ALIASES = ["minilm", "sentence-transformers/all-MiniLM-L6-v2"]
+
+_enabled_cache: tuple[float, tuple[EmbeddingModel, ...]] | None = None
+
+
+def embedding_models_enabled() -> tuple[EmbeddingModel, ...]:
+    return tuple(EmbeddingModel.objects.filter(enabled=True).order_by("name"))
+
+
+async def _enabled_cached() -> tuple[EmbeddingModel, ...]:
+    # Every request names a model: read the few rows once every MODEL_CACHE_SECONDS, not per request.
+    global _enabled_cache
+    now = time.monotonic()
+    if _enabled_cache is None or now - _enabled_cache[0] > settings.MODEL_CACHE_SECONDS:
+        _enabled_cache = (now, await sync_to_async(embedding_models_enabled)())
+    return _enabled_cache[1]
+
+
+def embedding_model_cache_clear() -> None:
+    global _enabled_cache
+    _enabled_cache = None
+
+
+async def embedding_model_resolve(*, name: str) -> EmbeddingModel | None:
+    """An enabled model by its name or one of its aliases, from the per-process cache."""
+    return next((model for model in await _enabled_cached() if model.answers_to(name)), None)
+
+
+async def embedding_models_enabled_cached() -> tuple[EmbeddingModel, ...]:
+    """The enabled models, from the per-process cache (MODEL_CACHE_SECONDS)."""
+    return await _enabled_cached()
+
+
+async def embedding_models_for_caller(*, caller: Caller) -> list[EmbeddingModel]:
+    return [model for model in await _enabled_cached() if caller.may_use(model)]
+
+
+class CatalogError(EmbedsiteError):
+    """A registration the catalog refuses: no such export, a name already taken, a bad prompt."""
+
+
+def embedding_model_register(
+    *,
+    triton_model: str,
+    version: int | None = None,
+    name: str | None = None,
+    aliases: Sequence[str] | None = None,
+    prompts: Mapping[str, str] | None = None,
+    default_prompt_name: str | None = None,
+    enabled: bool | None = None,
+    repository: Path | None = None,
+) -> EmbeddingModel:
+    """Create or update the catalog row `name` for a finished export of `triton_model` (`version`):
+    its dimensions and maximum tokens come from that version's export.json. Without a name: the one
+    row serving `triton_model`, else the Triton model's name. Without a version: the row's pinned
+    one, else the latest export. Aliases, prompts and `enabled` given replace the row's;
+    omitted, they are kept (a new row is enabled). Loading it into Triton is `models_reconcile`'s
+    (services/inference/serving.py)."""
+    repository = Path(repository or settings.TRITON_MODEL_REPOSITORY)
+    if name is None:
+        # The row already serving this Triton model, when there is exactly one.
+        serving = list(EmbeddingModel.objects.filter(triton_model=triton_model)[:2])
+        name = serving[0].name if len(serving) == 1 else triton_model
+    existing = EmbeddingModel.objects.filter(name=name).first()
+    versions = model_export_versions(repository_dir=repository, name=triton_model)
+    pinned = existing.triton_version if existing and existing.triton_model == triton_model else ""
+    if version is None and pinned.isdigit():
+        # Registering again keeps the pin: a new export never changes a tenant's vectors unasked.
+        version = int(pinned)
+    if version is None:
+        if not versions:
+            raise CatalogError(
+                f"{repository / triton_model} has no finished export: run manage.py export_model first"
+            )
+        version = versions[-1]
+    elif version not in versions:
+        found = ", ".join(map(str, versions)) or "none"
+        raise CatalogError(
+            f"{triton_model} has no finished export version {version} (finished: {found}); "
+            "export it first (manage.py export_model)"
+        )
+    try:
+        info = model_export_info(repository_dir=repository, name=triton_model, version=version)
+    except ModelExportError as error:
+        raise CatalogError(str(error)) from error
+    aliases = list(aliases) if aliases is not None else (existing.aliases if existing else [])
+    prompts = dict(prompts) if prompts is not None else (existing.prompts if existing else {})
+    if default_prompt_name is None:
+        default_prompt_name = existing.default_prompt_name if existing else ""
+    if default_prompt_name and default_prompt_name not in prompts:
+        raise CatalogError(f"the default prompt {default_prompt_name!r} is not one of its prompts")
+    if enabled is None:
+        enabled = existing.enabled if existing else True
+    _check_names_free(name=name, aliases=aliases, exclude=existing)
+    model, _ = EmbeddingModel.objects.update_or_create(
+        name=name,
+        defaults={
+            "aliases": aliases,
+            "triton_model": triton_model,
+            "triton_version": str(version),
+            "dimensions": int(info["dims"]),
+            "max_tokens": int(info["max_tokens"]),
+            "prompts": prompts,
+            "default_prompt_name": default_prompt_name,
+            "enabled": enabled,
+        },
+    )
+    embedding_model_cache_clear()
+    return model
+
+
+def _check_names_free(*, name: str, aliases: Sequence[str], exclude: EmbeddingModel | None) -> None:
+    """Every name a client may send must pick one model: refuse one another row answers to."""
+    others = (
+        EmbeddingModel.objects.all() if exclude is None else EmbeddingModel.objects.exclude(pk=exclude.pk)
+    )
+    for other in others:
+        for wanted in (name, *aliases):
+            if other.answers_to(wanted):
+                raise CatalogError(f"{wanted!r} already names the model {other.name!r}")
+
+
+def embedding_model_register_local(*, repository: Path, triton_model: str = "minilm") -> EmbeddingModel:
+    """Register (idempotently) the model `export_model` wrote, version 1, so a first run can serve it."""
+    return embedding_model_register(
+        triton_model=triton_model,
+        version=1,
+        name=LOCAL_MODEL_NAME,
+        aliases=LOCAL_MODEL_ALIASES,
+        repository=repository,
+    )

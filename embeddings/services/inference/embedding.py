@@ -1,0 +1,492 @@
+"""Embedding inputs: tokenise in the service, call Triton, post-process, count tokens.
+
+One implementation behind every endpoint, the Celery tasks and the `embed` command. Requests are
+sent to Triton as token-bounded sub-batches (embeddings.services.inference.scheduling): interleaved fairly
+with other requests on the async path, a few at a time at Triton's bulk priority on the blocking
+path, and each request's inference ends at its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from django.conf import settings
+
+from embeddings.errors.service import (
+    InferenceTimeout,
+    InvalidRequest,
+    LimitExceeded,
+    ModelNotLoaded,
+    Overloaded,
+    UnsupportedByModel,
+)
+from embeddings.metrics import (
+    BATCH_ROWS,
+    BATCH_TOKENS,
+    QUEUE_SECONDS,
+    TOKENIZATION_SECONDS,
+    TOKENS_IN_FLIGHT,
+    TRITON_IN_FLIGHT,
+    triton_call_observed,
+)
+from embeddings.observability import context as request_context
+from embeddings.observability import tracing
+from embeddings.services.inference.clients import (
+    inference_scheduler,
+    model_tokenizer,
+    request_coalescer,
+    triton_async_client,
+    triton_sync_client,
+)
+from embeddings.services.inference.scheduling import SubBatch, reassembled, sub_batches
+from embeddings.tokenization import TextTokenizer, TokenizedBatch, TruncationDirection
+from embeddings.triton import (
+    PRIORITY_BULK,
+    PRIORITY_INTERACTIVE,
+    PRIORITY_LARGE,
+    ModelSpec,
+    TritonModelError,
+    TritonModelNotLoaded,
+)
+
+if TYPE_CHECKING:
+    from embeddings.models import EmbeddingModel
+    from embeddings.services.quotas.limits import RequestQuota
+
+
+@dataclass(frozen=True)
+class EmbeddingTarget:
+    """The Triton model that serves a request and its limits (from an EmbeddingModel or settings)."""
+
+    triton_model: str
+    triton_version: str = ""
+    # The catalog model's name (what the client asked for), for errors; "" for the settings' model.
+    name: str = ""
+    # None: the tokenizer's own maximum (what the model was exported with).
+    max_tokens: int | None = None
+    # None: whatever the model returns.
+    dimensions: int | None = None
+    # None: no limit (the API always sets both).
+    max_inputs: int | None = None
+    max_total_tokens: int | None = None
+    # Prompt name -> text prepended to every input; the default applies when none is asked for.
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str = ""
+
+    @classmethod
+    def default(cls) -> EmbeddingTarget:
+        return cls(settings.MODEL_NAME, settings.MODEL_VERSION, dimensions=settings.EMBEDDING_SIZE)
+
+    @classmethod
+    def for_model(cls, model: EmbeddingModel) -> EmbeddingTarget:
+        return cls(
+            triton_model=model.triton_model,
+            triton_version=model.triton_version,
+            name=model.name,
+            max_tokens=model.max_tokens,
+            dimensions=model.dimensions,
+            max_inputs=model.max_inputs_per_request or settings.MAX_INPUTS_PER_REQUEST,
+            max_total_tokens=model.max_tokens_per_request or settings.MAX_TOKENS_PER_REQUEST,
+            prompts=tuple(sorted((model.prompts or {}).items())),
+            default_prompt_name=model.default_prompt_name,
+        )
+
+    def prompt(self, name: str | None) -> str:
+        """The text to prepend for `name` (or the default prompt); unknown names are refused."""
+        name = name or self.default_prompt_name
+        if not name:
+            return ""
+        for prompt_name, text in self.prompts:
+            if prompt_name == name:
+                return text
+        known = ", ".join(prompt_name for prompt_name, _ in self.prompts) or "none"
+        raise UnsupportedByModel(
+            f"Unknown prompt_name {name!r}; this model's prompts: {known}", param="prompt_name"
+        )
+
+
+@dataclass(frozen=True)
+class EmbeddingOptions:
+    truncate: bool = True
+    direction: TruncationDirection = "right"
+    # Keep the first N dimensions (Matryoshka-style), re-normalised when `normalize`.
+    dimensions: int | None = None
+    normalize: bool = True
+    prompt_name: str | None = None
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    """Vectors in input order (float32 [n, dims]) and what producing them cost."""
+
+    model: str
+    vectors: np.ndarray
+    token_counts: np.ndarray
+    tokenization_s: float
+    inference_s: float
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.token_counts.sum())
+
+
+class InflightGate:
+    """Bounds the inference calls one process has in flight: beyond the limit, refuse at once.
+
+    A bounded queue would only move the wait into our process; refusing with 429 + Retry-After
+    lets clients and load balancers back off, and nothing waits forever.
+    """
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+
+    def __enter__(self) -> InflightGate:
+        if self.in_flight >= settings.MAX_INFLIGHT_TRITON_CALLS:
+            raise Overloaded(
+                f"This server has {self.in_flight} embedding requests in flight, its maximum; retry shortly.",
+                retry_after_s=1,
+            )
+        self.in_flight += 1
+        TRITON_IN_FLIGHT.inc()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.in_flight -= 1
+        TRITON_IN_FLIGHT.dec()
+
+
+# The event loop runs one coroutine at a time, so the async path needs no lock around the count.
+inflight_gate = InflightGate()
+
+
+def _tokenize(
+    target: EmbeddingTarget,
+    texts: Sequence[str] | None,
+    token_ids: Sequence[Sequence[int]] | None,
+    options: EmbeddingOptions,
+) -> tuple[TokenizedBatch, TextTokenizer, float]:
+    with tracing.span("tokenize", model=target.triton_model):
+        return _tokenize_timed(target, texts, token_ids, options)
+
+
+def _tokenize_timed(
+    target: EmbeddingTarget,
+    texts: Sequence[str] | None,
+    token_ids: Sequence[Sequence[int]] | None,
+    options: EmbeddingOptions,
+) -> tuple[TokenizedBatch, TextTokenizer, float]:
+    started = time.perf_counter()
+    count = len(token_ids if token_ids is not None else texts or ())
+    if target.max_inputs is not None and count > target.max_inputs:
+        raise LimitExceeded(
+            f"{count} inputs in one request; this model takes at most {target.max_inputs}", param="input"
+        )
+    tokenizer = model_tokenizer(target.triton_model, target.max_tokens, target.triton_version)
+    if token_ids is not None:
+        batch = tokenizer.encode_ids(list(token_ids), truncate=options.truncate, direction=options.direction)
+    else:
+        batch = tokenizer.encode(
+            list(texts or ()),
+            truncate=options.truncate,
+            direction=options.direction,
+            buckets=tuple(settings.SEQUENCE_LENGTH_BUCKETS),
+        )
+    if len(batch) == 0:
+        raise InvalidRequest("input must contain at least one item", param="input")
+    if target.max_total_tokens is not None and batch.total_tokens > target.max_total_tokens:
+        raise LimitExceeded(
+            f"The inputs have {batch.total_tokens} tokens in all; a request may have at most "
+            f"{target.max_total_tokens}",
+            param="input",
+        )
+    elapsed = time.perf_counter() - started
+    TOKENIZATION_SECONDS.labels(target.triton_model).observe(elapsed)
+    return batch, tokenizer, elapsed
+
+
+def _takes_text(spec: ModelSpec, token_ids: object) -> bool:
+    """Whether the model takes text (one BYTES input) rather than token ids; checks seed settings."""
+    if settings.INPUT_NAME and spec.input(settings.INPUT_NAME) is None:
+        raise TritonModelError(f"model {spec.name!r} has no input named {settings.INPUT_NAME!r} (INPUT_NAME)")
+    takes_text = any(tensor.datatype == "BYTES" for tensor in spec.inputs)
+    if takes_text and token_ids is not None:
+        raise InvalidRequest(
+            f"model {spec.name!r} tokenises inside Triton and takes text, not token ids", param="input"
+        )
+    return takes_text
+
+
+def _with_prompt(
+    target: EmbeddingTarget, texts: Sequence[str] | None, options: EmbeddingOptions
+) -> Sequence[str] | None:
+    prefix = target.prompt(options.prompt_name)
+    if not prefix or texts is None:
+        return texts
+    return [prefix + text for text in texts]
+
+
+def dimensions_check(*, dimensions: int | None, model_dimensions: int | None) -> None:
+    """The `dimensions` a client asks for (requests and jobs): at least 1, at most the model's
+    (when known)."""
+    if dimensions is None:
+        return
+    if dimensions < 1:
+        raise InvalidRequest("dimensions must be at least 1", param="dimensions")
+    if model_dimensions and dimensions > model_dimensions:
+        raise UnsupportedByModel(
+            f"dimensions {dimensions} is larger than the model's {model_dimensions}", param="dimensions"
+        )
+
+
+def _check_options(target: EmbeddingTarget, options: EmbeddingOptions) -> None:
+    dimensions_check(dimensions=options.dimensions, model_dimensions=target.dimensions)
+
+
+def _postprocess(target: EmbeddingTarget, vectors: np.ndarray, options: EmbeddingOptions) -> np.ndarray:
+    if target.dimensions and vectors.shape[1] != target.dimensions:
+        raise TritonModelError(
+            f"model {target.triton_model!r} returned {vectors.shape[1]}-d vectors, "
+            f"{target.dimensions} expected"
+        )
+    if options.dimensions is not None:
+        # A target without known dimensions is checked against what the model returned.
+        dimensions_check(dimensions=options.dimensions, model_dimensions=vectors.shape[1])
+        vectors = vectors[:, : options.dimensions]
+        if options.normalize:
+            norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+            vectors = vectors / np.maximum(norms, np.float32(1e-12))
+    return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+# Tokenising this many characters (or token ids) takes milliseconds: done in a thread, so the
+# event loop keeps serving other requests meanwhile. Smaller inputs are cheaper than the hop.
+TOKENIZE_IN_THREAD_ABOVE = 32_768
+
+
+def _input_size(texts: Sequence[str] | None, token_ids: Sequence[Sequence[int]] | None) -> int:
+    if token_ids is not None:
+        return sum(len(ids) if isinstance(ids, list | tuple) else 1 for ids in token_ids)
+    return sum(len(text) if isinstance(text, str) else 1 for text in texts or ())
+
+
+def _plan(spec: ModelSpec, batch: TokenizedBatch) -> list[SubBatch]:
+    return sub_batches(
+        batch.token_counts,
+        max_batch_tokens=settings.MAX_BATCH_TOKENS,
+        max_rows=spec.max_batch_size,
+        buckets=tuple(settings.SEQUENCE_LENGTH_BUCKETS),
+    )
+
+
+def _sub_batch_inputs(batch: TokenizedBatch, group: SubBatch) -> tuple[np.ndarray, np.ndarray]:
+    """The sub-batch's rows, padded to its own width (the batch is right-padded to its longest)."""
+    if len(group.rows) == len(batch) and group.width >= batch.input_ids.shape[1]:
+        return batch.input_ids, batch.attention_mask
+    return batch.input_ids[group.rows, : group.width], batch.attention_mask[group.rows, : group.width]
+
+
+async def _gather_or_cancel(calls: Sequence[Awaitable[np.ndarray]]) -> list[np.ndarray]:
+    """Run the calls concurrently; the first failure (or our cancellation) cancels the rest."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+@contextlib.asynccontextmanager
+async def _tokens_in_flight(tokens: int) -> AsyncIterator[None]:
+    TOKENS_IN_FLIGHT.inc(tokens)
+    try:
+        yield
+    finally:
+        TOKENS_IN_FLIGHT.dec(tokens)
+
+
+async def _infer(
+    target: EmbeddingTarget,
+    texts: Sequence[str] | None,
+    token_ids: Sequence[Sequence[int]] | None,
+    batch: TokenizedBatch,
+    deadline: float,
+) -> np.ndarray:
+    """All of the request's sub-batches through the process's fair scheduler, by `deadline`."""
+    client = triton_async_client()
+    model, version = target.triton_model, target.triton_version
+    spec = await client.model_metadata(model, version)
+    takes_text = _takes_text(spec, token_ids)
+    groups = _plan(spec, batch)
+    scheduler = inference_scheduler()
+    share = scheduler.share()
+
+    coalesce = settings.COALESCE_REQUESTS and not takes_text and len(groups) == 1 and spec.max_batch_size > 0
+
+    async def run(group: SubBatch) -> np.ndarray:
+        queued = time.perf_counter()
+        async with scheduler.slot(share, group.cost), _tokens_in_flight(group.cost):
+            if coalesce:
+                # Shares one Triton call with other requests' rows (inference/coalescing.py).
+                coalescer = request_coalescer(model, version, max_rows=spec.max_batch_size)
+                return await coalescer.embed(
+                    *_sub_batch_inputs(batch, group), deadline=deadline, queued=queued
+                )
+            QUEUE_SECONDS.labels(model).observe(time.perf_counter() - queued)
+            BATCH_ROWS.labels(model).observe(len(group.rows))
+            BATCH_TOKENS.labels(model).observe(group.cost)
+            options = {
+                "version": version,
+                "output_name": settings.OUTPUT_NAME,
+                "priority": PRIORITY_INTERACTIVE if len(groups) == 1 else PRIORITY_LARGE,
+                # Each call within TRITON_TIMEOUT_S, and none past the request's deadline.
+                "timeout_s": max(0.001, min(settings.TRITON_TIMEOUT_S, deadline - time.monotonic())),
+            }
+            if takes_text:
+                rows = [texts[row] for row in group.rows] if len(groups) > 1 else list(texts or ())
+                return await client.embed_texts(model, rows, **options)
+            return await client.embed_tokens(model, *_sub_batch_inputs(batch, group), **options)
+
+    parts = [await run(groups[0])] if len(groups) == 1 else await _gather_or_cancel(map(run, groups))
+    return reassembled(list(zip(groups, parts, strict=True)), len(batch))
+
+
+async def embeddings_create(
+    *,
+    target: EmbeddingTarget,
+    texts: Sequence[str] | None = None,
+    token_ids: Sequence[Sequence[int]] | None = None,
+    options: EmbeddingOptions = EmbeddingOptions(),
+    quota: RequestQuota | None = None,
+    timeout_s: float | None = None,
+) -> EmbeddingResult:
+    """Embed `texts` (or pre-tokenised `token_ids`) with the target model, in input order.
+
+    With `quota`, the request's tokens are reserved against its tenant's and key's limits after
+    tokenisation and before inference (QuotaExceeded refuses it with nothing spent), and settled
+    afterwards: kept when it succeeded, refunded when inference failed.
+
+    Inference (waiting for its turn included) ends within `timeout_s` (EMBEDDING_TIMEOUT_S) of
+    the call: past it InferenceTimeout is raised at once, and the sub-batches not yet sent are
+    never sent. A cancelled call (the client went away) drops them likewise.
+    """
+    timeout_s = settings.EMBEDDING_TIMEOUT_S if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    _check_options(target, options)
+    texts = _with_prompt(target, texts, options)
+    if _input_size(texts, token_ids) > TOKENIZE_IN_THREAD_ABOVE:
+        batch, _, tokenization_s = await asyncio.to_thread(_tokenize, target, texts, token_ids, options)
+    else:
+        batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
+    request_context.annotate(inputs=len(batch), tokens=batch.total_tokens)
+    with inflight_gate:
+        if quota is not None:
+            with tracing.span("quota.reserve"):
+                await quota.reserve(inputs=len(batch), tokens=batch.total_tokens)
+        try:
+            with triton_call_observed(target.triton_model):
+                started = time.perf_counter()
+                try:
+                    async with asyncio.timeout(deadline - time.monotonic()):
+                        with tracing.span("inference", model=target.triton_model, rows=len(batch)):
+                            vectors = await _infer(target, texts, token_ids, batch, deadline)
+                except TritonModelNotLoaded as error:
+                    raise _not_loaded(target) from error
+                except TimeoutError:
+                    raise InferenceTimeout(
+                        f"The embeddings were not ready within this server's {timeout_s:g} s deadline "
+                        f"({len(batch)} inputs, {batch.total_tokens} tokens); send fewer or shorter "
+                        "inputs per request, or retry when the server is less busy."
+                    ) from None
+                inference_s = time.perf_counter() - started
+            vectors = _postprocess(target, vectors, options)
+        except BaseException:  # a Triton error, a bad output, the deadline, or the client went away
+            if quota is not None:
+                with tracing.span("quota.settle", succeeded=False):
+                    await quota.settle(succeeded=False)
+            raise
+    if quota is not None:
+        with tracing.span("quota.settle", succeeded=True):
+            await quota.settle(succeeded=True)
+    return EmbeddingResult(target.triton_model, vectors, batch.token_counts, tokenization_s, inference_s)
+
+
+def _not_loaded(target: EmbeddingTarget) -> ModelNotLoaded:
+    return ModelNotLoaded(
+        model=target.name or target.triton_model,
+        triton_model=target.triton_model,
+        version=target.triton_version,
+    )
+
+
+@contextlib.contextmanager
+def _model_not_loaded_named(target: EmbeddingTarget) -> Iterator[None]:
+    """Triton's "not loaded" as the service's error, naming the catalog model the client asked for."""
+    try:
+        yield
+    except TritonModelNotLoaded as error:
+        raise _not_loaded(target) from error
+
+
+def _run_windowed(calls: Sequence[Callable[[], np.ndarray]], window: int) -> list[np.ndarray]:
+    """Run blocking calls with at most `window` at a time, in order; a failure cancels the rest."""
+    if len(calls) == 1 or window <= 1:
+        return [call() for call in calls]
+    with ThreadPoolExecutor(min(window, len(calls)), thread_name_prefix="embed-sub-batch") as pool:
+        futures = [pool.submit(call) for call in calls]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def embeddings_create_sync(
+    *,
+    target: EmbeddingTarget,
+    texts: Sequence[str] | None = None,
+    token_ids: Sequence[Sequence[int]] | None = None,
+    options: EmbeddingOptions = EmbeddingOptions(),
+) -> EmbeddingResult:
+    """The blocking twin of `embeddings_create`, for Celery workers and commands (no in-flight gate).
+
+    Its sub-batches go to Triton at the bulk priority, MAX_TOKENS_IN_FLIGHT / MAX_BATCH_TOKENS at a
+    time, so queued bulk work never stands in front of a request someone is waiting for.
+    """
+    _check_options(target, options)
+    texts = _with_prompt(target, texts, options)
+    batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
+    client = triton_sync_client()
+    model, version = target.triton_model, target.triton_version
+    with (
+        triton_call_observed(model),
+        _model_not_loaded_named(target),
+        tracing.span("inference", model=model, rows=len(batch)),
+    ):
+        started = time.perf_counter()
+        spec = client.model_metadata(model, version)
+        takes_text = _takes_text(spec, token_ids)
+        groups = _plan(spec, batch)
+        call_options = {"version": version, "output_name": settings.OUTPUT_NAME, "priority": PRIORITY_BULK}
+
+        def call(group: SubBatch) -> Callable[[], np.ndarray]:
+            if takes_text:
+                rows = [texts[row] for row in group.rows] if len(groups) > 1 else list(texts or ())
+                return lambda: client.embed_texts(model, rows, **call_options)
+            input_ids, attention_mask = _sub_batch_inputs(batch, group)
+            return lambda: client.embed_tokens(model, input_ids, attention_mask, **call_options)
+
+        window = max(1, settings.MAX_TOKENS_IN_FLIGHT // settings.MAX_BATCH_TOKENS)
+        parts = _run_windowed([call(group) for group in groups], window)
+        vectors = reassembled(list(zip(groups, parts, strict=True)), len(batch))
+        inference_s = time.perf_counter() - started
+    vectors = _postprocess(target, vectors, options)
+    return EmbeddingResult(model, vectors, batch.token_counts, tokenization_s, inference_s)

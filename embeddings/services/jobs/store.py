@@ -1,0 +1,254 @@
+"""A job's inputs and results in the job store (JOB_STORE_URL): chunked, kept for the job's TTL,
+written once, read as a stream.
+
+The job's keys, their types and lifetimes are in embeddings.redis.keys (`job:{<id>}:...`: the hash
+tag keeps one job's keys on one Redis Cluster slot); JobStore names them only through that module, runs
+its script through the package's operations, and `delete` removes every one of them (keys.job_keys).
+
+A chunk's result, its entry in `done`, the progress counters and its usage increments (in
+`uncounted`) are written by one script, so a chunk that runs twice (a worker killed after writing,
+Celery redelivering) neither writes twice nor counts twice. The usage counters themselves live in
+the critical Redis, another server: no script spans both, so the increments wait in `uncounted`
+until they are counted there, once per chunk (a marker per chunk beside the counters), and are
+forgotten only after that: a worker dying in between leaves them to the chunk's redelivery, the
+watchdog or the job's end (embeddings.services.jobs.engine), never lost and never counted twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import orjson
+import redis
+from django.conf import settings
+
+from embeddings.errors.service import JobStoreUnavailable
+from embeddings.redis import keys, operations
+from embeddings.redis.connections import redis_job_store
+from embeddings.redis.transport import operation_run_sync
+from embeddings.result_dtypes import DEFAULT_RESULT_DTYPE, result_decode, result_encode
+
+if TYPE_CHECKING:
+    from embeddings.models import EmbeddingJob
+
+
+@dataclass(frozen=True)
+class EncodedInputs:
+    """A job's inputs as they will be stored: one payload per chunk (and its ids'), so their
+    bytes are known exactly before anything is written (embeddings.services.jobs.budget)."""
+
+    texts: list[bytes]
+    ids: list[bytes] | None = None
+
+    @property
+    def text_bytes(self) -> int:
+        return sum(map(len, self.texts))
+
+    @property
+    def id_bytes(self) -> int:
+        return sum(map(len, self.ids or ()))
+
+
+def inputs_encode(
+    chunks: Sequence[Sequence[str]], ids: Sequence[Sequence[str]] | None = None
+) -> EncodedInputs:
+    """Each chunk's texts (and ids) as the orjson lists put_inputs stores."""
+    return EncodedInputs(
+        texts=[orjson.dumps(list(texts)) for texts in chunks],
+        ids=None if ids is None else [orjson.dumps(list(chunk_ids)) for chunk_ids in ids],
+    )
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    completed: int = 0
+    failed: int = 0
+    tokens: int = 0
+    chunks_done: int = 0
+
+
+class JobStore:
+    """One job's data in Redis (blocking client: Celery workers and the download views' threads)."""
+
+    def __init__(
+        self, client: redis.Redis, job_id: str, *, ttl_s: int, result_dtype: str = DEFAULT_RESULT_DTYPE
+    ) -> None:
+        self.client = client
+        self.job_id = job_id
+        self.ttl_s = int(ttl_s)
+        self.result_dtype = result_dtype
+
+    def key(self, kind: str, chunk: int | None = None) -> str:
+        """One of the job's keys (embeddings.redis.keys): a chunk's with `chunk`."""
+        if chunk is None:
+            return keys.job_key(self.job_id, kind)
+        return keys.job_chunk_key(self.job_id, kind, chunk)
+
+    # --- inputs (submission) ----------------------------------------------------------------
+
+    def put_inputs(self, chunks: Sequence[Sequence[str]], ids: Sequence[Sequence[str]] | None = None) -> int:
+        """Store every chunk's texts (and ids); returns the number of chunks."""
+        return self.put_encoded_inputs(inputs_encode(chunks, ids))
+
+    def put_encoded_inputs(self, inputs: EncodedInputs) -> int:
+        """Store every chunk's encoded texts (and ids); returns the number of chunks. Raises
+        JobStoreUnavailable when the job store refuses them (full: noeviction) or cannot be reached;
+        the caller deletes what got in."""
+        pipeline = self.client.pipeline(transaction=False)
+        for number, texts in enumerate(inputs.texts):
+            pipeline.set(self.key("in", number), texts, ex=self.ttl_s)
+            if inputs.ids is not None:
+                pipeline.set(self.key("ids", number), inputs.ids[number], ex=self.ttl_s)
+        try:
+            pipeline.execute()
+        except redis.exceptions.RedisError as error:
+            if isinstance(error, redis.exceptions.OutOfMemoryError):
+                raise JobStoreUnavailable(
+                    "The job store is full, so the job was not submitted; retry later."
+                ) from error
+            raise JobStoreUnavailable(
+                "The job store does not answer, so the job was not submitted; retry shortly."
+            ) from error
+        return len(inputs.texts)
+
+    def delete_inputs(self, chunks: int) -> None:
+        """Remove the chunks' texts once none will run again (the ids stay: results name them)."""
+        names = [self.key("in", chunk) for chunk in range(chunks)]
+        for start in range(0, len(names), 1000):
+            self.client.delete(*names[start : start + 1000])
+
+    def put_reservation(self, counter_keys: Sequence[str]) -> None:
+        """Remember which quota counters (in the critical Redis) the job's tokens were reserved on,
+        to refund its unused tokens at the end."""
+        try:
+            self.client.set(self.key("reservation"), orjson.dumps(list(counter_keys)), ex=self.ttl_s)
+        except redis.exceptions.RedisError as error:
+            raise JobStoreUnavailable("The job store cannot take the job now; retry later.") from error
+
+    def reservation(self) -> list[str]:
+        raw = self.client.get(self.key("reservation"))
+        return orjson.loads(raw) if raw else []
+
+    def chunk_inputs(self, chunk: int) -> list[str] | None:
+        """The chunk's texts; None once they are gone (expired or deleted)."""
+        raw = self.client.get(self.key("in", chunk))
+        return None if raw is None else orjson.loads(raw)
+
+    def chunk_ids(self, chunk: int) -> list[str] | None:
+        raw = self.client.get(self.key("ids", chunk))
+        return None if raw is None else orjson.loads(raw)
+
+    # --- results (workers) --------------------------------------------------------------------
+
+    def is_chunk_done(self, chunk: int) -> bool:
+        return bool(self.client.sismember(self.key("done"), chunk))
+
+    def finish_chunk(
+        self, chunk: int, vectors: np.ndarray, *, tokens: int, usage: dict[str, int] | None = None
+    ) -> bool:
+        """Write a chunk's vectors (in the job's result dtype) and count them, and keep its usage
+        increments to be counted, once; False if the chunk was already finished. Raises
+        ResultOutOfRange, before anything is written, for a value the result dtype cannot hold."""
+        payload = result_encode(vectors, self.result_dtype)
+        return self._finish(
+            chunk, payload, rows=len(vectors), tokens=tokens, counter="completed", usage=usage
+        )
+
+    def finish_chunk_lines(
+        self, chunk: int, lines: bytes, *, rows: int, tokens: int, usage: dict[str, int] | None = None
+    ) -> bool:
+        """Write a batch chunk's output lines (JSONL bytes) and count `rows` of them completed, once,
+        as finish_chunk does for vectors; False if the chunk was already finished."""
+        return self._finish(chunk, lines, rows=rows, tokens=tokens, counter="completed", usage=usage)
+
+    def chunk_lines(self, chunk: int) -> bytes | None:
+        """A finished batch chunk's output lines; None if it has none (failed, expired)."""
+        raw = self.client.get(self.key("out", chunk))
+        return raw or None
+
+    def fail_chunk(self, chunk: int, *, rows: int, usage: dict[str, int] | None = None) -> bool:
+        """Count a chunk's inputs as failed (and keep its usage increments), once; False if the
+        chunk was already finished."""
+        return self._finish(chunk, b"", rows=rows, tokens=0, counter="failed", usage=usage)
+
+    def _finish(
+        self,
+        chunk: int,
+        payload: bytes,
+        *,
+        rows: int,
+        tokens: int,
+        counter: str,
+        usage: dict[str, int] | None,
+    ) -> bool:
+        finish = operations.job_chunk_finish(
+            job_id=self.job_id,
+            chunk=chunk,
+            payload=payload,
+            ttl_s=self.ttl_s,
+            rows=rows,
+            tokens=tokens,
+            counter=counter,
+            increments=orjson.dumps(usage) if usage else b"",
+        )
+        return operation_run_sync(finish, self.client)
+
+    def uncounted_usage(self, chunk: int | None = None) -> dict[int, dict[str, int]]:
+        """Usage increments of finished chunks not yet counted (one chunk's, or all of them)."""
+        if chunk is not None:
+            raw = self.client.hget(self.key("uncounted"), chunk)
+            return {} if raw is None else {chunk: orjson.loads(raw)}
+        return {
+            int(number): orjson.loads(raw)
+            for number, raw in self.client.hgetall(self.key("uncounted")).items()
+        }
+
+    def forget_usage(self, chunks: Sequence[int]) -> None:
+        """Drop increments the critical Redis has counted."""
+        if chunks:
+            self.client.hdel(self.key("uncounted"), *chunks)
+
+    def progress(self) -> JobProgress:
+        values = self.client.hgetall(self.key("progress"))
+        return JobProgress(**{name.decode(): int(count) for name, count in values.items()})
+
+    # --- cancel, read back, delete ------------------------------------------------------------
+
+    def cancel(self) -> None:
+        self.client.set(self.key("cancel"), 1, ex=self.ttl_s)
+
+    def is_cancelled(self) -> bool:
+        return bool(self.client.exists(self.key("cancel")))
+
+    def event_due(self, interval_s: float) -> bool:
+        """True at most once every `interval_s` (progress events' rate limit, across workers)."""
+        return bool(self.client.set(self.key("event"), 1, nx=True, px=int(interval_s * 1000)))
+
+    def chunk_result(self, chunk: int, dims: int) -> np.ndarray | None:
+        """A finished chunk's vectors (rows x dims float32, whatever the result dtype); None if it
+        has none (failed, expired)."""
+        raw = self.client.get(self.key("out", chunk))
+        return None if raw is None else result_decode(raw, self.result_dtype, dims)
+
+    def delete(self, chunks: int) -> None:
+        """Remove every key of the job in the job store (inputs, ids, results, counters, the
+        engine's and the leases'): keys.job_keys lists them all."""
+        operation_run_sync(operations.job_delete(self.job_id, chunks), self.client)
+
+
+def job_store(job: EmbeddingJob) -> JobStore:
+    """The job's data in the job store; kept a day past expires_at at most (expiry deletes it first)."""
+    return JobStore(
+        redis_job_store(),
+        job.public_id,
+        ttl_s=settings.JOB_RESULT_TTL_S + 86400,
+        result_dtype=job.result_dtype,
+    )
+
+
+def chunk_rows(job: EmbeddingJob) -> list[int]:
+    """How many inputs each of the job's chunks holds (the last may hold fewer)."""
+    return [min(job.chunk_size, job.total - chunk * job.chunk_size) for chunk in range(job.chunks)]
