@@ -4,10 +4,10 @@ A job's inputs, results and progress live in the job store (JOB_STORE_URL,
 embeddings.services.jobs.store), its state in the EmbeddingJob row; its quota reservation and usage
 in the critical Redis (REDIS_URL). Life of a job:
 
-    job_create     (submission.py) validate, idempotency, max concurrent jobs, admit its bytes against the job
-                   storage budgets (embeddings.services.jobs.budget), reserve the whole job's
-                   tokens (an upper bound), store the inputs, save the row, and after the commit
-                   hand out the first JOB_CHUNKS_IN_FLIGHT chunks to the broker.
+    job_create     (submission.py) validate, idempotency, max concurrent jobs, admit its bytes
+                   against the job storage budgets (budget.py), reserve the whole job's tokens
+                   (an upper bound), store the inputs, save the row, and after the commit hand
+                   out the first JOB_CHUNKS_IN_FLIGHT chunks to the broker.
     job_chunk_run  (a Celery task per chunk) embed one chunk under a lease its heartbeat keeps
                    alive (embeddings.services.jobs.leases), write it with its usage increments
                    (one script: JobStore.finish_chunk), count that usage in the critical Redis
@@ -51,7 +51,7 @@ from django.utils import timezone
 from embeddings.models import EmbeddingJob
 from embeddings.services.jobs.budget import job_storage_release, job_storage_settle
 from embeddings.services.jobs.events import job_event_publish
-from embeddings.services.jobs.kinds import chunk_usage, job_kind
+from embeddings.services.jobs.kinds import job_kind
 from embeddings.services.jobs.leases import (
     ChunkLease,
     chunk_hand_off,
@@ -244,7 +244,8 @@ def job_chunk_fail(*, job_id: int, chunk: int, code: str, message: str) -> None:
     EmbeddingJob.objects.filter(pk=job.pk, error_code="").update(error_code=code, error_message=message)
     store = job_store(job)
     rows = chunk_rows(job)[chunk]
-    store.fail_chunk(chunk, rows=rows, usage=chunk_usage(job, "failed", started=time.perf_counter()))
+    usage = job_kind(job.kind).chunk_usage(job, "failed", started=time.perf_counter())
+    store.fail_chunk(chunk, rows=rows, usage=usage)
     _count_usage(store, chunk)
     _after_chunk(job, store, chunk)
 
@@ -263,10 +264,10 @@ def job_chunk_give_up(*, job_id: int, chunk: int, code: str, message: str) -> No
     store = job_store(job)
     store.cancel()  # chunks still queued or running stop at their next check
     rows_in = chunk_rows(job)
+    kind = job_kind(job.kind)
     for number in range(job.chunks):
-        store.fail_chunk(
-            number, rows=rows_in[number], usage=chunk_usage(job, "failed", started=time.perf_counter())
-        )
+        usage = kind.chunk_usage(job, "failed", started=time.perf_counter())
+        store.fail_chunk(number, rows=rows_in[number], usage=usage)
     job_finalize(job_id=job.pk, status=Status.FAILED)
 
 

@@ -48,13 +48,31 @@ class JobKind:
 
         def write(store: JobStore, chunk: int) -> None:
             tokens = result.total_tokens
-            usage = chunk_usage(job, "succeeded", inputs=len(texts), tokens=tokens, started=started)
+            usage = self.chunk_usage(job, "succeeded", inputs=len(texts), tokens=tokens, started=started)
             store.finish_chunk(chunk, result.vectors, tokens=tokens, usage=usage)
 
         return write
 
     def ended(self, job: EmbeddingJob) -> None:
         """A job of this kind has ended: its final status is saved, its event published."""
+
+    def chunk_usage(
+        self, job: EmbeddingJob, outcome: str, *, inputs: int = 0, tokens: int = 0, started: float
+    ) -> dict[str, int]:
+        """A chunk's usage increments, under this kind's endpoint, kept with its result and counted
+        once (the engine's _count_usage)."""
+        return usage_increments(
+            UsageEvent(
+                tenant_id=job.tenant_id,
+                api_key_id=job.api_key_id,
+                model=job.model.name,
+                endpoint=self.usage_endpoint,
+                outcome=outcome,
+                inputs=inputs if outcome == "succeeded" else 0,
+                tokens=tokens if outcome == "succeeded" else 0,
+                latency_ms=round((time.perf_counter() - started) * 1000),
+            )
+        )
 
 
 EMBEDDINGS = JobKind()
@@ -69,22 +87,3 @@ def job_embedding_target(model: EmbeddingModel) -> EmbeddingTarget:
     """What a job's chunks are embedded with: the model without the synchronous per-request limits
     (a chunk is sized by JOB_CHUNK_SIZE)."""
     return dataclasses.replace(EmbeddingTarget.for_model(model), max_inputs=None, max_total_tokens=None)
-
-
-def chunk_usage(
-    job: EmbeddingJob, outcome: str, *, inputs: int = 0, tokens: int = 0, started: float
-) -> dict[str, int]:
-    """A chunk's usage increments, under its kind's endpoint, kept with its result and counted once
-    (the engine's _count_usage)."""
-    return usage_increments(
-        UsageEvent(
-            tenant_id=job.tenant_id,
-            api_key_id=job.api_key_id,
-            model=job.model.name,
-            endpoint=job_kind(job.kind).usage_endpoint,
-            outcome=outcome,
-            inputs=inputs if outcome == "succeeded" else 0,
-            tokens=tokens if outcome == "succeeded" else 0,
-            latency_ms=round((time.perf_counter() - started) * 1000),
-        )
-    )

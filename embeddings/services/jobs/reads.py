@@ -15,8 +15,8 @@ from embeddings.services.pages import creation_page
 
 Status = EmbeddingJob.Status
 ACTIVE = EmbeddingJob.ACTIVE
-# Every id job submission draws (submission.py): any other string names no job, and is not looked up
-# (PostgreSQL refuses a query with a NUL in it).
+# Every id job submission draws (submission.py _new_public_id): any other string names no job, and
+# is not looked up (PostgreSQL refuses a query with a NUL in it).
 JOB_ID_PATTERN = r"job_[a-z0-9]{24}"
 
 

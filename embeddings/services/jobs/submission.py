@@ -52,9 +52,6 @@ Status = EmbeddingJob.Status
 ACTIVE = EmbeddingJob.ACTIVE
 ENCODING_FORMATS = ("float", "base64")
 PUBLIC_ID_ALPHABET = string.ascii_lowercase + string.digits
-# Every id _new_public_id draws: any other string names no job, and is not looked up (PostgreSQL
-# refuses a query with a NUL in it).
-JOB_ID_PATTERN = r"job_[a-z0-9]{24}"
 
 
 @dataclass(frozen=True)
@@ -81,6 +78,7 @@ class JobSpec:
 
 
 def _new_public_id() -> str:
+    """A job id, of reads.JOB_ID_PATTERN's form."""
     return "job_" + "".join(secrets.choice(PUBLIC_ID_ALPHABET) for _ in range(24))
 
 

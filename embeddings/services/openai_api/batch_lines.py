@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from embeddings.contracts.embeddings_request import embeddings_request_parse
 from embeddings.errors.answers import as_api_error
 from embeddings.errors.service import InvalidRequest, LimitExceeded
 from embeddings.models import EmbeddingModel
@@ -39,11 +38,6 @@ RenderError = Callable[[Exception], tuple[int, dict]]
 # Anything else (Triton down, a timeout) propagates: the chunk is retried as any job chunk.
 LINE_ERRORS = (InvalidRequest, LimitExceeded, TokenizationError, TritonInvalidInput)
 LINE_DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
-
-
-def line_body_parse(body: dict) -> dict:
-    """The embeddings request of a line's body; raises what the endpoint would refuse it with."""
-    return embeddings_request_parse(body)
 
 
 def line_error_render(error: Exception) -> tuple[int, dict]:

@@ -12,8 +12,8 @@ batch_validate    (a Celery task) reads the file a line at a time: each line mus
                   BATCH_MAX_INPUTS embedding inputs, no good line, or a quota refusal: the
                   batch fails. Idempotent: the job is created under the batch's id as its
                   idempotency key, so a redelivered validation finds the same job.
-the job engine    runs the chunks (job_chunk_run calls batch_lines.batch_chunk_embed for a
-                  batch's job); when the job ends, job_finalize hands the batch to
+the job engine    runs the chunks of the job kind "batch" (BatchJobKind: batch_lines'
+                  batch_chunk_embed); when the job ends, the kind hands the batch to
 batch_finalize    (a Celery task) writes the output file (the 200 answers) and the error file
                   (everything else, every other custom_id once: refused while validating,
                   answered with an error, failed, cancelled or expired) to the files storage,
@@ -45,6 +45,7 @@ from django.core.files import File
 from django.db import transaction
 from django.utils import timezone
 
+from embeddings.contracts.embeddings_request import embeddings_request_parse
 from embeddings.errors.service import (
     EmptyFile,
     InvalidRequest,
@@ -63,7 +64,6 @@ from embeddings.services.openai_api.batch_lines import (
     LineRequest,
     batch_chunk_embed,
     error_line,
-    line_body_parse,
     line_error_render,
     line_output_bytes_estimate,
     line_token_estimate,
@@ -92,9 +92,6 @@ BATCH_ID_PATTERN = r"batch_[a-z0-9]{24}"
 # errors.data keeps the first this many problems (every one is in the error file).
 BATCH_MAX_ERRORS_KEPT = 1000
 FINAL = (Status.FAILED, Status.COMPLETED, Status.EXPIRED, Status.CANCELLED)
-
-# A line's body -> {"model", "texts" | "token_ids", "dimensions", "encoding_format"}, or an exception
-# the API would refuse that request with (the API's own request serializer: see tasks.py).
 
 
 def _new_public_id() -> str:
@@ -335,7 +332,7 @@ def _parse_request(
     if not isinstance(body, dict):
         raise _LineProblem("invalid_body", "body must be a JSON object (an embeddings request).", "body")
     try:
-        request = line_body_parse(body)
+        request = embeddings_request_parse(body)
         model = models.resolve(request["model"])
         dimensions_check(dimensions=request.get("dimensions"), model_dimensions=model.dimensions)
     except _LineProblem:
