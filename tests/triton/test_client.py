@@ -25,6 +25,7 @@ from embeddings.triton import (
     PRIORITY_BULK,
     PRIORITY_INTERACTIVE,
     AsyncTritonClient,
+    ModelStatistics,
     TritonClient,
     TritonInvalidInput,
     TritonModelError,
@@ -97,12 +98,36 @@ def assert_rows_in_order(embeddings: np.ndarray, input_ids: np.ndarray, attended
     np.testing.assert_array_equal(embeddings[:, 2:], np.repeat(input_ids[:, :1], 1022, axis=1))
 
 
+# Triton counts a request in its statistics as it releases it, which can be just after the
+# response reached the client: a read at once may miss the last call. Read until `calls` more
+# succeeded (or STATISTICS_SETTLE_S passed); the test then asserts the exact count.
+STATISTICS_SETTLE_S = 10.0
+
+
+async def statistics_after(client: AsyncTritonClient, before: ModelStatistics, calls: int) -> ModelStatistics:
+    deadline = time.monotonic() + STATISTICS_SETTLE_S
+    while True:
+        after = await client.model_statistics(INSTANT)
+        if after.success_count - before.success_count >= calls or time.monotonic() > deadline:
+            return after
+        await asyncio.sleep(0.05)
+
+
+def statistics_after_sync(client: TritonClient, before: ModelStatistics, calls: int) -> ModelStatistics:
+    deadline = time.monotonic() + STATISTICS_SETTLE_S
+    while True:
+        after = client.model_statistics(INSTANT)
+        if after.success_count - before.success_count >= calls or time.monotonic() > deadline:
+            return after
+        time.sleep(0.05)
+
+
 async def test_async_request_over_max_batch_size_is_split_and_reassembled_in_order(triton_server):
     input_ids, attention_mask = token_batch(100)
     async with AsyncTritonClient(triton_server.grpc_target, channels=3, timeout_s=10) as client:
         before = await client.model_statistics(INSTANT)
         embeddings = await client.embed_tokens(INSTANT, input_ids, attention_mask)
-        after = await client.model_statistics(INSTANT)
+        after = await statistics_after(client, before, calls=7)
 
     assert_rows_in_order(embeddings, input_ids, attended=6)
     assert after.success_count - before.success_count == 7  # ceil(100 / 16) ModelInfer calls
@@ -113,7 +138,7 @@ def test_sync_request_over_max_batch_size_is_split_and_reassembled_in_order(clie
     input_ids, attention_mask = token_batch(100, length=4, attended=3)
     before = client.model_statistics(INSTANT)
     embeddings = client.embed_tokens(INSTANT, input_ids.astype(np.int32), attention_mask)
-    after = client.model_statistics(INSTANT)
+    after = statistics_after_sync(client, before, calls=7)
 
     assert_rows_in_order(embeddings, input_ids, attended=3)
     assert after.success_count - before.success_count == 7
