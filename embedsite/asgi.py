@@ -1,7 +1,8 @@
 """ASGI entry point: channels routes HTTP to Django and WebSockets to embeddings/consumers.py.
 
 API paths go to a lean Django handler (embeddings/api/handler.py: async-only middleware, bodies
-read under limits, no thread per request); the admin and docs to Django's own, full stack.
+read under limits, no thread per request, the common POST /v1/embeddings by an express lane that
+skips Django's and DRF's request layers); the admin and docs to Django's own, full stack.
 """
 
 import asyncio
@@ -20,6 +21,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path, re_path  # noqa: E402
 
 from embeddings import lifecycle, metrics  # noqa: E402
+from embeddings.api.express import ExpressEmbeddings  # noqa: E402
 from embeddings.api.handler import FullStackASGIHandler, LeanASGIHandler  # noqa: E402
 from embeddings.consumers import JobProgressConsumer, UnknownRouteConsumer  # noqa: E402
 from embeddings.errors.answers import ShuttingDown, json_error_response  # noqa: E402
@@ -28,7 +30,7 @@ from embeddings.observability.middleware import RequestIdMiddleware  # noqa: E40
 
 # Before any client is made: the gRPC and Celery instrumentations patch what makes them.
 tracing.setup("web")
-api_asgi_app = LeanASGIHandler()
+api_asgi_app = LeanASGIHandler(express=ExpressEmbeddings())
 django_asgi_app = FullStackASGIHandler()
 
 

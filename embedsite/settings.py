@@ -247,6 +247,9 @@ API_MIDDLEWARE = [
     "embeddings.api.middleware.ApiSecurityMiddleware",
 ]
 API_PATH_PREFIXES = ("/v1/", "/api/v1/", "/embed", "/health", "/ready", "/metrics")
+# POST /v1/embeddings answered without Django's and DRF's request layers when nothing in the request
+# needs them (embeddings/api/express.py), byte for byte as the view answers; false: always the view.
+EXPRESS_EMBEDDINGS = env_bool("EXPRESS_EMBEDDINGS", True)
 
 # --- Admin login brute force (django-axes) ------------------------------------------------------
 # Axes' backend first: it refuses a locked-out login before any password is checked.

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -25,9 +25,6 @@ from embeddings.errors.answers import ApiError, Forbidden, ModelForbidden, Model
 from embeddings.models import ApiKey, EmbeddingModel
 from embeddings.services.accounts.api_keys import api_key_for_secret, api_key_touch, parse_api_key
 from embeddings.services.inference import catalog
-
-if TYPE_CHECKING:
-    from rest_framework.views import APIView
 
 logger = logging.getLogger(__name__)
 
@@ -160,32 +157,44 @@ class ApiKeyAuthentication:
     keyword = "Bearer"
 
     async def authenticate(self, request: Request) -> tuple[Caller, None]:
-        header = request._request.headers.get("Authorization", "")
-        scheme, _, key = header.partition(" ")
-        key = key.strip()
-        if not header:
-            raise Unauthorized(
-                "You didn't provide an API key. Send it as 'Authorization: Bearer emb_...'.",
-                code="missing_api_key",
-            )
-        if scheme.lower() != "bearer" or not key:
-            raise Unauthorized("Send the API key as 'Authorization: Bearer emb_...'.")
-        return await caller_for_api_key(key), None
+        return await caller_for_authorization(request._request.headers.get("Authorization", "")), None
 
     def authenticate_header(self, request: Request) -> str:
         return self.keyword
 
 
-async def model_for_request(view: APIView, name: str | None) -> EmbeddingModel:
+async def caller_for_authorization(header: str) -> Caller:
+    """The caller an `Authorization` header's value names; raises Unauthorized or Forbidden."""
+    scheme, _, key = header.partition(" ")
+    key = key.strip()
+    if not header:
+        raise Unauthorized(
+            "You didn't provide an API key. Send it as 'Authorization: Bearer emb_...'.",
+            code="missing_api_key",
+        )
+    if scheme.lower() != "bearer" or not key:
+        raise Unauthorized("Send the API key as 'Authorization: Bearer emb_...'.")
+    return await caller_for_api_key(key)
+
+
+class ModelCall(Protocol):
+    """What model_for_request needs of a request's handler (an ApiView, or the express lane's
+    embeddings call): the authenticated caller, and where the model's name goes."""
+
+    caller: Caller | None
+    model_name: str
+
+
+async def model_for_request(call: ModelCall, name: str | None) -> EmbeddingModel:
     """The model a request names (or the default), which this key must be allowed to use.
 
-    The view's metrics are labelled with it from here on (errors included).
+    The request's metrics are labelled with it from here on (errors included).
     """
     model = await catalog.embedding_model_resolve(name=name or settings.DEFAULT_EMBEDDING_MODEL)
     if model is None:
         raise ModelNotFound(
             f"The model {name!r} does not exist or you do not have access to it.", param="model"
         )
-    view.model_name = model.name
-    ensure_model_allowed(view.request.user, model)
+    call.model_name = model.name
+    ensure_model_allowed(call.caller, model)
     return model

@@ -19,6 +19,10 @@ embedding request.
   sync call, request_finished at the end. Their receivers (Django's close_old_connections,
   reset_queries, close_caches, reset_urlconf) tidy what that thread's sync code opened; a
   request that ran none has nothing there to tidy, and request_finished runs on the loop.
+
+And an express lane (embeddings/api/express.py, given by embedsite/asgi.py): the common POST
+/v1/embeddings is answered without Django's request, URL resolver and middleware and DRF's request
+and response, as its view would answer it; everything else goes the way above.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.conf import settings
@@ -36,6 +43,7 @@ from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.http import HttpResponseBase
 from django.urls import set_script_prefix
+from django.utils.log import log_response
 
 from embeddings.api import intake
 from embeddings.errors.answers import json_error_response
@@ -131,10 +139,21 @@ class RequestThreads:
             thread.shutdown(wait=False)
 
 
+class ExpressLane(Protocol):
+    """Requests answered without Django's request, URL resolver and middleware (embeddings/api/
+    express.py): `take` says whether it answers this one (None: Django and the view do), before
+    anything is done; `answer` makes the response."""
+
+    def take(self, scope: dict, body_file) -> object | None: ...
+
+    async def answer(self, taken: object, arrived: float) -> HttpResponseBase: ...
+
+
 class LeanASGIHandler(ASGIHandler):
-    def __init__(self) -> None:
+    def __init__(self, express: ExpressLane | None = None) -> None:
         super().__init__()
         self.request_threads = RequestThreads(keep_idle=IDLE_REQUEST_THREADS)
+        self.express = express
 
     def load_middleware(self, is_async: bool = False) -> None:
         # Django builds the chain from settings.MIDDLEWARE; swap it only while this handler is
@@ -166,11 +185,19 @@ class LeanASGIHandler(ASGIHandler):
             return
         try:
             set_script_prefix(get_script_prefix(scope))
-            request, response = self.create_request(scope, body_file)
-            if request is None:
-                await self.send_response(response, send)
+            taken = self.express.take(scope, body_file) if self.express is not None else None
+            if taken is not None:
+                response = await self.respond_unless_aborted(
+                    functools.partial(self.express_response, scope, body_file, taken), receive, send
+                )
             else:
-                response = await self.respond_unless_aborted(request, receive, send)
+                request, response = self.create_request(scope, body_file)
+                if request is None:
+                    await self.send_response(response, send)
+                else:
+                    response = await self.respond_unless_aborted(
+                        functools.partial(self.run_get_response, request), receive, send
+                    )
             if response is None:
                 finish = functools.partial(signals.request_finished.send, sender=self.__class__)
             else:
@@ -182,11 +209,23 @@ class LeanASGIHandler(ASGIHandler):
         finally:
             body_file.close()
 
-    async def respond_unless_aborted(self, request, receive, send) -> HttpResponseBase | None:
-        """The view's response, sent; None if the client went away first (the view is cancelled)."""
+    async def express_response(self, scope, body_file, taken: object) -> HttpResponseBase:
+        """The express lane's answer, logged as Django's handler logs a view's 4xx and 5xx (with the
+        request Django would have made: refusals are the rare case)."""
+        response = await self.express.answer(taken, time.perf_counter())
+        if response.status_code >= 400:
+            request, _ = self.create_request(scope, body_file)
+            log_response("%s: %s", response.reason_phrase, scope["path"], response=response, request=request)
+        return response
+
+    async def respond_unless_aborted(
+        self, produce: Callable[[], Awaitable[HttpResponseBase]], receive, send
+    ) -> HttpResponseBase | None:
+        """The response `produce` makes (the view's), sent; None if the client went away first (its
+        making is cancelled)."""
 
         async def respond() -> HttpResponseBase:
-            response = await self.run_get_response(request)
+            response = await produce()
             # The client may go away while it is sent: the response is closed all the same.
             with contextlib.suppress(asyncio.CancelledError):
                 await self.send_response(response, send)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
@@ -16,7 +17,7 @@ from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from embeddings.api.authentication import model_for_request
+from embeddings.api.authentication import ModelCall, model_for_request
 from embeddings.api.base import ApiView
 from embeddings.api.docs import AUTH_ERRORS, ERRORS, EXAMPLE_VECTOR, EmbeddingVectorField
 from embeddings.api.middleware import ARRIVED
@@ -40,6 +41,7 @@ from embeddings.services.inference.embedding import (
     embeddings_create,
 )
 from embeddings.services.openai_api.embeddings_body import embeddings_response_body
+from embeddings.services.quotas.limits import RequestQuota
 
 logger = logging.getLogger("embeddings.requests")
 
@@ -167,9 +169,8 @@ class ModelListSerializer(serializers.Serializer):
 
 
 def log_request(
-    request: Request, endpoint: str, model: EmbeddingModel, result: EmbeddingResult, user: str = ""
+    caller: Caller, endpoint: str, model: EmbeddingModel, result: EmbeddingResult, user: str = ""
 ):
-    caller: Caller = request.user
     embedded_observed(
         endpoint=endpoint, model=model.name, inputs=len(result.token_counts), tokens=result.total_tokens
     )
@@ -192,9 +193,13 @@ def log_request(
 
 
 def embedding_response(data: object, result: EmbeddingResult) -> Response:
-    """The response, with where the time went in a Server-Timing header (milliseconds)."""
-    timing = f"tokenize;dur={result.tokenization_s * 1000:.3f}, inference;dur={result.inference_s * 1000:.3f}"
-    return Response(data, headers={"Server-Timing": timing})
+    """The response, with where the time went in a Server-Timing header."""
+    return Response(data, headers={"Server-Timing": timing_header(result)})
+
+
+def timing_header(result: EmbeddingResult) -> str:
+    """Server-Timing's value: tokenisation and inference, in milliseconds."""
+    return f"tokenize;dur={result.tokenization_s * 1000:.3f}, inference;dur={result.inference_s * 1000:.3f}"
 
 
 def usage(result: EmbeddingResult) -> dict:
@@ -245,23 +250,38 @@ class OpenAIEmbeddingsView(ApiView):
     )
     async def post(self, request: Request) -> Response:
         params = validated(OpenAIEmbeddingsRequest, request.data)
-        model = await model_for_request(self, params["model"])
-        parsed: ParsedInput = params["input"]
-        result = await embeddings_create(
-            target=EmbeddingTarget.for_model(model),
-            texts=parsed.texts,
-            token_ids=parsed.token_ids,
-            options=EmbeddingOptions(dimensions=params.get("dimensions")),
-            quota=self.request_quota(model.name),
-        )
-        log_request(request, self.endpoint, model, result, params.get("user", ""))
-        body = embeddings_response_body(
-            model_name=model.name,
-            vectors=result.vectors,
-            total_tokens=result.total_tokens,
-            encoding_format=params["encoding_format"],
-        )
-        return embedding_response(body, result)
+        return embedding_response(*await openai_embeddings(self, params))
+
+
+class EmbeddingsCall(ModelCall, Protocol):
+    """What openai_embeddings needs of a request's handler: OpenAIEmbeddingsView, or the express
+    lane's call (embeddings/api/express.py), which answer alike."""
+
+    endpoint: str
+
+    def request_quota(self, model_name: str) -> RequestQuota: ...
+
+
+async def openai_embeddings(call: EmbeddingsCall, params: dict) -> tuple[dict, EmbeddingResult]:
+    """POST /v1/embeddings once its body is valid (`params`, OpenAIEmbeddingsRequest's): the
+    answer's body, and the result its headers tell of."""
+    model = await model_for_request(call, params["model"])
+    parsed: ParsedInput = params["input"]
+    result = await embeddings_create(
+        target=EmbeddingTarget.for_model(model),
+        texts=parsed.texts,
+        token_ids=parsed.token_ids,
+        options=EmbeddingOptions(dimensions=params.get("dimensions")),
+        quota=call.request_quota(model.name),
+    )
+    log_request(call.caller, call.endpoint, model, result, params.get("user", ""))
+    body = embeddings_response_body(
+        model_name=model.name,
+        vectors=result.vectors,
+        total_tokens=result.total_tokens,
+        encoding_format=params["encoding_format"],
+    )
+    return body, result
 
 
 class SeedEmbeddingView(ApiView):
@@ -290,7 +310,7 @@ class SeedEmbeddingView(ApiView):
         result = await embeddings_create(
             target=EmbeddingTarget.for_model(model), texts=texts, quota=self.request_quota(model.name)
         )
-        log_request(request, self.endpoint, model, result)
+        log_request(self.caller, self.endpoint, model, result)
         return embedding_response([{"embedding": vector} for vector in result.vectors], result)
 
 
@@ -342,7 +362,7 @@ class TeiEmbedView(ApiView):
             ),
             quota=self.request_quota(model.name),
         )
-        log_request(request, self.endpoint, model, result)
+        log_request(self.caller, self.endpoint, model, result)
         return embedding_response(
             {
                 "data": [{"embedding": vector, "index": i} for i, vector in enumerate(result.vectors)],

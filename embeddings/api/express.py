@@ -1,0 +1,172 @@
+"""The express lane of POST /v1/embeddings: the common request answered without Django's request,
+URL resolver and middleware or DRF's request, serializer copies and response, byte for byte as
+OpenAIEmbeddingsView answers it.
+
+On a one-text request those layers cost about as much web CPU as tokenising, reserving the quota
+and calling Triton together (bench/notes/). The lane takes a request only when nothing in it needs
+them: a JSON body that OpenAIEmbeddingsRequest accepts as it is, a Host in ALLOWED_HOSTS, one
+Authorization header. Anything else (a body the view refuses, token ids, a form, an odd header) is
+declined before anything is done, and LeanASGIHandler serves it through the view, which then also
+writes the refusal. Once taken, the request runs what the view runs (`openai_embeddings`, the same
+authentication, the same error answers), and its response has the view's status, headers in the
+same order, body, metrics and log lines: tests/api/test_express.py sends requests both ways and
+compares what comes back. EXPRESS_EMBEDDINGS=false sends every request through the view.
+"""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+from django.conf import settings
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.http import HttpResponse
+from django.http.request import split_domain_port, validate_host
+from rest_framework.exceptions import ValidationError
+
+from embeddings.api.authentication import caller_for_authorization
+from embeddings.api.rendering import ORJSON_OPTIONS
+from embeddings.api.views import OpenAIEmbeddingsView, openai_embeddings, timing_header
+from embeddings.callers import Caller
+from embeddings.contracts.embeddings_request import OpenAIEmbeddingsRequest
+from embeddings.errors.answers import as_api_error
+from embeddings.metrics import SERIALIZATION_SECONDS, request_observed
+from embeddings.observability import context as request_context
+from embeddings.observability import tracing
+from embeddings.services.quotas.limits import RequestQuota, quota_headers
+
+ROUTE = "/v1/embeddings"
+# The view's `Allow` (DRF sets it on every response of the view).
+ALLOW = ", ".join(OpenAIEmbeddingsView().allowed_methods)
+# The JSON media types DRF's parser takes as they are (any other: the view decides).
+JSON_CONTENT_TYPES = {
+    b"application/json",
+    b"application/json; charset=utf-8",
+    b"application/json;charset=utf-8",
+}
+# The validated data of a body, by the view's own serializer: bound once (the view makes one, with
+# copies of its fields, per request), its fields run as the view's run them.
+BODY_CONTRACT = OpenAIEmbeddingsRequest(context={"form": False})
+# Host header values found in ALLOWED_HOSTS (bounded: a client can send many).
+_hosts_allowed: set[bytes] = set()
+HOSTS_REMEMBERED = 64
+
+
+def _host_allowed(host: bytes) -> bool:
+    if host in _hosts_allowed:
+        return True
+    allowed_hosts = settings.ALLOWED_HOSTS
+    if settings.DEBUG and not allowed_hosts:
+        allowed_hosts = [".localhost", "127.0.0.1", "[::1]"]
+    domain, _ = split_domain_port(host.decode("latin-1"))
+    if not (domain and validate_host(domain, allowed_hosts)):
+        return False
+    if len(_hosts_allowed) < HOSTS_REMEMBERED:
+        _hosts_allowed.add(host)
+    return True
+
+
+def express_request(scope: dict, body: bytes) -> tuple[str, dict] | None:
+    """(the Authorization header, the body's validated fields) of a request the lane can take as
+    the view would; None to decline it (the view then answers, refusals included)."""
+    if not body:
+        return None
+    host = content_type = authorization = None
+    for name, value in scope["headers"]:
+        if name == b"host":
+            if host is not None:
+                return None
+            host = value
+        elif name == b"content-type":
+            if content_type is not None:
+                return None
+            content_type = value
+        elif name == b"authorization":
+            if authorization is not None:
+                return None
+            authorization = value
+        elif name == b"x-forwarded-host" and settings.USE_X_FORWARDED_HOST:
+            return None
+    if host is None or content_type is None or authorization is None:
+        return None
+    if content_type.lower() not in JSON_CONTENT_TYPES or not _host_allowed(host):
+        return None
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    try:
+        params = BODY_CONTRACT.run_validation(data)
+    except (ValidationError, DjangoValidationError):
+        return None
+    return authorization.decode("latin-1"), params
+
+
+class ExpressCall:
+    """One request on the lane: what openai_embeddings and model_for_request need of a view."""
+
+    endpoint = OpenAIEmbeddingsView.endpoint
+
+    def __init__(self, arrived: float) -> None:
+        self.arrived = arrived
+        self.caller: Caller | None = None
+        self.model_name = ""
+        self.quota: RequestQuota | None = None
+
+    def request_quota(self, model_name: str) -> RequestQuota:
+        self.quota = RequestQuota(
+            caller=self.caller, model=model_name, endpoint=self.endpoint, started=self.arrived
+        )
+        return self.quota
+
+
+async def express_answer(authorization: str, params: dict, arrived: float) -> HttpResponse:
+    """The view's response to a request express_request took."""
+    call = ExpressCall(arrived)
+    try:
+        with tracing.span("authenticate"):
+            call.caller = await caller_for_authorization(authorization)
+            request_context.annotate(tenant=call.caller.tenant_slug, key_id=call.caller.key_public_id)
+        body, result = await openai_embeddings(call, params)
+        status, headers = 200, {"Server-Timing": timing_header(result)}
+    except Exception as exc:  # as ApiView.handle_exception: every failure is an API error answer
+        error = as_api_error(exc)
+        body, status, headers = error.body(), error.status, error.headers or {}
+    if call.caller is None:
+        ratelimit = {}
+    elif call.quota is not None and call.quota.headers is not None:
+        ratelimit = call.quota.headers
+    else:
+        ratelimit = await quota_headers(call.caller)
+    request_context.annotate(endpoint=call.endpoint, model=call.model_name, route=ROUTE)
+    with tracing.span("serialize", endpoint=call.endpoint):
+        started = time.perf_counter()
+        content = orjson.dumps(body, option=ORJSON_OPTIONS)
+        SERIALIZATION_SECONDS.labels(call.endpoint).observe(time.perf_counter() - started)
+        response = HttpResponse(content, status=status, content_type="application/json")
+        # In the view's order: the answer's own headers, the rate limits, Allow, nosniff (Django's
+        # headers are case-insensitive: a name set again keeps its place).
+        for name, value in (*headers.items(), *ratelimit.items()):
+            response[name] = value
+        response["Allow"] = ALLOW
+        response["X-Content-Type-Options"] = "nosniff"
+    request_observed(
+        endpoint=call.endpoint, model=call.model_name, status=status, seconds=time.perf_counter() - arrived
+    )
+    return response
+
+
+class ExpressEmbeddings:
+    """The lane as LeanASGIHandler takes it (embedsite/asgi.py)."""
+
+    def take(self, scope: dict, body_file) -> tuple[str, dict] | None:
+        if not (settings.EXPRESS_EMBEDDINGS and scope["method"] == "POST" and scope["path"] == ROUTE):
+            return None
+        body = body_file.read()
+        body_file.seek(0)
+        return express_request(scope, body)
+
+    async def answer(self, taken: tuple[str, dict], arrived: float) -> HttpResponse:
+        return await express_answer(*taken, arrived)
