@@ -5,7 +5,9 @@ Run: `.venv/bin/python bench/configs.py --config base= --config merge=COALESCE_R
 environment given to `manage.py serve --workers 1` on top of the stack bench/peers.py measures
 (Triton, both redis-servers, SQLite, quotas on unless a config says QUOTAS_ENABLED=false);
 `BENCH_ASGI_SERVER=granian` in a config serves the same application with granian instead
-(`pip install granian` first: measured, not shipped). The
+(`pip install granian` first: measured, not shipped); `BENCH_TREE=REF` serves a commit's tree
+(a git worktree under .run/bench/, as bench/overload.py's baseline), to measure a change against
+what it changed in one run. The
 configurations are measured in turn, round after round (A B A B), so a drift of the machine's load
 reaches each alike; each cell reports embeddings/s, p50/p99, the web process's CPU per request and
 what Triton did for it (requests, executions, rows per execution, queue and compute time), read
@@ -29,12 +31,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from api import REAL_MODEL, Server, shipped_stack  # noqa: E402
+from overload import RootServer, baseline_checkout  # noqa: E402
 from peers import SHAPES, Shape, shape_texts, wrk_shape  # noqa: E402
 from triton_stats import triton_counts, triton_delta  # noqa: E402
 
 # Where py-spy's collapsed stacks go, one file per cell (--py-spy); None: not profiled.
 PROFILE_DIR: Path | None = None
 SERVER_CHOICE = "BENCH_ASGI_SERVER"
+# A config that sets it serves from that commit (a git worktree under .run/bench/) or directory.
+TREE_CHOICE = "BENCH_TREE"
 
 
 class GranianServer(Server):
@@ -73,6 +78,8 @@ class GranianServer(Server):
 def start_server(env: dict[str, str], port: int):
     if env.get(SERVER_CHOICE, "uvicorn") == "granian":
         return GranianServer(env, port)
+    if TREE_CHOICE in env:
+        return RootServer(env, port, baseline_checkout(env[TREE_CHOICE]))
     return Server(env, port)
 
 

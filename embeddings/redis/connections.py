@@ -13,6 +13,7 @@ client below is the asyncio transport's connection where REDIS_URL is plain TCP.
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 
 import redis
@@ -110,37 +111,97 @@ def pack_command(*arguments) -> bytes:
     return b"*%d\r\n" % len(arguments) + pack_arguments(arguments)
 
 
-async def read_replies(read, count: int) -> list:
-    """`count` replies read with `read`; an error reply is raised after all are read, so the
-    connection stays in step."""
-    replies: list = []
-    error: redis.exceptions.ResponseError | None = None
-    for _ in range(count):
-        try:
-            replies.append(await read())
-        except redis.exceptions.ResponseError as reply_error:
-            error = error or reply_error
-            replies.append(reply_error)
-    if error is not None:
-        raise error
-    return replies
-
-
 class LeanConnection:
-    """One plain-TCP RESP2 connection: send a packed command, read one reply."""
+    """One plain-TCP RESP2 connection that every coroutine of the loop shares: commands are written
+    in the order they come, those of one loop iteration in one write, and one reader task hands
+    each reply to its caller in that order (Redis answers a connection's commands in order).
+
+    Pipelining: under load a request's quota reserve and another's settle share a write and a
+    read, where a connection each cost two system calls a command (bench/notes/). A caller that
+    gave up (cancelled, timed out) leaves its reply to be read and dropped, so the connection stays
+    in step; an error reply is its command's alone. When the connection fails (Redis closed it,
+    was killed, sent what is not RESP) every command waiting on it fails with ConnectionError and
+    the client opens a new one for the next.
+    """
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
+        self.loop = asyncio.get_running_loop()
+        # (future, None for one reply or the number of a batch's replies), in the order sent.
+        self.waiting: collections.deque[tuple[asyncio.Future, int | None]] = collections.deque()
+        self.outgoing: list[bytes] = []
+        self.failure: BaseException | None = None
+        # Whether a reply was ever read here, and since the connection was last idle: a pooled
+        # connection Redis closed while it was idle (a restart the loop has not yet seen) fails
+        # its next commands unanswered, which may then be sent again on a new one.
+        self.answered_ever = False
+        self.answered_since_idle = False
+        # Reads while commands wait for replies, and only then: no task is left behind on an idle
+        # connection (or a loop that ends).
+        self.reading: asyncio.Task | None = None
 
-    async def call(self, command: bytes, replies: int | None = None):
-        """Send, then read one reply, or a list of `replies` replies (a pipelined batch)."""
-        self.writer.write(command)
-        if replies is None:
-            return await self.read_reply()
-        return await read_replies(self.read_reply, replies)
+    @property
+    def usable(self) -> bool:
+        """False once failed, or closed by Redis while idle (restarted, or its idle timeout)."""
+        return self.failure is None and not self.reader.at_eof() and not self.writer.is_closing()
+
+    def send(self, command: bytes, replies: int | None) -> asyncio.Future:
+        """Queue packed command(s); the future's result is the reply (or the list of `replies`
+        replies), an error reply its exception."""
+        future = self.loop.create_future()
+        if self.failure is not None:
+            future.set_exception(
+                redis.exceptions.ConnectionError(f"Redis connection failed: {self.failure!r}")
+            )
+            return future
+        if not self.waiting:
+            self.answered_since_idle = False
+        if not self.outgoing:
+            self.loop.call_soon(self._flush)
+        self.outgoing.append(command)
+        self.waiting.append((future, replies))
+        if self.reading is None or self.reading.done():
+            self.reading = self.loop.create_task(self._read_replies())
+        return future
+
+    def _flush(self) -> None:
+        if self.outgoing and self.failure is None:
+            try:
+                self.writer.write(b"".join(self.outgoing))
+            except (OSError, RuntimeError) as error:
+                self.fail(error)
+        self.outgoing.clear()
+
+    async def _read_replies(self) -> None:
+        try:
+            while self.waiting:
+                reply = await self.read_reply()
+                future, count = self.waiting[0]
+                if count is not None:
+                    replies = [reply]
+                    for _ in range(count - 1):
+                        replies.append(await self.read_reply())
+                    errors = [r for r in replies if isinstance(r, redis.exceptions.ResponseError)]
+                    reply = errors[0] if errors else replies
+                self.waiting.popleft()
+                self.answered_ever = self.answered_since_idle = True
+                if future.done():
+                    continue  # its caller gave up
+                if isinstance(reply, redis.exceptions.ResponseError):
+                    future.set_exception(reply)
+                else:
+                    future.set_result(reply)
+        except asyncio.CancelledError:
+            self.fail(ConnectionError("closed"))
+            raise
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as error:
+            self.fail(error)
+        except redis.exceptions.RedisError as error:
+            self.fail(error)
 
     async def read_reply(self):
+        """One reply; an error reply is returned (ResponseError, NoScriptError), not raised."""
         line = await self.reader.readuntil(b"\r\n")
         kind, rest = line[:1], line[1:-2]
         if kind == b"$":
@@ -153,25 +214,51 @@ class LeanConnection:
         if kind == b"-":
             message = rest.decode(errors="replace")
             if message.startswith("NOSCRIPT"):
-                raise redis.exceptions.NoScriptError(message)
-            raise redis.exceptions.ResponseError(message)
+                return redis.exceptions.NoScriptError(message)
+            return redis.exceptions.ResponseError(message)
         if kind == b"*":
             count = int(rest)
             return None if count < 0 else [await self.read_reply() for _ in range(count)]
         raise redis.exceptions.InvalidResponse(f"unexpected reply {line[:40]!r}")
 
-    def close(self) -> None:
+    def fail(self, error: BaseException) -> None:
+        """Close the connection; every command still waiting fails with ConnectionError."""
+        if self.failure is not None:
+            return
+        self.failure = error
         self.writer.close()
+        unanswered = not isinstance(error, asyncio.IncompleteReadError) or not error.partial
+        closed_while_idle = (
+            self.answered_ever
+            and not self.answered_since_idle
+            and unanswered
+            and isinstance(error, ConnectionError | asyncio.IncompleteReadError)
+        )
+        while self.waiting:
+            future, _ = self.waiting.popleft()
+            if not future.done():
+                failed = (
+                    ClosedWhileIdle()
+                    if closed_while_idle
+                    else redis.exceptions.ConnectionError(f"Redis connection failed: {error!r}")
+                )
+                failed.__cause__ = error
+                future.set_exception(failed)
+
+    def close(self) -> None:
+        self.fail(ConnectionError("closed"))
+        if self.reading is not None:
+            self.reading.cancel()
 
 
 class LeanScriptClient:
-    """Pre-packed commands (EVALSHA above all) on a few plain TCP connections of one event loop.
+    """Pre-packed commands (EVALSHA above all) on one pipelined plain-TCP connection of one event loop.
 
     redis-py's asyncio client costs ~100-150 us of Python per command; the request path's quota
     scripts run once or twice per request, so they take this path (~50 us a round trip). Same
-    timeouts and the same exceptions (redis.exceptions.*) as the redis-py clients; a connection
-    that fails in any way is closed, never reused, and a pooled one found closed by Redis (after a
-    restart) is replaced once. Only for redis:// URLs (TCP, no TLS).
+    timeouts and the same exceptions (redis.exceptions.*) as the redis-py clients: a command not
+    answered within REDIS_TIMEOUT_S raises TimeoutError (its reply, should it come, is dropped);
+    a failed connection is replaced by the next command. Only for redis:// URLs (TCP, no TLS).
     """
 
     def __init__(self, url: str) -> None:
@@ -190,69 +277,70 @@ class LeanScriptClient:
             self.handshake += pack_command(b"SELECT", options["db"])
             self.handshake_replies += 1
         self.timeout = settings.REDIS_TIMEOUT_S
-        self.idle: list[LeanConnection] = []
-        self.slots = asyncio.Semaphore(settings.REDIS_MAX_CONNECTIONS)
+        self.connection: LeanConnection | None = None
+        # The connection being opened, which every caller meanwhile waits for.
+        self.connecting: asyncio.Future[LeanConnection] | None = None
 
     async def _connect(self) -> LeanConnection:
         reader, writer = await asyncio.open_connection(self.host, self.port)
-        connection = LeanConnection(reader, writer)
         try:
             if self.handshake:
                 writer.write(self.handshake)
                 for _ in range(self.handshake_replies):
-                    await connection.read_reply()
+                    reply = await _handshake_reply(reader)
+                    if isinstance(reply, redis.exceptions.ResponseError):
+                        raise reply
         except BaseException:
-            connection.close()
+            writer.close()
             raise
-        return connection
+        return LeanConnection(reader, writer)
+
+    async def _usable_connection(self) -> LeanConnection:
+        if self.connection is not None and self.connection.usable:
+            return self.connection
+        if self.connecting is None:
+            self.connecting = asyncio.ensure_future(self._connect())
+            self.connecting.add_done_callback(self._connected)
+        return await asyncio.shield(self.connecting)
+
+    def _connected(self, connecting: asyncio.Future) -> None:
+        self.connecting = None
+        if not connecting.cancelled() and connecting.exception() is None:
+            self.connection = connecting.result()
 
     async def call(self, command: bytes, *, replies: int | None = None):
         """Send packed command(s), return the reply (a list of `replies` replies for a pipelined
         batch); raises redis.exceptions.RedisError."""
         try:
             async with asyncio.timeout(self.timeout):
-                await self.slots.acquire()
-        except TimeoutError as error:
-            raise redis.exceptions.ConnectionError("No Redis connection available.") from error
-        try:
-            async with asyncio.timeout(self.timeout):
-                if self.idle:
-                    try:
-                        return await self._exchange(self.idle.pop(), command, replies, fresh=False)
-                    except _ClosedWhileIdle:
-                        pass  # Redis closed it meanwhile (e.g. restarted): once more on a new one
-                return await self._exchange(await self._connect(), command, replies, fresh=True)
+                try:
+                    return await (await self._usable_connection()).send(command, replies)
+                except ClosedWhileIdle:
+                    pass  # Redis closed it meanwhile (e.g. restarted): once more on a new one
+                try:
+                    return await (await self._usable_connection()).send(command, replies)
+                except ClosedWhileIdle as error:
+                    raise redis.exceptions.ConnectionError("Redis closed the connection.") from error
         except TimeoutError as error:
             raise redis.exceptions.TimeoutError(f"Redis did not answer within {self.timeout} s") from error
         except OSError as error:
             raise redis.exceptions.ConnectionError(f"Redis connection failed: {error}") from error
-        finally:
-            self.slots.release()
 
-    async def _exchange(
-        self, connection: LeanConnection, command: bytes, replies: int | None, *, fresh: bool
-    ):
-        try:
-            reply = await connection.call(command, replies)
-        except redis.exceptions.ResponseError:
-            self.idle.append(connection)  # an error reply leaves the connection in step
-            raise
-        except (OSError, asyncio.IncompleteReadError, redis.exceptions.RedisError) as error:
-            connection.close()
-            unanswered = not isinstance(error, asyncio.IncompleteReadError) or not error.partial
-            if not fresh and unanswered and isinstance(error, ConnectionError | asyncio.IncompleteReadError):
-                # A pooled connection Redis had closed: the command never reached a live server.
-                raise _ClosedWhileIdle from error
-            raise redis.exceptions.ConnectionError(f"Redis connection failed: {error!r}") from error
-        except BaseException:  # cancelled or timed out mid-command: its reply must not be read later
-            connection.close()
-            raise
-        self.idle.append(connection)
-        return reply
+    def close(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None
 
 
-class _ClosedWhileIdle(Exception):
-    pass
+class ClosedWhileIdle(redis.exceptions.ConnectionError):
+    """A command sent on a pooled connection Redis had closed while it was idle: never answered."""
+
+
+async def _handshake_reply(reader: asyncio.StreamReader):
+    line = await reader.readuntil(b"\r\n")
+    if line.startswith(b"-"):
+        return redis.exceptions.ResponseError(line[1:-2].decode(errors="replace"))
+    return line
 
 
 _lean_clients: dict[asyncio.AbstractEventLoop, LeanScriptClient | None] = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import redis
 import redis.asyncio
@@ -86,3 +88,67 @@ async def test_an_error_reply_in_a_pipeline_leaves_the_lean_connection_in_step(s
     call = ScriptCall(scripts.QUOTA_SETTLE, [keys.LIVE_USAGE], [0, "", "g", 5])
     assert await operation_run(single(call)) == 1
     assert redis_sync().hget(keys.LIVE_USAGE, "g") == b"5"
+
+
+# --- The lean client's one pipelined connection ----------------------------------------------------
+
+
+@pytest.fixture
+async def connects(monkeypatch) -> list[int]:
+    """The connections the lean client opens from now on."""
+    opened: list[int] = []
+    lean = redis_lean_async()
+    lean.close()
+    connect = lean._connect
+
+    async def counted():
+        opened.append(1)
+        return await connect()
+
+    monkeypatch.setattr(lean, "_connect", counted)
+    return opened
+
+
+async def test_concurrent_commands_share_one_connection_and_each_gets_its_reply(service_redis, connects):
+    replies = await asyncio.gather(
+        *(operation_run(single(Command.of("INCRBY", "counted", n))) for n in range(1, 101))
+    )
+    # Each INCRBY's reply is the counter after it: sorted, they rise by the increments in order.
+    assert sorted(replies)[-1] == sum(range(1, 101)) and len(set(replies)) == 100
+    scripts_and_batches = await asyncio.gather(
+        operation_run(single([Command.of("GET", "counted"), Command.of("SET", "other", "x")])),
+        operation_run(single(ScriptCall(scripts.QUOTA_SETTLE, [keys.LIVE_USAGE], [0, "", "h", 2]))),
+        operation_run(single(Command.of("GET", "other"))),
+    )
+    assert scripts_and_batches == [[str(sum(range(1, 101))).encode(), b"OK"], 1, b"x"]
+    assert connects == [1]
+
+
+async def test_an_error_reply_is_its_commands_alone(service_redis, connects):
+    redis_sync().set("a-string", "x")
+    outcomes = await asyncio.gather(
+        operation_run(single(Command.of("GET", "a-string"))),
+        operation_run(single(Command.of("HGET", "a-string", "f"))),
+        operation_run(single(Command.of("GET", "a-string"))),
+        return_exceptions=True,
+    )
+    assert outcomes[0] == outcomes[2] == b"x"
+    assert isinstance(outcomes[1], redis.exceptions.ResponseError)
+    assert connects == [1]
+
+
+async def test_a_caller_that_gives_up_leaves_the_connection_in_step(service_redis, settings, connects):
+    """Cancelled, or past REDIS_TIMEOUT_S: its reply, when it comes, is read and dropped, and the
+    next command gets its own."""
+    redis_sync().set("a-string", "x")
+    blocked = asyncio.ensure_future(operation_run(single(Command.of("BLPOP", "empty-list", "0.3"))))
+    await asyncio.sleep(0.05)
+    blocked.cancel()
+    assert await operation_run(single(Command.of("GET", "a-string"))) == b"x"
+
+    redis_lean_async().timeout = 0.1
+    with pytest.raises(redis.exceptions.TimeoutError):
+        await operation_run(single(Command.of("BLPOP", "empty-list", "0.3")))
+    redis_lean_async().timeout = settings.REDIS_TIMEOUT_S
+    assert await operation_run(single(Command.of("GET", "a-string"))) == b"x"
+    assert connects == [1]
