@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from api import REAL_MODEL, Server, shipped_stack  # noqa: E402
 from overload import RootServer, baseline_checkout  # noqa: E402
-from peers import SHAPES, Shape, shape_texts, wrk_shape  # noqa: E402
+from peers import SHAPES, Shape, probe, shape_texts, wrk_shape  # noqa: E402
 from triton_stats import triton_counts, triton_delta  # noqa: E402
 
 # Where py-spy's collapsed stacks go, one file per cell (--py-spy); None: not profiled.
@@ -40,6 +40,7 @@ PROFILE_DIR: Path | None = None
 SERVER_CHOICE = "BENCH_ASGI_SERVER"
 # A config that sets it serves from that commit (a git worktree under .run/bench/) or directory.
 TREE_CHOICE = "BENCH_TREE"
+WARM_UP_REQUESTS = 3
 
 
 class GranianServer(Server):
@@ -132,6 +133,10 @@ def start_profiler(pid: int, seconds: float, path: Path) -> subprocess.Popen:
 
 def measure_cell(server, shape: Shape, headers: dict, triton_http: str, seconds: float, workdir: Path):
     body = {"model": REAL_MODEL, "input": shape_texts(shape), "encoding_format": "base64"}
+    # A fresh server's first requests load the tokenizer, the catalog and the key (~0.1 ms of each
+    # request's CPU over a 10 s cell): not what a request costs, so not measured.
+    for _ in range(WARM_UP_REQUESTS):
+        probe(f"{server.url}/v1/embeddings", body, headers)
     cpu_before, stats_before = server.cpu_seconds(), triton_counts(triton_http)
     profiler = None
     if PROFILE_DIR is not None:

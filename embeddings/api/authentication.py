@@ -25,6 +25,7 @@ from embeddings.errors.answers import ApiError, Forbidden, ModelForbidden, Model
 from embeddings.models import ApiKey, EmbeddingModel
 from embeddings.services.accounts.api_keys import api_key_for_secret, api_key_touch, parse_api_key
 from embeddings.services.inference import catalog
+from embeddings.single_flight import SingleFlight
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,13 @@ class CallerCache:
 
 
 caller_cache = CallerCache()
+_key_lookups: SingleFlight[Caller | ApiError] = SingleFlight()
+
+
+async def _caller_looked_up(key: str, digest: str) -> Caller | ApiError:
+    result = await sync_to_async(_caller_for_key)(key)
+    caller_cache.put(digest, result)
+    return result
 
 
 async def _touch(key_id: int) -> None:
@@ -139,8 +147,8 @@ async def caller_for_api_key(key: str) -> Caller:
     digest = hashlib.sha256(key.encode("utf-8", "replace")).hexdigest()
     result = caller_cache.get(digest)
     if result is None:
-        result = await sync_to_async(_caller_for_key)(key)
-        caller_cache.put(digest, result)
+        # Once for all the requests with this key that find its entry expired together.
+        result = await _key_lookups.run(digest, lambda: _caller_looked_up(key, digest))
     if isinstance(result, ApiError):
         # A fresh instance each time: re-raising one cached object would chain its tracebacks.
         raise type(result)(result.message, code=result.error_code, param=result.param)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Iterator
 from datetime import timedelta
@@ -217,6 +218,23 @@ async def test_cached_key_works_until_the_ttl_then_revocation_applies(
     with pytest.raises(Unauthorized) as refused:
         await authenticate(f"Bearer {setup.alpha_secret}")
     assert refused.value.error_code == "api_key_revoked"
+    assert len(database_reads) == 2
+
+
+async def test_requests_that_find_the_key_expired_together_read_it_once(
+    setup, settings, database_reads, cache_clock
+):
+    """Under load an expired entry is missed by every request in flight: one read serves them all
+    (and a refusal alike)."""
+    callers = await asyncio.gather(*(authenticate(f"Bearer {setup.alpha_secret}") for _ in range(20)))
+    assert {caller.key_id for caller, _ in callers} == {setup.alpha_key.pk}
+    assert len(database_reads) == 1
+    cache_clock.advance(settings.API_KEY_CACHE_SECONDS + 0.001)
+    await sync_to_async(api_key_revoke)(api_key=setup.alpha_key)
+    refusals = await asyncio.gather(
+        *(authenticate(f"Bearer {setup.alpha_secret}") for _ in range(20)), return_exceptions=True
+    )
+    assert {type(refusal) for refusal in refusals} == {Unauthorized}
     assert len(database_reads) == 2
 
 

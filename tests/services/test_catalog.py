@@ -5,6 +5,8 @@ a tenant's models through the caller the API key authenticator builds."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from asgiref.sync import async_to_sync
 
@@ -13,6 +15,7 @@ from embeddings.callers import Caller
 from embeddings.models import EmbeddingModel, Tenant
 from embeddings.services.accounts.api_keys import api_key_create
 from embeddings.services.accounts.tenants import tenant_create, tenant_deactivate
+from embeddings.services.inference import catalog
 from embeddings.services.inference.catalog import (
     CatalogError,
     embedding_model_cache_clear,
@@ -66,6 +69,18 @@ def test_lookup_by_name_and_alias(models):
     assert resolve(name="minilm") == models["minilm"]
     assert resolve(name="sentence-transformers/all-MiniLM-L6-v2") == models["minilm"]
     assert resolve(name="e5") == models["e5"]
+
+
+def test_requests_that_find_the_cache_expired_together_read_the_catalog_once(models, monkeypatch):
+    reads = []
+    enabled = catalog.embedding_models_enabled
+    monkeypatch.setattr(catalog, "embedding_models_enabled", lambda: reads.append(1) or enabled())
+
+    async def twenty_lookups():
+        return await asyncio.gather(*(embedding_model_resolve(name="e5") for _ in range(20)))
+
+    assert {model.pk for model in async_to_sync(twenty_lookups)()} == {models["e5"].pk}
+    assert reads == [1]
 
 
 def test_unknown_names_find_nothing(models):

@@ -13,6 +13,7 @@ from django.conf import settings
 from embeddings.errors import EmbedsiteError
 from embeddings.models import EmbeddingModel
 from embeddings.services.inference.exports import ModelExportError, model_export_info, model_export_versions
+from embeddings.single_flight import SingleFlight
 
 if TYPE_CHECKING:
     from embeddings.callers import Caller
@@ -21,6 +22,7 @@ LOCAL_MODEL_NAME = "all-MiniLM-L6-v2"
 LOCAL_MODEL_ALIASES = ["minilm", "sentence-transformers/all-MiniLM-L6-v2"]
 
 _enabled_cache: tuple[float, tuple[EmbeddingModel, ...]] | None = None
+_enabled_reads: SingleFlight[tuple[EmbeddingModel, ...]] = SingleFlight()
 
 
 def embedding_models_enabled() -> tuple[EmbeddingModel, ...]:
@@ -28,12 +30,20 @@ def embedding_models_enabled() -> tuple[EmbeddingModel, ...]:
 
 
 async def _enabled_cached() -> tuple[EmbeddingModel, ...]:
-    # Every request names a model: read the few rows once every MODEL_CACHE_SECONDS, not per request.
-    global _enabled_cache
+    # Every request names a model: read the few rows once every MODEL_CACHE_SECONDS, not per request
+    # (and once for all the requests that find the cache expired together).
     now = time.monotonic()
     if _enabled_cache is None or now - _enabled_cache[0] > settings.MODEL_CACHE_SECONDS:
-        _enabled_cache = (now, await sync_to_async(embedding_models_enabled)())
+        return await _enabled_reads.run("enabled", _enabled_read)
     return _enabled_cache[1]
+
+
+async def _enabled_read() -> tuple[EmbeddingModel, ...]:
+    global _enabled_cache
+    read_at = time.monotonic()
+    models = await sync_to_async(embedding_models_enabled)()
+    _enabled_cache = (read_at, models)
+    return models
 
 
 def embedding_model_cache_clear() -> None:
