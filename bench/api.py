@@ -211,6 +211,47 @@ class Server:
                 self.process.kill()
 
 
+# Generated files a checkout needs to serve (gitignored: made by `make setup`; a baseline worktree
+# has none of its own).
+GENERATED_STUBS = "embeddings/triton/protocol"
+
+
+class RootServer(Server):
+    """`manage.py serve --workers 1` from another checkout (the baseline) or this one, run in it."""
+
+    def __init__(self, env: dict[str, str], port: int, root: Path, output=None) -> None:
+        self.root = root
+        # This checkout's key (the stack's API keys were hashed with it) and exported model (the
+        # tokenizer; a baseline worktree has no generated files).
+        env = {
+            "DJANGO_SECRET_KEY_FILE": str(ROOT / ".run" / "secret_key"),
+            "TRITON_MODEL_REPOSITORY": str(ROOT / "model_repository"),
+            **env,
+        }
+        super().__init__(env, port, output)
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, str(self.root / "manage.py"), "serve", "--host", "127.0.0.1", "--port",
+                str(port), "--workers", "1"]  # fmt: skip
+
+
+def baseline_checkout(reference: str) -> Path:
+    """A directory to serve the baseline from: `reference` itself if it is one, else a git worktree
+    of that commit under .run/bench/ with this checkout's generated stubs."""
+    if Path(reference).is_dir():
+        return Path(reference).resolve()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--verify", f"{reference}^{{commit}}"], cwd=ROOT, check=True,
+        capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    tree = ROOT / ".run" / "bench" / f"baseline-{commit[:12]}"
+    if not tree.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], cwd=ROOT, check=True)
+    for stub in (ROOT / GENERATED_STUBS).glob("*_pb2*.py"):
+        shutil.copy2(stub, tree / GENERATED_STUBS / stub.name)
+    return tree
+
+
 def processing_table(server: Server, key: str, batches: list[int], requests: int) -> list[dict]:
     import httpx2
 

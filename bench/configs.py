@@ -30,8 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from api import REAL_MODEL, Server, shipped_stack  # noqa: E402
-from overload import RootServer, baseline_checkout  # noqa: E402
+from api import REAL_MODEL, RootServer, Server, baseline_checkout, shipped_stack  # noqa: E402
 from peers import SHAPES, Shape, probe, shape_texts, wrk_shape  # noqa: E402
 from triton_stats import triton_counts, triton_delta  # noqa: E402
 

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from api import REAL_MODEL, Server, shipped_stack  # noqa: E402
+from api import REAL_MODEL, RootServer, Server, baseline_checkout, shipped_stack  # noqa: E402
 from triton_client import make_texts, percentile  # noqa: E402
 
 CONNECTIONS = (32, 256, 1000)
@@ -50,8 +50,6 @@ FLOOD_TENANT, PROBE_TENANT = "flood", "probe"
 PROBE_INTERVAL_S = 1.0
 # The probe's own deadline: far above what it should ever take, so a slow answer is measured, not lost.
 PROBE_TIMEOUT_S = 30.0
-# Generated files a checkout needs to serve (gitignored: made by `make setup`).
-GENERATED_STUBS = "embeddings/triton/protocol"
 
 
 def wrk_script(body: dict | None, key: str | None) -> str:
@@ -213,42 +211,6 @@ def warm(server: Server, keys: dict[str, str]) -> None:
             time.sleep(0.1)
         if response.status != 200:
             raise RuntimeError(f"warm-up answered {response.status}: {answer[:300]!r}")
-
-
-class RootServer(Server):
-    """`manage.py serve --workers 1` from another checkout (the baseline) or this one, run in it."""
-
-    def __init__(self, env: dict[str, str], port: int, root: Path, output=None) -> None:
-        self.root = root
-        # This checkout's key (the stack's API keys were hashed with it) and exported model (the
-        # tokenizer; a baseline worktree has no generated files).
-        env = {
-            "DJANGO_SECRET_KEY_FILE": str(ROOT / ".run" / "secret_key"),
-            "TRITON_MODEL_REPOSITORY": str(ROOT / "model_repository"),
-            **env,
-        }
-        super().__init__(env, port, output)
-
-    def command(self, port: int) -> list[str]:
-        return [sys.executable, str(self.root / "manage.py"), "serve", "--host", "127.0.0.1", "--port",
-                str(port), "--workers", "1"]  # fmt: skip
-
-
-def baseline_checkout(reference: str) -> Path:
-    """A directory to serve the baseline from: `reference` itself if it is one, else a git worktree
-    of that commit under .run/bench/ with this checkout's generated stubs."""
-    if Path(reference).is_dir():
-        return Path(reference).resolve()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--verify", f"{reference}^{{commit}}"], cwd=ROOT, check=True,
-        capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
-    tree = ROOT / ".run" / "bench" / f"baseline-{commit[:12]}"
-    if not tree.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], cwd=ROOT, check=True)
-    for stub in (ROOT / GENERATED_STUBS).glob("*_pb2*.py"):
-        shutil.copy2(stub, tree / GENERATED_STUBS / stub.name)
-    return tree
 
 
 def measure(

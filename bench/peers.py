@@ -14,7 +14,8 @@ responses), for four load shapes (32 clients x 1 short text, 16 x 8, 16 x 32, 16
    ORT's (cosine >= 0.9999) before it is timed;
 3. embedsite as `make run` runs it: Triton, two redis-servers (critical + job store), SQLite and
    `manage.py serve --workers 1`, once with quotas on (limits that never refuse) and once with
-   QUOTAS_ENABLED=false.
+   QUOTAS_ENABLED=false; with `--baseline REF` also served from that commit's tree (quotas on, a git
+   worktree under .run/bench/), so a change is measured against its parent in the same run.
 
 Prints the table (embeddings/s, p50, p99 per cell), writes bench/results/peers.json and the plot
 docs/bench-peers.png.
@@ -42,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from api import REAL_MODEL, Server, ensure_matplotlib, shipped_stack  # noqa: E402
+from api import REAL_MODEL, RootServer, baseline_checkout, ensure_matplotlib, shipped_stack  # noqa: E402
 from triton_client import RawOnnxRuntime, make_texts, percentile  # noqa: E402
 
 INFINITY_VERSION = "0.0.78"
@@ -78,6 +79,12 @@ SHAPES = (
     Shape("16 x 8 long", 16, 8, LONG_WORDS),
 )
 COLUMNS = ("raw ORT", "Infinity", "embedsite", "embedsite, quotas off")
+# With --baseline REF: embedsite served from that commit too (quotas on), in the same run.
+BASELINE_COLUMN = "embedsite, baseline"
+
+
+def columns(results: dict) -> tuple[str, ...]:
+    return COLUMNS + ((BASELINE_COLUMN,) if BASELINE_COLUMN in results else ())
 
 
 def shape_texts(shape: Shape) -> list[str]:
@@ -296,11 +303,11 @@ class Infinity:
 
 def format_table(results: dict) -> str:
     """One line per shape: emb/s (p50 / p99 ms) per column; `-` where a column was not measured."""
-    header = f"{'load':13} | " + " | ".join(f"{column:>26}" for column in COLUMNS)
+    header = f"{'load':13} | " + " | ".join(f"{column:>26}" for column in columns(results))
     lines = [header, "-" * len(header)]
     for shape in SHAPES:
         cells = []
-        for column in COLUMNS:
+        for column in columns(results):
             cell = results.get(column, {}).get(shape.name)
             if cell is None:
                 cells.append(f"{'-':>26}")
@@ -324,11 +331,13 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(8, 4.2), dpi=110)
-    width = 0.8 / len(COLUMNS)
-    for index, column in enumerate(COLUMNS):
+    shown = columns(results)
+    width = 0.8 / len(shown)
+    for index, column in enumerate(shown):
         values = [results.get(column, {}).get(shape.name, {}).get("emb_per_s", 0) for shape in SHAPES]
-        axis.bar([x + index * width for x in range(len(SHAPES))], values, width, label=column)
-    axis.set_xticks([x + width * (len(COLUMNS) - 1) / 2 for x in range(len(SHAPES))])
+        label = f"{column} ({results['baseline']})" if column == BASELINE_COLUMN else column
+        axis.bar([x + index * width for x in range(len(SHAPES))], values, width, label=label)
+    axis.set_xticks([x + width * (len(shown) - 1) / 2 for x in range(len(SHAPES))])
     axis.set_xticklabels([f"{shape.name}\n(clients x texts)" for shape in SHAPES])
     axis.set_ylabel("embeddings / s")
     axis.set_title("all-MiniLM-L6-v2 on CPU: raw ORT, Infinity, embedsite (same run)")
@@ -346,6 +355,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seconds", type=float, help="seconds per cell (default 20, --quick 3)")
     parser.add_argument("--no-infinity", action="store_true", help="leave Infinity out (its column shows -)")
+    parser.add_argument("--baseline", help="a commit or checkout whose embedsite is measured too (quotas on)")
     parser.add_argument("--infinity-dir", type=Path, default=ROOT / ".run" / "bench" / "infinity")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "peers.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "bench-peers.png")
@@ -397,9 +407,13 @@ def measure_embedsite(args: argparse.Namespace, raw: RawOnnxRuntime, workdir: Pa
     from embeddings.tooling.triton_server import free_port
 
     results: dict = {}
+    servers = [("embedsite", "true", ROOT), ("embedsite, quotas off", "false", ROOT)]
+    if args.baseline:
+        servers.insert(0, (BASELINE_COLUMN, "true", baseline_checkout(args.baseline)))
+        results["baseline"] = args.baseline
     with shipped_stack(workdir) as (env, key, _):
-        for column, quotas in (("embedsite", "true"), ("embedsite, quotas off", "false")):
-            server = Server({**env, "QUOTAS_ENABLED": quotas}, free_port())
+        for column, quotas, root in servers:
+            server = RootServer({**env, "QUOTAS_ENABLED": quotas}, free_port(), root)
             try:
                 check = agreement_texts()
                 answer = httpx2.post(
