@@ -89,6 +89,28 @@ def test_table_has_a_row_per_shape_and_marks_unmeasured_columns():
     assert lines[-1].endswith("560 emb/s")
 
 
+def test_a_baseline_gets_a_last_column_of_its_own():
+    cell = {"emb_per_s": 300.0, "p50_ms": 80.0, "p99_ms": 150.0}
+    results = {"embedsite": {"32 x 1": cell}, peers.BASELINE_COLUMN: {"32 x 1": {**cell, "emb_per_s": 200.0}}}
+    header, *_ = peers.format_table(results).splitlines()
+    assert header.split("|")[-1].strip() == peers.BASELINE_COLUMN
+    row = next(line for line in peers.format_table(results).splitlines() if line.startswith("32 x 1 "))
+    assert row.split("|")[-1].strip().startswith("200")
+    assert peers.BASELINE_COLUMN not in peers.format_table({"embedsite": {"32 x 1": cell}})
+    assert peers.parse_args(["--baseline", "HEAD~1"]).baseline == "HEAD~1"
+    assert peers.parse_args([]).baseline is None
+
+
+def test_configs_serve_a_tree_that_a_config_names(monkeypatch):
+    started = []
+    monkeypatch.setattr(configs, "baseline_checkout", lambda ref: f"tree of {ref}")
+    monkeypatch.setattr(configs, "RootServer", lambda env, port, root: started.append(("tree", root)))
+    monkeypatch.setattr(configs, "Server", lambda env, port: started.append(("this", None)))
+    configs.start_server({"BENCH_TREE": "abc123"}, 1)
+    configs.start_server({}, 2)
+    assert started == [("tree", "tree of abc123"), ("this", None)]
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     cell = {"emb_per_s": 100.0, "p50_ms": 1.0, "p99_ms": 2.0}
