@@ -9,9 +9,11 @@ import threading
 import time
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.core import signals
 
 from embeddings.api.handler import RequestThread, RequestThreads
+from embeddings.services.accounts.api_keys import api_key_create
 
 SCOPE = {"type": "http", "path": "/v1/models"}
 
@@ -85,13 +87,22 @@ async def test_a_request_without_sync_work_uses_no_thread(client, alpha, signal_
 
 
 async def test_concurrent_requests_never_share_a_thread(client, alpha, signal_threads):
+    """Four keys: requests that need one key's lookup at once share it (embeddings/single_flight.py),
+    so each of these four looks its own up, in its own thread."""
+    secrets = [alpha.secret]
+    for number in range(3):
+        _, secret = await sync_to_async(api_key_create)(tenant=alpha.tenant, name=f"thread test {number}")
+        secrets.append(secret)
+
     def linger(**kwargs):
         time.sleep(0.3)  # holds each request in its thread: all four are in flight at once
 
     signals.request_started.connect(linger, weak=False)
     try:
         forget_keys()
-        responses = await asyncio.gather(*(client.get("/v1/models", headers=alpha.headers) for _ in range(4)))
+        responses = await asyncio.gather(
+            *(client.get("/v1/models", headers={"Authorization": f"Bearer {secret}"}) for secret in secrets)
+        )
     finally:
         signals.request_started.disconnect(linger)
     assert [response.status_code for response in responses] == [200] * 4
