@@ -9,7 +9,8 @@ one with QUOTAS_ENABLED=false. Then measures in one run:
 1. The seed proxy's table: batch 8..256 through POST /v1/embeddings against `instant_1024` (a
    test-only Triton model that returns 1024-d vectors at once): request latency p50/p90, the Triton
    call time the service reports (Server-Timing `inference`), and processing = total - Triton, for
-   float and base64 responses.
+   float and base64 responses; with `--baseline REF` also from that commit's tree (a git worktree
+   under .run/bench/), so a change is measured against its parent in the same run.
 2. End-to-end throughput with the real MiniLM model at saturation (wrk, 16 connections; batch 8 and
    32 short texts), quotas on and off, against raw ONNX Runtime in this process on the same texts
    (16 threads sharing a session): the ratio.
@@ -252,6 +253,9 @@ def baseline_checkout(reference: str) -> Path:
     return tree
 
 
+PROCESSING_BATCHES = [8, 16, 32, 64, 128, 256]
+
+
 def processing_table(server: Server, key: str, batches: list[int], requests: int) -> list[dict]:
     import httpx2
 
@@ -377,6 +381,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--baseline", help="a commit or checkout whose processing table is measured too")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "api.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "bench-api-processing.png")
     return parser.parse_args(argv)
@@ -401,7 +406,17 @@ def main() -> None:
             servers["quotas off"] = Server({**env, "QUOTAS_ENABLED": "false"}, free_port())
             server = servers["quotas on"]
             print("1. Service overhead (instant 1024-d model, quotas on), sequential requests:", flush=True)
-            table = processing_table(server, key, [8, 16, 32, 64, 128, 256], requests)
+            table = processing_table(server, key, PROCESSING_BATCHES, requests)
+            baseline_table = None
+            if args.baseline:
+                print(f"\n1b. The same, served from {args.baseline}:", flush=True)
+                baseline = RootServer(
+                    {**env, "QUOTAS_ENABLED": "true"}, free_port(), baseline_checkout(args.baseline)
+                )
+                try:
+                    baseline_table = processing_table(baseline, key, PROCESSING_BATCHES, requests)
+                finally:
+                    baseline.stop()
 
             print("\n3. Ceiling (instant model, quotas on, wrk 16 connections, batch 32):", flush=True)
             body = {"model": INSTANT_MODEL, "input": make_texts(32, 8, seed=5), "encoding_format": "base64"}
@@ -436,6 +451,8 @@ def main() -> None:
             for server in servers.values():
                 server.stop()
     result = {"processing": table, "ceiling": ceiling, "end_to_end": end_to_end, "cpus": os.cpu_count()}
+    if baseline_table is not None:
+        result.update(baseline=args.baseline, processing_baseline=baseline_table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(table, args.plot)

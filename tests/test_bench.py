@@ -25,6 +25,7 @@ def test_api_arguments_default_to_the_committed_result_paths():
     assert not args.quick
     assert args.out.name == "api.json"
     assert args.plot.name == "bench-api-processing.png"
+    assert args.baseline is None and api.parse_args(["--baseline", "HEAD~2"]).baseline == "HEAD~2"
 
 
 def test_peers_quick_run_is_short_and_the_full_run_longer():
