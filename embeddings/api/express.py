@@ -29,7 +29,8 @@ from embeddings.api.rendering import ORJSON_OPTIONS
 from embeddings.api.views import OpenAIEmbeddingsView, openai_embeddings, timing_header
 from embeddings.callers import Caller
 from embeddings.contracts.embeddings_request import OpenAIEmbeddingsRequest
-from embeddings.errors.answers import as_api_error
+from embeddings.contracts.fields import validated
+from embeddings.errors.answers import ValidationFailed, as_api_error
 from embeddings.metrics import SERIALIZATION_SECONDS, request_observed
 from embeddings.observability import context as request_context
 from embeddings.observability import tracing
@@ -44,9 +45,6 @@ JSON_CONTENT_TYPES = {
     b"application/json; charset=utf-8",
     b"application/json;charset=utf-8",
 }
-# The validated data of a body, by the view's own serializer: bound once (the view makes one, with
-# copies of its fields, per request), its fields run as the view's run them.
-BODY_CONTRACT = OpenAIEmbeddingsRequest(context={"form": False})
 # Host header values found in ALLOWED_HOSTS (bounded: a client can send many).
 _hosts_allowed: set[bytes] = set()
 HOSTS_REMEMBERED = 64
@@ -95,11 +93,9 @@ def express_request(scope: dict, body: bytes) -> tuple[str, dict] | None:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(data, dict):
-        return None
     try:
-        params = BODY_CONTRACT.run_validation(data)
-    except (ValidationError, DjangoValidationError):
+        params = validated(OpenAIEmbeddingsRequest, data)
+    except (ValidationError, DjangoValidationError, ValidationFailed):
         return None
     return authorization.decode("latin-1"), params
 

@@ -151,12 +151,31 @@ def dimensions_field() -> StrictIntegerField:
 
 def validated(serializer_class: type, data: object, *, form: bool = False) -> dict:
     """The serializer's validated data. form: the values are multipart form fields (text), read
-    as DRF reads them; otherwise JSON values must have the type the schema names."""
+    as DRF reads them; otherwise JSON values must have the type the schema names.
+
+    Raises ValidationFailed (not an object) or DRF's ValidationError, as `is_valid` would."""
     if not isinstance(data, dict):
         raise ValidationFailed("The request body must be a JSON object.")
-    serializer = serializer_class(data=data, context={"form": form})
-    serializer.is_valid(raise_exception=True)
-    return serializer.validated_data
+    return bound_contract(serializer_class, form=form).run_validation(data)
+
+
+# Serializers whose fields are bound once, by class and reading (see bound_contract).
+_bound_contracts: dict[tuple[type, bool], serializers.Serializer] = {}
+
+
+def bound_contract(serializer_class: type, *, form: bool = False) -> serializers.Serializer:
+    """One instance of the serializer per process (and reading), to validate with: DRF copies a
+    serializer's declared fields for every instance it makes (deep copies, validators and all),
+    which cost a one-text embeddings request as much web CPU as its quota round trip. Its fields
+    keep no state between validations (our contracts read no `initial_data`), so one instance
+    validates every request, from any thread, as a fresh one would."""
+    key = (serializer_class, form)
+    contract = _bound_contracts.get(key)
+    if contract is None:
+        contract = serializer_class(context={"form": form})
+        contract.fields  # noqa: B018  bound now, not by two threads at once later
+        _bound_contracts[key] = contract
+    return contract
 
 
 # As OpenAI's metadata: at most 16 pairs, keys up to 64 characters, values up to 512.
