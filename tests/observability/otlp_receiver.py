@@ -54,6 +54,10 @@ def _value(value: AnyValue):
     return None if kind is None else getattr(value, kind)
 
 
+# The attribute our server spans carry the request id in.
+REQUEST_ID = "embedsite.request_id"
+
+
 @dataclass(frozen=True)
 class ReceivedSpan:
     service: str
@@ -141,9 +145,13 @@ class OtlpReceiver:
                 return spans
             time.sleep(0.1)
         spans = self.snapshot()
-        raise AssertionError(
-            f"not received within {timeout_s:g} s; got {[(s.service, s.name) for s in spans]}"
-        )
+        # Each span's trace and parent, and the request id a server span carries: what decides
+        # whether spans belong together.
+        seen = [
+            (s.service, s.name, s.trace_id[:8], s.parent_span_id[:8], s.attributes.get(REQUEST_ID))
+            for s in spans
+        ]
+        raise AssertionError(f"not received within {timeout_s:g} s; got {seen}")
 
 
 @contextlib.contextmanager
