@@ -5,12 +5,13 @@ OpenAIEmbeddingsView answers it.
 On a one-text request those layers cost about as much web CPU as tokenising, reserving the quota
 and calling Triton together (bench/notes/). The lane takes a request only when nothing in it needs
 them: a JSON body that OpenAIEmbeddingsRequest accepts as it is, a Host in ALLOWED_HOSTS, one
-Authorization header. Anything else (a body the view refuses, token ids, a form, an odd header) is
-declined before anything is done, and LeanASGIHandler serves it through the view, which then also
-writes the refusal. Once taken, the request runs what the view runs (`openai_embeddings`, the same
-authentication, the same error answers), and its response has the view's status, headers in the
-same order, body, metrics and log lines: tests/api/test_express.py sends requests both ways and
-compares what comes back. EXPRESS_EMBEDDINGS=false sends every request through the view.
+Authorization header. Anything else (a body the view refuses, a form, another media type, a
+header sent twice) is declined before anything is done, and LeanASGIHandler serves it through the
+view, which then also writes the refusal. Once taken, the request runs what the view runs
+(`openai_embeddings`, the same authentication, the same error answers), and its response has the
+view's status, headers in the same order, body, metrics and log lines: tests/api/test_express.py
+sends requests both ways and compares what comes back. EXPRESS_EMBEDDINGS=false sends every
+request through the view.
 """
 
 from __future__ import annotations
@@ -45,22 +46,24 @@ JSON_CONTENT_TYPES = {
     b"application/json; charset=utf-8",
     b"application/json;charset=utf-8",
 }
-# Host header values found in ALLOWED_HOSTS (bounded: a client can send many).
-_hosts_allowed: set[bytes] = set()
+# Host header values found in ALLOWED_HOSTS, with the ALLOWED_HOSTS that allowed them (a setting
+# changed since, as tests do, asks again); bounded: a client can send many.
+_hosts_allowed: dict[bytes, object] = {}
 HOSTS_REMEMBERED = 64
 
 
 def _host_allowed(host: bytes) -> bool:
-    if host in _hosts_allowed:
-        return True
+    """Whether Django's request.get_host() would take this Host, as ApiSecurityMiddleware asks it."""
     allowed_hosts = settings.ALLOWED_HOSTS
+    if _hosts_allowed.get(host) is allowed_hosts:
+        return True
     if settings.DEBUG and not allowed_hosts:
         allowed_hosts = [".localhost", "127.0.0.1", "[::1]"]
     domain, _ = split_domain_port(host.decode("latin-1"))
     if not (domain and validate_host(domain, allowed_hosts)):
         return False
     if len(_hosts_allowed) < HOSTS_REMEMBERED:
-        _hosts_allowed.add(host)
+        _hosts_allowed[host] = settings.ALLOWED_HOSTS
     return True
 
 

@@ -223,3 +223,11 @@ async def test_quotas_admit_refuse_and_count_alike(both_ways, alpha, beta):
         statuses.append(by_view.status_code)
     assert statuses == [200, 200, 429]
     assert usage_of(alpha.tenant.pk) == usage_of(beta.tenant.pk) != {}
+
+
+async def test_a_host_allowed_before_is_asked_again_once_allowed_hosts_change(both_ways, settings):
+    body = {"model": "minilm", "input": "x"}
+    await both_ways(express_takes=True, json=body)  # testserver: allowed, and remembered
+    settings.ALLOWED_HOSTS = ["only.example"]
+    by_view = await both_ways(express_takes=False, json=body)
+    assert by_view.status_code == 400 and by_view.json()["error"]["code"] == "invalid_host"
