@@ -28,7 +28,7 @@ from embeddings.errors.answers import ApiError, as_api_error
 from embeddings.metrics import request_observed
 from embeddings.observability import context as request_context
 from embeddings.observability import tracing
-from embeddings.services.quotas.limits import RequestQuota, quota_headers
+from embeddings.services.quotas.limits import RequestQuota, answer_ratelimit_headers
 
 
 def rendered(response: HttpResponseBase) -> HttpResponseBase:
@@ -134,12 +134,7 @@ class ApiView(APIView):
         return self.quota
 
     async def add_ratelimit_headers(self, response: Response) -> None:
-        """The state the quota script returned, or (nothing reserved: /v1/models, a 422) a read of it."""
-        if self.quota is not None and self.quota.headers is not None:
-            headers = self.quota.headers
-        else:
-            headers = await quota_headers(self.caller)
-        for name, value in headers.items():
+        for name, value in (await answer_ratelimit_headers(self.caller, self.quota)).items():
             response[name] = value
 
     def handle_exception(self, exc: Exception) -> Response:

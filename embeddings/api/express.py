@@ -26,18 +26,20 @@ from django.http.request import split_domain_port, validate_host
 from rest_framework.exceptions import ValidationError
 
 from embeddings.api.authentication import caller_for_authorization
-from embeddings.api.rendering import ORJSON_OPTIONS
+from embeddings.api.rendering import OrjsonRenderer
 from embeddings.api.views import OpenAIEmbeddingsView, openai_embeddings, timing_header
 from embeddings.callers import Caller
 from embeddings.contracts.embeddings_request import OpenAIEmbeddingsRequest
 from embeddings.contracts.fields import validated
 from embeddings.errors.answers import ValidationFailed, as_api_error
-from embeddings.metrics import SERIALIZATION_SECONDS, request_observed
+from embeddings.metrics import request_observed
 from embeddings.observability import context as request_context
 from embeddings.observability import tracing
-from embeddings.services.quotas.limits import RequestQuota, quota_headers
+from embeddings.services.quotas.limits import RequestQuota, answer_ratelimit_headers
 
 ROUTE = "/v1/embeddings"
+# The view's renderer (its only one), which also times the rendering.
+RENDERER = OrjsonRenderer()
 # The view's `Allow` (DRF sets it on every response of the view).
 ALLOW = ", ".join(OpenAIEmbeddingsView().allowed_methods)
 # The JSON media types DRF's parser takes as they are (any other: the view decides).
@@ -133,18 +135,11 @@ async def express_answer(authorization: str, params: dict, arrived: float) -> Ht
     except Exception as exc:  # as ApiView.handle_exception: every failure is an API error answer
         error = as_api_error(exc)
         body, status, headers = error.body(), error.status, error.headers or {}
-    if call.caller is None:
-        ratelimit = {}
-    elif call.quota is not None and call.quota.headers is not None:
-        ratelimit = call.quota.headers
-    else:
-        ratelimit = await quota_headers(call.caller)
+    ratelimit = {} if call.caller is None else await answer_ratelimit_headers(call.caller, call.quota)
     request_context.annotate(endpoint=call.endpoint, model=call.model_name, route=ROUTE)
     with tracing.span("serialize", endpoint=call.endpoint):
-        started = time.perf_counter()
-        content = orjson.dumps(body, option=ORJSON_OPTIONS)
-        SERIALIZATION_SECONDS.labels(call.endpoint).observe(time.perf_counter() - started)
-        response = HttpResponse(content, status=status, content_type="application/json")
+        content = RENDERER.render(body, renderer_context={"view": call})
+        response = HttpResponse(content, status=status, content_type=RENDERER.media_type)
         # In the view's order: the answer's own headers, the rate limits, Allow, nosniff (Django's
         # headers are case-insensitive: a name set again keeps its place).
         for name, value in (*headers.items(), *ratelimit.items()):

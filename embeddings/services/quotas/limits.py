@@ -762,6 +762,14 @@ def quota_status_sync(tenant_id: int, key_id: int | None = None, *, now: float |
     return operation_run_sync(status_operation(caller, now), redis_sync())
 
 
+async def answer_ratelimit_headers(caller: Caller, quota: RequestQuota | None) -> dict[str, str]:
+    """The x-ratelimit-* headers of an authenticated request's answer: the state its quota script
+    returned, or (nothing reserved: /v1/models, a 422) a read of it."""
+    if quota is not None and quota.headers is not None:
+        return quota.headers
+    return await quota_headers(caller)
+
+
 async def quota_headers(caller: Caller, *, now: float | None = None) -> dict[str, str]:
     """The x-ratelimit-* headers of a response that reserved nothing (e.g. GET /v1/models, a 422):
     the current state, read without reserving. Empty when no limit applies or Redis fails."""
