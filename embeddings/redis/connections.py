@@ -20,6 +20,7 @@ import redis
 import redis.asyncio
 import redis.connection
 from django.conf import settings
+from redis.exceptions import RedisError
 
 _lock = threading.Lock()
 _sync_client: redis.Redis | None = None
@@ -111,6 +112,10 @@ def pack_command(*arguments) -> bytes:
     return b"*%d\r\n" % len(arguments) + pack_arguments(arguments)
 
 
+# What ends a connection's reading: the socket failed or closed, or Redis sent what is not RESP.
+_READ_FAILURES = (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, RedisError)
+
+
 class LeanConnection:
     """One plain-TCP RESP2 connection that every coroutine of the loop shares: commands are written
     in the order they come, those of one loop iteration in one write, and one reader task hands
@@ -195,9 +200,7 @@ class LeanConnection:
         except asyncio.CancelledError:
             self.fail(ConnectionError("closed"))
             raise
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as error:
-            self.fail(error)
-        except redis.exceptions.RedisError as error:
+        except _READ_FAILURES as error:
             self.fail(error)
 
     async def read_reply(self):
@@ -282,18 +285,18 @@ class LeanScriptClient:
         self.connecting: asyncio.Future[LeanConnection] | None = None
 
     async def _connect(self) -> LeanConnection:
-        reader, writer = await asyncio.open_connection(self.host, self.port)
+        connection = LeanConnection(*await asyncio.open_connection(self.host, self.port))
         try:
             if self.handshake:
-                writer.write(self.handshake)
+                connection.writer.write(self.handshake)
                 for _ in range(self.handshake_replies):
-                    reply = await _handshake_reply(reader)
+                    reply = await connection.read_reply()
                     if isinstance(reply, redis.exceptions.ResponseError):
                         raise reply
         except BaseException:
-            writer.close()
+            connection.close()
             raise
-        return LeanConnection(reader, writer)
+        return connection
 
     async def _usable_connection(self) -> LeanConnection:
         if self.connection is not None and self.connection.usable:
@@ -334,13 +337,6 @@ class LeanScriptClient:
 
 class ClosedWhileIdle(redis.exceptions.ConnectionError):
     """A command sent on a pooled connection Redis had closed while it was idle: never answered."""
-
-
-async def _handshake_reply(reader: asyncio.StreamReader):
-    line = await reader.readuntil(b"\r\n")
-    if line.startswith(b"-"):
-        return redis.exceptions.ResponseError(line[1:-2].decode(errors="replace"))
-    return line
 
 
 _lean_clients: dict[asyncio.AbstractEventLoop, LeanScriptClient | None] = {}

@@ -9,7 +9,7 @@ import redis
 import redis.asyncio
 
 from embeddings.redis import keys, operations, scripts
-from embeddings.redis.connections import redis_lean_async, redis_sync
+from embeddings.redis.connections import LeanScriptClient, pack_command, redis_lean_async, redis_sync
 from embeddings.redis.transport import (
     Command,
     PackedRun,
@@ -152,3 +152,14 @@ async def test_a_caller_that_gives_up_leaves_the_connection_in_step(service_redi
     redis_lean_async().timeout = settings.REDIS_TIMEOUT_S
     assert await operation_run(single(Command.of("GET", "a-string"))) == b"x"
     assert connects == [1]
+
+
+async def test_the_lean_client_selects_the_database_its_url_names(service_redis):
+    url = f"{service_redis.url.rsplit('/', 1)[0]}/3"
+    client = LeanScriptClient(url)
+    try:
+        assert await client.call(pack_command("SET", "in-db-3", "x")) == b"OK"
+    finally:
+        client.close()
+    assert redis.Redis.from_url(url).get("in-db-3") == b"x"
+    assert redis_sync().get("in-db-3") is None
