@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from embeddings.errors.service import InferenceTimeout
+from embeddings.callers import Caller, QuotaLimitValues
+from embeddings.errors.service import InferenceTimeout, LimitExceeded, QuotaExceeded
+from embeddings.redis import keys
+from embeddings.redis.connections import redis_sync
 from embeddings.services.inference import embedding
 from embeddings.services.inference.embedding import EmbeddingTarget
+from embeddings.services.quotas.limits import RequestQuota
 from embeddings.tokenization import InvalidText
 
 TEXTS = [f"query number {i}: " + "word " * (i % 9) for i in range(24)]
@@ -78,3 +83,51 @@ async def test_a_bad_request_among_merged_ones_is_refused_alone_before_triton(co
     )
     assert isinstance(outcomes[0], InvalidText)
     assert all(result.vectors.shape == (1, 384) for result in outcomes[1:])
+
+
+def usage_of(tenant_id: int) -> dict[str, int]:
+    """The tenant's live usage counters, summed by metric (requests, succeeded, tokens, ...)."""
+    totals: dict[str, int] = {}
+    for field, value in redis_sync().hgetall(keys.LIVE_USAGE).items():
+        tenant, _key, _hour, _endpoint, metric, _model = field.decode().split("|")
+        if tenant == str(tenant_id) and metric != "latency_ms_total":
+            totals[metric] = totals.get(metric, 0) + int(value)
+    return totals
+
+
+async def test_merged_requests_keep_their_own_quota_refusal_and_token_count_error(coalescing, service_redis):
+    """Requests that arrive together share a Triton call; a refused quota and a wrong token count
+    fail only their own request, and quotas and usage stay exact for the others."""
+    paying = Caller(1, 10, QuotaLimitValues(tokens_per_day=10_000, max_concurrent_requests=20))
+    spent = Caller(2, 20, QuotaLimitValues(tokens_per_day=3))
+    target = EmbeddingTarget("minilm", max_total_tokens=16)
+
+    def request(caller: Caller, **inputs):
+        quota = RequestQuota(
+            caller=caller, model="minilm", endpoint="embeddings", started=time.perf_counter()
+        )
+        return embedding.embeddings_create(target=target, quota=quota, **inputs)
+
+    calls_before, _ = calls_and_rows()
+    refused, too_long, outside_vocabulary, *served = await asyncio.gather(
+        request(spent, texts=["one text too many for this tenant's day"]),
+        request(paying, texts=["word " * 20]),  # 22 tokens, above the request's 16
+        request(paying, token_ids=[[101, 10**9, 102]]),
+        *(request(paying, texts=[text]) for text in TEXTS[:8]),
+        return_exceptions=True,
+    )
+    calls, _ = calls_and_rows()
+    assert isinstance(refused, QuotaExceeded) and refused.reason == "insufficient_quota"
+    assert isinstance(too_long, LimitExceeded) and "22 tokens" in too_long.message
+    assert isinstance(outside_vocabulary, InvalidText)
+    assert [result.vectors.shape for result in served] == [(1, 384)] * 8
+    assert calls - calls_before < 8  # the served ones shared Triton calls
+
+    served_tokens = sum(result.total_tokens for result in served)
+    assert usage_of(1) == {"requests": 8, "succeeded": 8, "inputs": 8, "tokens": served_tokens}
+    assert usage_of(2) == {"requests": 1, "rejected": 1}
+    (day_counter,) = redis_sync().keys("quota:{t1}:t:tpd:*")
+    assert int(redis_sync().get(day_counter)) == served_tokens
+    # Refused: its counter (if the script made it) holds nothing.
+    assert [int(redis_sync().get(key)) for key in redis_sync().keys("quota:{t2}:t:tpd:*")] in ([], [0])
+    assert redis_sync().zcard("quota:{t1}:t:concurrent") == 0  # every lease given back
