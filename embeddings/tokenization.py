@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -17,11 +18,20 @@ TruncationDirection = Literal["right", "left"]
 
 
 class TokenizationError(EmbedsiteError, ValueError):
-    """Base for inputs the tokenizer cannot take; `index` names the offending input."""
+    """Base for inputs the tokenizer cannot take; `index` names the offending input, `param` the
+    request field that holds it."""
 
     def __init__(self, message: str, *, index: int | None = None) -> None:
         super().__init__(message)
         self.index = index
+        self.param = "input"
+
+    def restated(self, message: str, *, param: str) -> TokenizationError:
+        """The same error in the terms of an endpoint whose inputs are not the `input` field (a
+        rerank request's query and documents)."""
+        self.args = (message,)
+        self.param = param
+        return self
 
 
 class InvalidText(TokenizationError):
@@ -155,7 +165,11 @@ class TextTokenizer:
         truncate: bool = True,
         direction: TruncationDirection = "right",
         buckets: tuple[int, ...] = (),
+        max_tokens: int | Sequence[int] | None = None,
     ) -> TokenizedBatch:
+        """The texts' ids (special tokens added), truncated (or, without `truncate`, refused) at the
+        model's maximum, or below it at `max_tokens`: one limit for every text, or one per text
+        (a rerank request's query and its documents)."""
         for index, text in enumerate(texts):
             if not isinstance(text, str):
                 raise InvalidText(f"Input {index} is not a string", index=index)
@@ -169,19 +183,44 @@ class TextTokenizer:
             return TokenizedBatch(empty, empty.copy(), counts, counts.astype(bool))
         # The fast variant skips character offsets (unused here): ~18% less tokenising CPU.
         encodings = self._tokenizer(direction).encode_batch_fast(texts, add_special_tokens=True)
-        lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
+        rows = [encoding.ids for encoding in encodings]
+        lengths = np.fromiter((len(ids) for ids in rows), dtype=np.int64, count=len(rows))
         truncated = np.fromiter((bool(e.overflowing) for e in encodings), dtype=bool, count=len(encodings))
+        limits = np.full(len(rows), self.max_tokens, dtype=np.int64)
+        if max_tokens is not None:
+            limits = np.minimum(limits, np.broadcast_to(np.asarray(max_tokens, dtype=np.int64), limits.shape))
+            if (limits < 2).any():
+                raise ValueError("max_tokens must leave room for the special tokens")
+            for row in np.flatnonzero(lengths > limits):
+                rows[row] = _cut(encodings[row], int(limits[row]), direction)
+                lengths[row], truncated[row] = len(rows[row]), True
         if not truncate and truncated.any():
             index = int(np.flatnonzero(truncated)[0])
             raise InputTooLong(
-                index=index, tokens=self.count_tokens(texts[index]), max_tokens=self.max_tokens
+                index=index, tokens=self.count_tokens(texts[index]), max_tokens=int(limits[index])
             )
         width = padded_length(int(lengths.max()), buckets)
-        input_ids = np.full((len(encodings), width), self.pad_token_id, dtype=np.int64)
-        for row, encoding in enumerate(encodings):
-            input_ids[row, : lengths[row]] = encoding.ids
+        input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
+        for row, ids in enumerate(rows):
+            input_ids[row, : lengths[row]] = ids
         attention_mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
         return TokenizedBatch(input_ids, attention_mask, lengths, truncated)
+
+
+def _cut(encoding, limit: int, direction: TruncationDirection) -> list[int]:
+    """The encoding's ids cut to `limit`, its leading and trailing special tokens kept ([CLS] ...
+    [SEP], <s> ... </s>): the text's own tokens are dropped from the end (or, "left", the start)."""
+    ids, special = encoding.ids, encoding.special_tokens_mask
+    head = 0
+    while head < len(ids) and special[head]:
+        head += 1
+    tail = len(ids)
+    while tail > head and special[tail - 1]:
+        tail -= 1
+    keep = max(0, limit - head - (len(ids) - tail))
+    content = ids[head:tail]
+    content = content[:keep] if direction == "right" else content[len(content) - keep :]
+    return ids[:head] + content + ids[tail:]
 
 
 @cache

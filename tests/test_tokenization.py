@@ -183,3 +183,28 @@ def test_encode_truncates_long_rows_keeping_special_tokens_and_leaves_short_ones
     batch = tokenizer.encode(["short one", long_text, ""], direction=direction)
     assert_rows_hold_exactly(batch, [short, kept, [CLS, SEP]])
     assert batch.truncated.tolist() == [False, True, False]
+
+
+def test_a_lower_limit_cuts_the_text_and_keeps_the_special_tokens(tokenizer):
+    text = "paris is the capital of france"
+    full = tokenizer.encode([text]).input_ids[0].tolist()  # [CLS] paris is the capital of france [SEP]
+    right = tokenizer.encode([text], max_tokens=4)
+    left = tokenizer.encode([text], max_tokens=4, direction="left")
+    assert right.input_ids[0].tolist() == [CLS, *full[1:3], SEP]
+    assert left.input_ids[0].tolist() == [CLS, *full[-3:-1], SEP]
+    assert right.token_counts.tolist() == [4] and right.truncated.tolist() == [True]
+    # A limit above the text, or above the model's own maximum, changes nothing.
+    assert tokenizer.encode([text], max_tokens=1000).input_ids[0].tolist() == full
+    assert tokenizer.encode(["word " * 1000], max_tokens=10_000).token_counts.tolist() == [256]
+
+
+def test_limits_per_text_and_refusals_name_the_text_and_its_limit(tokenizer):
+    texts = ["one two three four five", "one two three four five"]
+    batch = tokenizer.encode(texts, max_tokens=(256, 3))
+    assert batch.token_counts.tolist() == [7, 3] and batch.truncated.tolist() == [False, True]
+    assert batch.input_ids[1, :3].tolist() == [CLS, batch.input_ids[0, 1], SEP]
+    with pytest.raises(InputTooLong) as refused:
+        tokenizer.encode(texts, max_tokens=(256, 3), truncate=False)
+    assert (refused.value.index, refused.value.tokens, refused.value.max_tokens) == (1, 7, 3)
+    with pytest.raises(ValueError, match="special tokens"):
+        tokenizer.encode(texts, max_tokens=1)

@@ -405,12 +405,12 @@ ANSWERS: dict[type[Exception], Answer] = {
     ),
     ModelNotLoaded: Answer(_service_answer(_model_not_loaded), Retry.BACKOFF),
     # The tokenizer's (embeddings.tokenization).
-    TokenizationError: Answer(lambda exc: ValidationFailed(str(exc), param="input"), Retry.NEVER),
+    TokenizationError: Answer(lambda exc: ValidationFailed(str(exc), param=exc.param), Retry.NEVER),
     TokenOutsideVocabulary: Answer(
-        lambda exc: ValidationFailed(str(exc), param="input", code=UNSUPPORTED_BY_MODEL), Retry.NEVER
+        lambda exc: ValidationFailed(str(exc), param=exc.param, code=UNSUPPORTED_BY_MODEL), Retry.NEVER
     ),
     InputTooLong: Answer(
-        lambda exc: PayloadTooLarge(str(exc), param="input", code="context_length_exceeded"), Retry.NEVER
+        lambda exc: PayloadTooLarge(str(exc), param=exc.param, code="context_length_exceeded"), Retry.NEVER
     ),
     # The Triton client's (embeddings.triton.errors).
     TritonError: Answer(
