@@ -524,6 +524,8 @@ class EmbeddingModelAdmin(admin.ModelAdmin):
     list_display = (
         "name",
         "enabled",
+        "task",
+        "rerank_by_similarity",
         "triton_model",
         "triton_version",
         "dimensions",
@@ -531,9 +533,10 @@ class EmbeddingModelAdmin(admin.ModelAdmin):
         "aliases",
         "result_dtype",
     )
-    list_filter = ("enabled", "triton_model", "result_dtype")
+    list_filter = ("enabled", "task", "rerank_by_similarity", "triton_model", "result_dtype")
     search_fields = ("name", "triton_model")
-    readonly_fields = ("created_at",)
+    # The task is the export's (register_model reads it from export.json).
+    readonly_fields = ("task", "created_at")
     actions = ("load_into_triton", "unload_from_triton")
 
     def get_list_display(self, request: HttpRequest):

@@ -11,11 +11,27 @@ from django.utils import timezone
 
 from embeddings.result_dtypes import DEFAULT_RESULT_DTYPE, RESULT_DTYPE_CHOICES
 
+TASK_EMBED = "embed"
+TASK_RERANK = "rerank"
+TASK_CHOICES = [(TASK_EMBED, "Embedding"), (TASK_RERANK, "Rerank (cross-encoder)")]
+
 
 class EmbeddingModel(models.Model):
     """A model clients can name, and the Triton model behind it."""
 
     name = models.CharField(max_length=200, unique=True, help_text="What clients send, e.g. all-MiniLM-L6-v2")
+    task = models.CharField(
+        max_length=10,
+        choices=TASK_CHOICES,
+        default=TASK_EMBED,
+        help_text="What it answers: embeddings, or the relevance of documents to a query (rerank)",
+    )
+    rerank_by_similarity = models.BooleanField(
+        default=False,
+        help_text="An embedding model that also answers rerank requests: each document scored by the "
+        "cosine similarity of its embedding to the query's, in [-1, 1] (a rerank model, where one is "
+        "registered, is preferred)",
+    )
     aliases = models.JSONField(default=list, blank=True, help_text='Other names, e.g. ["minilm"]')
     triton_model = models.CharField(max_length=200)
     triton_version = models.CharField(max_length=20, blank=True, help_text="Blank: Triton's latest")
@@ -52,6 +68,16 @@ class EmbeddingModel(models.Model):
 
     def answers_to(self, name: str) -> bool:
         return name == self.name or name in (self.aliases or [])
+
+    def clean(self) -> None:
+        if self.rerank_by_similarity and self.task != TASK_EMBED:
+            message = "Only an embedding model ranks by similarity; a rerank model ranks itself."
+            raise ValidationError({"rerank_by_similarity": message})
+
+    @property
+    def ranks(self) -> bool:
+        """Whether it answers rerank requests: a rerank model, or an embedding model allowed to."""
+        return self.task == TASK_RERANK or self.rerank_by_similarity
 
 
 class QuotaLimits(models.Model):

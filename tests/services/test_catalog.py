@@ -165,3 +165,42 @@ def test_register_local_model_is_idempotent_and_clears_the_request_path_cache(db
 def test_register_local_model_needs_the_export(db, tmp_path):
     with pytest.raises(CatalogError, match="export_model"):
         embedding_model_register_local(repository=tmp_path)
+
+
+def test_the_bundled_model_ranks_from_its_first_registration_until_turned_off(db, tmp_path):
+    write_finished_export(tmp_path, max_tokens=256)
+    model = embedding_model_register_local(repository=tmp_path)
+    assert (model.task, model.rerank_by_similarity, model.ranks) == ("embed", True, True)
+    model.rerank_by_similarity = False
+    model.save(update_fields=["rerank_by_similarity"])
+    # Setup registers it again at every run: the operator's choice stays.
+    assert embedding_model_register_local(repository=tmp_path).rerank_by_similarity is False
+
+
+def test_only_an_embedding_model_ranks_by_similarity(db, tmp_path):
+    write_finished_export(tmp_path, max_tokens=256)
+    registered = catalog.embedding_model_register(triton_model="minilm", name="plain", repository=tmp_path)
+    assert registered.rerank_by_similarity is False  # a new model ranks only if asked
+    export_json = tmp_path / "minilm" / "1" / "export.json"
+    export_json.write_text(export_json.read_text().replace("{", '{"task": "rerank", ', 1))
+    reranker = catalog.embedding_model_register(triton_model="minilm", name="cross", repository=tmp_path)
+    assert (reranker.task, reranker.ranks) == ("rerank", True)
+    with pytest.raises(CatalogError, match="only an embedding model ranks by similarity"):
+        catalog.embedding_model_register(
+            triton_model="minilm", name="cross", rerank_by_similarity=True, repository=tmp_path
+        )
+
+
+def test_a_rerank_request_naming_no_model_prefers_a_rerank_model_then_the_default(models, settings):
+    settings.MODEL_CACHE_SECONDS = 0
+    everything = Caller(1, 1, allow_all_models=True)
+    default = async_to_sync(catalog.rerank_model_default)
+    assert default(caller=everything) is None  # nothing ranks
+    EmbeddingModel.objects.filter(name__in=["all-MiniLM-L6-v2", "e5-small"]).update(rerank_by_similarity=True)
+    assert default(caller=everything).name == "all-MiniLM-L6-v2"  # settings.DEFAULT_EMBEDDING_MODEL
+    EmbeddingModel.objects.create(
+        name="z-reranker", task="rerank", triton_model="z", dimensions=1, max_tokens=512
+    )
+    assert default(caller=everything).name == "z-reranker"
+    only_e5 = Caller(1, 1, allowed_model_ids=frozenset({models["e5"].pk}))
+    assert default(caller=only_e5).name == "e5-small"

@@ -1,5 +1,7 @@
 """Register an exported model in the catalog and load it into the running Triton."""
 
+import argparse
+
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from embeddings.services.inference.catalog import (
@@ -54,9 +56,25 @@ class Command(BaseCommand):
         )
         parser.add_argument("--default-prompt", help="The prompt used when a request names none")
         parser.add_argument("--disable", action="store_true", help="Register it disabled (not loaded)")
+        parser.add_argument(
+            "--rerank-by-similarity",
+            action=argparse.BooleanOptionalAction,
+            help="Let an embedding model answer rerank requests by cosine similarity (default: as it was; "
+            "off for a new model)",
+        )
 
     def handle(
-        self, *args, triton_model, version, name, aliases, prompts, default_prompt, disable, **options
+        self,
+        *args,
+        triton_model,
+        version,
+        name,
+        aliases,
+        prompts,
+        default_prompt,
+        disable,
+        rerank_by_similarity=None,
+        **options,
     ):
         try:
             model = embedding_model_register(
@@ -67,12 +85,14 @@ class Command(BaseCommand):
                 prompts=dict(prompts) if prompts is not None else None,
                 default_prompt_name=default_prompt,
                 enabled=False if disable else self.enabled_unless_disabled,
+                rerank_by_similarity=rerank_by_similarity,
             )
         except CatalogError as error:
             raise CommandError(str(error)) from error
+        ranks = ", ranks by similarity" if model.rerank_by_similarity else ""
         self.stdout.write(
             f"registered {model.name} -> Triton model {model.triton_model} version {model.triton_version} "
-            f"({model.dimensions}-d, {model.max_tokens} tokens){'' if model.enabled else ', disabled'}"
+            f"({model.dimensions}-d, {model.max_tokens} tokens{ranks}){'' if model.enabled else ', disabled'}"
         )
         self.load(model)
 

@@ -11,7 +11,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from embeddings.errors import EmbedsiteError
-from embeddings.models import EmbeddingModel
+from embeddings.models import TASK_EMBED, TASK_RERANK, EmbeddingModel
 from embeddings.services.inference.exports import ModelExportError, model_export_info, model_export_versions
 from embeddings.single_flight import SingleFlight
 
@@ -65,6 +65,18 @@ async def embedding_models_for_caller(*, caller: Caller) -> list[EmbeddingModel]
     return [model for model in await _enabled_cached() if caller.may_use(model)]
 
 
+async def rerank_model_default(*, caller: Caller) -> EmbeddingModel | None:
+    """The model that answers a rerank request naming none (TEI's /rerank): the caller's first
+    rerank model (a cross-encoder ranks better than any similarity), else the default embedding
+    model if it ranks, else the first other that does; None when the caller may use none."""
+    usable = [model for model in await _enabled_cached() if model.ranks and caller.may_use(model)]
+    preferred = sorted(
+        usable,
+        key=lambda model: (model.task != TASK_RERANK, not model.answers_to(settings.DEFAULT_EMBEDDING_MODEL)),
+    )
+    return preferred[0] if preferred else None
+
+
 class CatalogError(EmbedsiteError):
     """A registration the catalog refuses: no such export, a name already taken, a bad prompt."""
 
@@ -78,14 +90,16 @@ def embedding_model_register(
     prompts: Mapping[str, str] | None = None,
     default_prompt_name: str | None = None,
     enabled: bool | None = None,
+    rerank_by_similarity: bool | None = None,
     repository: Path | None = None,
 ) -> EmbeddingModel:
     """Create or update the catalog row `name` for a finished export of `triton_model` (`version`):
     its dimensions and maximum tokens come from that version's export.json. Without a name: the one
     row serving `triton_model`, else the Triton model's name. Without a version: the row's pinned
-    one, else the latest export. Aliases, prompts and `enabled` given replace the row's;
-    omitted, they are kept (a new row is enabled). Loading it into Triton is `models_reconcile`'s
-    (services/inference/serving.py)."""
+    one, else the latest export. Aliases, prompts, `enabled` and `rerank_by_similarity` given
+    replace the row's; omitted, they are kept (a new row is enabled, and ranks only if it is a
+    rerank model). Its task (embed or rerank) is the export's. Loading it into Triton is
+    `models_reconcile`'s (services/inference/serving.py)."""
     repository = Path(repository or settings.TRITON_MODEL_REPOSITORY)
     if name is None:
         # The row already serving this Triton model, when there is exactly one.
@@ -121,6 +135,11 @@ def embedding_model_register(
         raise CatalogError(f"the default prompt {default_prompt_name!r} is not one of its prompts")
     if enabled is None:
         enabled = existing.enabled if existing else True
+    task = info.get("task", TASK_EMBED)
+    if rerank_by_similarity is None:
+        rerank_by_similarity = existing.rerank_by_similarity if existing else False
+    if rerank_by_similarity and task != TASK_EMBED:
+        raise CatalogError(f"{name} is a {task} model: only an embedding model ranks by similarity")
     _check_names_free(name=name, aliases=aliases, exclude=existing)
     model, _ = EmbeddingModel.objects.update_or_create(
         name=name,
@@ -133,6 +152,8 @@ def embedding_model_register(
             "prompts": prompts,
             "default_prompt_name": default_prompt_name,
             "enabled": enabled,
+            "task": task,
+            "rerank_by_similarity": rerank_by_similarity,
         },
     )
     embedding_model_cache_clear()
@@ -151,11 +172,19 @@ def _check_names_free(*, name: str, aliases: Sequence[str], exclude: EmbeddingMo
 
 
 def embedding_model_register_local(*, repository: Path, triton_model: str = "minilm") -> EmbeddingModel:
-    """Register (idempotently) the model `export_model` wrote, version 1, so a first run can serve it."""
+    """Register (idempotently) the model `export_model` wrote, version 1, so a first run can serve it
+    (and rank by similarity, unless an operator has turned that off since)."""
     return embedding_model_register(
         triton_model=triton_model,
         version=1,
         name=LOCAL_MODEL_NAME,
         aliases=LOCAL_MODEL_ALIASES,
+        rerank_by_similarity=local_model_ranks(),
         repository=repository,
     )
+
+
+def local_model_ranks() -> bool | None:
+    """The bundled model ranks by similarity from its first registration (so `make run` serves
+    rerank); None once registered, so an operator who turned that off keeps it off."""
+    return None if EmbeddingModel.objects.filter(name=LOCAL_MODEL_NAME).exists() else True
