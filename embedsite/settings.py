@@ -426,6 +426,11 @@ MAX_INPUTS_PER_REQUEST = env_int("MAX_INPUTS_PER_REQUEST", 2048, minimum=1)
 # alone, ~4x headroom for sharing). A GPU deployment raises it (README: sizing the limits).
 MAX_TOKENS_PER_REQUEST = env_int("MAX_TOKENS_PER_REQUEST", 32_768, minimum=1)
 MAX_REQUEST_BODY_BYTES = env_int("MAX_REQUEST_BODY_BYTES", 16 * 1024 * 1024, minimum=1024)
+# Rerank: documents one request may rank (Cohere's recommended maximum), and the most tokens a
+# document keeps unless the request asks fewer (Cohere's max_tokens_per_doc default); the model's
+# own maximum caps both. A request above either is refused (413).
+RERANK_MAX_DOCUMENTS = env_int("RERANK_MAX_DOCUMENTS", 1000, minimum=1)
+RERANK_MAX_TOKENS_PER_DOCUMENT = env_int("RERANK_MAX_TOKENS_PER_DOCUMENT", 4096, minimum=2)
 # Inference requests one server process has in flight; beyond it, 429 with Retry-After at once.
 MAX_INFLIGHT_TRITON_CALLS = env_int("MAX_INFLIGHT_TRITON_CALLS", 64, minimum=1)
 # Admission (embeddings/api/admission.py), per server process, decided from the request head before

@@ -25,6 +25,7 @@ from embeddings.errors.answers import ApiError, Forbidden, ModelForbidden, Model
 from embeddings.models import ApiKey, EmbeddingModel
 from embeddings.services.accounts.api_keys import api_key_for_secret, api_key_touch, parse_api_key
 from embeddings.services.inference import catalog
+from embeddings.services.inference.embedding import embedding_model_check
 from embeddings.single_flight import SingleFlight
 
 logger = logging.getLogger(__name__)
@@ -193,8 +194,9 @@ class ModelCall(Protocol):
     model_name: str
 
 
-async def model_for_request(call: ModelCall, name: str | None) -> EmbeddingModel:
-    """The model a request names (or the default), which this key must be allowed to use.
+async def model_for_request(call: ModelCall, name: str | None, *, embeds: bool = True) -> EmbeddingModel:
+    """The model a request names (or the default), which this key must be allowed to use and,
+    with `embeds`, which makes embeddings (not a rerank model).
 
     The request's metrics are labelled with it from here on (errors included).
     """
@@ -205,4 +207,6 @@ async def model_for_request(call: ModelCall, name: str | None) -> EmbeddingModel
         )
     call.model_name = model.name
     ensure_model_allowed(call.caller, model)
+    if embeds:
+        embedding_model_check(model)
     return model

@@ -1,14 +1,17 @@
-"""API routes: OpenAI-compatible, the seed proxy's shapes, models, usage, jobs."""
+"""API routes: OpenAI-compatible, the seed proxy's shapes, rerank, models, usage, jobs."""
 
 from django.urls import path
 
-from embeddings.api import batches, files, jobs, usage, views
+from embeddings.api import batches, files, jobs, rerank, usage, views
 
 urlpatterns = [
     path("v1/embeddings", views.OpenAIEmbeddingsView.as_view(), name="openai-embeddings"),
     path("v1/embedding", views.SeedEmbeddingView.as_view(), name="seed-embedding"),
     path("api/v1/embed", views.TeiEmbedView.as_view(), name="tei-embed"),
     path("embed", views.TeiEmbedShortView.as_view(), name="tei-embed-short"),
+    path("v2/rerank", rerank.CohereRerankView.as_view(), name="cohere-rerank"),
+    path("v1/rerank", rerank.RerankView.as_view(), name="rerank"),
+    path("rerank", rerank.TeiRerankView.as_view(), name="tei-rerank"),
     path("v1/models", views.ModelListView.as_view(), name="models"),
     # Model ids may contain "/" (e.g. sentence-transformers/all-MiniLM-L6-v2).
     path("v1/models/<path:model_id>", views.ModelDetailView.as_view(), name="model-detail"),

@@ -32,7 +32,7 @@ from embeddings.contracts.embeddings_request import (
 )
 from embeddings.contracts.fields import StrictBooleanField, StrictCharField, dimensions_field, validated
 from embeddings.metrics import embedded_observed
-from embeddings.models import EmbeddingModel
+from embeddings.models import TASK_RERANK, EmbeddingModel
 from embeddings.services.inference import catalog
 from embeddings.services.inference.embedding import (
     EmbeddingOptions,
@@ -40,6 +40,7 @@ from embeddings.services.inference.embedding import (
     EmbeddingTarget,
     embeddings_create,
 )
+from embeddings.services.inference.ranking import SIMILARITY_SCORE_RANGE
 from embeddings.services.openai_api.embeddings_body import embeddings_response_body
 from embeddings.services.quotas.limits import RequestQuota
 
@@ -150,14 +151,27 @@ class TeiEmbedResponse(serializers.Serializer):
     timings = TimingsSerializer()
 
 
+class RerankCapabilitySerializer(serializers.Serializer):
+    method = serializers.ChoiceField(choices=["cross_encoder", "cosine_similarity"])
+    score_range = serializers.ListField(
+        child=serializers.FloatField(),
+        allow_null=True,
+        help_text="The lowest and highest score; null for a cross-encoder's unbounded logits",
+    )
+
+
 class ModelObjectSerializer(serializers.Serializer):
     id = serializers.CharField()
     object = serializers.CharField(default="model")
     created = serializers.IntegerField(help_text="Unix seconds")
     owned_by = serializers.CharField()
+    task = serializers.ChoiceField(choices=["embed", "rerank"], help_text="What it answers")
     dimensions = serializers.IntegerField()
     max_tokens = serializers.IntegerField()
     aliases = serializers.ListField(child=serializers.CharField())
+    rerank = RerankCapabilitySerializer(
+        allow_null=True, help_text="How it answers rerank requests; null: it does not rank"
+    )
 
 
 class ModelListSerializer(serializers.Serializer):
@@ -397,9 +411,11 @@ MODEL_EXAMPLE = {
     "object": "model",
     "created": 1767225600,
     "owned_by": "embedsite",
+    "task": "embed",
     "dimensions": 384,
     "max_tokens": 256,
     "aliases": ["minilm", "sentence-transformers/all-MiniLM-L6-v2"],
+    "rerank": {"method": "cosine_similarity", "score_range": [-1.0, 1.0]},
 }
 
 
@@ -409,10 +425,21 @@ def model_object(model: EmbeddingModel) -> dict:
         "object": "model",
         "created": int(model.created_at.timestamp()),
         "owned_by": model.owned_by,
+        "task": model.task,
         "dimensions": model.dimensions,
         "max_tokens": model.max_tokens,
         "aliases": list(model.aliases or []),
+        "rerank": rerank_capability(model),
     }
+
+
+def rerank_capability(model: EmbeddingModel) -> dict | None:
+    """How the model ranks documents, and the range of its scores; None when it does not."""
+    if model.task == TASK_RERANK:
+        return {"method": "cross_encoder", "score_range": None}
+    if model.rerank_by_similarity:
+        return {"method": "cosine_similarity", "score_range": list(SIMILARITY_SCORE_RANGE)}
+    return None
 
 
 class ModelListView(ApiView):
@@ -458,5 +485,5 @@ class ModelDetailView(ApiView):
         tags=["models"],
     )
     async def get(self, request: Request, model_id: str) -> Response:
-        model = await model_for_request(self, model_id)
+        model = await model_for_request(self, model_id, embeds=False)
         return Response(model_object(model))

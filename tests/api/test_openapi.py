@@ -14,6 +14,9 @@ API_OPERATIONS = {
     "/v1/embedding": {"post"},
     "/api/v1/embed": {"post"},
     "/embed": {"post"},
+    "/v2/rerank": {"post"},
+    "/v1/rerank": {"post"},
+    "/rerank": {"post"},
     "/v1/models": {"get"},
     "/v1/models/{model_id}": {"get"},
     "/v1/usage": {"get"},
@@ -53,8 +56,19 @@ def test_every_api_path_and_method_is_documented(schema):
             assert "200" in operation["responses"], (path, method)
 
 
+MODEL_PATHS = (
+    "/v1/embeddings",
+    "/v1/embedding",
+    "/api/v1/embed",
+    "/embed",
+    "/v2/rerank",
+    "/v1/rerank",
+    "/rerank",
+)
+
+
 def test_errors_are_documented_in_openai_shape(schema):
-    for path in ("/v1/embeddings", "/v1/embedding", "/api/v1/embed", "/embed"):
+    for path in MODEL_PATHS:
         responses = schema["paths"][path]["post"]["responses"]
         assert set(responses) >= EMBEDDING_ERRORS, path
         for status in EMBEDDING_ERRORS:
@@ -78,7 +92,7 @@ def test_errors_are_documented_in_openai_shape(schema):
 
 def test_bodies_and_examples(schema):
     operations = {path: next(iter(ops.values())) for path, ops in schema["paths"].items()}
-    for path in ("/v1/embeddings", "/v1/embedding", "/api/v1/embed"):
+    for path in MODEL_PATHS:
         body = operations[path]["requestBody"]["content"]["application/json"]
         assert body["schema"] and body["examples"], path
         assert operations[path]["responses"]["200"]["content"]["application/json"]["examples"], path

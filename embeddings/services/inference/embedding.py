@@ -36,6 +36,7 @@ from embeddings.metrics import (
     TRITON_IN_FLIGHT,
     triton_call_observed,
 )
+from embeddings.models import TASK_EMBED
 from embeddings.observability import context as request_context
 from embeddings.observability import tracing
 from embeddings.services.inference.clients import (
@@ -86,6 +87,7 @@ class EmbeddingTarget:
 
     @classmethod
     def for_model(cls, model: EmbeddingModel) -> EmbeddingTarget:
+        embedding_model_check(model)
         return cls(
             triton_model=model.triton_model,
             triton_version=model.triton_version,
@@ -112,6 +114,16 @@ class EmbeddingTarget:
         )
 
 
+def embedding_model_check(model: EmbeddingModel) -> None:
+    """Refuse a catalog model that makes no embeddings (a rerank model) for an embedding request."""
+    if model.task != TASK_EMBED:
+        raise UnsupportedByModel(
+            f"The model {model.name!r} is a {model.task} model: it scores documents against a query "
+            "(POST /v2/rerank, /v1/rerank or /rerank) and makes no embeddings.",
+            param="model",
+        )
+
+
 @dataclass(frozen=True)
 class EmbeddingOptions:
     truncate: bool = True
@@ -120,6 +132,8 @@ class EmbeddingOptions:
     dimensions: int | None = None
     normalize: bool = True
     prompt_name: str | None = None
+    # Texts keep at most this many tokens (below the model's maximum): one for all, or one per text.
+    max_tokens: int | tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +211,7 @@ def _tokenize_timed(
             truncate=options.truncate,
             direction=options.direction,
             buckets=tuple(settings.SEQUENCE_LENGTH_BUCKETS),
+            max_tokens=options.max_tokens,
         )
     if len(batch) == 0:
         raise InvalidRequest("input must contain at least one item", param="input")

@@ -52,9 +52,10 @@ from embeddings.errors.service import (
     LimitExceeded,
     QuotaExceeded,
     StorageBudgetExceeded,
+    UnsupportedByModel,
 )
 from embeddings.models import Batch, EmbeddingJob, EmbeddingModel, StoredFile, Tenant
-from embeddings.services.inference.embedding import dimensions_check
+from embeddings.services.inference.embedding import dimensions_check, embedding_model_check
 from embeddings.services.jobs.engine import job_cancel, job_delete
 from embeddings.services.jobs.kinds import ChunkWrite, JobKind
 from embeddings.services.jobs.reads import job_refreshed
@@ -265,6 +266,10 @@ class _Models:
             )
         if not (self.allow_all or model.pk in self.allowed):
             raise _LineProblem("model_not_allowed", f"This API key may not use the model {name!r}.", "model")
+        try:
+            embedding_model_check(model)
+        except UnsupportedByModel as error:
+            raise _LineProblem("unsupported_by_model", error.message, "model") from None
         return model
 
 
