@@ -20,7 +20,7 @@ COMPOSE := $(VENV)/bin/docker-compose
 # few thousand; compiling them all cost the setup 100 CPU-seconds. pip still installs --no-compile.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test test-unit test-services setup setup-steps bench bench-api bench-peers bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
+.PHONY: run test test-unit test-services setup setup-steps bench bench-api bench-peers bench-rerank bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
 	clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
@@ -76,6 +76,11 @@ bench-peers: setup
 	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
 	$(PIP) install -q -r requirements-bench.txt
 	$(PY) bench/peers.py $(BENCH_ARGS)
+
+## bench-rerank: documents ranked per second through /v2/rerank against raw ORT, 32 and 256 documents
+bench-rerank: setup
+	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
+	$(PY) bench/rerank.py $(BENCH_ARGS)
 
 ## bench-overload: one tenant's 32/256/1,000 connections: its goodput, a second tenant's answers (BENCH_ARGS='--baseline REF --refusal-cost')
 bench-overload: setup

@@ -297,7 +297,19 @@ def processing_table(server: Server, key: str, batches: list[int], requests: int
     return rows
 
 
-def wrk(server: Server, key: str, body: dict, seconds: float, connections: int, workdir: Path) -> dict:
+def wrk(
+    server: Server,
+    key: str,
+    body: dict,
+    seconds: float,
+    connections: int,
+    workdir: Path,
+    *,
+    path: str = "/v1/embeddings",
+    rows: int | None = None,
+) -> dict:
+    """wrk posting `body` to `path` for `seconds` on `connections`; `rows`: what one request counts
+    as (default: its `input`'s length), for emb_per_s."""
     script = workdir / "post.lua"
     script.write_text(
         'wrk.method = "POST"\n'
@@ -313,13 +325,13 @@ def wrk(server: Server, key: str, body: dict, seconds: float, connections: int, 
     cpu_before = server.cpu_seconds()
     output = subprocess.run(
         ["wrk", "-t", "1", "-c", str(connections), "-d", f"{int(seconds)}s", "--timeout", "60s",
-         "-s", str(script), f"{server.url}/v1/embeddings"],
+         "-s", str(script), f"{server.url}{path}"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     cpu = server.cpu_seconds() - cpu_before
     line = next(line for line in output.splitlines() if line.startswith("RESULT"))
     requests, status_errors, socket_errors, duration_us, p50, p90 = line.split()[1:]
-    rows = len(body["input"])
+    rows = len(body["input"]) if rows is None else rows
     result = {
         "requests": int(requests),
         "errors": int(status_errors) + int(socket_errors),

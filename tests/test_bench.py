@@ -16,6 +16,7 @@ import api  # noqa: E402
 import configs  # noqa: E402
 import overload  # noqa: E402
 import peers  # noqa: E402
+import rerank  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -132,7 +133,7 @@ def test_long_texts_get_longer_cells_than_short_ones():
     assert peers.cell_seconds(long, 3.0) > peers.cell_seconds(short, 3.0) == 3.0
 
 
-@pytest.mark.parametrize("script", ["api.py", "peers.py", "quota.py", "jobs.py", "overload.py"])
+@pytest.mark.parametrize("script", ["api.py", "peers.py", "quota.py", "jobs.py", "overload.py", "rerank.py"])
 def test_scripts_run_as_readme_says(script):
     """`.venv/bin/python bench/<script>` from the repository root: its imports resolve on their own."""
     done = subprocess.run(
@@ -228,3 +229,16 @@ def test_overload_s_wrk_script_sends_the_flood_tenant_s_key():
     script = overload.wrk_script({"model": "m", "input": "x"}, "emb_flood_key")
     assert 'wrk.headers["Authorization"] = "Bearer emb_flood_key"' in script
     assert "RESULT" in script
+
+
+def test_rerank_table_compares_the_best_connection_count_with_raw_ort():
+    cell = {"emb_per_s": 900.0, "p50_ms": 280.0}
+    results = {
+        256: {
+            "raw ORT": {"pairs_per_s": 1000.0, "p50_ms": 250.0},
+            "embedsite, 1 connection": {**cell, "emb_per_s": 700.0},
+            "embedsite, 4 connections": cell,
+        }
+    }
+    row = rerank.table(results).splitlines()[-1]
+    assert row == "| 256 | 1000 (250) | 700 (280) | 900 (280) | 0.90 |"
