@@ -428,7 +428,8 @@ MAX_TOKENS_PER_REQUEST = env_int("MAX_TOKENS_PER_REQUEST", 32_768, minimum=1)
 MAX_REQUEST_BODY_BYTES = env_int("MAX_REQUEST_BODY_BYTES", 16 * 1024 * 1024, minimum=1024)
 # Rerank: documents one request may rank (Cohere's recommended maximum), and the most tokens a
 # document keeps unless the request asks fewer (Cohere's max_tokens_per_doc default); the model's
-# own maximum caps both. A request above either is refused (413).
+# own maximum caps both. More documents are refused (413); a larger max_tokens_per_doc is outside the
+# API schema (422).
 RERANK_MAX_DOCUMENTS = env_int("RERANK_MAX_DOCUMENTS", 1000, minimum=1)
 RERANK_MAX_TOKENS_PER_DOCUMENT = env_int("RERANK_MAX_TOKENS_PER_DOCUMENT", 4096, minimum=2)
 # Inference requests one server process has in flight; beyond it, 429 with Retry-After at once.

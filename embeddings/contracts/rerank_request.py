@@ -7,6 +7,7 @@ of running a DRF field per item.
 
 from __future__ import annotations
 
+from django.conf import settings
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -68,6 +69,16 @@ def query_field(**options) -> StrictCharField:
     )
 
 
+def max_tokens_per_doc_field() -> StrictIntegerField:
+    # The server's ceiling is in the schema, so a client (and the fuzzer) knows what is valid.
+    return StrictIntegerField(
+        min_value=2,
+        max_value=settings.RERANK_MAX_TOKENS_PER_DOCUMENT,
+        required=False,
+        help_text=MAX_TOKENS_PER_DOC_HELP,
+    )
+
+
 def top_n_field() -> StrictIntegerField:
     return StrictIntegerField(min_value=1, required=False, help_text=TOP_N_HELP)
 
@@ -79,7 +90,7 @@ class CohereRerankRequest(serializers.Serializer):
     query = query_field()
     documents = DocumentsField(help_text=DOCUMENTS_HELP)
     top_n = top_n_field()
-    max_tokens_per_doc = StrictIntegerField(min_value=2, required=False, help_text=MAX_TOKENS_PER_DOC_HELP)
+    max_tokens_per_doc = max_tokens_per_doc_field()
 
 
 class RerankRequest(serializers.Serializer):
@@ -95,7 +106,7 @@ class RerankRequest(serializers.Serializer):
     documents = DocumentsField(help_text=DOCUMENTS_HELP)
     top_n = top_n_field()
     return_documents = StrictBooleanField(default=False, help_text="Add each result's document text.")
-    max_tokens_per_doc = StrictIntegerField(min_value=2, required=False, help_text=MAX_TOKENS_PER_DOC_HELP)
+    max_tokens_per_doc = max_tokens_per_doc_field()
 
 
 class TeiRerankRequest(serializers.Serializer):
