@@ -20,18 +20,6 @@ class EmbeddingModel(models.Model):
     """A model clients can name, and the Triton model behind it."""
 
     name = models.CharField(max_length=200, unique=True, help_text="What clients send, e.g. all-MiniLM-L6-v2")
-    task = models.CharField(
-        max_length=10,
-        choices=TASK_CHOICES,
-        default=TASK_EMBED,
-        help_text="What it answers: embeddings, or the relevance of documents to a query (rerank)",
-    )
-    rerank_by_similarity = models.BooleanField(
-        default=False,
-        help_text="An embedding model that also answers rerank requests: each document scored by the "
-        "cosine similarity of its embedding to the query's, in [-1, 1] (a rerank model, where one is "
-        "registered, is preferred)",
-    )
     aliases = models.JSONField(default=list, blank=True, help_text='Other names, e.g. ["minilm"]')
     triton_model = models.CharField(max_length=200)
     triton_version = models.CharField(max_length=20, blank=True, help_text="Blank: Triton's latest")
@@ -57,6 +45,18 @@ class EmbeddingModel(models.Model):
         default=DEFAULT_RESULT_DTYPE,
         help_text="How its jobs' results are stored unless a job asks otherwise: float16 takes half "
         "the job store's memory (cosine >= 0.9999 to float32); downloads are float32 either way",
+    )
+    task = models.CharField(
+        max_length=10,
+        choices=TASK_CHOICES,
+        default=TASK_EMBED,
+        help_text="What it answers: embeddings, or the relevance of documents to a query (rerank)",
+    )
+    rerank_by_similarity = models.BooleanField(
+        default=False,
+        help_text="An embedding model that also answers rerank requests: each document scored by the "
+        "cosine similarity of its embedding to the query's, in [-1, 1] (a rerank model, where one is "
+        "registered, is preferred)",
     )
     created_at = models.DateTimeField(default=timezone.now)
 

@@ -200,6 +200,9 @@ def test_load_a_model_into_triton_from_the_changelist(
     _log_in(page, live_server)
     page.goto(live_server.url + reverse("admin:embeddings_embeddingmodel_changelist"))
     row = page.locator("#result_list tbody tr", has_text="copy")
+    # What each model answers, and whether it also ranks documents by similarity.
+    assert row.locator("td.field-task").inner_text() == "Embedding"
+    assert row.locator("td.field-rerank_by_similarity img").get_attribute("alt") == "False"
     # "not loaded", or UNAVAILABLE when this Triton unloaded it before.
     assert row.locator("td.field-triton_state").inner_text().split()[0] in {"not", "UNAVAILABLE"}
     row.locator("input.action-select").check()
