@@ -33,6 +33,7 @@ from embeddings.triton import (
     TritonUnavailable,
 )
 from tests.conftest import TEST_MODEL_REPOSITORY, start_triton
+from tests.triton.statistics import STATISTICS_SETTLE_S, settled
 
 INSTANT = "instant_1024"
 # What a loaded two-core machine may add to a deadline before the caller sees the error.
@@ -98,10 +99,8 @@ def assert_rows_in_order(embeddings: np.ndarray, input_ids: np.ndarray, attended
     np.testing.assert_array_equal(embeddings[:, 2:], np.repeat(input_ids[:, :1], 1022, axis=1))
 
 
-# Triton counts a request in its statistics as it releases it, which can be just after the
-# response reached the client: a read at once may miss the last call. Read until `calls` more
-# succeeded (or STATISTICS_SETTLE_S passed); the test then asserts the exact count.
-STATISTICS_SETTLE_S = 10.0
+# Read until `calls` more succeeded (tests/triton/statistics.py says why); the test then asserts
+# the exact count.
 
 
 async def statistics_after(client: AsyncTritonClient, before: ModelStatistics, calls: int) -> ModelStatistics:
@@ -114,12 +113,10 @@ async def statistics_after(client: AsyncTritonClient, before: ModelStatistics, c
 
 
 def statistics_after_sync(client: TritonClient, before: ModelStatistics, calls: int) -> ModelStatistics:
-    deadline = time.monotonic() + STATISTICS_SETTLE_S
-    while True:
-        after = client.model_statistics(INSTANT)
-        if after.success_count - before.success_count >= calls or time.monotonic() > deadline:
-            return after
-        time.sleep(0.05)
+    return settled(
+        lambda: client.model_statistics(INSTANT),
+        lambda after: after.success_count - before.success_count >= calls,
+    )
 
 
 async def test_async_request_over_max_batch_size_is_split_and_reassembled_in_order(triton_server):

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from django.conf import settings
 
+from tests.triton.statistics import settled
+
 SENTENCES = [
     "hello",
     "",
@@ -176,7 +178,10 @@ def test_concurrent_requests_of_different_lengths_are_batched_together(triton_se
 
     with ThreadPoolExecutor(len(requests)) as pool:
         served = list(pool.map(send, requests))
-    after = _stats(triton_server.http_url, "minilm")
+    after = settled(
+        lambda: _stats(triton_server.http_url, "minilm"),
+        lambda stats: stats["inference_count"] - before["inference_count"] >= len(requests),
+    )
 
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]

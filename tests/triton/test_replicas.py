@@ -13,6 +13,7 @@ import pytest
 from embeddings.tooling.triton_server import TritonServer, free_port
 from embeddings.triton.client import AsyncTritonClient, TritonClient
 from tests.processes import process_group_paused
+from tests.triton.statistics import settled
 
 MODEL = "minilm"
 ROWS = 4
@@ -48,7 +49,8 @@ async def test_calls_are_spread_over_every_replica(replicas):
         for _ in range(20):  # one at a time: Triton cannot merge them, each is one execution
             vectors = await client.embed_tokens(MODEL, *tokens())
             assert vectors.shape == (ROWS, 384)
-    spread = [after - earlier for after, earlier in zip(executions(replicas), before, strict=True)]
+    now = settled(lambda: executions(replicas), lambda counts: sum(counts) - sum(before) >= 20)
+    spread = [after - earlier for after, earlier in zip(now, before, strict=True)]
     assert sum(spread) == 20 and min(spread) >= 5, spread
 
 
