@@ -143,6 +143,8 @@ def test_max_tokens_per_doc_keeps_a_documents_first_tokens(uvicorn_server):
             "max_tokens_per_doc",
         ),
         ("/v2/rerank", {"model": MODEL, "query": QUERY, "documents": ["a"] * 1001}, 413, None, "documents"),
+        # 140 documents of 252 tokens: over MAX_TOKENS_PER_REQUEST (32,768) in all.
+        ("/v1/rerank", {"query": QUERY, "documents": ["word " * 250] * 140}, 413, None, "documents"),
         ("/v2/rerank", {"model": "no-such-model", "query": QUERY, "documents": ["a"]}, 404, None, "model"),
         ("/v1/rerank", {"query": QUERY, "documents": "a"}, 422, None, "documents"),
         ("/rerank", {"query": QUERY, "texts": ["a"], "truncation_direction": "Up"}, 422, None, None),

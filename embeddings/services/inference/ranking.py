@@ -142,6 +142,12 @@ async def rerank_create(
         )
     except TokenizationError as error:
         raise _in_rerank_terms(error) from None
+    except LimitExceeded as error:
+        if error.param != "input":
+            raise
+        # The embedding path's "The inputs have N tokens in all": here the query's and documents'.
+        message = error.message.replace("The inputs have", "The query and the documents have", 1)
+        raise LimitExceeded(message, param="documents") from None
     vectors = result.vectors.astype(np.float64)
     norms = np.maximum(np.linalg.norm(vectors, axis=1), 1e-12)
     scores = (vectors[1:] @ vectors[0]) / (norms[1:] * norms[0])
