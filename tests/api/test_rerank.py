@@ -202,6 +202,7 @@ async def test_a_rerank_model_makes_no_embeddings(client, alpha, reranker, setti
     for path, body in [
         ("/v1/embeddings", {"model": "a-reranker", "input": "hello"}),
         ("/api/v1/embed", {"model": "a-reranker", "inputs": "hello"}),
+        ("/v1/jobs", {"model": "a-reranker", "input": ["hello", "world"]}),
     ]:
         response = await client.post(path, json=body, headers=alpha.headers)
         assert response.status_code == 422, response.text
