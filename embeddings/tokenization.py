@@ -186,9 +186,11 @@ class TextTokenizer:
         rows = [encoding.ids for encoding in encodings]
         lengths = np.fromiter((len(ids) for ids in rows), dtype=np.int64, count=len(rows))
         truncated = np.fromiter((bool(e.overflowing) for e in encodings), dtype=bool, count=len(encodings))
-        limits = np.full(len(rows), self.max_tokens, dtype=np.int64)
+        # Only a lower limit costs anything: the tokenizer itself truncates at the model's maximum.
+        limits = None
         if max_tokens is not None:
-            limits = np.minimum(limits, np.broadcast_to(np.asarray(max_tokens, dtype=np.int64), limits.shape))
+            asked = np.broadcast_to(np.asarray(max_tokens, dtype=np.int64), lengths.shape)
+            limits = np.minimum(asked, self.max_tokens)
             if (limits < 2).any():
                 raise ValueError("max_tokens must leave room for the special tokens")
             for row in np.flatnonzero(lengths > limits):
@@ -197,7 +199,9 @@ class TextTokenizer:
         if not truncate and truncated.any():
             index = int(np.flatnonzero(truncated)[0])
             raise InputTooLong(
-                index=index, tokens=self.count_tokens(texts[index]), max_tokens=int(limits[index])
+                index=index,
+                tokens=self.count_tokens(texts[index]),
+                max_tokens=self.max_tokens if limits is None else int(limits[index]),
             )
         width = padded_length(int(lengths.max()), buckets)
         input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
