@@ -27,7 +27,8 @@ from rest_framework.exceptions import ValidationError
 
 from embeddings.api.authentication import caller_for_authorization
 from embeddings.api.rendering import OrjsonRenderer
-from embeddings.api.views import OpenAIEmbeddingsView, openai_embeddings, timing_header
+from embeddings.api.served import timing_header
+from embeddings.api.views import OpenAIEmbeddingsView, openai_embeddings
 from embeddings.callers import Caller
 from embeddings.contracts.embeddings_request import OpenAIEmbeddingsRequest
 from embeddings.contracts.fields import validated

@@ -6,7 +6,6 @@ Each answer lists the documents best first; metered, logged and counted like emb
 
 from __future__ import annotations
 
-import logging
 import math
 import uuid
 
@@ -18,15 +17,13 @@ from rest_framework.response import Response
 from embeddings.api.authentication import model_for_request
 from embeddings.api.base import ApiView
 from embeddings.api.docs import ERRORS
+from embeddings.api.served import embedding_response, log_request
 from embeddings.contracts.fields import validated
 from embeddings.contracts.rerank_request import CohereRerankRequest, RerankRequest, TeiRerankRequest
 from embeddings.errors.answers import ModelNotFound
-from embeddings.metrics import embedded_observed
 from embeddings.models import EmbeddingModel
 from embeddings.services.inference import catalog
 from embeddings.services.inference.ranking import RankingOptions, RankingResult, rerank_create
-
-logger = logging.getLogger("embeddings.requests")
 
 # Cohere bills a search unit per query of up to 100 documents.
 DOCUMENTS_PER_SEARCH_UNIT = 100
@@ -103,26 +100,6 @@ def _meta(result: RankingResult, documents: int, version: str) -> dict:
     }
 
 
-def _log(view: ApiView, model: EmbeddingModel, documents: int, result: RankingResult) -> None:
-    embedded_observed(
-        endpoint=view.endpoint, model=model.name, inputs=documents + 1, tokens=result.total_tokens
-    )
-    logger.info(
-        "rerank endpoint=%s tenant=%s key=%s model=%s documents=%d tokens=%d inference_ms=%.1f",
-        view.endpoint,
-        view.caller.tenant_slug,
-        view.caller.key_public_id,
-        model.name,
-        documents,
-        result.total_tokens,
-        result.inference_s * 1000,
-        extra={
-            "tokenization_ms": round(result.tokenization_s * 1000, 3),
-            "inference_ms": round(result.inference_s * 1000, 3),
-        },
-    )
-
-
 def _results(result: RankingResult, documents: list[str], top_n: int | None, *, with_documents: bool) -> list:
     """Cohere's and Jina's results: the best `top_n` documents first, with their texts if asked."""
     results = []
@@ -134,21 +111,17 @@ def _results(result: RankingResult, documents: list[str], top_n: int | None, *, 
     return results
 
 
-def _timed(data: object, result: RankingResult) -> Response:
-    timing = f"tokenize;dur={result.tokenization_s * 1000:.3f}, inference;dur={result.inference_s * 1000:.3f}"
-    return Response(data, headers={"Server-Timing": timing})
-
-
 async def _rank(
     view: ApiView, name: str | None, query: str, documents: list[str], options: RankingOptions
 ) -> tuple[EmbeddingModel, RankingResult]:
     """The model the request names (or the caller's default ranking model), checked before any
     work, and its scores for the documents."""
     if name is None:
-        model = await catalog.rerank_model_default(caller=view.caller)
-        if model is None:
+        default = await catalog.rerank_model_default(caller=view.caller)
+        if default is None:
             raise ModelNotFound("No model this key may use ranks documents.", param="model")
-    model = await model_for_request(view, name or model.name, embeds=False)
+        name = default.name
+    model = await model_for_request(view, name, embeds=False)
     result = await rerank_create(
         model=model,
         query=query,
@@ -156,7 +129,7 @@ async def _rank(
         options=options,
         quota=view.request_quota(model.name),
     )
-    _log(view, model, len(documents), result)
+    log_request(view.caller, view.endpoint, model, result, action="rerank")
     return model, result
 
 
@@ -208,7 +181,7 @@ class CohereRerankView(ApiView):
             RankingOptions(max_tokens_per_document=params.get("max_tokens_per_doc")),
         )
         results = _results(result, documents, params.get("top_n"), with_documents=False)
-        return _timed(
+        return embedding_response(
             {"id": str(uuid.uuid4()), "results": results, "meta": _meta(result, len(documents), "2")}, result
         )
 
@@ -269,7 +242,7 @@ class RerankView(ApiView):
             "usage": {"total_tokens": result.total_tokens, "prompt_tokens": result.total_tokens},
             "meta": _meta(result, len(documents), "1"),
         }
-        return _timed(body, result)
+        return embedding_response(body, result)
 
 
 class TeiRerankView(ApiView):
@@ -313,4 +286,4 @@ class TeiRerankView(ApiView):
             if params["return_text"]:
                 item["text"] = texts[index]
             ranks.append(item)
-        return _timed(ranks, result)
+        return embedding_response(ranks, result)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Protocol
 
@@ -22,7 +21,7 @@ from embeddings.api.base import ApiView
 from embeddings.api.docs import AUTH_ERRORS, ERRORS, EXAMPLE_VECTOR, EmbeddingVectorField
 from embeddings.api.middleware import ARRIVED
 from embeddings.api.schema import ListLengthAutoSchema
-from embeddings.callers import Caller
+from embeddings.api.served import embedding_response, log_request
 from embeddings.contracts.embeddings_request import (
     TEXT_SCHEMA,
     OpenAIEmbeddingsRequest,
@@ -31,7 +30,6 @@ from embeddings.contracts.embeddings_request import (
     refuse_empty_texts,
 )
 from embeddings.contracts.fields import StrictBooleanField, StrictCharField, dimensions_field, validated
-from embeddings.metrics import embedded_observed
 from embeddings.models import TASK_RERANK, EmbeddingModel
 from embeddings.services.inference import catalog
 from embeddings.services.inference.embedding import (
@@ -43,9 +41,6 @@ from embeddings.services.inference.embedding import (
 from embeddings.services.inference.ranking import SIMILARITY_SCORE_RANGE
 from embeddings.services.openai_api.embeddings_body import embeddings_response_body
 from embeddings.services.quotas.limits import RequestQuota
-
-logger = logging.getLogger("embeddings.requests")
-
 
 # --- Request and response shapes -------------------------------------------------------------------
 
@@ -180,40 +175,6 @@ class ModelListSerializer(serializers.Serializer):
 
 
 # --- Views -----------------------------------------------------------------------------------------
-
-
-def log_request(
-    caller: Caller, endpoint: str, model: EmbeddingModel, result: EmbeddingResult, user: str = ""
-):
-    embedded_observed(
-        endpoint=endpoint, model=model.name, inputs=len(result.token_counts), tokens=result.total_tokens
-    )
-    logger.info(
-        "embed endpoint=%s tenant=%s key=%s model=%s inputs=%d tokens=%d inference_ms=%.1f user=%s",
-        endpoint,
-        caller.tenant_slug,
-        caller.key_public_id,
-        model.name,
-        len(result.token_counts),
-        result.total_tokens,
-        result.inference_s * 1000,
-        user,
-        # As fields of their own in JSON lines (README "Observability").
-        extra={
-            "tokenization_ms": round(result.tokenization_s * 1000, 3),
-            "inference_ms": round(result.inference_s * 1000, 3),
-        },
-    )
-
-
-def embedding_response(data: object, result: EmbeddingResult) -> Response:
-    """The response, with where the time went in a Server-Timing header."""
-    return Response(data, headers={"Server-Timing": timing_header(result)})
-
-
-def timing_header(result: EmbeddingResult) -> str:
-    """Server-Timing's value: tokenisation and inference, in milliseconds."""
-    return f"tokenize;dur={result.tokenization_s * 1000:.3f}, inference;dur={result.inference_s * 1000:.3f}"
 
 
 def usage(result: EmbeddingResult) -> dict:

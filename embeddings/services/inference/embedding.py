@@ -150,6 +150,10 @@ class EmbeddingResult:
     def total_tokens(self) -> int:
         return int(self.token_counts.sum())
 
+    @property
+    def inputs(self) -> int:
+        return len(self.token_counts)
+
 
 class InflightGate:
     """Bounds the inference calls one process has in flight: beyond the limit, refuse at once.

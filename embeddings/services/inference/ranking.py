@@ -55,6 +55,11 @@ class RankingResult:
     def total_tokens(self) -> int:
         return self.query_tokens + int(self.document_tokens.sum())
 
+    @property
+    def inputs(self) -> int:
+        """The texts embedded: the query and every document."""
+        return 1 + len(self.document_tokens)
+
     def ranked(self, top_n: int | None = None) -> list[int]:
         """Document indices, highest score first (ties in input order), the first `top_n`."""
         order = np.argsort(-self.scores, kind="stable")
