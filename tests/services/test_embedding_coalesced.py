@@ -16,6 +16,7 @@ from embeddings.redis.connections import redis_sync
 from embeddings.services.inference import embedding
 from embeddings.services.inference.embedding import EmbeddingTarget
 from embeddings.services.quotas.limits import RequestQuota
+from embeddings.services.quotas.usage import counters_from_hash
 from embeddings.tokenization import InvalidText
 
 TEXTS = [f"query number {i}: " + "word " * (i % 9) for i in range(24)]
@@ -86,12 +87,14 @@ async def test_a_bad_request_among_merged_ones_is_refused_alone_before_triton(co
 
 
 def usage_of(tenant_id: int) -> dict[str, int]:
-    """The tenant's live usage counters, summed by metric (requests, succeeded, tokens, ...)."""
+    """The tenant's live usage counters that are not zero, summed by metric (requests, succeeded,
+    tokens, ...)."""
+    counters, _ = counters_from_hash(redis_sync().hgetall(keys.LIVE_USAGE), tenant_id=tenant_id)
     totals: dict[str, int] = {}
-    for field, value in redis_sync().hgetall(keys.LIVE_USAGE).items():
-        tenant, _key, _hour, _endpoint, metric, _model = field.decode().split("|")
-        if tenant == str(tenant_id) and metric != "latency_ms_total":
-            totals[metric] = totals.get(metric, 0) + int(value)
+    for metrics in counters.values():
+        for metric, value in metrics.items():
+            if value and metric != "latency_ms_total":
+                totals[metric] = totals.get(metric, 0) + value
     return totals
 
 
