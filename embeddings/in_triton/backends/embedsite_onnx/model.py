@@ -6,9 +6,11 @@ Triton runs it through the Python backend as a python-based backend (TritonServe
 
 With `allow_ragged_batch`, Triton's dynamic batcher hands several requests of different shapes to one
 `execute` call; each request keeps its own natural shape [batch_i, sequence_i] (nothing is flattened
-or concatenated for us). This model pads them to a common length, runs ONNX Runtime once per group of
-similar lengths, and splits the rows back per request. A bad request gets its own error response;
-the rest of the batch is still served.
+or concatenated for us). The inputs are the config's: input_ids and attention_mask, and a
+cross-encoder's token_type_ids; the one output is an embedding model's `embedding` [rows, dims] or a
+cross-encoder's `score` [rows, 1], whatever the graph computes. This model pads them to a
+common length, runs ONNX Runtime once per group of similar lengths, and splits the rows back per
+request. A bad request gets its own error response; the rest of the batch is still served.
 """
 
 import hashlib
@@ -85,8 +87,14 @@ class TritonPythonModel:
 
         _log_export_check(version_dir / MODEL_FILENAME, export_info)
         self.output_name = model_config["output"][0]["name"]
+        # input_ids and attention_mask first (read and checked by name), then any others.
+        names = [tensor["name"] for tensor in model_config["input"]]
+        self.input_names = ["input_ids", "attention_mask"] + [
+            name for name in names if name not in ("input_ids", "attention_mask")
+        ]
         self.max_tokens = export_info.get("max_tokens")
         self.vocab_size = export_info.get("vocab_size")
+        self.type_vocab_size = export_info.get("type_vocab_size")
         # Merging a longer request into a group pads every row already there; above this many padding
         # tokens it is cheaper to run the longer request in a group of its own.
         self.merge_padding_tokens = int(parameters.get("merge_padding_tokens", "512"))
@@ -114,22 +122,23 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> list:
         responses: list = [None] * len(requests)
-        valid: list[tuple[int, np.ndarray, np.ndarray]] = []
+        # (request index, its input arrays in self.input_names order: input_ids, attention_mask, ...)
+        valid: list[tuple[int, tuple[np.ndarray, ...]]] = []
         for index, request in enumerate(requests):
             try:
-                input_ids, attention_mask = self._read(request)
+                arrays = self._read(request)
             except ValueError as error:
                 responses[index] = pb_utils.InferenceResponse(error=_invalid_argument(str(error)))
                 continue
             # The client gave up (its deadline passed, or its own client went away) after the
             # batcher took the request: answer it without computing it. Asking costs a round trip
             # to Triton's process, so only requests that cost more to compute are asked about.
-            if input_ids.size >= self.cancel_check_min_tokens and request.is_cancelled():
+            if arrays[0].size >= self.cancel_check_min_tokens and request.is_cancelled():
                 responses[index] = pb_utils.InferenceResponse(
                     error=pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
                 )
                 continue
-            valid.append((index, input_ids, attention_mask))
+            valid.append((index, arrays))
         # Token values are checked for the whole batch at once (per request they cost more than a GPU
         # run); only a batch that fails is checked request by request, to answer the bad ones alone.
         if valid and self._values_error(valid) is not None:
@@ -144,30 +153,32 @@ class TritonPythonModel:
 
         for group in self._length_groups(valid):
             try:
-                embeddings = self._run(group)
+                outputs = self._run(group)
             except Exception as error:  # one failed run must answer its own requests, not the whole batch
-                for index, _, _ in group:
+                for index, _ in group:
                     responses[index] = pb_utils.InferenceResponse(
                         error=pb_utils.TritonError(f"{self.runtime_name} failed: {error}")
                     )
                 continue
             offset = 0
-            for index, input_ids, _ in group:
-                rows = input_ids.shape[0]
-                output = pb_utils.Tensor(self.output_name, embeddings[offset : offset + rows])
+            for index, arrays in group:
+                rows = arrays[0].shape[0]
+                output = pb_utils.Tensor(self.output_name, outputs[offset : offset + rows])
                 responses[index] = pb_utils.InferenceResponse(output_tensors=[output])
                 offset += rows
         return responses
 
-    def _read(self, request) -> tuple[np.ndarray, np.ndarray]:
-        """The request's two tensors, their shapes checked (their values: `_values_error`)."""
-        input_ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
-        attention_mask = pb_utils.get_input_tensor_by_name(request, "attention_mask").as_numpy()
-        if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
-            raise ValueError(
-                f"input_ids {list(input_ids.shape)} and attention_mask {list(attention_mask.shape)} "
-                "must have the same [batch, sequence] shape"
+    def _read(self, request) -> tuple[np.ndarray, ...]:
+        """The request's tensors, their shapes checked (their values: `_values_error`)."""
+        arrays = tuple(
+            pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in self.input_names
+        )
+        input_ids = arrays[0]
+        if input_ids.ndim != 2 or any(array.shape != input_ids.shape for array in arrays[1:]):
+            shapes = " and ".join(
+                f"{name} {list(array.shape)}" for name, array in zip(self.input_names, arrays, strict=True)
             )
+            raise ValueError(f"{shapes} must have the same [batch, sequence] shape")
         length = input_ids.shape[1]
         if length == 0:
             raise ValueError("input_ids has no tokens")
@@ -175,14 +186,20 @@ class TritonPythonModel:
             raise ValueError(
                 f"sequence length {length} is over the model's maximum of {self.max_tokens} tokens"
             )
-        return input_ids, attention_mask
+        return arrays
 
     def _values_error(self, items: list) -> str | None:
         """What is wrong with the token values of `items` taken together, or None."""
-        ids = np.concatenate([input_ids.ravel() for _, input_ids, _ in items])
-        masks = [attention_mask for _, _, attention_mask in items if attention_mask.size]
+        ids = np.concatenate([arrays[0].ravel() for _, arrays in items])
+        masks = [arrays[1] for _, arrays in items if arrays[1].size]
         if ids.size and (ids.min() < 0 or (self.vocab_size is not None and ids.max() >= self.vocab_size)):
             return f"input_ids must be token ids in [0, {self.vocab_size})"
+        if "token_type_ids" in self.input_names:
+            position = self.input_names.index("token_type_ids")
+            types = np.concatenate([arrays[position].ravel() for _, arrays in items])
+            limit = self.type_vocab_size or 1
+            if types.size and (types.min() < 0 or types.max() >= limit):
+                return f"token_type_ids must be in [0, {limit})"
         if not masks:
             return None
         values = np.concatenate([mask.ravel() for mask in masks])
@@ -199,8 +216,8 @@ class TritonPythonModel:
         groups: list[list] = []
         group_rows = 0
         group_length = 0
-        for item in sorted(valid, key=lambda item: item[1].shape[1]):
-            rows, length = item[1].shape
+        for item in sorted(valid, key=lambda item: item[1][0].shape[1]):
+            rows, length = item[1][0].shape
             if groups and group_rows * (length - group_length) <= self.merge_padding_tokens:
                 groups[-1].append(item)
                 group_rows += rows
@@ -211,21 +228,21 @@ class TritonPythonModel:
         return groups
 
     def _run(self, group: list) -> np.ndarray:
-        length = self.padded_length(max(input_ids.shape[1] for _, input_ids, _ in group))
-        input_ids = np.concatenate([_pad(ids, length) for _, ids, _ in group])
-        attention_mask = np.concatenate([_pad(mask, length) for _, _, mask in group])
-        return self.run_padded(input_ids, attention_mask)
+        length = self.padded_length(max(arrays[0].shape[1] for _, arrays in group))
+        inputs = {
+            name: np.concatenate([_pad(arrays[position], length) for _, arrays in group])
+            for position, name in enumerate(self.input_names)
+        }
+        return self.run_padded(inputs)
 
     def padded_length(self, longest: int) -> int:
         """The sequence length a group runs at (ONNX Runtime: its longest request's)."""
         return longest
 
-    def run_padded(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        """[rows, length] int64 -> [rows, dims] float32."""
-        (embeddings,) = self.session.run(
-            [self.output_name], {"input_ids": input_ids, "attention_mask": attention_mask}
-        )
-        return embeddings.astype(np.float32, copy=False)
+    def run_padded(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """Input name -> [rows, length] int64; returns [rows, dims] float32 (a score: dims 1)."""
+        (outputs,) = self.session.run([self.output_name], inputs)
+        return outputs.astype(np.float32, copy=False)
 
 
 def _pad(array: np.ndarray, length: int) -> np.ndarray:

@@ -75,10 +75,12 @@ class TritonPythonModel(onnx_backend.TritonPythonModel):
     def _warm_up(self) -> None:
         """One run per bucket, so the first requests don't pay for CUDA's start and kernel choice."""
         for length in self.buckets:
-            self.run_padded(np.zeros((1, length), dtype=np.int64), np.ones((1, length), dtype=np.int64))
+            inputs = {name: np.zeros((1, length), dtype=np.int64) for name in self.input_names}
+            inputs["attention_mask"] = np.ones((1, length), dtype=np.int64)
+            self.run_padded(inputs)
 
     def padded_length(self, longest: int) -> int:
         return next((bucket for bucket in self.buckets if bucket >= longest), longest)
 
-    def run_padded(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        return self.encoder.embed(input_ids, attention_mask)
+    def run_padded(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        return self.encoder.embed(inputs["input_ids"], inputs["attention_mask"])
