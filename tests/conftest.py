@@ -429,6 +429,7 @@ PROCESS_MODULES = frozenset(
         "model_export/test_export.py",
         "model_export/test_served_model.py",
         "model_export/test_tiny_export.py",
+        "model_export/test_cross_encoder_export.py",
         "multihost/test_scale_out.py",
         "reliability/test_faults.py",
         "services/test_embedding.py",

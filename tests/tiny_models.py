@@ -28,15 +28,18 @@ def build_tiny_bert(
     heads: int = 2,
     model_type: str = "bert",
     max_tokens: int = 128,
+    cross_encoder: bool = False,
 ) -> Path:
     """Write a random-weight `model_type` encoder into `directory` (created) and return it.
 
     It reads `max_tokens` tokens at most (its position embeddings stop there), so an export of it
-    truncates elsewhere than MiniLM's 256.
+    truncates elsewhere than MiniLM's 256. A `cross_encoder` is a sequence classifier with one label
+    (a reranker); a roberta-family one has one token type and pairs its inputs as XLM-R does
+    (`<s> query </s></s> document </s>`, all of type 0), with MiniLM's vocabulary.
     """
     import torch
-    from tokenizers import Tokenizer
-    from transformers import AutoConfig, AutoModel
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
@@ -47,6 +50,17 @@ def build_tiny_bert(
     tokenizer = Tokenizer.from_file(str(MINILM_DIR / "tokenizer.json"))
     pad_id = tokenizer.token_to_id("[PAD]")
     offset = 2 if model_type in OFFSET_POSITION_MODEL_TYPES else 0
+    extra = {}
+    if cross_encoder:
+        extra["num_labels"] = 1
+        # Wider random weights than pretraining's 0.02: scores that differ from pair to pair by far
+        # more than the export's tolerance, so comparing them means something.
+        extra["initializer_range"] = 0.2
+        if offset:
+            extra["type_vocab_size"] = 1
+            sep, cls = tokenizer.token_to_id("[SEP]"), tokenizer.token_to_id("[CLS]")
+            tokenizer.post_processor = processors.RobertaProcessing(("[SEP]", sep), ("[CLS]", cls))
+            tokenizer.save(str(directory / "tokenizer.json"))
     config = AutoConfig.for_model(
         model_type,
         vocab_size=tokenizer.get_vocab_size(),
@@ -59,11 +73,54 @@ def build_tiny_bert(
         pad_token_id=pad_id,
         bos_token_id=tokenizer.token_to_id("[CLS]"),
         eos_token_id=tokenizer.token_to_id("[SEP]"),
+        **extra,
     )
     torch.manual_seed(seed)
-    model = AutoModel.from_config(config).eval()
+    model = (AutoModelForSequenceClassification if cross_encoder else AutoModel).from_config(config).eval()
     model.save_pretrained(str(directory), safe_serialization=True)
     return directory
+
+
+def positions(config) -> int:
+    """The most tokens the model reads: its position embeddings, less the two an offset model skips."""
+    return config.max_position_embeddings - (2 if config.model_type in OFFSET_POSITION_MODEL_TYPES else 0)
+
+
+def score_with_torch(
+    directory: Path, query: str, documents: list[str], *, max_document_tokens: int | None = None
+) -> np.ndarray:
+    """A cross-encoder's PyTorch reference: each (query, document) pair alone (no padding), as its
+    tokenizer pairs them, truncating the document where the model's positions end (or to its first
+    `max_document_tokens`); raw logits."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(directory), local_files_only=True).eval()
+    config = model.config
+    max_tokens = positions(config)
+    tokenizer = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_length=max_tokens, strategy="only_second")
+    single = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))  # one text: no pair truncation
+    single.no_padding()
+    single.no_truncation()
+    takes_types = int(getattr(config, "type_vocab_size", 0) or 0) > 1
+    scores = []
+    with torch.no_grad():
+        for document in documents:
+            encoding = tokenizer.encode(query, document)
+            if max_document_tokens is not None:
+                # The document's first tokens, paired by the tokenizer's own template.
+                cut = single.encode(document, add_special_tokens=False)
+                cut.truncate(max_document_tokens)
+                encoding = tokenizer.post_process(single.encode(query, add_special_tokens=False), cut)
+            inputs = {"input_ids": torch.tensor([encoding.ids])}
+            inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+            if takes_types:
+                inputs["token_type_ids"] = torch.tensor([encoding.type_ids])
+            scores.append(float(model(**inputs).logits[0, 0]))
+    return np.array(scores)
 
 
 def embed_with_torch(directory: Path, texts: list[str], *, pooling: str) -> np.ndarray:
@@ -75,9 +132,7 @@ def embed_with_torch(directory: Path, texts: list[str], *, pooling: str) -> np.n
 
     model = AutoModel.from_pretrained(str(directory), local_files_only=True).eval()
     config = model.config
-    max_tokens = config.max_position_embeddings - (
-        2 if config.model_type in OFFSET_POSITION_MODEL_TYPES else 0
-    )
+    max_tokens = positions(config)
     tokenizer = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
     tokenizer.no_padding()
     tokenizer.enable_truncation(max_length=max_tokens)

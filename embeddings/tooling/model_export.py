@@ -1,5 +1,10 @@
-"""Export a local Hugging Face encoder to a servable Triton model folder: ONNX (pooled, L2-normalised),
-tokenizer and configurations, each export a new numbered version of the model."""
+"""Export a local Hugging Face encoder to a servable Triton model folder: ONNX, tokenizer and
+configurations, each export a new numbered version of the model.
+
+Two kinds: an embedding model (the graph pools and L2-normalises: `embedding` [rows, dims]) and a
+cross-encoder, a sequence-classification checkpoint with one label (the ms-marco and bge-reranker
+family: `score` [rows, 1], the raw logit of a (query, document) pair; its activation is recorded in
+export.json and applied by the service, so TEI's raw_scores can have the logit)."""
 
 from __future__ import annotations
 
@@ -11,12 +16,21 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 
+from embeddings.model_tasks import (
+    ACTIVATION_IDENTITY,
+    ACTIVATION_SIGMOID,
+    ACTIVATIONS,
+    TASK_EMBED,
+    TASK_RERANK,
+    TASKS,
+)
 from embeddings.services.inference.exports import (
     EXPORT_INFO_FILENAME,
     MODEL_FILENAME,
@@ -30,10 +44,13 @@ from embeddings.services.inference.exports import (
     model_export_versions,
     model_version_number,
 )
-from embeddings.tooling.model_configs import model_configs_write
+from embeddings.tooling.model_configs import EMBEDDING_OUTPUT, SCORE_OUTPUT, model_configs_write
 
 CONFIG_FILENAME = "config.pbtxt"
 MIN_COSINE = 0.9999
+# A cross-encoder's ONNX scores against PyTorch's: |onnx - torch| <= this x max(1, |torch|), i.e.
+# 1e-4 absolute for logits within +-1, relative above (float32 reorderings differ by ~1e-6).
+MAX_SCORE_DIFFERENCE = 1e-4
 
 # Encoders whose export has been checked against PyTorch (tests/model_export, tiny random models of
 # each): AutoModel gives last_hidden_state from input_ids and attention_mask, no cache, no causal mask.
@@ -56,20 +73,35 @@ VERIFICATION_SENTENCES = (
     "dynamic batching, padding, attention masks and the many other things that a text "
     "embedding service has to get exactly right before anyone can rely on it in production.",
 )
+# A cross-encoder is checked on (query, document) pairs: each query with each sentence above.
+VERIFICATION_QUERIES = ("what does triton batch?", "Ünïcödé 日本語?")
 
 
 @dataclass(frozen=True)
 class ExportResult:
     name: str
     version: int
-    pooling: str
+    # None for a cross-encoder (it pools inside its classification head).
+    pooling: str | None
     model_type: str
     dims: int
     max_tokens: int
     model_path: Path
     sha256: str
-    min_cosine: float
+    # An embedding model's agreement with PyTorch (None for a cross-encoder) ...
+    min_cosine: float | None
     seconds: float
+    task: str = TASK_EMBED
+    # ... and a cross-encoder's (None for an embedding model), with its activation and inputs.
+    max_score_difference: float | None = None
+    activation: str | None = None
+    inputs: tuple[str, ...] = ("input_ids", "attention_mask")
+
+    def verification(self) -> str:
+        """How the exported graph agreed with PyTorch, for people."""
+        if self.task == TASK_RERANK:
+            return f"max score difference vs PyTorch {self.max_score_difference:.2e}"
+        return f"min cosine vs PyTorch {self.min_cosine:.7f}"
 
 
 def model_export(
@@ -77,24 +109,34 @@ def model_export(
     source_dir: Path,
     repository_dir: Path,
     name: str,
-    pooling: Pooling,
+    pooling: Pooling | None = "mean",
     max_tokens: int | None = None,
     version: int | None = None,
     opset: int = 17,
+    task: str = TASK_EMBED,
+    activation: str | None = None,
 ) -> ExportResult:
     """Write version `version` of model `name` (without one: the next version, 1 for a new name):
     `<repository_dir>/<name>/<version>/` with model.onnx, the tokenizer and export.json, and the
     model's three Triton configurations in `<repository_dir>/<name>/`.
 
-    The graph takes `input_ids` and `attention_mask` (INT64, [batch, sequence], right-padded) and
-    returns `embedding` (FP32, [batch, dims]), pooled and L2-normalised. It is checked against
-    PyTorch before anything in place changes. A new version appears whole (one rename); a version
+    An embedding model's graph takes `input_ids` and `attention_mask` (INT64, [batch, sequence],
+    right-padded) and returns `embedding` (FP32, [batch, dims]), pooled and L2-normalised. A
+    cross-encoder's (`task="rerank"`) also takes the pair's `token_type_ids` where the model has
+    token types, and returns `score` (FP32, [batch, 1]), the raw logit; `activation` (sigmoid or
+    identity; default: what the checkpoint's sentence-transformers config says, else sigmoid, as
+    CrossEncoder does) is recorded for the service to apply. Either is checked against PyTorch
+    before anything in place changes. A new version appears whole (one rename); a version
     written again is replaced file by file, export.json last.
     """
     started = time.perf_counter()
     source_dir = Path(source_dir)
-    if pooling not in POOLINGS:
+    if task not in TASKS:
+        raise ModelExportError(f"task must be one of {TASKS}, not {task!r}")
+    if task == TASK_EMBED and pooling not in POOLINGS:
         raise ModelExportError(f"pooling must be one of {POOLINGS}, not {pooling!r}")
+    if activation is not None and (task != TASK_RERANK or activation not in ACTIVATIONS):
+        raise ModelExportError(f"an activation is a rerank model's: one of {ACTIVATIONS}, not {activation!r}")
     model_dir = model_export_dir(repository_dir, name)
     if version is not None:
         version = model_version_number(version)
@@ -103,7 +145,7 @@ def model_export(
     # Export-only dependencies: serving never imports them.
     try:
         import torch
-        from transformers import AutoModel
+        from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
         from transformers.utils import logging as transformers_logging
     except ImportError as error:
         raise ModelExportError(
@@ -112,16 +154,35 @@ def model_export(
         ) from error
 
     transformers_logging.disable_progress_bar()
-    encoder = AutoModel.from_pretrained(str(source_dir), local_files_only=True)
+    if task == TASK_RERANK:
+        pooling = None
+        labels = AutoConfig.from_pretrained(str(source_dir), local_files_only=True).num_labels
+        if int(labels) != 1:
+            raise ModelExportError(
+                f"source {source_dir} classifies into {labels} labels; a cross-encoder for reranking has "
+                "one output logit (num_labels 1)"
+            )
+        encoder = AutoModelForSequenceClassification.from_pretrained(str(source_dir), local_files_only=True)
+        activation = activation or _cross_encoder_activation(source_dir)
+    else:
+        encoder = AutoModel.from_pretrained(str(source_dir), local_files_only=True)
     encoder.eval()
     config = encoder.config
-    dims = int(config.hidden_size)
+    dims = 1 if task == TASK_RERANK else int(config.hidden_size)
     max_tokens = _resolve_max_tokens(source_dir, config, max_tokens)
     existing = model_export_versions(repository_dir=repository_dir, name=name)
     if version is None:
         version = existing[-1] + 1 if existing else 1
+    _check_task(model_dir, name, task, [other for other in existing if other != version])
     _check_dims(model_dir, name, dims, [other for other in existing if other != version])
-    model = _pooled_encoder(encoder, pooling)
+    if task == TASK_RERANK:
+        model = _scoring_encoder(encoder)
+        input_names = model.input_names
+        output_name = SCORE_OUTPUT
+    else:
+        model = _pooled_encoder(encoder, pooling)
+        input_names = ("input_ids", "attention_mask")
+        output_name = EMBEDDING_OUTPUT
 
     model_dir.mkdir(parents=True, exist_ok=True)
     version_dir = model_dir / str(version)
@@ -131,29 +192,44 @@ def model_export(
         staged = Path(scratch) / "version"
         staged.mkdir()
         tokenizer, pad_token_id = _write_tokenizer(source_dir, staged, max_tokens)
-        _export_onnx(torch, model, tokenizer, staged / MODEL_FILENAME, opset)
+        _export_onnx(torch, model, tokenizer, staged / MODEL_FILENAME, opset, input_names, output_name)
         _fix_output_dims(staged / MODEL_FILENAME, dims)
+        min_cosine = max_score_difference = None
         try:
-            min_cosine = _verify(torch, model, tokenizer, staged / MODEL_FILENAME, max_tokens)
+            if task == TASK_RERANK:
+                max_score_difference = _verify_scores(
+                    torch, model, tokenizer, staged / MODEL_FILENAME, max_tokens
+                )
+            else:
+                min_cosine = _verify(torch, model, tokenizer, staged / MODEL_FILENAME, max_tokens)
         except (IndexError, RuntimeError) as error:  # e.g. positions that end before max_tokens
             raise ModelExportError(
                 f"the model fails on inputs of up to {max_tokens} tokens ({type(error).__name__}: {error}); "
                 "try a smaller --max-tokens"
             ) from error
-        if min_cosine < MIN_COSINE:
+        if min_cosine is not None and min_cosine < MIN_COSINE:
             raise ModelExportError(
                 f"exported ONNX graph disagrees with PyTorch: min cosine {min_cosine:.7f} < {MIN_COSINE}"
+            )
+        if max_score_difference is not None and max_score_difference > MAX_SCORE_DIFFERENCE:
+            raise ModelExportError(
+                "exported ONNX graph disagrees with PyTorch: scores differ by up to "
+                f"{max_score_difference:.2e} (relative above 1) > {MAX_SCORE_DIFFERENCE}"
             )
         sha256 = file_sha256(staged / MODEL_FILENAME)
         info = {
             "name": name,
             "version": version,
+            "task": task,
             "model_type": model_type,
             "pooling": pooling,
-            "normalization": "l2",
+            "normalization": "l2" if task == TASK_EMBED else None,
+            "inputs": list(input_names),
+            "output": output_name,
             "dims": dims,
             "max_tokens": max_tokens,
             "vocab_size": int(config.vocab_size),
+            "type_vocab_size": int(getattr(config, "type_vocab_size", 0) or 0) or None,
             # The GPU backend (embedsite_torch) rebuilds the encoder from model.onnx's weights; the
             # head count is the one shape it cannot read off them.
             "attention_heads": _attention_heads(config),
@@ -165,6 +241,9 @@ def model_export(
             "min_cosine": min_cosine,
             "sha256": sha256,
         }
+        if task == TASK_RERANK:
+            info["activation"] = activation
+            info["max_score_difference"] = max_score_difference
         if version_dir.exists():
             _replace_version(staged, version_dir, info)
         else:
@@ -178,7 +257,15 @@ def model_export(
                     f"{version_dir} appeared while exporting (another export of {name}?): "
                     "nothing was replaced"
                 ) from error
-    model_configs_write(model_dir=model_dir, name=name, dims=dims)
+    model_configs_write(
+        model_dir=model_dir,
+        name=name,
+        dims=dims,
+        output=output_name,
+        extra_inputs=[
+            input_name for input_name in input_names if input_name not in ("input_ids", "attention_mask")
+        ],
+    )
     return ExportResult(
         name=name,
         version=version,
@@ -190,6 +277,10 @@ def model_export(
         sha256=sha256,
         min_cosine=min_cosine,
         seconds=time.perf_counter() - started,
+        task=task,
+        max_score_difference=max_score_difference,
+        activation=activation,
+        inputs=tuple(input_names),
     )
 
 
@@ -216,7 +307,11 @@ def _configured_dims(config_path: Path) -> int | None:
         )
     except (OSError, text_format.ParseError):
         return None
-    widths = [output.dims[-1] for output in config.output if output.name == "embedding" and output.dims]
+    widths = [
+        output.dims[-1]
+        for output in config.output
+        if output.name in (EMBEDDING_OUTPUT, SCORE_OUTPUT) and output.dims
+    ]
     return int(widths[0]) if widths else None
 
 
@@ -236,6 +331,35 @@ def _check_dims(model_dir: Path, name: str, dims: int, other_versions: list[int]
             f"{', '.join(map(str, other_versions))}); this model's are {dims}-dimensional: "
             "export it under another name (--name)"
         )
+
+
+def _check_task(model_dir: Path, name: str, task: str, other_versions: list[int]) -> None:
+    """Versions of one model do one thing: a cross-encoder is not a new version of an embedding
+    model (a tenant's requests to it would change meaning), nor the other way round."""
+    for other in other_versions:
+        recorded = _read_json(model_dir / str(other) / EXPORT_INFO_FILENAME).get("task", TASK_EMBED)
+        if recorded != task:
+            raise ModelExportError(
+                f"model {name} version {other} is {_task_noun(recorded)}; this export is {_task_noun(task)}: "
+                "export it under another name (--name)"
+            )
+
+
+def _task_noun(task: str) -> str:
+    return "an embedding model" if task == TASK_EMBED else "a rerank model (a cross-encoder)"
+
+
+def _cross_encoder_activation(source_dir: Path) -> str:
+    """What turns the checkpoint's logit into its relevance score, as sentence-transformers'
+    CrossEncoder reads it from config.json: Identity said there, else sigmoid (CrossEncoder's default
+    for one label)."""
+    config = _read_json(source_dir / "config.json")
+    named = (config.get("sentence_transformers") or {}).get("activation_fn") or config.get(
+        "sbert_ce_default_activation_function"
+    )
+    if isinstance(named, str) and named.rsplit(".", 1)[-1] == "Identity":
+        return ACTIVATION_IDENTITY
+    return ACTIVATION_SIGMOID
 
 
 def model_export_outdated(
@@ -260,7 +384,7 @@ def model_export_outdated(
         return str(error)
     if "attention_heads" not in info:
         return "its export.json predates attention_heads (which the GPU backend reads)"
-    if info.get("pooling") != pooling:
+    if info.get("task", TASK_EMBED) == TASK_EMBED and info.get("pooling") != pooling:
         return f"it was exported with {info.get('pooling')} pooling, not {pooling}"
     if max_tokens is not None and info.get("max_tokens") != max_tokens:
         return f"it truncates at {info.get('max_tokens')} tokens, not {max_tokens}"
@@ -400,24 +524,35 @@ def _pooled_encoder(encoder, pooling: str):
     return PooledEncoder().eval()
 
 
-def _export_onnx(torch, model, tokenizer, path: Path, opset: int) -> None:
+def _export_onnx(
+    torch, model, tokenizer, path: Path, opset: int, input_names: Sequence[str], output_name: str
+) -> None:
     # Batch 2 with padding, so the tracer sees neither a constant batch size nor an all-ones mask;
-    # token ids from the model's own tokenizer, so they are in its vocabulary.
-    encodings = tokenizer.encode_batch(["Hello world, this is a sentence to trace the graph with.", "Hi"])
-    input_ids = torch.tensor([encoding.ids for encoding in encodings], dtype=torch.int64)
-    attention_mask = torch.tensor([encoding.attention_mask for encoding in encodings], dtype=torch.int64)
+    # token ids from the model's own tokenizer, so they are in its vocabulary (a cross-encoder's as
+    # pairs, so its token types vary too).
+    if "token_type_ids" in input_names:
+        encodings = tokenizer.encode_batch(
+            [("Hello world, a query?", "A document to trace the graph with."), ("Hi", "Yo")]
+        )
+    else:
+        encodings = tokenizer.encode_batch(["Hello world, this is a sentence to trace the graph with.", "Hi"])
+    arrays = {
+        "input_ids": [encoding.ids for encoding in encodings],
+        "attention_mask": [encoding.attention_mask for encoding in encodings],
+        "token_type_ids": [encoding.type_ids for encoding in encodings],
+    }
+    inputs = tuple(torch.tensor(arrays[name], dtype=torch.int64) for name in input_names)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TracerWarnings about Python control flow on shapes
         torch.onnx.export(
             model,
-            (input_ids, attention_mask),
+            inputs,
             str(path),
-            input_names=["input_ids", "attention_mask"],
-            output_names=["embedding"],
+            input_names=list(input_names),
+            output_names=[output_name],
             dynamic_axes={
-                "input_ids": {0: "batch", 1: "sequence"},
-                "attention_mask": {0: "batch", 1: "sequence"},
-                "embedding": {0: "batch"},
+                **{name: {0: "batch", 1: "sequence"} for name in input_names},
+                output_name: {0: "batch"},
             },
             opset_version=opset,
             do_constant_folding=True,
@@ -425,8 +560,42 @@ def _export_onnx(torch, model, tokenizer, path: Path, opset: int) -> None:
         )
 
 
+def _scoring_encoder(classifier):
+    """The sequence classifier as the graph to export: the pair's ids, mask and (where the model
+    has more than one token type) token types in, its one raw logit out ([batch, 1], float32)."""
+    import inspect
+
+    import torch
+
+    takes_token_types = (
+        "token_type_ids" in inspect.signature(classifier.forward).parameters
+        and int(getattr(classifier.config, "type_vocab_size", 0) or 0) > 1
+    )
+
+    class ScoringEncoder(torch.nn.Module):
+        input_names = (
+            ("input_ids", "attention_mask", "token_type_ids")
+            if takes_token_types
+            else (
+                "input_ids",
+                "attention_mask",
+            )
+        )
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.classifier = classifier
+
+        def forward(self, input_ids, attention_mask, token_type_ids=None):
+            extra = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
+            logits = self.classifier(input_ids=input_ids, attention_mask=attention_mask, **extra).logits
+            return logits.float()
+
+    return ScoringEncoder().eval()
+
+
 def _fix_output_dims(path: Path, dims: int) -> None:
-    """The tracer names the embedding width symbolically; state it, so Triton and clients can read it."""
+    """The tracer names the output width symbolically; state it, so Triton and clients can read it."""
     import onnx
 
     graph = onnx.load(str(path), load_external_data=False)
@@ -462,6 +631,42 @@ def _verify(torch, model, tokenizer, onnx_path: Path, max_tokens: int) -> float:
         ]
     )
     return float(min(_row_cosines(batched, reference).min(), _row_cosines(single, reference).min()))
+
+
+def _verify_scores(torch, model, tokenizer, onnx_path: Path, max_tokens: int) -> float:
+    """The largest difference between ONNX Runtime's scores (padded batch and one by one) and
+    PyTorch's (one by one, unpadded), relative where a score is above 1 in size, on pairs of many
+    lengths up to the truncation length."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    longest = " ".join(["embedding"] * max_tokens)
+    documents = [*VERIFICATION_SENTENCES, longest]
+    pairs = [(query, document) for query in VERIFICATION_QUERIES for document in documents]
+    encodings = tokenizer.encode_batch(pairs)  # truncated at max_tokens, padded to the longest
+    arrays = {
+        "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+        "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+        "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+    }
+    names = model.input_names
+    mask = arrays["attention_mask"]
+
+    def row(index: int) -> dict[str, np.ndarray]:
+        real = mask[index] == 1
+        return {name: arrays[name][index][real][None] for name in names}
+
+    with torch.no_grad():
+        reference = np.concatenate(
+            [
+                model(*(torch.from_numpy(value) for value in row(index).values())).numpy()
+                for index in range(len(pairs))
+            ]
+        )[:, 0].astype(np.float64)
+    batched = session.run([SCORE_OUTPUT], {name: arrays[name] for name in names})[0][:, 0]
+    single = np.array([session.run([SCORE_OUTPUT], row(index))[0][0, 0] for index in range(len(pairs))])
+    scale = np.maximum(1.0, np.abs(reference))
+    return float(max((np.abs(batched - reference) / scale).max(), (np.abs(single - reference) / scale).max()))
 
 
 def _row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:

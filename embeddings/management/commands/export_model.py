@@ -6,6 +6,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from embeddings.model_tasks import ACTIVATIONS, TASK_EMBED, TASK_RERANK, TASKS
 from embeddings.services.inference.exports import (
     POOLINGS,
     ModelExportError,
@@ -32,7 +33,8 @@ def version_number(text: str) -> int:
 class Command(BaseCommand):
     help = (
         "Export a local Hugging Face encoder (" + ", ".join(SUPPORTED_MODEL_TYPES) + ") as a new version of "
-        "a Triton model: ONNX with pooling and L2 norm inside, tokenizer, and its Triton configurations."
+        "a Triton model: ONNX (an embedding model's with pooling and L2 norm inside, a cross-encoder's "
+        "returning its logit), tokenizer, and its Triton configurations."
     )
 
     def create_parser(self, prog_name, subcommand, **kwargs):
@@ -48,10 +50,25 @@ class Command(BaseCommand):
         )
         parser.add_argument("--name", default="minilm", help="Triton model name (default: minilm).")
         parser.add_argument(
+            "--task",
+            choices=TASKS,
+            default=TASK_EMBED,
+            help="embed (default: an encoder, pooled) or rerank (a sequence-classification cross-encoder "
+            "with one label, e.g. cross-encoder/ms-marco-MiniLM-L6-v2 or BAAI/bge-reranker-base).",
+        )
+        parser.add_argument(
             "--pooling",
             choices=POOLINGS,
-            default="mean",
-            help="mean (e.g. all-MiniLM-L6-v2), cls (e.g. BAAI/bge-m3) or last (the last real token).",
+            default=None,
+            help="An embedding model's: mean (default; e.g. all-MiniLM-L6-v2), cls (e.g. BAAI/bge-m3) or "
+            "last (the last real token).",
+        )
+        parser.add_argument(
+            "--activation",
+            choices=ACTIVATIONS,
+            default=None,
+            help="A rerank model's score activation, recorded in export.json (default: what the "
+            "checkpoint's sentence-transformers config says, else sigmoid).",
         )
         parser.add_argument(
             "--max-tokens", type=int, default=None, help="Truncation length (default: the model's)."
@@ -77,6 +94,12 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, **options) -> None:
+        task = options["task"]
+        if task == TASK_RERANK and options["pooling"]:
+            raise CommandError("--pooling is an embedding model's; a cross-encoder pools in its own head")
+        if task == TASK_EMBED and options["activation"]:
+            raise CommandError("--activation is a rerank model's (--task rerank)")
+        pooling = None if task == TASK_RERANK else options["pooling"] or "mean"
         repository_dir = options["repository"] or Path(settings.TRITON_MODEL_REPOSITORY)
         name = options["name"]
         version = options["version"]
@@ -92,7 +115,7 @@ class Command(BaseCommand):
                     repository_dir=repository_dir,
                     name=name,
                     source_dir=source_dir,
-                    pooling=options["pooling"],
+                    pooling=pooling,
                     max_tokens=options["max_tokens"],
                     version=checked,
                 )
@@ -106,16 +129,23 @@ class Command(BaseCommand):
                 source_dir=source_dir,
                 repository_dir=repository_dir,
                 name=name,
-                pooling=options["pooling"],
+                pooling=pooling,
                 max_tokens=options["max_tokens"],
                 version=version,
+                task=task,
+                activation=options["activation"],
             )
         except ModelExportError as error:
             raise CommandError(str(error)) from error
+        kind = (
+            f"cross-encoder, {result.activation} scores, inputs {', '.join(result.inputs)}"
+            if result.task == TASK_RERANK
+            else f"{result.dims} dims, {result.pooling} pooling"
+        )
         self.stdout.write(
             self.style.SUCCESS(
-                f"Wrote {result.model_path} (version {result.version}, {result.model_type}, "
-                f"{result.dims} dims, {result.pooling} pooling, max {result.max_tokens} tokens, "
-                f"min cosine vs PyTorch {result.min_cosine:.7f}) and its configs in {result.seconds:.1f} s"
+                f"Wrote {result.model_path} (version {result.version}, {result.model_type}, {kind}, "
+                f"max {result.max_tokens} tokens, {result.verification()}) and its configs in "
+                f"{result.seconds:.1f} s"
             )
         )

@@ -116,7 +116,7 @@ def model_export_info(*, repository_dir: Path, name: str, version: int | str | N
     if not info_path.is_file():
         raise FileNotFoundError(f"{info_path} is missing: export the model first (manage.py export_model)")
     info = json.loads(info_path.read_text(encoding="utf-8"))
-    if info.get("pooling", "mean") not in POOLINGS:
+    if info.get("task", "embed") == "embed" and info.get("pooling", "mean") not in POOLINGS:
         raise ModelExportMismatch(f"{info_path} names an unknown pooling {info['pooling']!r}")
     recorded = info.get("sha256")
     if recorded:
