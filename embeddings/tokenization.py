@@ -45,14 +45,42 @@ class TokenOutsideVocabulary(InvalidText):
 class InputTooLong(TokenizationError):
     """The client asked not to truncate and an input has more tokens than the model takes."""
 
-    def __init__(self, *, index: int, tokens: int, max_tokens: int) -> None:
+    def __init__(self, *, index: int, tokens: int, max_tokens: int, message: str | None = None) -> None:
         super().__init__(
-            f"Input {index} has {tokens} tokens, more than the model's maximum of {max_tokens}; "
+            message
+            or f"Input {index} has {tokens} tokens, more than the model's maximum of {max_tokens}; "
             "shorten it or allow truncation.",
             index=index,
         )
         self.tokens = tokens
         self.max_tokens = max_tokens
+
+
+class DocumentTooLong(InputTooLong):
+    """A ranked document longer than its pair leaves room for, and truncation not allowed."""
+
+    def __init__(self, *, index: int, tokens: int, max_tokens: int) -> None:
+        super().__init__(
+            index=index,
+            tokens=tokens,
+            max_tokens=max_tokens,
+            message=f"Input {index} has {tokens} tokens; with the query, a pair leaves it {max_tokens} (the "
+            "model's maximum a pair, or max_tokens_per_doc); shorten it or allow truncation.",
+        )
+
+
+class QueryTooLong(InputTooLong):
+    """A ranking query that leaves no room in a pair for a single document token (truncation never
+    cuts the query)."""
+
+    def __init__(self, *, tokens: int, max_tokens: int) -> None:
+        super().__init__(
+            index=0,
+            tokens=tokens,
+            max_tokens=max_tokens,
+            message=f"Input 0 has {tokens} tokens with the pair's special tokens, leaving no room for a "
+            f"document within the model's maximum of {max_tokens} tokens a pair; shorten it.",
+        )
 
 
 @dataclass(frozen=True)
@@ -63,6 +91,9 @@ class TokenizedBatch:
     attention_mask: np.ndarray
     token_counts: np.ndarray
     truncated: np.ndarray
+    # A pair's segments (0: the query's, 1: the document's, where the tokenizer tells them apart);
+    # None for single texts, whose token types are all 0.
+    token_type_ids: np.ndarray | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -171,12 +202,7 @@ class TextTokenizer:
         model's maximum, or below it at `max_tokens`: one limit for every text, or one per text
         (a rerank request's query and its documents)."""
         for index, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise InvalidText(f"Input {index} is not a string", index=index)
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidText(f"Input {index} is not valid UTF-8 text", index=index) from None
+            _check_text(index, text)
         if not texts:
             empty = np.zeros((0, 0), dtype=np.int64)
             counts = np.zeros(0, dtype=np.int64)
@@ -209,6 +235,65 @@ class TextTokenizer:
             input_ids[row, : lengths[row]] = ids
         attention_mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
         return TokenizedBatch(input_ids, attention_mask, lengths, truncated)
+
+    def encode_pairs(
+        self,
+        query: str,
+        documents: list[str],
+        *,
+        truncate: bool = True,
+        direction: TruncationDirection = "right",
+        max_document_tokens: int | None = None,
+        buckets: tuple[int, ...] = (),
+    ) -> TokenizedBatch:
+        """(query, document) pairs, one row per document, as a cross-encoder was trained on them: the
+        tokenizer's own pair template ([CLS] q [SEP] d [SEP], <s> q </s></s> d </s>, ...) with its
+        token types. Only the document is cut: to `max_document_tokens`, and to what the query leaves
+        of the model's maximum. Errors name input 0 for the query and input k for document k - 1 (as
+        a similarity ranking's, whose inputs are the query and then the documents)."""
+        texts = [query, *documents]
+        for index, text in enumerate(texts):
+            _check_text(index, text)
+        whole = self._tokenizer(None)
+        max_tokens = self.max_tokens
+        specials = whole.num_special_tokens_to_add(True)
+        # The texts alone, without special tokens; the pair template adds them.
+        encodings = whole.encode_batch_fast(texts, add_special_tokens=False)
+        query_encoding, document_encodings = encodings[0], encodings[1:]
+        room = max_tokens - specials - len(query_encoding.ids)
+        if room < 1:
+            raise QueryTooLong(tokens=len(query_encoding.ids) + specials, max_tokens=max_tokens)
+        limit = room if max_document_tokens is None else min(room, max_document_tokens)
+        lengths = np.fromiter((len(e.ids) for e in document_encodings), dtype=np.int64, count=len(documents))
+        truncated = lengths > limit
+        if not truncate and truncated.any():
+            row = int(np.flatnonzero(truncated)[0])
+            raise DocumentTooLong(index=row + 1, tokens=int(lengths[row]), max_tokens=limit)
+        rows, types = [], []
+        for row, encoding in enumerate(document_encodings):
+            if truncated[row]:
+                encoding.truncate(limit, direction=direction)
+            pair = whole.post_process(query_encoding, encoding, add_special_tokens=True)
+            rows.append(pair.ids)
+            types.append(pair.type_ids)
+        counts = np.fromiter((len(ids) for ids in rows), dtype=np.int64, count=len(rows))
+        width = padded_length(int(counts.max()), buckets) if len(rows) else 0
+        input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
+        token_type_ids = np.zeros((len(rows), width), dtype=np.int64)
+        for row, ids in enumerate(rows):
+            input_ids[row, : counts[row]] = ids
+            token_type_ids[row, : counts[row]] = types[row]
+        attention_mask = (np.arange(width)[None, :] < counts[:, None]).astype(np.int64)
+        return TokenizedBatch(input_ids, attention_mask, counts, truncated, token_type_ids)
+
+
+def _check_text(index: int, text: object) -> None:
+    if not isinstance(text, str):
+        raise InvalidText(f"Input {index} is not a string", index=index)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidText(f"Input {index} is not valid UTF-8 text", index=index) from None
 
 
 def _cut(encoding, limit: int, direction: TruncationDirection) -> list[int]:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from embeddings.tokenization import InputTooLong, InvalidText, TextTokenizer, padded_length
+from embeddings.tokenization import InputTooLong, InvalidText, TextTokenizer, TokenizationError, padded_length
 
 pytestmark = pytest.mark.unit
 
@@ -208,3 +208,57 @@ def test_limits_per_text_and_refusals_name_the_text_and_its_limit(tokenizer):
     assert (refused.value.index, refused.value.tokens, refused.value.max_tokens) == (1, 7, 3)
     with pytest.raises(ValueError, match="special tokens"):
         tokenizer.encode(texts, max_tokens=1)
+
+
+# --- A cross-encoder's (query, document) pairs ---------------------------------------------------
+
+
+def test_pairs_follow_the_tokenizers_own_template_and_token_types(tokenizer, untruncated):
+    query, documents = "capital of france", ["Paris is the capital.", "Bananas"]
+    batch = tokenizer.encode_pairs(query, documents)
+    for row, document in enumerate(documents):
+        # What the tokenizer itself makes of the pair: [CLS] query [SEP] document [SEP], types 0 then 1.
+        expected = untruncated.encode(query, document)
+        count = batch.token_counts[row]
+        assert batch.input_ids[row, :count].tolist() == expected.ids
+        assert batch.token_type_ids[row, :count].tolist() == expected.type_ids
+        assert (batch.input_ids[row, count:] == 0).all() and (batch.token_type_ids[row, count:] == 0).all()
+    assert batch.attention_mask.sum(axis=1).tolist() == batch.token_counts.tolist()
+    assert batch.truncated.tolist() == [False, False]
+    assert set(batch.token_type_ids[0].tolist()) == {0, 1}
+
+
+def test_only_the_document_is_cut_to_fit_the_pair_and_the_asked_limit(tokenizer):
+    query = "what is long"
+    query_tokens = len(tokenizer.encode([query]).input_ids[0]) - 2
+    batch = tokenizer.encode_pairs(query, ["word " * 1000, "short one"])
+    assert batch.token_counts.tolist()[0] == 256  # the model's maximum a pair
+    assert batch.truncated.tolist() == [True, False]
+    row = batch.input_ids[0].tolist()
+    assert row[0] == CLS and row[query_tokens + 1] == SEP and row[255] == SEP
+    assert batch.token_type_ids[0].tolist() == [0] * (query_tokens + 2) + [1] * (254 - query_tokens)
+    # max_tokens_per_doc: the document keeps 5 of its own tokens, the query all of its.
+    limited = tokenizer.encode_pairs(query, ["word " * 1000], max_document_tokens=5)
+    assert limited.token_counts.tolist() == [query_tokens + 3 + 5]
+    left = tokenizer.encode_pairs(
+        query, ["one two three four five six seven"], max_document_tokens=2, direction="left"
+    )
+    assert (
+        tokenizer.encode([" six seven"]).input_ids[0, 1:3].tolist()
+        == left.input_ids[0, query_tokens + 2 : query_tokens + 4].tolist()
+    )
+
+
+def test_pairs_without_truncation_and_queries_with_no_room_are_refused_by_input(tokenizer):
+    with pytest.raises(InputTooLong, match=r"^Input 2 has 1000 tokens") as refused:
+        tokenizer.encode_pairs("q", ["fits", "word " * 1000], truncate=False)
+    assert refused.value.index == 2
+    with pytest.raises(InputTooLong, match=r"^Input 1 has 6 tokens; with the query, a pair leaves it 5"):
+        tokenizer.encode_pairs("q", ["one two three four five six"], truncate=False, max_document_tokens=5)
+    with pytest.raises(
+        TokenizationError, match=r"^Input 0 has 1003 tokens .* no room for a document"
+    ) as query:
+        tokenizer.encode_pairs("word " * 1000, ["document"])
+    assert query.value.index == 0
+    with pytest.raises(InvalidText, match="^Input 2 is not valid UTF-8"):
+        tokenizer.encode_pairs("q", ["fine", "\udcff"])
