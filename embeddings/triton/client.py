@@ -294,8 +294,14 @@ def _model_spec(
     )
 
 
-def token_inputs(spec: ModelSpec, input_ids: np.ndarray, attention_mask: np.ndarray) -> dict[str, np.ndarray]:
-    """The input tensors of a token-id model (`input_ids`, `attention_mask`, optional `token_type_ids`)."""
+def token_inputs(
+    spec: ModelSpec,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    token_type_ids: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """The input tensors of a token-id model (`input_ids`, `attention_mask`, optional
+    `token_type_ids`: the given ones, else all 0; a model without token types gets none)."""
     names = {tensor.name for tensor in spec.inputs}
     if not {"input_ids", "attention_mask"} <= names or not names <= {
         "input_ids",
@@ -316,7 +322,14 @@ def token_inputs(spec: ModelSpec, input_ids: np.ndarray, attention_mask: np.ndar
         )
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     if "token_type_ids" in names:
-        inputs["token_type_ids"] = np.zeros_like(input_ids)
+        if token_type_ids is None:
+            token_type_ids = np.zeros_like(input_ids)
+        elif np.shape(token_type_ids) != input_ids.shape:
+            raise TritonInvalidInput(
+                f"token_type_ids {np.shape(token_type_ids)} must have input_ids' shape {input_ids.shape}",
+                model=spec.name,
+            )
+        inputs["token_type_ids"] = np.asarray(token_type_ids)
     return inputs
 
 
@@ -705,15 +718,19 @@ class AsyncTritonClient(_TritonClientBase):
         input_ids: np.ndarray,
         attention_mask: np.ndarray,
         *,
+        token_type_ids: np.ndarray | None = None,
         version: str = "",
         output_name: str | None = None,
         priority: int = 0,
         timeout_s: float | None = None,
     ) -> np.ndarray:
-        """FP32 [batch, dimensions] embeddings of token ids ([batch, sequence] each); `priority`
-        and `timeout_s` as for `infer`."""
+        """FP32 [batch, dimensions] embeddings of token ids ([batch, sequence] each), or a
+        cross-encoder's [batch, 1] scores of pairs (with their `token_type_ids`); `priority` and
+        `timeout_s` as for `infer`."""
         return await self._run(
-            self._embed_op(model, version, output_name, priority, token_inputs, input_ids, attention_mask),
+            self._embed_op(
+                model, version, output_name, priority, token_inputs, input_ids, attention_mask, token_type_ids
+            ),
             timeout_s,
         )
 
@@ -874,15 +891,17 @@ class TritonClient(_TritonClientBase):
         input_ids: np.ndarray,
         attention_mask: np.ndarray,
         *,
+        token_type_ids: np.ndarray | None = None,
         version: str = "",
         output_name: str | None = None,
         priority: int = 0,
         timeout_s: float | None = None,
     ) -> np.ndarray:
-        """FP32 [batch, dimensions] embeddings of token ids ([batch, sequence] each); `priority`
-        and `timeout_s` as for `infer`."""
+        """As AsyncTritonClient.embed_tokens."""
         return self._run(
-            self._embed_op(model, version, output_name, priority, token_inputs, input_ids, attention_mask),
+            self._embed_op(
+                model, version, output_name, priority, token_inputs, input_ids, attention_mask, token_type_ids
+            ),
             timeout_s,
         )
 

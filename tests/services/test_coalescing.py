@@ -26,7 +26,11 @@ class FakeModel:
         self.fail_with = fail_with
 
     async def __call__(
-        self, input_ids: np.ndarray, attention_mask: np.ndarray, deadline: float
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        token_type_ids: np.ndarray | None,
+        deadline: float,
     ) -> np.ndarray:
         self.calls.append(input_ids.copy())
         if self.release is not None:
@@ -139,17 +143,49 @@ async def test_a_request_that_gives_up_during_the_call_leaves_its_neighbours_the
 
 
 def test_merged_inputs_pad_shorter_rows_with_masked_zeros():
-    ids, mask = merged_inputs_of(
+    ids, mask, types = merged_inputs_of(
         (np.array([[5, 6]]), np.array([[1, 1]])), (np.array([[8, 9, 10]]), np.array([[1, 1, 1]]))
     )
     assert ids.tolist() == [[5, 6, 0], [8, 9, 10]]
     assert mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert types is None
 
 
-def merged_inputs_of(*parts: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def test_merged_pairs_keep_each_rows_token_types():
+    ids, mask, types = merged_inputs_of(
+        (np.array([[5, 6, 7]]), np.array([[1, 1, 1]]), np.array([[0, 1, 1]])),
+        (np.array([[8, 9]]), np.array([[1, 1]]), np.array([[0, 1]])),
+    )
+    assert ids.tolist() == [[5, 6, 7], [8, 9, 0]]
+    assert mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert types.tolist() == [[0, 1, 1], [0, 1, 0]]
+
+
+async def test_a_call_of_pairs_is_sent_their_token_types():
+    seen = []
+
+    async def model(input_ids, attention_mask, token_type_ids, deadline):
+        seen.append(token_type_ids.copy())
+        return np.zeros((len(input_ids), 1), dtype=np.float32)
+
+    coalescer = Coalescer(model, max_rows=64, max_tokens=2048, max_calls=1)
+    ids, mask = rows(1, 2, width=3)
+    await asyncio.gather(
+        coalescer.embed(ids[:1], mask[:1], token_type_ids=np.array([[0, 1, 1]]), deadline=far()),
+        coalescer.embed(ids[1:], mask[1:], token_type_ids=np.array([[0, 0, 1]]), deadline=far()),
+    )
+    assert [call.tolist() for call in seen] == [[[0, 1, 1], [0, 0, 1]]]
+
+
+def merged_inputs_of(*parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     from embeddings.services.inference.coalescing import Waiter
 
-    return merged_inputs([Waiter(ids, mask, 0.0, None) for ids, mask in parts])  # type: ignore[arg-type]
+    return merged_inputs(
+        [
+            Waiter(part[0], part[1], 0.0, None, token_type_ids=part[2] if len(part) > 2 else None)
+            for part in parts
+        ]  # type: ignore[arg-type]
+    )
 
 
 async def test_each_rows_queue_time_is_its_wait_for_its_first_call():

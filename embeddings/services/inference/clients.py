@@ -98,12 +98,18 @@ def request_coalescer(model: str, version: str, *, max_rows: int) -> Coalescer:
     wanted = (max_rows, settings.MAX_BATCH_TOKENS, settings.COALESCE_MAX_CALLS)
     if coalescer is None or (coalescer.max_rows, coalescer.max_tokens, coalescer.max_calls) != wanted:
 
-        async def call(input_ids: np.ndarray, attention_mask: np.ndarray, deadline: float) -> np.ndarray:
+        async def call(
+            input_ids: np.ndarray,
+            attention_mask: np.ndarray,
+            token_type_ids: np.ndarray | None,
+            deadline: float,
+        ) -> np.ndarray:
             # The client of the moment: tests and settings changes replace it.
             return await triton_async_client().embed_tokens(
                 model,
                 input_ids,
                 attention_mask,
+                token_type_ids=token_type_ids,
                 version=version,
                 output_name=settings.OUTPUT_NAME,
                 priority=PRIORITY_INTERACTIVE,

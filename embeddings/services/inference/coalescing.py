@@ -29,8 +29,9 @@ import numpy as np
 from embeddings.observability import tracing
 from embeddings.triton import TritonInvalidInput, TritonModelError, TritonModelNotLoaded
 
-# (input_ids, attention_mask, deadline) -> FP32 [rows, dimensions]; the deadline is monotonic.
-MergedCall = Callable[[np.ndarray, np.ndarray, float], Awaitable[np.ndarray]]
+# (input_ids, attention_mask, token_type_ids or None, deadline) -> FP32 [rows, dimensions]; the
+# deadline is monotonic.
+MergedCall = Callable[[np.ndarray, np.ndarray, np.ndarray | None, float], Awaitable[np.ndarray]]
 
 
 @dataclass(eq=False)
@@ -44,6 +45,8 @@ class Waiter:
     # When its request asked for room (perf_counter), for the queue time; its trace context.
     queued: float = 0.0
     trace_context: object = None
+    # A cross-encoder's pair segments; None: all 0 (single texts).
+    token_type_ids: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -54,20 +57,25 @@ class Waiter:
         return self.input_ids.shape[1]
 
 
-def merged_inputs(waiters: list[Waiter]) -> tuple[np.ndarray, np.ndarray]:
-    """The waiters' rows stacked, right-padded with zeros (masked out) to the widest one."""
+def merged_inputs(waiters: list[Waiter]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The waiters' rows stacked, right-padded with zeros (masked out) to the widest one; token
+    types only when some waiter has them (the others' are 0)."""
     if len(waiters) == 1:
-        return waiters[0].input_ids, waiters[0].attention_mask
+        return waiters[0].input_ids, waiters[0].attention_mask, waiters[0].token_type_ids
     width = max(waiter.width for waiter in waiters)
     rows = sum(waiter.rows for waiter in waiters)
     input_ids = np.zeros((rows, width), dtype=waiters[0].input_ids.dtype)
     attention_mask = np.zeros((rows, width), dtype=waiters[0].attention_mask.dtype)
+    typed = any(waiter.token_type_ids is not None for waiter in waiters)
+    token_type_ids = np.zeros((rows, width), dtype=np.int64) if typed else None
     start = 0
     for waiter in waiters:
         input_ids[start : start + waiter.rows, : waiter.width] = waiter.input_ids
         attention_mask[start : start + waiter.rows, : waiter.width] = waiter.attention_mask
+        if token_type_ids is not None and waiter.token_type_ids is not None:
+            token_type_ids[start : start + waiter.rows, : waiter.width] = waiter.token_type_ids
         start += waiter.rows
-    return input_ids, attention_mask
+    return input_ids, attention_mask, token_type_ids
 
 
 class Coalescer:
@@ -111,9 +119,11 @@ class Coalescer:
         *,
         deadline: float,
         queued: float | None = None,
+        token_type_ids: np.ndarray | None = None,
     ) -> np.ndarray:
-        """These rows' vectors, computed in a call shared with other requests' rows. `queued`: when
-        the rows started waiting (perf_counter; default now), for the queue time."""
+        """These rows' vectors (a cross-encoder's: scores), computed in a call shared with other
+        requests' rows. `queued`: when the rows started waiting (perf_counter; default now), for the
+        queue time."""
         loop = asyncio.get_running_loop()
         waiter = Waiter(
             input_ids,
@@ -122,6 +132,7 @@ class Coalescer:
             loop.create_future(),
             queued=time.perf_counter() if queued is None else queued,
             trace_context=tracing.captured(),
+            token_type_ids=token_type_ids,
         )
         self._pending.append(waiter)
         self._schedule_pump(loop)
@@ -180,7 +191,7 @@ class Coalescer:
         batch = [waiter for waiter in batch if not waiter.result.done()]
         if not batch:
             return
-        input_ids, attention_mask = merged_inputs(batch)
+        input_ids, attention_mask, token_type_ids = merged_inputs(batch)
         self._observe(input_ids.shape[0], input_ids.size)
         if not asked_again:  # a row's queue time is its wait for its first call
             sent = time.perf_counter()
@@ -196,7 +207,7 @@ class Coalescer:
                 tokens=int(input_ids.size),
             ):
                 vectors = await self._call(
-                    input_ids, attention_mask, max(waiter.deadline for waiter in batch)
+                    input_ids, attention_mask, token_type_ids, max(waiter.deadline for waiter in batch)
                 )
         except (TritonInvalidInput, TritonModelError) as error:
             if len(batch) > 1 and not isinstance(error, TritonModelNotLoaded):

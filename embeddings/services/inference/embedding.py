@@ -36,7 +36,7 @@ from embeddings.metrics import (
     TRITON_IN_FLIGHT,
     triton_call_observed,
 )
-from embeddings.models import TASK_EMBED
+from embeddings.models import TASK_EMBED, TASK_RERANK
 from embeddings.observability import context as request_context
 from embeddings.observability import tracing
 from embeddings.services.inference.clients import (
@@ -98,6 +98,20 @@ class EmbeddingTarget:
             max_total_tokens=model.max_tokens_per_request or settings.MAX_TOKENS_PER_REQUEST,
             prompts=tuple(sorted((model.prompts or {}).items())),
             default_prompt_name=model.default_prompt_name,
+        )
+
+    @classmethod
+    def for_ranking(cls, model: EmbeddingModel) -> EmbeddingTarget:
+        """A rerank model's (a cross-encoder's): its pairs, one score each, no prompts."""
+        if model.task != TASK_RERANK:
+            raise UnsupportedByModel(f"The model {model.name!r} is not a cross-encoder.", param="model")
+        return cls(
+            triton_model=model.triton_model,
+            triton_version=model.triton_version,
+            name=model.name,
+            max_tokens=model.max_tokens,
+            dimensions=1,
+            max_total_tokens=model.max_tokens_per_request or settings.MAX_TOKENS_PER_REQUEST,
         )
 
     def prompt(self, name: str | None) -> str:
@@ -304,11 +318,20 @@ def _plan(spec: ModelSpec, batch: TokenizedBatch) -> list[SubBatch]:
     )
 
 
-def _sub_batch_inputs(batch: TokenizedBatch, group: SubBatch) -> tuple[np.ndarray, np.ndarray]:
-    """The sub-batch's rows, padded to its own width (the batch is right-padded to its longest)."""
+def _sub_batch_inputs(
+    batch: TokenizedBatch, group: SubBatch
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The sub-batch's rows (ids, mask, and a pair batch's token types), padded to its own width
+    (the batch is right-padded to its longest)."""
+    types = batch.token_type_ids
     if len(group.rows) == len(batch) and group.width >= batch.input_ids.shape[1]:
-        return batch.input_ids, batch.attention_mask
-    return batch.input_ids[group.rows, : group.width], batch.attention_mask[group.rows, : group.width]
+        return batch.input_ids, batch.attention_mask, types
+    width = group.width
+    return (
+        batch.input_ids[group.rows, :width],
+        batch.attention_mask[group.rows, :width],
+        None if types is None else types[group.rows, :width],
+    )
 
 
 async def _gather_or_cancel(calls: Sequence[Awaitable[np.ndarray]]) -> list[np.ndarray]:
@@ -355,8 +378,9 @@ async def _infer(
             if coalesce:
                 # Shares one Triton call with other requests' rows (inference/coalescing.py).
                 coalescer = request_coalescer(model, version, max_rows=spec.max_batch_size)
+                input_ids, attention_mask, token_type_ids = _sub_batch_inputs(batch, group)
                 return await coalescer.embed(
-                    *_sub_batch_inputs(batch, group), deadline=deadline, queued=queued
+                    input_ids, attention_mask, token_type_ids=token_type_ids, deadline=deadline, queued=queued
                 )
             QUEUE_SECONDS.labels(model).observe(time.perf_counter() - queued)
             BATCH_ROWS.labels(model).observe(len(group.rows))
@@ -371,7 +395,10 @@ async def _infer(
             if takes_text:
                 rows = [texts[row] for row in group.rows] if len(groups) > 1 else list(texts or ())
                 return await client.embed_texts(model, rows, **options)
-            return await client.embed_tokens(model, *_sub_batch_inputs(batch, group), **options)
+            input_ids, attention_mask, token_type_ids = _sub_batch_inputs(batch, group)
+            return await client.embed_tokens(
+                model, input_ids, attention_mask, token_type_ids=token_type_ids, **options
+            )
 
     parts = [await run(groups[0])] if len(groups) == 1 else await _gather_or_cancel(map(run, groups))
     return reassembled(list(zip(groups, parts, strict=True)), len(batch))
@@ -404,6 +431,34 @@ async def embeddings_create(
         batch, _, tokenization_s = await asyncio.to_thread(_tokenize, target, texts, token_ids, options)
     else:
         batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
+    vectors, inference_s = await tokens_infer(
+        target,
+        batch,
+        deadline=deadline,
+        timeout_s=timeout_s,
+        quota=quota,
+        finish=lambda vectors: _postprocess(target, vectors, options),
+        texts=texts,
+        token_ids=token_ids,
+    )
+    return EmbeddingResult(target.triton_model, vectors, batch.token_counts, tokenization_s, inference_s)
+
+
+async def tokens_infer(
+    target: EmbeddingTarget,
+    batch: TokenizedBatch,
+    *,
+    deadline: float,
+    timeout_s: float,
+    quota: RequestQuota | None,
+    finish: Callable[[np.ndarray], np.ndarray],
+    texts: Sequence[str] | None = None,
+    token_ids: Sequence[Sequence[int]] | None = None,
+) -> tuple[np.ndarray, float]:
+    """A tokenised request's model outputs, `finish`ed, and the inference seconds: metered (its
+    quota reserved before, settled after: kept on success, refunded on any failure, `finish`'s
+    included), within the in-flight gate and by `deadline` (`timeout_s` from the request's start).
+    Embeddings and a cross-encoder's pair scores alike."""
     request_context.annotate(inputs=len(batch), tokens=batch.total_tokens)
     with inflight_gate:
         if quota is not None:
@@ -420,12 +475,12 @@ async def embeddings_create(
                     raise _not_loaded(target) from error
                 except TimeoutError:
                     raise InferenceTimeout(
-                        f"The embeddings were not ready within this server's {timeout_s:g} s deadline "
+                        f"The model's answer was not ready within this server's {timeout_s:g} s deadline "
                         f"({len(batch)} inputs, {batch.total_tokens} tokens); send fewer or shorter "
                         "inputs per request, or retry when the server is less busy."
                     ) from None
                 inference_s = time.perf_counter() - started
-            vectors = _postprocess(target, vectors, options)
+            vectors = finish(vectors)
         except BaseException:  # a Triton error, a bad output, the deadline, or the client went away
             if quota is not None:
                 with tracing.span("quota.settle", succeeded=False):
@@ -434,7 +489,7 @@ async def embeddings_create(
     if quota is not None:
         with tracing.span("quota.settle", succeeded=True):
             await quota.settle(succeeded=True)
-    return EmbeddingResult(target.triton_model, vectors, batch.token_counts, tokenization_s, inference_s)
+    return vectors, inference_s
 
 
 def _not_loaded(target: EmbeddingTarget) -> ModelNotLoaded:
@@ -500,8 +555,10 @@ def embeddings_create_sync(
             if takes_text:
                 rows = [texts[row] for row in group.rows] if len(groups) > 1 else list(texts or ())
                 return lambda: client.embed_texts(model, rows, **call_options)
-            input_ids, attention_mask = _sub_batch_inputs(batch, group)
-            return lambda: client.embed_tokens(model, input_ids, attention_mask, **call_options)
+            input_ids, attention_mask, token_type_ids = _sub_batch_inputs(batch, group)
+            return lambda: client.embed_tokens(
+                model, input_ids, attention_mask, token_type_ids=token_type_ids, **call_options
+            )
 
         window = max(1, settings.MAX_TOKENS_IN_FLIGHT // settings.MAX_BATCH_TOKENS)
         parts = _run_windowed([call(group) for group in groups], window)
