@@ -535,8 +535,8 @@ class EmbeddingModelAdmin(admin.ModelAdmin):
     )
     list_filter = ("enabled", "task", "rerank_by_similarity", "triton_model", "result_dtype")
     search_fields = ("name", "triton_model")
-    # The task is the export's (register_model reads it from export.json).
-    readonly_fields = ("task", "created_at")
+    # The task and a cross-encoder's activation are the export's (register_model reads export.json).
+    readonly_fields = ("task", "score_activation", "created_at")
     actions = ("load_into_triton", "unload_from_triton")
 
     def get_list_display(self, request: HttpRequest):

@@ -9,10 +9,9 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
+from embeddings.model_tasks import ACTIVATIONS, TASK_EMBED, TASK_RERANK
 from embeddings.result_dtypes import DEFAULT_RESULT_DTYPE, RESULT_DTYPE_CHOICES
 
-TASK_EMBED = "embed"
-TASK_RERANK = "rerank"
 TASK_CHOICES = [(TASK_EMBED, "Embedding"), (TASK_RERANK, "Rerank (cross-encoder)")]
 
 
@@ -57,6 +56,14 @@ class EmbeddingModel(models.Model):
         help_text="An embedding model that also answers rerank requests: each document scored by the "
         "cosine similarity of its embedding to the query's, in [-1, 1] (a rerank model, where one is "
         "registered, is preferred)",
+    )
+    score_activation = models.CharField(
+        max_length=10,
+        blank=True,
+        default="",
+        choices=[("", "-")] + [(activation, activation) for activation in ACTIVATIONS],
+        help_text="A rerank model's, from its export.json: applied to its raw scores (logits) unless a "
+        "request asks for them raw (TEI's raw_scores); sigmoid gives scores in (0, 1)",
     )
     created_at = models.DateTimeField(default=timezone.now)
 

@@ -37,12 +37,18 @@ EXAMPLE_BILLED = {"search_units": 1, "input_tokens": 24}
 
 class CohereResultSerializer(serializers.Serializer):
     index = serializers.IntegerField(help_text="The document's position in the request")
-    relevance_score = serializers.FloatField(help_text="Higher is more relevant; cosine similarity: -1 to 1")
+    relevance_score = serializers.FloatField(
+        help_text="Higher is more relevant: a cross-encoder's activated logit (sigmoid: 0 to 1), or a cosine "
+        "similarity (-1 to 1); GET /v1/models says which"
+    )
 
 
 class BilledUnitsSerializer(serializers.Serializer):
     search_units = serializers.IntegerField(help_text="One per query and 100 documents")
-    input_tokens = serializers.IntegerField(help_text="The query's and every document's tokens")
+    input_tokens = serializers.IntegerField(
+        help_text="Every token the model read: a cross-encoder's pairs (the query in each), or the "
+        "query's and every document's for a similarity ranking"
+    )
 
 
 class ApiVersionSerializer(serializers.Serializer):
@@ -278,6 +284,7 @@ class TeiRerankView(ApiView):
             RankingOptions(
                 truncate=params["truncate"],
                 direction="left" if params["truncation_direction"] == "Left" else "right",
+                raw_scores=params["raw_scores"],
             ),
         )
         ranks = []

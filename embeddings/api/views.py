@@ -30,6 +30,7 @@ from embeddings.contracts.embeddings_request import (
     refuse_empty_texts,
 )
 from embeddings.contracts.fields import StrictBooleanField, StrictCharField, dimensions_field, validated
+from embeddings.model_tasks import ACTIVATION_IDENTITY, ACTIVATION_SIGMOID
 from embeddings.models import TASK_RERANK, EmbeddingModel
 from embeddings.services.inference import catalog
 from embeddings.services.inference.embedding import (
@@ -148,10 +149,16 @@ class TeiEmbedResponse(serializers.Serializer):
 
 class RerankCapabilitySerializer(serializers.Serializer):
     method = serializers.ChoiceField(choices=["cross_encoder", "cosine_similarity"])
+    activation = serializers.ChoiceField(
+        choices=["sigmoid", "identity"],
+        allow_null=True,
+        help_text="A cross-encoder's: what turns its logit into the score (TEI's raw_scores skips it); "
+        "null for similarity",
+    )
     score_range = serializers.ListField(
         child=serializers.FloatField(),
         allow_null=True,
-        help_text="The lowest and highest score; null for a cross-encoder's unbounded logits",
+        help_text="The lowest and highest score; null for a cross-encoder's unbounded logits (identity)",
     )
 
 
@@ -376,7 +383,7 @@ MODEL_EXAMPLE = {
     "dimensions": 384,
     "max_tokens": 256,
     "aliases": ["minilm", "sentence-transformers/all-MiniLM-L6-v2"],
-    "rerank": {"method": "cosine_similarity", "score_range": [-1.0, 1.0]},
+    "rerank": {"method": "cosine_similarity", "activation": None, "score_range": [-1.0, 1.0]},
 }
 
 
@@ -397,9 +404,15 @@ def model_object(model: EmbeddingModel) -> dict:
 def rerank_capability(model: EmbeddingModel) -> dict | None:
     """How the model ranks documents, and the range of its scores; None when it does not."""
     if model.task == TASK_RERANK:
-        return {"method": "cross_encoder", "score_range": None}
+        activation = model.score_activation or ACTIVATION_IDENTITY
+        bounds = [0.0, 1.0] if activation == ACTIVATION_SIGMOID else None
+        return {"method": "cross_encoder", "activation": activation, "score_range": bounds}
     if model.rerank_by_similarity:
-        return {"method": "cosine_similarity", "score_range": list(SIMILARITY_SCORE_RANGE)}
+        return {
+            "method": "cosine_similarity",
+            "activation": None,
+            "score_range": list(SIMILARITY_SCORE_RANGE),
+        }
     return None
 
 

@@ -116,8 +116,8 @@ class TeiRerankRequest(serializers.Serializer):
     texts = DocumentsField(help_text=DOCUMENTS_HELP)
     raw_scores = StrictBooleanField(
         default=False,
-        help_text="A cross-encoder's logits instead of their sigmoid; similarity scores are the same "
-        "either way.",
+        help_text="A cross-encoder's logits, its activation (sigmoid, GET /v1/models) not applied; "
+        "similarity scores are the same either way.",
     )
     return_text = StrictBooleanField(default=False, help_text="Add each result's text.")
     truncate = StrictBooleanField(

@@ -173,7 +173,8 @@ def test_a_key_is_needed(uvicorn_server):
 
 @pytest.fixture
 def reranker(api_setup) -> EmbeddingModel:
-    """A cross-encoder in the catalog (this server cannot run one yet: refused before Triton)."""
+    """A cross-encoder in the catalog that this Triton does not serve (served ones rank in
+    tests/model_serving/test_second_model.py)."""
     return EmbeddingModel.objects.create(
         name="a-reranker", task="rerank", triton_model="a_reranker", dimensions=1, max_tokens=512
     )
@@ -184,9 +185,22 @@ async def test_models_say_which_rank_and_how(client, alpha, reranker, model, set
     listed = (await client.get("/v1/models", headers=alpha.headers)).json()["data"]
     by_id = {item["id"]: item for item in listed}
     assert by_id[MODEL]["task"] == "embed"
-    assert by_id[MODEL]["rerank"] == {"method": "cosine_similarity", "score_range": [-1.0, 1.0]}
+    assert by_id[MODEL]["rerank"] == {
+        "method": "cosine_similarity",
+        "activation": None,
+        "score_range": [-1.0, 1.0],
+    }
     assert by_id["a-reranker"]["task"] == "rerank"
-    assert by_id["a-reranker"]["rerank"] == {"method": "cross_encoder", "score_range": None}
+    # No activation recorded: the logit is the score, unbounded.
+    assert by_id["a-reranker"]["rerank"] == {
+        "method": "cross_encoder",
+        "activation": "identity",
+        "score_range": None,
+    }
+    reranker.score_activation = "sigmoid"
+    await reranker.asave(update_fields=["score_activation"])
+    detail = (await client.get("/v1/models/a-reranker", headers=alpha.headers)).json()
+    assert detail["rerank"] == {"method": "cross_encoder", "activation": "sigmoid", "score_range": [0.0, 1.0]}
     model.rerank_by_similarity = False
     await model.asave(update_fields=["rerank_by_similarity"])
     detail = (await client.get(f"/v1/models/{MODEL}", headers=alpha.headers)).json()
@@ -214,8 +228,9 @@ async def test_a_rerank_model_makes_no_embeddings(client, alpha, reranker, setti
 async def test_a_rerank_model_is_preferred_where_none_is_named(client, alpha, reranker, settings):
     settings.MODEL_CACHE_SECONDS = 0
     response = await client.post("/rerank", json={"query": QUERY, "texts": ["a"]}, headers=alpha.headers)
-    # The cross-encoder is chosen over MiniLM's similarity, and said to be beyond this server yet.
-    assert response.status_code == 422 and "a-reranker" in response.json()["error"]["message"]
+    # The cross-encoder is chosen over MiniLM's similarity (and said not to be loaded here).
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "model_not_loaded" and "a-reranker" in response.text
     reranker.enabled = False
     await reranker.asave(update_fields=["enabled"])
     assert (

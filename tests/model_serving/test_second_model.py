@@ -6,7 +6,9 @@ database. The model is a small random BERT (128 dimensions, CLS pooling, MiniLM'
 offline; its vectors are compared with the same model run in PyTorch.
 
 The tests run in file order and build on each other: register → serve → job → unload → reload →
-new version → switch → disable."""
+new version → switch → disable. Then two cross-encoders (a BERT with token types, an XLM-R without)
+are exported as rerank models, registered, and rank through the three rerank shapes, their scores
+compared with PyTorch's."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from embeddings.triton.client import TritonClient
 from tests.conftest import require_exported_model, start_triton
 from tests.job_stack import JobStack, job_stack_running
 from tests.processes import REPO_ROOT, manage
-from tests.tiny_models import build_tiny_bert, embed_with_torch
+from tests.tiny_models import build_tiny_bert, embed_with_torch, score_with_torch
 
 MINILM = "all-MiniLM-L6-v2"
 TINY = "tiny-bert"
@@ -221,3 +223,180 @@ def test_disabled_it_is_unloaded_and_no_longer_listed_until_registered_again(htt
     manage(stack.env, "register_model", "--triton-model", TINY_TRITON)
     assert loaded_versions(triton, TINY_TRITON) == {"2"}
     assert embed(http, TINY).shape == (len(TEXTS), 128)
+
+
+# --- A cross-encoder: exported, registered and ranking beside the embedding models ----------------
+
+RERANKERS = {"tiny-reranker": "tiny_reranker", "tiny-xlmr-reranker": "tiny_xlmr_reranker"}
+QUERY = "what do tenants pay for?"
+DOCUMENTS = [
+    "Tenants pay for the tokens their requests use.",
+    "Bananas are yellow.",
+    "Ünïcödé àccents, 日本語のテキスト and emoji 🚀 in one document.",
+    "Yes.",
+    # Past the tiny models' 128 tokens a pair: only the document is cut.
+    " ".join(f"word{i} of a long document" for i in range(60)),
+]
+
+
+@pytest.fixture(scope="module")
+def cross_encoders(tmp_path_factory) -> dict[str, Path]:
+    """A random BERT cross-encoder (token types) and an XLM-R one (one token type, its pair template)."""
+    root = tmp_path_factory.mktemp("cross-encoders")
+    return {
+        "tiny-reranker": build_tiny_bert(root / "bert", seed=11, cross_encoder=True),
+        "tiny-xlmr-reranker": build_tiny_bert(
+            root / "xlmr", model_type="xlm-roberta", seed=12, cross_encoder=True
+        ),
+    }
+
+
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    return 1 / (1 + np.exp(-logits))
+
+
+def pair_tokens(source: Path, query: str, documents: list[str]) -> int:
+    """Every token of every pair, as the model's tokenizer pairs them (truncated at its 128)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_length=128, strategy="only_second")
+    return sum(len(tokenizer.encode(query, document).ids) for document in documents)
+
+
+def rerank_v2(http: httpx2.Client, model: str, **fields) -> dict:
+    response = http.post(
+        "/v2/rerank", json={"model": model, "query": QUERY, "documents": DOCUMENTS, **fields}
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_cross_encoders_exported_and_registered_score_pairs_as_pytorch_does(
+    http, stack, cross_encoders, triton
+):
+    for name, triton_name in RERANKERS.items():
+        output = manage(
+            stack.env,
+            "export_model",
+            "--source",
+            str(cross_encoders[name]),
+            "--name",
+            triton_name,
+            "--task",
+            "rerank",
+        )
+        assert "cross-encoder, sigmoid scores" in output
+        manage(stack.env, "register_model", "--triton-model", triton_name, "--name", name)
+        assert loaded_versions(triton, triton_name) == {"1"}
+
+        reference = score_with_torch(cross_encoders[name], QUERY, DOCUMENTS)
+        assert np.ptp(reference) > 0.05, reference  # scores far apart: the order below means something
+        answer = rerank_v2(http, name)
+        ranked = [result["index"] for result in answer["results"]]
+        assert ranked == np.argsort(-reference, kind="stable").tolist()
+        served = np.array(
+            [result["relevance_score"] for result in sorted(answer["results"], key=lambda r: r["index"])]
+        )
+        # Sigmoid of logits within 1e-4 of PyTorch's (the export's tolerance) is within 2.5e-5.
+        np.testing.assert_allclose(served, sigmoid(reference), rtol=0, atol=3e-5)
+        # Every pair's tokens are billed, the query once a pair.
+        billed = answer["meta"]["billed_units"]
+        assert billed == {
+            "search_units": 1,
+            "input_tokens": pair_tokens(cross_encoders[name], QUERY, DOCUMENTS),
+        }
+
+    models = {model["id"]: model for model in http.get("/v1/models").json()["data"]}
+    for name in RERANKERS:
+        assert models[name]["task"] == "rerank" and models[name]["dimensions"] == 1
+        assert models[name]["rerank"] == {
+            "method": "cross_encoder",
+            "activation": "sigmoid",
+            "score_range": [0.0, 1.0],
+        }
+    states = {model: entry["state"] for model, entry in http.get("/ready").json()["models"].items()}
+    assert all(states[name] == "READY" for name in RERANKERS), states
+
+
+def test_the_three_rerank_shapes_answer_from_the_cross_encoder(http, cross_encoders):
+    reference = score_with_torch(cross_encoders["tiny-reranker"], QUERY, DOCUMENTS)
+    best = np.argsort(-reference, kind="stable").tolist()
+
+    top = rerank_v2(http, "tiny-reranker", top_n=2)
+    assert [result["index"] for result in top["results"]] == best[:2]
+
+    jina = http.post(
+        "/v1/rerank",
+        json={
+            "model": "tiny-reranker",
+            "query": QUERY,
+            "documents": DOCUMENTS,
+            "top_n": 3,
+            "return_documents": True,
+        },
+    )
+    assert jina.status_code == 200, jina.text
+    assert [(result["index"], result["document"]["text"]) for result in jina.json()["results"]] == [
+        (index, DOCUMENTS[index]) for index in best[:3]
+    ]
+
+    # TEI's /rerank names no model: the caller's first cross-encoder answers, preferred to MiniLM's
+    # similarity; raw_scores gives its logits.
+    tei = http.post(
+        "/rerank",
+        json={"query": QUERY, "texts": DOCUMENTS, "raw_scores": True, "return_text": True, "truncate": True},
+    )
+    assert tei.status_code == 200, tei.text
+    ranks = tei.json()
+    assert [rank["index"] for rank in ranks] == best
+    assert ranks[0]["text"] == DOCUMENTS[best[0]]
+    logits = np.array([rank["score"] for rank in sorted(ranks, key=lambda rank: rank["index"])])
+    np.testing.assert_allclose(logits, reference, rtol=0, atol=1e-4 * max(1.0, np.abs(reference).max()))
+    assert not ((logits >= 0) & (logits <= 1)).all() or np.abs(logits - sigmoid(logits)).max() > 0.1
+
+
+def test_a_cross_encoders_truncation_limits_and_task_are_kept(http, cross_encoders):
+    # TEI's default is not to truncate: the long document does not fit its pair.
+    refused = http.post("/rerank", json={"query": QUERY, "texts": DOCUMENTS})
+    assert refused.status_code == 413, refused.text
+    assert refused.json()["error"]["message"].startswith("Document 4 has"), refused.text
+    # max_tokens_per_doc cuts every document to 3 tokens of its own: the query's stay.
+    query_tokens = pair_tokens(cross_encoders["tiny-reranker"], QUERY, ["Yes"]) - 4  # [CLS] q [SEP] yes [SEP]
+    short = rerank_v2(http, "tiny-reranker", max_tokens_per_doc=3)
+    assert short["meta"]["billed_units"]["input_tokens"] <= len(DOCUMENTS) * (query_tokens + 3 + 3)
+    reference = score_with_torch(cross_encoders["tiny-reranker"], QUERY, DOCUMENTS, max_document_tokens=3)
+    served = {result["index"]: result["relevance_score"] for result in short["results"]}
+    np.testing.assert_allclose(
+        [served[i] for i in range(len(DOCUMENTS))], sigmoid(reference), rtol=0, atol=3e-5
+    )
+    # A query that leaves no room for a document, and an embedding request to a rerank model.
+    too_long = http.post(
+        "/v2/rerank", json={"model": "tiny-reranker", "query": "word " * 200, "documents": ["a"]}
+    )
+    assert too_long.status_code == 413, too_long.text
+    error = too_long.json()["error"]
+    assert error["param"] == "query" and error["message"].startswith("The query has 203 tokens"), error
+    wrong_task = http.post("/v1/embeddings", json={"model": "tiny-reranker", "input": "hello"})
+    assert wrong_task.status_code == 422, wrong_task.text
+    assert "is a rerank model" in wrong_task.json()["error"]["message"], wrong_task.text
+
+
+def test_concurrent_rerank_requests_share_calls_and_each_gets_its_own_scores(http, stack):
+    queries = [f"question {i} about tenants and tokens" for i in range(8)]
+    alone = [rerank_v2(http, "tiny-reranker", query=query)["results"] for query in queries]
+
+    def together(query: str) -> list:
+        with httpx2.Client(base_url=stack.base_url, headers=stack.headers, timeout=60) as client:
+            return rerank_v2(client, "tiny-reranker", query=query)["results"]
+
+    with ThreadPoolExecutor(len(queries)) as pool:
+        answers = list(pool.map(together, queries))
+    for expected, got in zip(alone, answers, strict=True):
+        assert [result["index"] for result in got] == [result["index"] for result in expected]
+        np.testing.assert_allclose(
+            [result["relevance_score"] for result in got],
+            [result["relevance_score"] for result in expected],
+            atol=1e-6,
+        )

@@ -184,7 +184,12 @@ def test_only_an_embedding_model_ranks_by_similarity(db, tmp_path):
     export_json = tmp_path / "minilm" / "1" / "export.json"
     export_json.write_text(export_json.read_text().replace("{", '{"task": "rerank", ', 1))
     reranker = catalog.embedding_model_register(triton_model="minilm", name="cross", repository=tmp_path)
-    assert (reranker.task, reranker.ranks) == ("rerank", True)
+    # An export that records no activation (from before they were recorded): its logit is the score.
+    assert (reranker.task, reranker.ranks, reranker.score_activation) == ("rerank", True, "identity")
+    assert registered.score_activation == ""
+    export_json.write_text(export_json.read_text().replace("{", '{"activation": "sigmoid", ', 1))
+    reranker = catalog.embedding_model_register(triton_model="minilm", name="cross", repository=tmp_path)
+    assert reranker.score_activation == "sigmoid"
     with pytest.raises(CatalogError, match="only an embedding model ranks by similarity"):
         catalog.embedding_model_register(
             triton_model="minilm", name="cross", rerank_by_similarity=True, repository=tmp_path

@@ -7,7 +7,7 @@ import pytest
 
 from embeddings.errors.service import InvalidRequest, LimitExceeded, UnsupportedByModel
 from embeddings.models import EmbeddingModel
-from embeddings.services.inference.ranking import RankingResult, ranking_check
+from embeddings.services.inference.ranking import RankingResult, ranking_check, scores_activated
 
 pytestmark = pytest.mark.unit
 
@@ -16,7 +16,8 @@ EMBEDS_ONLY = EmbeddingModel(name="embeds", triton_model="m", dimensions=4, max_
 
 
 def result(scores: list[float]) -> RankingResult:
-    return RankingResult("m", np.array(scores, dtype=np.float32), 3, np.ones(len(scores), int), 0.0, 0.0)
+    counts = np.array([3, *[1] * len(scores)])  # a similarity ranking's: the query, then each document
+    return RankingResult("m", np.array(scores, dtype=np.float32), counts, 0.0, 0.0)
 
 
 def test_ranked_is_best_first_ties_in_input_order_and_cut_at_top_n():
@@ -25,6 +26,16 @@ def test_ranked_is_best_first_ties_in_input_order_and_cut_at_top_n():
     assert ranked.ranked(2) == [1, 3]
     assert ranked.ranked(99) == [1, 3, 2, 0, 4]
     assert ranked.total_tokens == 3 + 5
+    assert ranked.inputs == 6
+
+
+def test_a_cross_encoders_sigmoid_holds_for_logits_of_any_size():
+    logits = np.array([-1000.0, -2.0, 0.0, 2.0, 1000.0])
+    scores = scores_activated(logits, "sigmoid")
+    assert scores.dtype == np.float32
+    np.testing.assert_allclose(scores, [0.0, 0.11920292, 0.5, 0.88079708, 1.0], rtol=1e-6)
+    assert np.isfinite(scores).all()
+    np.testing.assert_array_equal(scores_activated(logits, "identity"), logits.astype(np.float32))
 
 
 def test_limits_and_task_are_checked_before_any_work(settings):

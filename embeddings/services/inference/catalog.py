@@ -11,6 +11,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from embeddings.errors import EmbedsiteError
+from embeddings.model_tasks import ACTIVATION_IDENTITY
 from embeddings.models import TASK_EMBED, TASK_RERANK, EmbeddingModel
 from embeddings.services.inference.exports import ModelExportError, model_export_info, model_export_versions
 from embeddings.single_flight import SingleFlight
@@ -154,6 +155,10 @@ def embedding_model_register(
             "enabled": enabled,
             "task": task,
             "rerank_by_similarity": rerank_by_similarity,
+            # Exports from before activations were recorded: a cross-encoder's logit is the score.
+            "score_activation": (info.get("activation") or ACTIVATION_IDENTITY)
+            if task == TASK_RERANK
+            else "",
         },
     )
     embedding_model_cache_clear()

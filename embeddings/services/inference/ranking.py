@@ -1,5 +1,12 @@
 """Ranking documents by relevance to a query: the service behind /v2/rerank, /v1/rerank and /rerank.
 
+A rerank model (a cross-encoder) reads each (query, document) pair as it was trained to, the
+tokenizer's pair template with its token types, the document truncated to fit, and returns its
+logit; its activation (export.json's, in the catalog: sigmoid for most) turns that into the score,
+unless raw scores are asked for. Pairs go through the same fair scheduler, coalescer and deadline
+as embeddings, in token-bounded sub-batches; every pair's tokens are counted (the query's once a
+pair).
+
 An embedding model the catalog lets rank (`EmbeddingModel.rerank_by_similarity`) embeds the query
 and the documents in one call and scores each document by the cosine similarity of its vector
 and the query's, in [-1, 1]. The query takes the model's "query" prompt and the documents its
@@ -10,8 +17,10 @@ document's), one inference deadline and one usage record, as an embeddings reque
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,9 +29,20 @@ import numpy as np
 from django.conf import settings
 
 from embeddings.errors.service import InvalidRequest, LimitExceeded, UnsupportedByModel
+from embeddings.metrics import TOKENIZATION_SECONDS
+from embeddings.model_tasks import ACTIVATION_SIGMOID
 from embeddings.models import TASK_RERANK, EmbeddingModel
-from embeddings.services.inference.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create
-from embeddings.tokenization import TokenizationError, TruncationDirection
+from embeddings.observability import tracing
+from embeddings.services.inference.clients import model_tokenizer
+from embeddings.services.inference.embedding import (
+    TOKENIZE_IN_THREAD_ABOVE,
+    EmbeddingOptions,
+    EmbeddingTarget,
+    embeddings_create,
+    tokens_infer,
+)
+from embeddings.tokenization import TokenizationError, TokenizedBatch, TruncationDirection
+from embeddings.triton import TritonModelError
 
 if TYPE_CHECKING:
     from embeddings.services.quotas.limits import RequestQuota
@@ -38,6 +58,8 @@ class RankingOptions:
     # Documents keep at most this many tokens (default RERANK_MAX_TOKENS_PER_DOCUMENT; the model's
     # maximum is the ceiling either way).
     max_tokens_per_document: int | None = None
+    # A cross-encoder's logits as they are, its activation not applied (TEI's raw_scores).
+    raw_scores: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,19 +68,19 @@ class RankingResult:
 
     model: str
     scores: np.ndarray
-    query_tokens: int
-    document_tokens: np.ndarray
+    # Tokens of each input the model read: a cross-encoder's pairs, or the query and then each
+    # document for a similarity ranking.
+    token_counts: np.ndarray
     tokenization_s: float
     inference_s: float
 
     @property
     def total_tokens(self) -> int:
-        return self.query_tokens + int(self.document_tokens.sum())
+        return int(self.token_counts.sum())
 
     @property
     def inputs(self) -> int:
-        """The texts embedded: the query and every document."""
-        return 1 + len(self.document_tokens)
+        return len(self.token_counts)
 
     def ranked(self, top_n: int | None = None) -> list[int]:
         """Document indices, highest score first (ties in input order), the first `top_n`."""
@@ -123,10 +145,8 @@ async def rerank_create(
         model=model, documents=len(documents), max_tokens_per_document=options.max_tokens_per_document
     )
     if model.task == TASK_RERANK:
-        raise UnsupportedByModel(
-            f"The model {model.name!r} is a cross-encoder, which this server cannot run yet; rank with an "
-            "embedding model that ranks by similarity.",
-            param="model",
+        return await _rerank_pairs(
+            model=model, query=query, documents=documents, options=options, quota=quota
         )
     target = EmbeddingTarget.for_model(model)
     query_prompt, document_prompt = _prompt(target, ("query",)), _prompt(target, DOCUMENT_PROMPTS)
@@ -159,8 +179,93 @@ async def rerank_create(
     return RankingResult(
         model=model.name,
         scores=np.clip(scores, *SIMILARITY_SCORE_RANGE).astype(np.float32),
-        query_tokens=int(result.token_counts[0]),
-        document_tokens=result.token_counts[1:],
+        token_counts=result.token_counts,
         tokenization_s=result.tokenization_s,
         inference_s=result.inference_s,
+    )
+
+
+def scores_activated(logits: np.ndarray, activation: str) -> np.ndarray:
+    """A cross-encoder's relevance scores from its logits (float64 in, float32 out)."""
+    if activation == ACTIVATION_SIGMOID:
+        # exp of a large positive logit overflows: 1 / (1 + exp(-x)) for x >= 0, exp(x) / (1 + exp(x)) else.
+        positive = logits >= 0
+        exp = np.exp(-np.abs(logits))
+        logits = np.where(positive, 1.0 / (1.0 + exp), exp / (1.0 + exp))
+    return logits.astype(np.float32)
+
+
+def _pairs_tokenize(
+    target: EmbeddingTarget,
+    query: str,
+    documents: Sequence[str],
+    options: RankingOptions,
+    document_limit: int,
+) -> tuple[TokenizedBatch, float]:
+    started = time.perf_counter()
+    with tracing.span("tokenize", model=target.triton_model):
+        tokenizer = model_tokenizer(target.triton_model, target.max_tokens, target.triton_version)
+        batch = tokenizer.encode_pairs(
+            query,
+            list(documents),
+            truncate=options.truncate,
+            direction=options.direction,
+            max_document_tokens=document_limit,
+            buckets=tuple(settings.SEQUENCE_LENGTH_BUCKETS),
+        )
+    if target.max_total_tokens is not None and batch.total_tokens > target.max_total_tokens:
+        raise LimitExceeded(
+            f"The query and documents make {batch.total_tokens} tokens as pairs (the query in each); a "
+            f"request may have at most {target.max_total_tokens}: send fewer or shorter documents",
+            param="documents",
+        )
+    elapsed = time.perf_counter() - started
+    TOKENIZATION_SECONDS.labels(target.triton_model).observe(elapsed)
+    return batch, elapsed
+
+
+async def _rerank_pairs(
+    *,
+    model: EmbeddingModel,
+    query: str,
+    documents: Sequence[str],
+    options: RankingOptions,
+    quota: RequestQuota | None,
+) -> RankingResult:
+    """A cross-encoder's scores of (query, document) pairs (see the module docstring)."""
+    timeout_s = settings.EMBEDDING_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
+    target = EmbeddingTarget.for_ranking(model)
+    document_limit = options.max_tokens_per_document or settings.RERANK_MAX_TOKENS_PER_DOCUMENT
+    size = len(query) + sum(len(document) for document in documents)
+    try:
+        if size > TOKENIZE_IN_THREAD_ABOVE:
+            batch, tokenization_s = await asyncio.to_thread(
+                _pairs_tokenize, target, query, documents, options, document_limit
+            )
+        else:
+            batch, tokenization_s = _pairs_tokenize(target, query, documents, options, document_limit)
+    except TokenizationError as error:
+        raise _in_rerank_terms(error) from None
+
+    def finish(outputs: np.ndarray) -> np.ndarray:
+        if outputs.shape != (len(batch), 1):
+            raise TritonModelError(
+                f"model {target.triton_model!r} returned {list(outputs.shape)} for {len(batch)} pairs, "
+                "not one score each"
+            )
+        return outputs[:, 0].astype(np.float64)
+
+    logits, inference_s = await tokens_infer(
+        target, batch, deadline=deadline, timeout_s=timeout_s, quota=quota, finish=finish
+    )
+    scores = (
+        logits.astype(np.float32) if options.raw_scores else scores_activated(logits, model.score_activation)
+    )
+    return RankingResult(
+        model=model.name,
+        scores=scores,
+        token_counts=batch.token_counts,
+        tokenization_s=tokenization_s,
+        inference_s=inference_s,
     )
