@@ -260,5 +260,5 @@ def test_pairs_without_truncation_and_queries_with_no_room_are_refused_by_input(
     ) as query:
         tokenizer.encode_pairs("word " * 1000, ["document"])
     assert query.value.index == 0
-    with pytest.raises(InvalidText, match="^Input 2 is not valid UTF-8"):
+    with pytest.raises(InvalidText, match=r"^Input 2 is not valid UTF-8"):
         tokenizer.encode_pairs("q", ["fine", "\udcff"])
