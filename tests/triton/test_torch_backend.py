@@ -1,19 +1,27 @@
 """The GPU variant of the local model (embedsite_torch, configs/bundled-gpu.pbtxt), checked where no
 GPU is: its PyTorch encoder against ONNX Runtime on the same model.onnx (float32 on the CPU, and
 float16 within the issue's cosine 0.999), and the backend in a real Triton on KIND_CPU, rendered
-from the shipped template with only the instance kind and precision changed."""
+from the shipped template with only the instance kind and precision changed.
+
+A BERT cross-encoder's export (`--task rerank`) as well: its scores are compared as numbers, within
+SCORE_TOLERANCE (1e-4 absolute on raw logits; float32 reorderings differ by under 1e-5), against ONNX
+Runtime on the same padded batch and against PyTorch scoring each pair alone."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import onnxruntime
 import pytest
 import torch
 
 from embeddings.in_triton.backends.embedsite_torch.encoder import EncoderLoadError, load_encoder
+from embeddings.tokenization import TextTokenizer, TokenizedBatch
 from embeddings.tooling.model_configs import model_config_texts
 from embeddings.tooling.model_export import model_export
 from embeddings.triton.client import AsyncTritonClient
@@ -21,7 +29,7 @@ from embeddings.triton.errors import TritonInvalidInput
 from tests.conftest import require_exported_model, start_triton
 from tests.onnx_reference import reference_session, row_cosines, token_ids, vectors_for_ids
 from tests.processes import REPO_ROOT
-from tests.tiny_models import build_tiny_bert, embed_with_torch
+from tests.tiny_models import build_tiny_bert, embed_with_torch, score_with_torch
 
 MINILM_DIR = REPO_ROOT / "model_repository" / "minilm"
 TEXTS = [
@@ -115,35 +123,185 @@ def test_an_export_without_its_head_count_asks_for_a_new_export(tmp_path):
         load_encoder(version_dir / "model.onnx", device="cpu", dtype=torch.float32)
 
 
+# A BERT cross-encoder (a rerank model) ----------------------------------------------------------
+
+SCORE_TOLERANCE = 1e-4  # absolute, on raw logits (within +-5 here)
+QUERY = "what does triton batch?"
+DOCUMENTS = [
+    "yes",
+    "Triton batches requests of different lengths together, padded to one length.",
+    "Ünïcödé àccents, 日本語のテキスト and emoji 🚀 in one document.",
+    # Past the tiny model's 128 tokens: the pair is cut at the model's maximum (the document only).
+    " ".join(f"word{i} of a long document" for i in range(60)),
+]
+
+
+@dataclass(frozen=True)
+class CrossEncoderExport:
+    source: Path  # the Hugging Face checkpoint: PyTorch's reference
+    model_dir: Path  # <repository>/reranker, with the configs model_export wrote
+    version_dir: Path
+
+
+def export_cross_encoder(directory: Path, *, trained: bool) -> CrossEncoderExport:
+    """A tiny random BERT cross-encoder and its export. `trained`: its biases and LayerNorm scales
+    random too, as a trained model's are; a fresh model's are all 0 and 1, which the exporter stores
+    once and aliases by Identity nodes, and which would hide a bias read from the wrong parameter."""
+    source = build_tiny_bert(directory / "source", seed=11, cross_encoder=True)
+    if trained:
+        from transformers import AutoModelForSequenceClassification
+
+        model = AutoModelForSequenceClassification.from_pretrained(str(source), local_files_only=True)
+        generator = torch.Generator().manual_seed(12)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(".bias"):
+                    parameter.copy_(0.2 * torch.randn(parameter.shape, generator=generator))
+                elif name.endswith("LayerNorm.weight"):
+                    parameter.copy_(1 + 0.2 * torch.randn(parameter.shape, generator=generator))
+        model.save_pretrained(str(source), safe_serialization=True)
+    result = model_export(
+        source_dir=source, repository_dir=directory / "repository", name="reranker", task="rerank"
+    )
+    version_dir = result.model_path.parent
+    return CrossEncoderExport(source=source, model_dir=version_dir.parent, version_dir=version_dir)
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory) -> CrossEncoderExport:
+    return export_cross_encoder(tmp_path_factory.mktemp("cross_encoder"), trained=True)
+
+
+@pytest.fixture(scope="module")
+def fresh_cross_encoder(tmp_path_factory) -> CrossEncoderExport:
+    return export_cross_encoder(tmp_path_factory.mktemp("fresh_cross_encoder"), trained=False)
+
+
+def tokenized_pairs(export: CrossEncoderExport) -> TokenizedBatch:
+    """QUERY with each document as the service pairs them: one right-padded batch, with token types."""
+    return TextTokenizer.from_file(export.version_dir / "tokenizer.json").encode_pairs(QUERY, DOCUMENTS)
+
+
+def onnx_runtime_scores(export: CrossEncoderExport, batch: TokenizedBatch, token_type_ids=None) -> np.ndarray:
+    session = onnxruntime.InferenceSession(
+        str(export.version_dir / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
+    inputs = {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "token_type_ids": batch.token_type_ids if token_type_ids is None else token_type_ids,
+    }
+    (scores,) = session.run(["score"], inputs)
+    return scores
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("weights", ["cross_encoder", "fresh_cross_encoder"])
+def test_a_bert_cross_encoder_scores_pairs_as_onnx_runtime_and_pytorch_do(request, weights):
+    export = request.getfixturevalue(weights)
+    batch = tokenized_pairs(export)
+    lengths = batch.attention_mask.sum(axis=1)
+    assert batch.truncated.tolist() == [False, False, False, True] and lengths.max() == 128
+    assert len(set(lengths.tolist())) == len(DOCUMENTS), "padded: every pair has its own length"
+
+    encoder = load_encoder(export.version_dir / "model.onnx", device="cpu", dtype=torch.float32)
+    scores = encoder.embed(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+
+    assert scores.shape == (len(DOCUMENTS), 1) and scores.dtype == np.float32 and encoder.dims == 1
+    on_onnx_runtime = onnx_runtime_scores(export, batch)  # the same padded batch
+    reference = score_with_torch(export.source, QUERY, DOCUMENTS)  # each pair alone, no padding
+    np.testing.assert_allclose(scores, on_onnx_runtime, rtol=0, atol=SCORE_TOLERANCE)
+    np.testing.assert_allclose(scores[:, 0], reference, rtol=0, atol=SCORE_TOLERANCE)
+    # The pairs score apart by far more than the tolerance: the comparison is not of constants.
+    assert np.ptp(reference) > 100 * SCORE_TOLERANCE, reference
+
+
+@pytest.mark.unit
+def test_a_bert_cross_encoder_reads_the_pairs_token_types(cross_encoder):
+    batch = tokenized_pairs(cross_encoder)
+    encoder = load_encoder(cross_encoder.version_dir / "model.onnx", device="cpu", dtype=torch.float32)
+    all_type_0 = np.zeros_like(batch.token_type_ids)
+
+    scores = encoder.embed(batch.input_ids, batch.attention_mask, batch.token_type_ids)
+    as_one_segment = encoder.embed(batch.input_ids, batch.attention_mask, all_type_0)
+
+    assert batch.token_type_ids.any()
+    # Every pair's score moves (by 0.14 and more here): the documents' type-1 tokens are read.
+    assert np.abs(scores - as_one_segment).min() > SCORE_TOLERANCE
+    # And as ONNX Runtime's does: the token types, not some other input, made the difference.
+    np.testing.assert_allclose(
+        as_one_segment, onnx_runtime_scores(cross_encoder, batch, all_type_0), rtol=0, atol=SCORE_TOLERANCE
+    )
+    with pytest.raises(ValueError, match="takes token_type_ids"):
+        encoder.embed(batch.input_ids, batch.attention_mask)
+
+
+@pytest.mark.unit
+def test_a_cross_encoder_of_another_architecture_is_refused_with_the_way_to_serve_it(tmp_path):
+    source = build_tiny_bert(tmp_path / "source", model_type="xlm-roberta", seed=6, cross_encoder=True)
+    result = model_export(source_dir=source, repository_dir=tmp_path / "repository", name="x", task="rerank")
+
+    with pytest.raises(EncoderLoadError, match=r"not 'xlm-roberta'.*configs/gpu\.pbtxt"):
+        load_encoder(result.model_path, device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.unit
+def test_a_rerank_export_without_a_classification_head_is_refused(tmp_path):
+    version_dir = tmp_path / "reranker" / "1"
+    version_dir.mkdir(parents=True)
+    (version_dir / "model.onnx").symlink_to(MINILM_DIR / "1" / "model.onnx")
+    info = json.loads((MINILM_DIR / "1" / "export.json").read_text())
+    (version_dir / "export.json").write_text(json.dumps({**info, "task": "rerank", "pooling": None}))
+
+    with pytest.raises(EncoderLoadError, match="not a BERT sequence classifier graph: missing pooler"):
+        load_encoder(version_dir / "model.onnx", device="cpu", dtype=torch.float32)
+
+
 # The backend in a real Triton -------------------------------------------------------------------
 
 CPU_CONFIG_NAME = "torch-cpu"
 
 
-@pytest.fixture(scope="module")
-def torch_cpu_triton(tmp_path_factory):
-    """A Triton serving minilm through embedsite_torch on the CPU: the shipped bundled-gpu config with
-    KIND_CPU and float32, chosen by --model-config-name like bundled-gpu is; minilm_tokenizer has no
-    such config and keeps its config.pbtxt."""
-    require_exported_model(REPO_ROOT / "model_repository")
-    repository = tmp_path_factory.mktemp("repository")
-    model_dir = repository / "minilm"
-    (model_dir / "1").mkdir(parents=True)
-    for file in (MINILM_DIR / "1").iterdir():
+def add_torch_cpu_model(repository: Path, name: str, model_dir: Path, bundled_gpu_config: str) -> None:
+    """Model `name` in `repository`: version 1's files linked from `model_dir`, its config.pbtxt, and
+    configs/torch-cpu.pbtxt, the shipped bundled-gpu config with KIND_CPU, float32, one instance."""
+    (repository / name / "1").mkdir(parents=True)
+    for file in (model_dir / "1").iterdir():
         if file.is_file():
-            (model_dir / "1" / file.name).symlink_to(file)
-    shutil.copyfile(MINILM_DIR / "config.pbtxt", model_dir / "config.pbtxt")
-    template = model_config_texts(name="minilm", dims=384)["configs/bundled-gpu.pbtxt"]
+            (repository / name / "1" / file.name).symlink_to(file)
+    shutil.copyfile(model_dir / "config.pbtxt", repository / name / "config.pbtxt")
     changes = [
         ("kind: KIND_GPU", "kind: KIND_CPU"),
         ('string_value: "float16"', 'string_value: "float32"'),
         ("count: 4", "count: 1"),
     ]
     for shipped, changed in changes:
-        assert shipped in template
-        template = template.replace(shipped, changed)
-    (model_dir / "configs").mkdir()
-    (model_dir / "configs" / f"{CPU_CONFIG_NAME}.pbtxt").write_text(template)
+        assert shipped in bundled_gpu_config
+        bundled_gpu_config = bundled_gpu_config.replace(shipped, changed)
+    (repository / name / "configs").mkdir()
+    (repository / name / "configs" / f"{CPU_CONFIG_NAME}.pbtxt").write_text(bundled_gpu_config)
+
+
+@pytest.fixture(scope="module")
+def torch_cpu_triton(tmp_path_factory, cross_encoder):
+    """A Triton serving minilm and a tiny BERT cross-encoder (`reranker`) through embedsite_torch on
+    the CPU: the shipped bundled-gpu config with KIND_CPU and float32, chosen by --model-config-name
+    like bundled-gpu is; minilm_tokenizer has no such config and keeps its config.pbtxt."""
+    require_exported_model(REPO_ROOT / "model_repository")
+    repository = tmp_path_factory.mktemp("repository")
+    add_torch_cpu_model(
+        repository,
+        "minilm",
+        MINILM_DIR,
+        model_config_texts(name="minilm", dims=384)["configs/bundled-gpu.pbtxt"],
+    )
+    # The cross-encoder's as its export wrote it (score output, token_type_ids input).
+    add_torch_cpu_model(
+        repository,
+        "reranker",
+        cross_encoder.model_dir,
+        (cross_encoder.model_dir / "configs" / "bundled-gpu.pbtxt").read_text(),
+    )
     (repository / "minilm_tokenizer").symlink_to(REPO_ROOT / "model_repository" / "minilm_tokenizer")
     # Its stop need not wait out a slow unload of the torch model (14 s once in a full run, 2 s
     # alone): after 5 s the launcher SIGKILLs the group and removes its shared memory.
@@ -172,7 +330,7 @@ def test_triton_serves_the_torch_backend_from_the_named_config(torch_cpu_triton,
     assert row_cosines(np.stack(alone), reference).min() >= FLOAT32_MIN_COSINE
     assert row_cosines(together, reference).min() >= FLOAT32_MIN_COSINE
     log = torch_cpu_triton.log_path.read_text()
-    assert "embedsite_torch:" in log and "on cpu in float32" in log
+    assert "minilm/1/model.onnx (embed) on cpu in float32" in log
     assert "sequence buckets [16, 32, 64, 96, 128, 160, 192, 224, 256]" in log
 
 
@@ -200,3 +358,38 @@ def test_the_tokenizer_model_beside_it_keeps_its_own_config(torch_cpu_triton):
 
     assert asyncio.run(run())
     assert reference_session() is not None
+
+
+def test_triton_serves_a_bert_cross_encoder_through_the_torch_backend(torch_cpu_triton, cross_encoder):
+    batch = tokenized_pairs(cross_encoder)
+
+    async def run():
+        async with AsyncTritonClient(torch_cpu_triton.grpc_target) as client:
+            spec = await client.model_metadata("reranker")
+            # Each pair unpadded and concurrently: ragged requests with token types, merged and
+            # padded to a bucket by the backend.
+            alone = await asyncio.gather(
+                *(
+                    client.embed_tokens(
+                        "reranker",
+                        batch.input_ids[row : row + 1, :count],
+                        batch.attention_mask[row : row + 1, :count],
+                        token_type_ids=batch.token_type_ids[row : row + 1, :count],
+                    )
+                    for row, count in enumerate(batch.token_counts)
+                )
+            )
+            together = await client.embed_tokens(
+                "reranker", batch.input_ids, batch.attention_mask, token_type_ids=batch.token_type_ids
+            )
+            return spec, np.concatenate(alone), together
+
+    spec, alone, together = asyncio.run(run())
+
+    assert spec.input("token_type_ids") is not None and spec.embedding_output().name == "score"
+    reference = onnx_runtime_scores(cross_encoder, batch)
+    assert together.shape == (len(DOCUMENTS), 1)
+    np.testing.assert_allclose(together, reference, rtol=0, atol=SCORE_TOLERANCE)
+    np.testing.assert_allclose(alone, reference, rtol=0, atol=SCORE_TOLERANCE)
+    log = torch_cpu_triton.log_path.read_text()
+    assert "reranker/1/model.onnx (rerank) on cpu in float32, sequence buckets [16, 32, 64, 96, 128]" in log

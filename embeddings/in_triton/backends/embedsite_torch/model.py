@@ -4,6 +4,9 @@
 The GPU variant of the local model (configs/bundled-gpu.pbtxt, chosen by
 TRITON_MODEL_CONFIG_NAME=bundled-gpu): the same version folder, its model.onnx read into a PyTorch
 BERT (encoder.py beside this file), so nothing but the configuration changes between CPU and GPU.
+An embedding model answers `embedding` [rows, dims]; a BERT cross-encoder (`--task rerank`) answers
+`score` [rows, 1] from input_ids, attention_mask and, where its config lists them, the pairs'
+token_type_ids.
 Requests reach it as they reach `embedsite_onnx` (ragged, validated, cancelled and grouped there:
 this backend subclasses that one), and each group runs padded up to a sequence-length bucket, so
 the GPU sees a few shapes whose kernels were chosen once, at load.
@@ -69,11 +72,14 @@ class TritonPythonModel(onnx_backend.TritonPythonModel):
         self.buckets = parse_buckets(parameters.get("sequence_buckets", DEFAULT_BUCKETS), self.max_tokens)
         self._warm_up()
         onnx_backend.pb_utils.Logger.log_info(
-            f"embedsite_torch: {model_path} on {device} in {precision}, sequence buckets {list(self.buckets)}"
+            f"embedsite_torch: {model_path} ({self.encoder.spec.task}) on {device} in {precision}, "
+            f"sequence buckets {list(self.buckets)}"
         )
 
     def _warm_up(self) -> None:
-        """One run per bucket, so the first requests don't pay for CUDA's start and kernel choice."""
+        """One run per bucket, so the first requests don't pay for CUDA's start and kernel choice;
+        every input the config lists (a cross-encoder's token types all 0), so a config that leaves
+        out one the export needs fails here, at load, and not on the first request."""
         for length in self.buckets:
             inputs = {name: np.zeros((1, length), dtype=np.int64) for name in self.input_names}
             inputs["attention_mask"] = np.ones((1, length), dtype=np.int64)
@@ -83,4 +89,4 @@ class TritonPythonModel(onnx_backend.TritonPythonModel):
         return next((bucket for bucket in self.buckets if bucket >= longest), longest)
 
     def run_padded(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        return self.encoder.embed(inputs["input_ids"], inputs["attention_mask"])
+        return self.encoder.embed(inputs["input_ids"], inputs["attention_mask"], inputs.get("token_type_ids"))
