@@ -77,7 +77,7 @@ bench-peers: setup
 	$(PIP) install -q -r requirements-bench.txt
 	$(PY) bench/peers.py $(BENCH_ARGS)
 
-## bench-rerank: documents ranked per second through /v2/rerank against raw ORT, 32 and 256 documents
+## bench-rerank: pairs ranked per second through /v2/rerank against raw ORT (similarity, cross-encoder)
 bench-rerank: setup
 	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
 	$(PY) bench/rerank.py $(BENCH_ARGS)

@@ -66,13 +66,13 @@ def ensure_matplotlib() -> None:
         )
 
 
-def bench_triton(workdir: Path):
-    """A Triton on free ports serving the model repository and the test-only models (instant_1024),
-    logging into `workdir`; not started."""
+def bench_triton(workdir: Path, repository: Path | None = None):
+    """A Triton on free ports serving the model repository (default: the checkout's) and the
+    test-only models (instant_1024), logging into `workdir`; not started."""
     from embeddings.tooling.triton_server import TritonServer, free_port
 
     return TritonServer(
-        model_repositories=[ROOT / "model_repository", ROOT / "tests" / "triton_models"],
+        model_repositories=[repository or ROOT / "model_repository", ROOT / "tests" / "triton_models"],
         run_dir=workdir,
         grpc_port=free_port(),
         http_port=free_port(),
@@ -136,11 +136,16 @@ def prepare_database(env: dict[str, str], triton_target: str) -> str:
 
 
 @contextlib.contextmanager
-def shipped_stack(workdir: Path, **env_overrides: str) -> Iterator[tuple[dict[str, str], str, object]]:
+def shipped_stack(
+    workdir: Path, repository: Path | None = None, **env_overrides: str
+) -> Iterator[tuple[dict[str, str], str, object]]:
     """What `make run` starts besides the web server: Triton and the two redis-servers, and a fresh
     SQLite database with the models and a bench tenant. Yields the environment for the server, the
-    tenant's API key and the TritonServer; stops them all after."""
-    triton = bench_triton(workdir)
+    tenant's API key and the TritonServer; stops them all after. `repository`: another model
+    repository than the checkout's (it must hold minilm too)."""
+    triton = bench_triton(workdir, repository)
+    if repository is not None:
+        env_overrides = {"TRITON_MODEL_REPOSITORY": str(repository), **env_overrides}
     redis = RedisPair(workdir)
     triton.start()
     try:

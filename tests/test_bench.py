@@ -234,11 +234,13 @@ def test_overload_s_wrk_script_sends_the_flood_tenant_s_key():
 def test_rerank_table_compares_the_best_connection_count_with_raw_ort():
     cell = {"emb_per_s": 900.0, "p50_ms": 280.0}
     results = {
-        256: {
-            "raw ORT": {"pairs_per_s": 1000.0, "p50_ms": 250.0},
-            "embedsite, 1 connection": {**cell, "emb_per_s": 700.0},
-            "embedsite, 4 connections": cell,
+        "cross-encoder": {
+            256: {
+                "raw ORT": {"pairs_per_s": 1000.0, "p50_ms": 250.0},
+                "embedsite, 1 connection": {**cell, "emb_per_s": 700.0},
+                "embedsite, 4 connections": cell,
+            }
         }
     }
     row = rerank.table(results).splitlines()[-1]
-    assert row == "| 256 | 1000 (250) | 700 (280) | 900 (280) | 0.90 |"
+    assert row == "| cross-encoder | 256 | 1000 (250) | 700 (280) | 900 (280) | 0.90 |"

@@ -29,6 +29,7 @@ def build_tiny_bert(
     model_type: str = "bert",
     max_tokens: int = 128,
     cross_encoder: bool = False,
+    initializer_range: float | None = None,
 ) -> Path:
     """Write a random-weight `model_type` encoder into `directory` (created) and return it.
 
@@ -36,6 +37,7 @@ def build_tiny_bert(
     truncates elsewhere than MiniLM's 256. A `cross_encoder` is a sequence classifier with one label
     (a reranker); a roberta-family one has one token type and pairs its inputs as XLM-R does
     (`<s> query </s></s> document </s>`, all of type 0), with MiniLM's vocabulary.
+    `initializer_range`: the random weights' spread (a trained model's is pretraining's 0.02).
     """
     import torch
     from tokenizers import Tokenizer, processors
@@ -56,6 +58,8 @@ def build_tiny_bert(
         # Wider random weights than pretraining's 0.02: scores that differ from pair to pair by far
         # more than the export's tolerance, so comparing them means something.
         extra["initializer_range"] = 0.2
+    if initializer_range is not None:
+        extra["initializer_range"] = initializer_range
         if offset:
             extra["type_vocab_size"] = 1
             sep, cls = tokenizer.token_to_id("[SEP]"), tokenizer.token_to_id("[CLS]")
