@@ -58,13 +58,13 @@ def build_tiny_bert(
         # Wider random weights than pretraining's 0.02: scores that differ from pair to pair by far
         # more than the export's tolerance, so comparing them means something.
         extra["initializer_range"] = 0.2
-    if initializer_range is not None:
-        extra["initializer_range"] = initializer_range
         if offset:
             extra["type_vocab_size"] = 1
             sep, cls = tokenizer.token_to_id("[SEP]"), tokenizer.token_to_id("[CLS]")
             tokenizer.post_processor = processors.RobertaProcessing(("[SEP]", sep), ("[CLS]", cls))
             tokenizer.save(str(directory / "tokenizer.json"))
+    if initializer_range is not None:
+        extra["initializer_range"] = initializer_range
     config = AutoConfig.for_model(
         model_type,
         vocab_size=tokenizer.get_vocab_size(),
