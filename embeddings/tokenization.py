@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from embeddings.errors import EmbedsiteError
 
@@ -21,10 +22,10 @@ class TokenizationError(EmbedsiteError, ValueError):
     """Base for inputs the tokenizer cannot take; `index` names the offending input, `param` the
     request field that holds it."""
 
-    def __init__(self, message: str, *, index: int | None = None) -> None:
+    def __init__(self, message: str, *, index: int | None = None, param: str = "input") -> None:
         super().__init__(message)
         self.index = index
-        self.param = "input"
+        self.param = param
 
     def restated(self, message: str, *, param: str) -> TokenizationError:
         """The same error in the terms of an endpoint whose inputs are not the `input` field (a
@@ -39,7 +40,7 @@ class InvalidText(TokenizationError):
 
 
 class TokenOutsideVocabulary(InvalidText):
-    """A pre-tokenised input with an id this model's vocabulary does not have."""
+    """A pre-tokenised input (or ids to decode) with an id this model's vocabulary does not have."""
 
 
 class InputTooLong(TokenizationError):
@@ -101,6 +102,41 @@ class TokenizedBatch:
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+class Token(NamedTuple):
+    """One token of a text as TEI's /tokenize lists it: its id; the text it stands for (the token
+    itself, e.g. "[CLS]", for a special token the tokenizer added); and where that text lies in the
+    tokenized text, as UTF-8 byte offsets (Rust's `tokenizers`, and so TEI, count bytes; Python's
+    binding counts characters), None for an added special token."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+def _utf8_width(character: str) -> int:
+    code = ord(character)
+    return 1 if code < 0x80 else 2 if code < 0x800 else 3 if code < 0x10000 else 4
+
+
+def _tokens_of(text: str, encoding: Encoding) -> list[Token]:
+    """An encoding of `text` (its character offsets) as Tokens with byte offsets."""
+    # byte_at[i]: where character i starts in the UTF-8 bytes (and the end, at len(text)).
+    byte_at = None if text.isascii() else [0, *itertools.accumulate(map(_utf8_width, text))]
+    tokens = []
+    for token_id, token, (start, stop), special in zip(
+        encoding.ids, encoding.tokens, encoding.offsets, encoding.special_tokens_mask, strict=True
+    ):
+        if special:
+            tokens.append(Token(token_id, token, True, None, None))
+        elif byte_at is None:
+            tokens.append(Token(token_id, text[start:stop], False, start, stop))
+        else:
+            tokens.append(Token(token_id, text[start:stop], False, byte_at[start], byte_at[stop]))
+    return tokens
 
 
 def padded_length(longest: int, buckets: tuple[int, ...]) -> int:
@@ -184,6 +220,48 @@ class TextTokenizer:
             )
         attention_mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
         return TokenizedBatch(input_ids, attention_mask, lengths, truncated)
+
+    def tokenize(
+        self, texts: Sequence[str], *, add_special_tokens: bool = True, group_characters: int = 65_536
+    ) -> Iterator[list[Token]]:
+        """Each text's tokens in order, untruncated (as TEI's /tokenize gives them), with where each
+        lies in its text (see Token). Texts are tokenised a group of about `group_characters` at a
+        time, as the caller draws them: one who stops drawing (a request over its token limit)
+        leaves the rest untokenised."""
+        for index, text in enumerate(texts):
+            _check_text(index, text)
+        whole = self._tokenizer(None)
+        start = 0
+        while start < len(texts):
+            end, characters = start, 0
+            while end < len(texts) and (end == start or characters + len(texts[end]) <= group_characters):
+                characters += len(texts[end])
+                end += 1
+            group = list(texts[start:end])
+            for text, encoding in zip(
+                group, whole.encode_batch(group, add_special_tokens=add_special_tokens), strict=True
+            ):
+                yield _tokens_of(text, encoding)
+            start = end
+
+    def decode(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:
+        """The texts of rows of token ids (TEI's /decode); an id outside the vocabulary is refused
+        (the tokenizer would drop it silently), naming its row."""
+        vocab_size = self.vocab_size
+        for row, ids in enumerate(rows):
+            if not ids:
+                raise InvalidText(f"Sequence {row} is an empty list of token ids", index=row, param="ids")
+            outside = next((token_id for token_id in ids if not 0 <= token_id < vocab_size), None)
+            if outside is not None:
+                raise TokenOutsideVocabulary(
+                    f"Sequence {row} has the token id {outside}, outside this model's vocabulary "
+                    f"[0, {vocab_size})",
+                    index=row,
+                    param="ids",
+                )
+        return self._tokenizer(None).decode_batch(
+            [list(ids) for ids in rows], skip_special_tokens=skip_special_tokens
+        )
 
     def count_tokens(self, text: str) -> int:
         """Untruncated length, special tokens included."""

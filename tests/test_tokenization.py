@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from embeddings.tokenization import InputTooLong, InvalidText, TextTokenizer, TokenizationError, padded_length
+from embeddings.tokenization import (
+    InputTooLong,
+    InvalidText,
+    TextTokenizer,
+    TokenizationError,
+    TokenOutsideVocabulary,
+    padded_length,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -262,3 +269,72 @@ def test_pairs_without_truncation_and_queries_with_no_room_are_refused_by_input(
     assert query.value.index == 0
     with pytest.raises(InvalidText, match=r"^Input 2 is not valid UTF-8"):
         tokenizer.encode_pairs("q", ["fine", "\udcff"])
+
+
+# --- Tokens with their offsets, and ids back to text (TEI's /tokenize and /decode) --------------
+
+
+def test_tokens_are_the_tokenizers_with_utf8_byte_offsets(tokenizer, untruncated):
+    texts = [*RAGGED_TEXTS[:2], *RAGGED_TEXTS[3:], "naïve café", "a [SEP] b"]
+    for add_special_tokens in (True, False):
+        rows = list(tokenizer.tokenize(texts, add_special_tokens=add_special_tokens))
+        assert len(rows) == len(texts)
+        for text, tokens in zip(texts, rows, strict=True):
+            encoding = untruncated.encode(text, add_special_tokens=add_special_tokens)
+            assert [token.id for token in tokens] == encoding.ids
+            assert [token.special for token in tokens] == [
+                bool(mask) for mask in encoding.special_tokens_mask
+            ]
+            for token, (start, stop) in zip(tokens, encoding.offsets, strict=True):
+                if token.special:
+                    assert (token.start, token.stop) == (None, None) and token.text in ("[CLS]", "[SEP]")
+                else:
+                    assert token.text == text[start:stop]
+                    assert (token.start, token.stop) == (
+                        len(text[:start].encode()),
+                        len(text[:stop].encode()),
+                    )
+    emoji = next(tokenizer.tokenize(["emoji 🚀"]))
+    assert emoji[4] == (100, "🚀", False, 6, 10)  # [UNK] over the emoji's four bytes
+
+
+class EncodeCounter:
+    """The untruncated `tokenizers` object of a TextTokenizer, counting the texts it encodes."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.encoded = tokenizer, 0
+
+    def encode_batch(self, texts, **options):
+        self.encoded += len(texts)
+        return self.tokenizer.encode_batch(texts, **options)
+
+
+def test_texts_are_tokenised_a_group_at_a_time_as_they_are_drawn(untruncated):
+    tokenizer = TextTokenizer.from_file(PACKAGED_TOKENIZER, max_tokens=256)
+    counter = tokenizer._by_direction[None] = EncodeCounter(untruncated)
+    tokens = tokenizer.tokenize(["word " * 100] * 10, group_characters=1000)
+    assert len(next(tokens)) == 102 and counter.encoded == 2  # two texts of 500 characters a group
+    next(tokens), next(tokens)
+    assert counter.encoded == 4
+    # A text longer than a group is a group of its own.
+    assert [len(row) for row in tokenizer.tokenize(["word " * 300, "a"], group_characters=10)] == [302, 3]
+
+
+def test_tokenize_refuses_what_encode_refuses(tokenizer):
+    with pytest.raises(InvalidText, match=r"^Input 1 is not a string"):
+        list(tokenizer.tokenize(["ok", 42]))  # type: ignore[list-item]
+
+
+def test_decode_skips_special_tokens_unless_asked_and_refuses_unknown_ids(tokenizer):
+    rows = [[CLS, 7592, 2088, SEP], [2088]]
+    assert tokenizer.decode(rows) == ["hello world", "world"]
+    assert tokenizer.decode(rows, skip_special_tokens=False) == ["[CLS] hello world [SEP]", "world"]
+    with pytest.raises(TokenOutsideVocabulary) as outside:
+        tokenizer.decode([[CLS], [7592, 30522]])
+    assert (outside.value.index, outside.value.param) == (1, "ids")
+    assert (
+        str(outside.value) == "Sequence 1 has the token id 30522, outside this model's vocabulary [0, 30522)"
+    )
+    with pytest.raises(InvalidText, match=r"^Sequence 0 is an empty list") as empty:
+        tokenizer.decode([[]])
+    assert empty.value.param == "ids"
