@@ -246,7 +246,7 @@ API_MIDDLEWARE = [
     "embeddings.api.middleware.ArrivalTimeMiddleware",
     "embeddings.api.middleware.ApiSecurityMiddleware",
 ]
-API_PATH_PREFIXES = ("/v1/", "/api/v1/", "/embed", "/health", "/ready", "/metrics")
+API_PATH_PREFIXES = ("/v1/", "/api/v1/", "/embed", "/tokenize", "/decode", "/health", "/ready", "/metrics")
 # POST /v1/embeddings answered without Django's and DRF's request layers when nothing in the request
 # needs them (embeddings/api/express.py), byte for byte as the view answers; false: always the view.
 EXPRESS_EMBEDDINGS = env_bool("EXPRESS_EMBEDDINGS", True)

@@ -1,8 +1,8 @@
-"""API routes: OpenAI-compatible, the seed proxy's shapes, rerank, models, usage, jobs."""
+"""API routes: OpenAI-compatible, the seed proxy's shapes, rerank, tokenize, models, usage, jobs."""
 
 from django.urls import path
 
-from embeddings.api import batches, files, jobs, rerank, usage, views
+from embeddings.api import batches, files, jobs, rerank, tokenize, usage, views
 
 urlpatterns = [
     path("v1/embeddings", views.OpenAIEmbeddingsView.as_view(), name="openai-embeddings"),
@@ -12,6 +12,8 @@ urlpatterns = [
     path("v2/rerank", rerank.CohereRerankView.as_view(), name="cohere-rerank"),
     path("v1/rerank", rerank.RerankView.as_view(), name="rerank"),
     path("rerank", rerank.TeiRerankView.as_view(), name="tei-rerank"),
+    path("tokenize", tokenize.TeiTokenizeView.as_view(), name="tei-tokenize"),
+    path("decode", tokenize.TeiDecodeView.as_view(), name="tei-decode"),
     path("v1/models", views.ModelListView.as_view(), name="models"),
     # Model ids may contain "/" (e.g. sentence-transformers/all-MiniLM-L6-v2).
     path("v1/models/<path:model_id>", views.ModelDetailView.as_view(), name="model-detail"),

@@ -31,7 +31,7 @@ class ParsedInput:
         return len(self.texts if self.texts is not None else self.token_ids or ())
 
 
-def _is_token_list(value: object) -> bool:
+def is_token_list(value: object) -> bool:
     return isinstance(value, list) and all(type(item) is int for item in value)
 
 
@@ -96,7 +96,7 @@ class EmbeddingInputField(serializers.Field):
             self._check_range([data])
             return ParsedInput(token_ids=[data])
         if isinstance(data, list) and data and isinstance(data[0], list):
-            if not all(_is_token_list(item) for item in data):
+            if not all(is_token_list(item) for item in data):
                 self.fail("invalid")
             for index, item in enumerate(data):
                 if not item:

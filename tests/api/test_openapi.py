@@ -17,6 +17,8 @@ API_OPERATIONS = {
     "/v2/rerank": {"post"},
     "/v1/rerank": {"post"},
     "/rerank": {"post"},
+    "/tokenize": {"post"},
+    "/decode": {"post"},
     "/v1/models": {"get"},
     "/v1/models/{model_id}": {"get"},
     "/v1/usage": {"get"},
@@ -65,13 +67,16 @@ MODEL_PATHS = (
     "/v1/rerank",
     "/rerank",
 )
+# TEI's tokenizer routes: a model's tokenizer, never the model, so never its deadline (504).
+TOKENIZER_PATHS = ("/tokenize", "/decode")
 
 
 def test_errors_are_documented_in_openai_shape(schema):
-    for path in MODEL_PATHS:
+    for path in MODEL_PATHS + TOKENIZER_PATHS:
         responses = schema["paths"][path]["post"]["responses"]
-        assert set(responses) >= EMBEDDING_ERRORS, path
-        for status in EMBEDDING_ERRORS:
+        expected = EMBEDDING_ERRORS - {"504"} if path in TOKENIZER_PATHS else EMBEDDING_ERRORS
+        assert set(responses) >= expected and ("504" in responses) == ("504" in expected), path
+        for status in expected:
             content = responses[status]["content"]["application/json"]
             assert content["schema"] == {"$ref": "#/components/schemas/Error"}
             assert content["examples"], (path, status)
@@ -92,7 +97,7 @@ def test_errors_are_documented_in_openai_shape(schema):
 
 def test_bodies_and_examples(schema):
     operations = {path: next(iter(ops.values())) for path, ops in schema["paths"].items()}
-    for path in MODEL_PATHS:
+    for path in MODEL_PATHS + TOKENIZER_PATHS:
         body = operations[path]["requestBody"]["content"]["application/json"]
         assert body["schema"] and body["examples"], path
         assert operations[path]["responses"]["200"]["content"]["application/json"]["examples"], path
@@ -102,6 +107,40 @@ def test_bodies_and_examples(schema):
     assert set(openai_request["required"]) == {"model", "input"}
     encoding_format = openai_request["properties"]["encoding_format"]["allOf"][0]["$ref"].split("/")[-1]
     assert schema["components"]["schemas"][encoding_format]["enum"] == ["float", "base64"]
+
+
+def test_tokenizer_routes_document_teis_shapes(schema):
+    components = schema["components"]["schemas"]
+    tokenize = components["TeiTokenizeRequestRequest"]
+    assert tokenize["required"] == ["inputs"]
+    assert tokenize["properties"]["add_special_tokens"] == {
+        "type": "boolean",
+        "default": True,
+        "description": tokenize["properties"]["add_special_tokens"]["description"],
+    }
+    assert tokenize["properties"]["prompt_name"]["nullable"] is True
+    answer = schema["paths"]["/tokenize"]["post"]["responses"]["200"]["content"]["application/json"]
+    assert answer["schema"] == {
+        "type": "array",
+        "items": {"type": "array", "items": {"$ref": "#/components/schemas/TeiToken"}},
+    }
+    token = components["TeiToken"]
+    assert set(token["required"]) == {"id", "text", "special", "start", "stop"}
+    assert token["properties"]["start"]["nullable"] and token["properties"]["stop"]["nullable"]
+    # The example is an answer: a list of each input's tokens.
+    [example] = answer["examples"].values()
+    assert isinstance(example["value"][0], list) and example["value"][0][0]["text"] == "[CLS]"
+    decode = components["TeiDecodeRequestRequest"]
+    assert decode["required"] == ["ids"] and decode["properties"]["skip_special_tokens"]["default"] is True
+    ids = decode["properties"]["ids"]["oneOf"]
+    assert ids[0] == {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+        "minItems": 1,
+    }
+    assert ids[1]["items"]["minItems"] == 1 and ids[1]["minItems"] == 1
+    decoded = schema["paths"]["/decode"]["post"]["responses"]["200"]["content"]["application/json"]
+    assert decoded["schema"] == {"type": "array", "items": {"type": "string"}}
 
 
 def test_bearer_security_scheme(schema):

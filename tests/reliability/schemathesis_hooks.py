@@ -4,7 +4,8 @@ in the OpenAPI 3.0 schema. Each is dropped only on its operations, with its stat
 (or field), so any other refusal of valid data still fails the run.
 
 - `unsupported_by_model` (422): `dimensions` above the model's, a `prompt_name` it lacks, token ids
-  outside its vocabulary. The schema is one for every model; these bounds are each model's.
+  outside its vocabulary (to embed, or for TEI's /decode). The schema is one for every model; these
+  bounds are each model's.
 - `invalid_range` (422) on GET /v1/usage: a range that ends before it starts, spans more than 366
   days, or lies outside 1970-01-01 to 9999-01-01. Each bound alone is a date or date-time; how two
   parameters relate, and a year range, are not something a schema says.
@@ -38,7 +39,15 @@ REASONS = (
     "empty_file",
     "metadata keys",
 )
-EMBEDDING_OPERATIONS = {"POST /v1/embeddings", "POST /api/v1/embed", "POST /embed", "POST /v1/jobs"}
+# The operations whose fields a model may refuse: the embedding ones and TEI's tokenizer routes.
+MODEL_OPERATIONS = {
+    "POST /v1/embeddings",
+    "POST /api/v1/embed",
+    "POST /embed",
+    "POST /v1/jobs",
+    "POST /tokenize",
+    "POST /decode",
+}
 METADATA_OPERATIONS = {"POST /v1/jobs", "POST /v1/batches"}
 
 
@@ -54,7 +63,7 @@ def _error(response) -> dict:
 def expected_refusal(operation: str, status: int, error: dict) -> str | None:
     """Why this refusal of schema-valid data is right (one of REASONS), or None."""
     code, param, message = error.get("code"), error.get("param"), error.get("message") or ""
-    if status == 422 and code == "unsupported_by_model" and operation in EMBEDDING_OPERATIONS:
+    if status == 422 and code == "unsupported_by_model" and operation in MODEL_OPERATIONS:
         return "unsupported_by_model"
     if status == 422 and code == "invalid_range" and operation == "GET /v1/usage":
         return "invalid_range"
