@@ -246,7 +246,9 @@ API_MIDDLEWARE = [
     "embeddings.api.middleware.ArrivalTimeMiddleware",
     "embeddings.api.middleware.ApiSecurityMiddleware",
 ]
-API_PATH_PREFIXES = ("/v1/", "/api/v1/", "/embed", "/tokenize", "/decode", "/health", "/ready", "/metrics")
+API_PATH_PREFIXES = (
+    "/v1/", "/v2/", "/api/v1/", "/embed", "/rerank", "/tokenize", "/decode", "/health", "/ready", "/metrics",
+)  # fmt: skip
 # POST /v1/embeddings answered without Django's and DRF's request layers when nothing in the request
 # needs them (embeddings/api/express.py), byte for byte as the view answers; false: always the view.
 EXPRESS_EMBEDDINGS = env_bool("EXPRESS_EMBEDDINGS", True)

@@ -19,7 +19,7 @@ import httpx2
 import orjson
 import pytest
 
-from embeddings.api.admission import UNVERIFIED, AdmissionController, tenant_of
+from embeddings.api.admission import PROBE_PREFIXES, UNVERIFIED, AdmissionController, tenant_of
 from embeddings.api.authentication import caller_cache
 from embeddings.callers import Caller, QuotaLimitValues
 from tests.api.conftest import EDGE_LIMITS, LiveServer
@@ -138,6 +138,18 @@ async def test_probes_and_pages_are_never_held(tenants):
     gate.arrive(scope("a"), Owner("holding the only slot"))
     for path in ("/health", "/ready", "/metrics", "/admin/login/", "/explorer/", "/static/x.css"):
         assert gate.arrive(scope("a", path), Owner(path)) is None, path
+
+
+def test_every_api_route_takes_the_api_handler_and_admission(settings):
+    """A route outside API_PATH_PREFIXES would run Django's whole middleware stack and never wait
+    for admission: every route of embeddings/api/urls.py must start with one (/v2/rerank, TEI's
+    /rerank once did not)."""
+    from embeddings.api.urls import urlpatterns
+
+    for pattern in urlpatterns:
+        route = "/" + str(pattern.pattern)
+        assert route.startswith(settings.API_PATH_PREFIXES), route
+        assert not route.startswith(PROBE_PREFIXES), route
 
 
 def test_the_tenant_is_read_from_keys_this_process_verified(monkeypatch):
