@@ -147,8 +147,11 @@ $(PROTOCOL): $(VENV)/.installed $(wildcard protos/*.proto) protos/generate.py
 
 # --if-missing exports again only when the export in place is out of date (export.json says why),
 # as version 1, the one the catalog pins for minilm (a new version would be a new model to tenants);
-# rechecked when the packages or the exporter change, hence the touch when nothing was redone.
-$(MODEL_ONNX): $(VENV)/.installed embeddings/tooling/model_export.py embeddings/services/inference/exports.py | .run/secret_key
+# rechecked when the packages, the exporter or the calibration corpus change (an export without the
+# int8/uint8 calibration, or calibrated on another corpus, is outdated), hence the touch when nothing
+# was redone.
+$(MODEL_ONNX): $(VENV)/.installed embeddings/tooling/model_export.py embeddings/services/inference/exports.py \
+		embeddings/tooling/calibration/calibration.txt | .run/secret_key
 	HF_HUB_OFFLINE=1 $(PY) manage.py export_model --if-missing --version 1
 	touch $@
 

@@ -426,6 +426,7 @@ PROCESS_MODULES = frozenset(
         "api/test_no_key_in_logs.py",
         "deploy/test_triton_configs.py",
         "management/test_runstack.py",
+        "model_export/test_calibration_export.py",
         "model_export/test_export.py",
         "model_export/test_served_model.py",
         "model_export/test_tiny_export.py",

