@@ -20,7 +20,7 @@ COMPOSE := $(VENV)/bin/docker-compose
 # few thousand; compiling them all cost the setup 100 CPU-seconds. pip still installs --no-compile.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test test-unit test-services setup setup-steps bench bench-api bench-peers bench-rerank bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
+.PHONY: run test test-unit test-services setup setup-steps bench bench-api bench-peers bench-rerank bench-quantization bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
 	clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
@@ -81,6 +81,10 @@ bench-peers: setup
 bench-rerank: setup
 	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
 	$(PY) bench/rerank.py $(BENCH_ARGS)
+
+## bench-quantization: recall@10 and Spearman of int8, uint8, binary and ubinary MiniLM vectors against float (table, JSON)
+bench-quantization: setup
+	$(PY) bench/quantization.py $(BENCH_ARGS)
 
 ## bench-overload: one tenant's 32/256/1,000 connections: its goodput, a second tenant's answers (BENCH_ARGS='--baseline REF --refusal-cost')
 bench-overload: setup

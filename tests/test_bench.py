@@ -16,6 +16,7 @@ import api  # noqa: E402
 import configs  # noqa: E402
 import overload  # noqa: E402
 import peers  # noqa: E402
+import quantization  # noqa: E402
 import rerank  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -133,7 +134,9 @@ def test_long_texts_get_longer_cells_than_short_ones():
     assert peers.cell_seconds(long, 3.0) > peers.cell_seconds(short, 3.0) == 3.0
 
 
-@pytest.mark.parametrize("script", ["api.py", "peers.py", "quota.py", "jobs.py", "overload.py", "rerank.py"])
+@pytest.mark.parametrize(
+    "script", ["api.py", "peers.py", "quota.py", "jobs.py", "overload.py", "rerank.py", "quantization.py"]
+)
 def test_scripts_run_as_readme_says(script):
     """`.venv/bin/python bench/<script>` from the repository root: its imports resolve on their own."""
     done = subprocess.run(
@@ -244,3 +247,50 @@ def test_rerank_table_compares_the_best_connection_count_with_raw_ort():
     }
     row = rerank.table(results).splitlines()[-1]
     assert row == "| cross-encoder | 256 | 1000 (250) | 700 (280) | 900 (280) | 0.90 |"
+
+
+def test_spearman_of_monotone_reversed_and_tied_scores():
+    assert quantization.spearman(np.array([1.0, 2.0, 3.0]), np.array([10, 20, 30])) == pytest.approx(1.0)
+    assert quantization.spearman(np.array([1.0, 2.0, 3.0]), np.array([3, 1, -5])) == pytest.approx(-1.0)
+    # Ties share their mean rank (1, 2.5, 2.5, 4): 4.5 / sqrt(4.5 x 5), scipy's spearmanr's value.
+    tied = quantization.spearman(np.array([1.0, 2.0, 2.0, 3.0]), np.array([1.0, 2.0, 3.0, 4.0]))
+    assert tied == pytest.approx(0.9486832980505138)
+    assert quantization.average_ranks(np.array([5, 1, 5, 5, 0])).tolist() == [4.0, 2.0, 4.0, 4.0, 1.0]
+
+
+def test_recall_at_k_counts_the_shared_best_and_breaks_ties_by_order():
+    reference = np.array([0.9, 0.1, 0.8, 0.7, 0.0])
+    assert quantization.recall_at_k(reference, np.array([5, 0, 1, 4, 3]), 2) == 0.5
+    assert quantization.recall_at_k(reference, np.array([0, 1, 1, 1, 0]), 2) == 0.5  # ties: 1 and 2
+    assert quantization.recall_at_k(reference, reference, 3) == 1.0
+
+
+def test_hamming_scores_count_the_differing_bits():
+    codes = np.array([[0b1111_0000], [0b1111_0001], [0b0000_1111]], dtype=np.uint8)
+    scores = quantization.similarities(codes, "ubinary")
+    assert scores.tolist() == [[0, -1, -8], [-1, 0, -7], [-8, -7, 0]]
+    np.testing.assert_array_equal(
+        quantization.similarities((codes.astype(np.int16) - 128).astype(np.int8), "binary"), scores
+    )
+    assert quantization.similarities(np.array([[1, -2]], dtype=np.int8), "int8").tolist() == [[5]]
+
+
+def test_quantization_bench_defaults_to_the_full_and_a_truncated_width():
+    args = quantization.parse_args([])
+    assert (args.quick, args.k, args.dimensions, args.out.name) == (
+        False,
+        10,
+        [384, 128],
+        "quantization.json",
+    )
+    assert quantization.parse_args(["--quick", "--dimensions", "384"]).dimensions == [384]
+
+
+def test_dequantised_int8_is_within_half_a_step_of_the_float_values():
+    from embeddings.services.inference.quantization import calibration_from_vectors, quantized
+
+    vectors = np.random.default_rng(1).normal(size=(20, 16)).astype(np.float32)
+    calibration = calibration_from_vectors(vectors)
+    restored = quantization.dequantized(quantized(vectors, "int8", calibration), calibration)
+    step = (calibration.maximum - calibration.minimum) / 255
+    assert (np.abs(restored - vectors) <= step / 2 + 1e-7).all()
