@@ -286,11 +286,13 @@ def test_quantization_bench_defaults_to_the_full_and_a_truncated_width():
     assert quantization.parse_args(["--quick", "--dimensions", "384"]).dimensions == [384]
 
 
-def test_dequantised_int8_is_within_half_a_step_of_the_float_values():
-    from embeddings.services.inference.quantization import calibration_from_vectors, quantized
+def test_the_per_dimension_comparison_codes_are_sentence_transformers():
+    from embeddings.services.inference.quantization import calibration_from_vectors
 
     vectors = np.random.default_rng(1).normal(size=(20, 16)).astype(np.float32)
     calibration = calibration_from_vectors(vectors)
-    restored = quantization.dequantized(quantized(vectors, "int8", calibration), calibration)
+    codes = quantization.per_dimension_codes(vectors, calibration)
     step = (calibration.maximum - calibration.minimum) / 255
-    assert (np.abs(restored - vectors) <= step / 2 + 1e-7).all()
+    restored = (codes.astype(np.float64) + 128) * step + calibration.minimum
+    assert (np.abs(restored - vectors) <= step / 2 + 1e-6).all()
+    assert codes.min() == -128 and codes.max() == 127  # each dimension's range spans every code

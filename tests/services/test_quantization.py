@@ -50,12 +50,13 @@ def reference_bits(vectors: np.ndarray) -> np.ndarray:
 
 
 def reference_codes(vectors: np.ndarray, minimum: np.ndarray, maximum: np.ndarray) -> np.ndarray:
-    """uint8 codes from the formula, one value at a time in Python floats."""
+    """int8 codes from the formula, one value at a time in Python floats: one scale for every
+    dimension, the largest magnitude the calibration reached."""
+    scale = max(max(abs(float(low)), abs(float(high))) for low, high in zip(minimum, maximum, strict=True))
+    scale = scale or 1.0
     codes = np.zeros(vectors.shape, dtype=np.int64)
     for (row, dim), value in np.ndenumerate(vectors):
-        low, high = float(minimum[dim]), float(maximum[dim])
-        step = (high - low) / 255 if high > low else 1.0
-        codes[row, dim] = min(255, max(0, round((float(value) - low) / step)))
+        codes[row, dim] = min(127, max(-127, round(float(value) * 127 / scale)))
     return codes
 
 
@@ -92,46 +93,63 @@ def test_binary_of_a_hand_worked_vector():
 def test_uint8_and_int8_follow_the_formula_exactly():
     expected = reference_codes(QUERIES, CALIBRATION.minimum, CALIBRATION.maximum)
 
-    uint8 = quantized(QUERIES, "uint8", CALIBRATION)
-    assert (uint8.dtype, uint8.shape) == (np.uint8, QUERIES.shape)
-    np.testing.assert_array_equal(uint8, expected)
     int8 = quantized(QUERIES, "int8", CALIBRATION)
     assert (int8.dtype, int8.shape) == (np.int8, QUERIES.shape)
-    np.testing.assert_array_equal(int8, expected - 128)
+    np.testing.assert_array_equal(int8, expected)
+    uint8 = quantized(QUERIES, "uint8", CALIBRATION)
+    assert (uint8.dtype, uint8.shape) == (np.uint8, QUERIES.shape)
+    np.testing.assert_array_equal(uint8, expected + 128)
 
 
 def test_int8_and_uint8_dequantise_to_within_one_step():
-    """Inside the calibrated range, a code times the step plus the minimum is within half a step
-    of the float value (one step is the promise)."""
-    inside = np.clip(QUERIES, CALIBRATION.minimum, CALIBRATION.maximum)
-    step = (CALIBRATION.maximum - CALIBRATION.minimum) / 255
-    for output_type, offset in (("uint8", 0), ("int8", 128)):
+    """Inside the calibrated range, a code times the step is within half a step of the float value
+    (one step is the promise); zero is a code."""
+    inside = np.clip(QUERIES, -CALIBRATION.scale, CALIBRATION.scale)
+    step = CALIBRATION.scale / 127
+    for output_type, offset in (("int8", 0), ("uint8", -128)):
         codes = quantized(inside, output_type, CALIBRATION).astype(np.float64) + offset
-        restored = CALIBRATION.minimum + codes * step
-        assert (np.abs(restored - inside) <= step * 0.5 + 1e-7).all(), output_type
+        assert (np.abs(codes * step - inside) <= step * 0.5 + 1e-7).all(), output_type
+    assert quantized(np.zeros((1, 48), np.float32), "int8", CALIBRATION).max() == 0
+
+
+def test_int8_dot_products_rank_as_the_float_ones_do():
+    """One scale for every dimension: the integer dot product is the float one times a constant,
+    rounding aside, so the order of documents for a query holds wherever scores differ by more
+    than rounding can move them."""
+    documents = QUERIES[1:]
+    codes = quantized(QUERIES, "int8", CALIBRATION).astype(np.int64)
+    floats = documents @ QUERIES[0]
+    integers = codes[1:] @ codes[0]
+    step = CALIBRATION.scale / 127
+    scaled = integers * step * step
+    # Each product's rounding error is at most about |q| |d| step: far below the scores' spread.
+    assert np.abs(scaled - floats).max() < 48 * step
+    apart = np.abs(floats[:, None] - floats[None, :]) > 2 * 48 * step
+    assert (np.sign(floats[:, None] - floats[None, :]) == np.sign(integers[:, None] - integers[None, :]))[
+        apart
+    ].all()
 
 
 def test_the_calibration_ends_take_the_end_codes_and_values_beyond_them_clip():
-    calibration = Calibration(minimum=np.array([-0.5, 0.0]), maximum=np.array([0.5, 1.0]))
+    calibration = Calibration(minimum=np.array([-0.5, 0.0]), maximum=np.array([0.5, 1.0]))  # scale 1
     vectors = np.array([[-0.5, 0.0], [0.5, 1.0], [-3.0, -0.2], [9.0, 1.5], [0.1, 0.2]], dtype=np.float32)
 
-    uint8 = [[0, 0], [255, 255], [0, 0], [255, 255], [153, 51]]
-    assert quantized(vectors, "uint8", calibration).tolist() == uint8
-    assert quantized(vectors, "int8", calibration).tolist() == [[a - 128, b - 128] for a, b in uint8]
+    int8 = [[-64, 0], [64, 127], [-127, -25], [127, 127], [13, 25]]
+    assert quantized(vectors, "int8", calibration).tolist() == int8
+    assert quantized(vectors, "uint8", calibration).tolist() == [[a + 128, b + 128] for a, b in int8]
 
 
 def test_an_empty_range_divides_nothing_by_zero():
-    calibration = Calibration(minimum=np.array([0.25, -1.0]), maximum=np.array([0.25, 1.0]))
-    vectors = np.array([[0.25, 0.5], [0.2, 1.0], [3.0, -1.0]], dtype=np.float32)
+    calibration = Calibration(minimum=np.array([0.0, 0.0]), maximum=np.array([0.0, 0.0]))
+    vectors = np.array([[0.25, 0.5], [0.0, 1.0], [3.0, -1.0]], dtype=np.float32)
 
     with np.errstate(all="raise"):
-        uint8 = quantized(vectors, "uint8", calibration)
         int8 = quantized(vectors, "int8", calibration)
-    # The constant dimension: its value is its lowest code, anything a unit above it is higher.
-    assert uint8[:, 0].tolist() == [0, 0, 3] and int8[:, 0].tolist() == [-128, -128, -125]
-    assert uint8[:, 1].tolist() == [191, 255, 0]
-    empty = calibration_from_vectors(np.ones((5, 8), dtype=np.float32))
-    assert quantized(np.ones((1, 8), np.float32), "int8", empty).tolist() == [[-128] * 8]
+        uint8 = quantized(vectors, "uint8", calibration)
+    # No magnitude seen at all: scale 1, so values keep their size in steps of 1/127.
+    assert calibration.scale == 1.0
+    assert int8.tolist() == [[32, 64], [0, 127], [127, -127]]
+    assert uint8.tolist() == [[160, 192], [128, 255], [255, 1]]
 
 
 @pytest.mark.parametrize("output_type", ["binary", "ubinary"])
