@@ -9,7 +9,7 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
-from embeddings.model_tasks import ACTIVATIONS, TASK_EMBED, TASK_RERANK
+from embeddings.model_tasks import ACTIVATIONS, INPUT_TYPES, TASK_EMBED, TASK_RERANK
 from embeddings.result_dtypes import DEFAULT_RESULT_DTYPE, RESULT_DTYPE_CHOICES
 
 TASK_CHOICES = [(TASK_EMBED, "Embedding"), (TASK_RERANK, "Rerank (cross-encoder)")]
@@ -30,6 +30,13 @@ class EmbeddingModel(models.Model):
         help_text='Prompt name -> text prepended to inputs, e.g. {"query": "query: "}',
     )
     default_prompt_name = models.CharField(max_length=100, blank=True)
+    input_types = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="Input type (query, document, classification, clustering) -> the prompt a request's "
+        'input_type picks, e.g. {"query": "query", "document": "passage"}; empty: every input type '
+        "embeds alike",
+    )
     max_inputs_per_request = models.PositiveIntegerField(
         null=True, blank=True, help_text="Blank: MAX_INPUTS_PER_REQUEST"
     )
@@ -80,11 +87,27 @@ class EmbeddingModel(models.Model):
         if self.rerank_by_similarity and self.task != TASK_EMBED:
             message = "Only an embedding model ranks by similarity; a rerank model ranks itself."
             raise ValidationError({"rerank_by_similarity": message})
+        problem = input_types_problem(self.input_types, self.prompts)
+        if problem:
+            raise ValidationError({"input_types": problem})
 
     @property
     def ranks(self) -> bool:
         """Whether it answers rerank requests: a rerank model, or an embedding model allowed to."""
         return self.task == TASK_RERANK or self.rerank_by_similarity
+
+
+def input_types_problem(input_types: object, prompts: object) -> str | None:
+    """What is wrong with a model's input type -> prompt name mapping, or None."""
+    if not isinstance(input_types, dict):
+        return 'a JSON object of input type -> prompt name, e.g. {"query": "query"}'
+    prompts = prompts if isinstance(prompts, dict) else {}
+    for input_type, prompt_name in input_types.items():
+        if input_type not in INPUT_TYPES:
+            return f"unknown input type {input_type!r}; input types: {', '.join(INPUT_TYPES)}"
+        if prompt_name not in prompts:
+            return f"{input_type!r} names the prompt {prompt_name!r}, which is not one of the model's prompts"
+    return None
 
 
 class QuotaLimits(models.Model):

@@ -79,10 +79,12 @@ def result_decode(raw: bytes, name: str, dims: int) -> np.ndarray:
 
 def base64_rows(vectors: np.ndarray) -> list[str]:
     """Each row as the base64 of its little-endian float32 bytes (`encoding_format: base64`, for
-    requests and job downloads alike), straight from the array's buffer."""
+    requests and job downloads alike), straight from the array's buffer; a quantised row (int8,
+    uint8: one byte a value) as its own bytes."""
     import numpy as np
 
-    little_endian = np.ascontiguousarray(vectors, dtype=RETURNED_DTYPE)
+    one_byte = vectors.dtype.itemsize == 1 and vectors.dtype.kind in "iu"
+    little_endian = np.ascontiguousarray(vectors, dtype=None if one_byte else RETURNED_DTYPE)
     row_bytes = little_endian.shape[1] * little_endian.itemsize
     raw = little_endian.tobytes()
     return [base64.b64encode(raw[i : i + row_bytes]).decode("ascii") for i in range(0, len(raw), row_bytes)]

@@ -42,7 +42,7 @@ from embeddings.api.docs import (
 from embeddings.api.forms import form_fields
 from embeddings.api.rendering import MultipartUploadParser, OrjsonParser, in_threads, refuse_non_utf8
 from embeddings.callers import Caller
-from embeddings.contracts.embeddings_request import TEXT_ERRORS, TEXT_SCHEMA, refuse_empty_texts
+from embeddings.contracts.embeddings_request import TEXT_SCHEMA, StringListField
 from embeddings.contracts.fields import (
     INT32_MAX,
     MetadataField,
@@ -123,23 +123,8 @@ UPLOAD_CONTENT_TYPES = ("text/plain", *sorted(JSONL_UPLOAD_TYPES), "application/
         "example": ["The first document.", "The second document."],
     }
 )
-class JobTextsField(serializers.Field):
-    default_error_messages = {
-        "invalid": "must be an array of strings",
-        "empty": "must not be empty",
-        **TEXT_ERRORS,
-    }
-
-    def to_internal_value(self, data: object) -> list[str]:
-        if not isinstance(data, list) or not all(type(item) is str for item in data):
-            self.fail("invalid")
-        if not data:
-            self.fail("empty")
-        refuse_empty_texts(data, self)
-        return data
-
-    def to_representation(self, value):
-        return value
+class JobTextsField(StringListField):
+    pass
 
 
 def callback_url_deliverable(url: str) -> None:

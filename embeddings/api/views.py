@@ -38,6 +38,7 @@ from embeddings.services.inference.embedding import (
     EmbeddingResult,
     EmbeddingTarget,
     embeddings_create,
+    model_output_types,
 )
 from embeddings.services.inference.ranking import SIMILARITY_SCORE_RANGE
 from embeddings.services.openai_api.embeddings_body import embeddings_response_body
@@ -174,6 +175,17 @@ class ModelObjectSerializer(serializers.Serializer):
     rerank = RerankCapabilitySerializer(
         allow_null=True, help_text="How it answers rerank requests; null: it does not rank"
     )
+    input_types = serializers.DictField(
+        child=serializers.CharField(),
+        allow_null=True,
+        help_text="Input type (query, document, classification, clustering) -> the prompt a request's "
+        "`input_type` picks; null: every input type embeds alike",
+    )
+    output_types = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="What `output_dtype` / `embedding_types` may ask of it (int8 and uint8 need an export "
+        "calibrated for them; binary types a width that is a multiple of 8)",
+    )
 
 
 class ModelListSerializer(serializers.Serializer):
@@ -253,7 +265,12 @@ async def openai_embeddings(call: EmbeddingsCall, params: dict) -> tuple[dict, E
         target=EmbeddingTarget.for_model(model),
         texts=parsed.texts,
         token_ids=parsed.token_ids,
-        options=EmbeddingOptions(dimensions=params.get("dimensions")),
+        options=EmbeddingOptions(
+            dimensions=params.get("dimensions") or params.get("output_dimension"),
+            input_type=params.get("input_type"),
+            output_type=params["output_dtype"],
+            truncate=params["truncation"],
+        ),
         quota=call.request_quota(model.name),
     )
     log_request(call.caller, call.endpoint, model, result, params.get("user", ""))
@@ -384,6 +401,8 @@ MODEL_EXAMPLE = {
     "max_tokens": 256,
     "aliases": ["minilm", "sentence-transformers/all-MiniLM-L6-v2"],
     "rerank": {"method": "cosine_similarity", "activation": None, "score_range": [-1.0, 1.0]},
+    "input_types": None,
+    "output_types": ["float", "int8", "uint8", "binary", "ubinary"],
 }
 
 
@@ -398,6 +417,8 @@ def model_object(model: EmbeddingModel) -> dict:
         "max_tokens": model.max_tokens,
         "aliases": list(model.aliases or []),
         "rerank": rerank_capability(model),
+        "input_types": dict(model.input_types) if model.input_types else None,
+        "output_types": model_output_types(model),
     }
 
 

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from embeddings.contracts.fields import INT32_MAX, StrictCharField, dimensions_field, validated
+from embeddings.contracts.fields import (
+    INT32_MAX,
+    StrictBooleanField,
+    StrictCharField,
+    dimensions_field,
+    validated,
+)
+from embeddings.model_tasks import INPUT_TYPE_ALIASES, INPUT_TYPES, OUTPUT_TYPES
 
 INPUT_HELP = (
     "A string, an array of strings, an array of token ids, or an array of arrays of token ids "
@@ -135,6 +142,30 @@ class TextsField(serializers.Field):
         return value
 
 
+def input_type_field(help_text: str = "") -> serializers.ChoiceField:
+    """What the inputs are for: picks the model's prompt for it (GET /v1/models `input_types`);
+    a model that maps none embeds every input type alike."""
+    return serializers.ChoiceField(
+        choices=[*INPUT_TYPES, *INPUT_TYPE_ALIASES],
+        required=False,
+        allow_null=True,
+        help_text=help_text
+        or "What the inputs are for: picks the model's prompt for it where the model maps one (GET "
+        "/v1/models `input_types`); otherwise it changes nothing.",
+    )
+
+
+def output_type_field(name: str = "output_dtype", default: str = "float") -> serializers.ChoiceField:
+    return serializers.ChoiceField(
+        choices=list(OUTPUT_TYPES),
+        default=default,
+        help_text="`float`, or quantised: `int8`/`uint8` (one byte a dimension, scaled by per-dimension "
+        "ranges calibrated at export), `binary`/`ubinary` (sign bits packed eight to a byte, as signed "
+        "int8 or uint8; dimensions a multiple of 8). With `encoding_format: base64`, the bytes of that "
+        "type.",
+    )
+
+
 class OpenAIEmbeddingsRequest(serializers.Serializer):
     model = StrictCharField(lookup=True, help_text="A model id from GET /v1/models (or one of its aliases).")
     input = EmbeddingInputField(help_text=INPUT_HELP)
@@ -151,6 +182,22 @@ class OpenAIEmbeddingsRequest(serializers.Serializer):
         max_length=256,
         help_text="Your end user's id, recorded (in the request's log line).",
     )
+    # Voyage's fields, beside OpenAI's: none of them changes an answer OpenAI's SDK gets.
+    input_type = input_type_field()
+    output_dtype = output_type_field()
+    output_dimension = dimensions_field(help_text="Voyage's name for `dimensions` (give one of them).")
+    truncation = StrictBooleanField(
+        default=True,
+        help_text="false: an input longer than the model takes is refused (413) instead of truncated.",
+    )
+
+    def validate(self, attrs: dict) -> dict:
+        both = attrs.get("dimensions"), attrs.get("output_dimension")
+        if None not in both and both[0] != both[1]:
+            raise serializers.ValidationError(
+                {"output_dimension": "dimensions and output_dimension differ; give one of them"}
+            )
+        return attrs
 
 
 def embeddings_request_parse(body: object) -> dict:
@@ -162,6 +209,30 @@ def embeddings_request_parse(body: object) -> dict:
         "model": params["model"],
         "texts": parsed.texts,
         "token_ids": parsed.token_ids,
-        "dimensions": params.get("dimensions"),
+        "dimensions": params.get("dimensions") or params.get("output_dimension"),
         "encoding_format": params["encoding_format"],
+        "input_type": params.get("input_type"),
+        "output_type": params["output_dtype"],
+        "truncate": params["truncation"],
     }
+
+
+class StringListField(serializers.Field):
+    """A non-empty array of non-empty strings, checked in one pass (jobs' and Cohere's texts)."""
+
+    default_error_messages = {
+        "invalid": "must be an array of strings",
+        "empty": "must not be empty",
+        **TEXT_ERRORS,
+    }
+
+    def to_internal_value(self, data: object) -> list[str]:
+        if not isinstance(data, list) or not all(type(item) is str for item in data):
+            self.fail("invalid")
+        if not data:
+            self.fail("empty")
+        refuse_empty_texts(data, self)
+        return data
+
+    def to_representation(self, value):
+        return value

@@ -135,7 +135,7 @@ def cursor_field(*, pattern: str, what: str) -> serializers.CharField:
     )
 
 
-def dimensions_field() -> StrictIntegerField:
+def dimensions_field(help_text: str = "") -> StrictIntegerField:
     """The optional `dimensions` of requests and jobs: an integer from 1. Whether the model has that
     many is the services' rule (embeddings.services.inference.embedding.dimensions_check: 422
     unsupported_by_model)."""
@@ -144,7 +144,8 @@ def dimensions_field() -> StrictIntegerField:
         max_value=INT32_MAX,
         required=False,
         allow_null=True,
-        help_text="Keep the first N dimensions, re-normalised: at most the model's `dimensions` "
+        help_text=help_text
+        or "Keep the first N dimensions, re-normalised: at most the model's `dimensions` "
         "(GET /v1/models; more is 422 unsupported_by_model).",
     )
 

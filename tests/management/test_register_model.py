@@ -35,6 +35,25 @@ def test_registers_and_loads_with_aliases_and_prompts(explicit_triton):
         True,
     )
     assert {m.version for m in triton_sync_client().repository_index() if m.state == "READY"} == {"1"}
+    assert model.input_types == {}  # none given: every input type embeds alike
+
+
+def test_input_types_map_to_the_models_prompts(explicit_triton):
+    register(
+        "--triton-model", "minilm", "--name", "e5ish",
+        "--prompt", "query=query: ", "--prompt", "passage=passage: ",
+        "--input-type", "query=query", "--input-type", "document=passage",
+    )  # fmt: skip
+    assert EmbeddingModel.objects.get(name="e5ish").input_types == {"query": "query", "document": "passage"}
+    with pytest.raises(
+        CommandError, match="input types: 'clustering' names the prompt 'cluster', which is not one"
+    ):
+        register("--triton-model", "minilm", "--name", "e5ish", "--input-type", "clustering=cluster")
+    with pytest.raises(CommandError, match="unknown input type 'search'"):
+        register("--triton-model", "minilm", "--name", "e5ish", "--input-type", "search=query")
+    # Registering again without --input-type keeps the mapping.
+    register("--triton-model", "minilm", "--name", "e5ish")
+    assert EmbeddingModel.objects.get(name="e5ish").input_types == {"query": "query", "document": "passage"}
 
 
 def test_a_load_triton_refuses_exits_non_zero_and_leaves_the_row_disabled(explicit_triton):

@@ -55,6 +55,15 @@ class Command(BaseCommand):
             help='A prompt clients may name, e.g. --prompt "query=query: " (repeatable)',
         )
         parser.add_argument("--default-prompt", help="The prompt used when a request names none")
+        parser.add_argument(
+            "--input-type",
+            action="append",
+            type=prompt_pair,
+            dest="input_types",
+            metavar="TYPE=PROMPT",
+            help="The prompt a request's input_type picks (query, document, classification, clustering), "
+            "e.g. --input-type query=query --input-type document=passage (repeatable)",
+        )
         parser.add_argument("--disable", action="store_true", help="Register it disabled (not loaded)")
         parser.add_argument(
             "--rerank-by-similarity",
@@ -74,6 +83,7 @@ class Command(BaseCommand):
         default_prompt,
         disable,
         rerank_by_similarity=None,
+        input_types=None,
         **options,
     ):
         try:
@@ -83,6 +93,7 @@ class Command(BaseCommand):
                 name=name,
                 aliases=aliases,
                 prompts=dict(prompts) if prompts is not None else None,
+                input_types=dict(input_types) if input_types is not None else None,
                 default_prompt_name=default_prompt,
                 enabled=False if disable else self.enabled_unless_disabled,
                 rerank_by_similarity=rerank_by_similarity,

@@ -12,7 +12,7 @@ from django.conf import settings
 
 from embeddings.errors import EmbedsiteError
 from embeddings.model_tasks import ACTIVATION_IDENTITY
-from embeddings.models import TASK_EMBED, TASK_RERANK, EmbeddingModel
+from embeddings.models import TASK_EMBED, TASK_RERANK, EmbeddingModel, input_types_problem
 from embeddings.services.inference.exports import ModelExportError, model_export_info, model_export_versions
 from embeddings.single_flight import SingleFlight
 
@@ -89,6 +89,7 @@ def embedding_model_register(
     name: str | None = None,
     aliases: Sequence[str] | None = None,
     prompts: Mapping[str, str] | None = None,
+    input_types: Mapping[str, str] | None = None,
     default_prompt_name: str | None = None,
     enabled: bool | None = None,
     rerank_by_similarity: bool | None = None,
@@ -130,6 +131,10 @@ def embedding_model_register(
         raise CatalogError(str(error)) from error
     aliases = list(aliases) if aliases is not None else (existing.aliases if existing else [])
     prompts = dict(prompts) if prompts is not None else (existing.prompts if existing else {})
+    input_types = dict(input_types) if input_types is not None else (existing.input_types if existing else {})
+    problem = input_types_problem(input_types, prompts)
+    if problem:
+        raise CatalogError(f"input types: {problem}")
     if default_prompt_name is None:
         default_prompt_name = existing.default_prompt_name if existing else ""
     if default_prompt_name and default_prompt_name not in prompts:
@@ -151,6 +156,7 @@ def embedding_model_register(
             "dimensions": int(info["dims"]),
             "max_tokens": int(info["max_tokens"]),
             "prompts": prompts,
+            "input_types": input_types,
             "default_prompt_name": default_prompt_name,
             "enabled": enabled,
             "task": task,

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +37,7 @@ from embeddings.metrics import (
     TRITON_IN_FLIGHT,
     triton_call_observed,
 )
+from embeddings.model_tasks import INPUT_TYPE_ALIASES, INPUT_TYPES
 from embeddings.models import TASK_EMBED, TASK_RERANK
 from embeddings.observability import context as request_context
 from embeddings.observability import tracing
@@ -45,6 +47,13 @@ from embeddings.services.inference.clients import (
     request_coalescer,
     triton_async_client,
     triton_sync_client,
+)
+from embeddings.services.inference.exports import ModelExportError
+from embeddings.services.inference.quantization import (
+    Calibration,
+    QuantizationError,
+    model_calibration,
+    quantized,
 )
 from embeddings.services.inference.scheduling import SubBatch, reassembled, sub_batches
 from embeddings.tokenization import TextTokenizer, TokenizedBatch, TruncationDirection
@@ -80,6 +89,8 @@ class EmbeddingTarget:
     # Prompt name -> text prepended to every input; the default applies when none is asked for.
     prompts: tuple[tuple[str, str], ...] = ()
     default_prompt_name: str = ""
+    # Input type -> prompt name (EmbeddingModel.input_types); empty: input types embed alike.
+    input_types: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def default(cls) -> EmbeddingTarget:
@@ -98,6 +109,7 @@ class EmbeddingTarget:
             max_total_tokens=model.max_tokens_per_request or settings.MAX_TOKENS_PER_REQUEST,
             prompts=tuple(sorted((model.prompts or {}).items())),
             default_prompt_name=model.default_prompt_name,
+            input_types=tuple(sorted((model.input_types or {}).items())),
         )
 
     @classmethod
@@ -114,8 +126,12 @@ class EmbeddingTarget:
             max_total_tokens=model.max_tokens_per_request or settings.MAX_TOKENS_PER_REQUEST,
         )
 
-    def prompt(self, name: str | None) -> str:
-        """The text to prepend for `name` (or the default prompt); unknown names are refused."""
+    def prompt(self, name: str | None, input_type: str | None = None) -> str:
+        """The text to prepend for `name`, else for the prompt `input_type` maps to, else the default
+        prompt; unknown names are refused, input types the model does not map embed as by default."""
+        if input_type:
+            mapped = dict(self.input_types).get(input_type_canonical(input_type))
+            name = name or mapped
         name = name or self.default_prompt_name
         if not name:
             return ""
@@ -126,6 +142,15 @@ class EmbeddingTarget:
         raise UnsupportedByModel(
             f"Unknown prompt_name {name!r}; this model's prompts: {known}", param="prompt_name"
         )
+
+
+def input_type_canonical(input_type: str) -> str:
+    """`input_type` in the catalog's words (Cohere's search_query is query); refused if unknown."""
+    canonical = INPUT_TYPE_ALIASES.get(input_type, input_type)
+    if canonical not in INPUT_TYPES:
+        known = ", ".join([*INPUT_TYPES, *INPUT_TYPE_ALIASES])
+        raise InvalidRequest(f"Unknown input_type {input_type!r}; input types: {known}", param="input_type")
+    return canonical
 
 
 def embedding_model_check(model: EmbeddingModel) -> None:
@@ -146,8 +171,12 @@ class EmbeddingOptions:
     dimensions: int | None = None
     normalize: bool = True
     prompt_name: str | None = None
+    # What the inputs are for (query, document, ...): picks the model's prompt for it, if it maps one.
+    input_type: str | None = None
     # Texts keep at most this many tokens (below the model's maximum): one for all, or one per text.
     max_tokens: int | tuple[int, ...] | None = None
+    # float, or quantised (int8, uint8, binary, ubinary: embeddings.services.inference.quantization).
+    output_type: str = "float"
 
 
 @dataclass(frozen=True)
@@ -259,7 +288,7 @@ def _takes_text(spec: ModelSpec, token_ids: object) -> bool:
 def _with_prompt(
     target: EmbeddingTarget, texts: Sequence[str] | None, options: EmbeddingOptions
 ) -> Sequence[str] | None:
-    prefix = target.prompt(options.prompt_name)
+    prefix = target.prompt(options.prompt_name, options.input_type)
     if not prefix or texts is None:
         return texts
     return [prefix + text for text in texts]
@@ -280,6 +309,44 @@ def dimensions_check(*, dimensions: int | None, model_dimensions: int | None) ->
 
 def _check_options(target: EmbeddingTarget, options: EmbeddingOptions) -> None:
     dimensions_check(dimensions=options.dimensions, model_dimensions=target.dimensions)
+    if options.input_type is not None:
+        input_type_canonical(options.input_type)
+    _calibration(target, options)  # an output type the model cannot give is refused before any work
+
+
+def _calibration(target: EmbeddingTarget, options: EmbeddingOptions) -> Calibration | None:
+    """The int8/uint8 ranges for the request's output (None for other types); refuses an output
+    type the model's export cannot give (no calibration, or binary of a width not a multiple of 8)."""
+    if options.output_type == "float":
+        return None
+    width = options.dimensions or target.dimensions
+    if options.output_type in ("binary", "ubinary"):
+        if width and width % 8:
+            raise UnsupportedByModel(
+                f"{options.output_type} packs 8 dimensions a byte; {width} is not a multiple of 8 "
+                "(ask for dimensions that are)",
+                param="output_dtype",
+            )
+        return None
+    try:
+        calibration = model_calibration(
+            Path(settings.TRITON_MODEL_REPOSITORY),
+            target.triton_model,
+            target.triton_version,
+            dimensions=options.dimensions,
+            normalize=options.normalize,
+        )
+    except QuantizationError as error:
+        raise UnsupportedByModel(str(error), param="output_dtype") from None
+    except ModelExportError as error:  # its calibration vectors missing or replaced: a broken export
+        raise _not_loaded(target) from error
+    if calibration is None:
+        raise UnsupportedByModel(
+            f"The model {target.name or target.triton_model!r} has no int8 calibration (exported before "
+            "output types were calibrated): re-export it, or ask for float, binary or ubinary.",
+            param="output_dtype",
+        )
+    return calibration
 
 
 def _postprocess(target: EmbeddingTarget, vectors: np.ndarray, options: EmbeddingOptions) -> np.ndarray:
@@ -295,7 +362,44 @@ def _postprocess(target: EmbeddingTarget, vectors: np.ndarray, options: Embeddin
         if options.normalize:
             norms = np.linalg.norm(vectors, axis=1, keepdims=True)
             vectors = vectors / np.maximum(norms, np.float32(1e-12))
-    return np.ascontiguousarray(vectors, dtype=np.float32)
+    return vectors_as(target, np.ascontiguousarray(vectors, dtype=np.float32), options)
+
+
+def vectors_as(target: EmbeddingTarget, vectors: np.ndarray, options: EmbeddingOptions) -> np.ndarray:
+    """Float vectors (as a request with `options` gets them, `output_type` aside) in
+    `options.output_type`: as they are for float, else quantised."""
+    if options.output_type == "float":
+        return vectors
+    try:
+        return quantized(vectors, options.output_type, _calibration(target, options))
+    except QuantizationError as error:
+        raise UnsupportedByModel(str(error), param="output_dtype") from None
+
+
+def model_output_types(model: EmbeddingModel) -> list[str]:
+    """The output types a catalog model gives (GET /v1/models): a rerank model none; int8/uint8 need
+    an export calibrated for them, binary types a width that is a multiple of 8."""
+    if model.task != TASK_EMBED:
+        return []
+    kinds = ["float"]
+    calibration = model_calibration(
+        Path(settings.TRITON_MODEL_REPOSITORY),
+        model.triton_model,
+        model.triton_version,
+        dimensions=None,
+        normalize=True,
+    )
+    if calibration is not None:
+        kinds += ["int8", "uint8"]
+    if model.dimensions % 8 == 0:
+        kinds += ["binary", "ubinary"]
+    return kinds
+
+
+def output_type_check(target: EmbeddingTarget, options: EmbeddingOptions) -> None:
+    """Refuse, before any work, an output type the model cannot give (embeddings_create does this
+    for its own; a request answering several types checks the others)."""
+    _calibration(target, options)
 
 
 # Tokenising this many characters (or token ids) takes milliseconds: done in a thread, so the

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from embeddings.errors import EmbedsiteError
+from embeddings.model_tasks import OUTPUT_TYPES
 from embeddings.services.inference.exports import (
     EXPORT_INFO_FILENAME,
     ModelExportMismatch,
@@ -44,7 +45,6 @@ INT8 = "int8"
 UINT8 = "uint8"
 BINARY = "binary"
 UBINARY = "ubinary"
-OUTPUT_TYPES = (FLOAT, INT8, UINT8, BINARY, UBINARY)
 # What the calibrated types need: the others are computed from the vector alone.
 CALIBRATED_TYPES = (INT8, UINT8)
 PACKED_TYPES = (BINARY, UBINARY)

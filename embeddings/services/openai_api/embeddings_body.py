@@ -11,7 +11,8 @@ def embeddings_response_body(
     *, model_name: str, vectors: np.ndarray, total_tokens: int, encoding_format: str
 ) -> dict:
     """`{"object": "list", "data", "model", "usage"}` as POST /v1/embeddings answers it: each
-    embedding a float32 row, or with `base64` the base64 of its little-endian float32 bytes."""
+    embedding a row of `vectors` (float32, or quantised: integers), or with `base64` the base64 of
+    its bytes (little-endian float32, or the quantised type's)."""
     embeddings = base64_rows(vectors) if encoding_format == "base64" else list(vectors)
     data = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(embeddings)]
     usage = {"prompt_tokens": total_tokens, "total_tokens": total_tokens}
