@@ -123,3 +123,9 @@ ERRORS = {
 AUTH_ERRORS = {code: ERRORS[code] for code in (401, 403)}
 # Shortened vectors for examples (real ones have the model's dimensions, e.g. 384).
 EXAMPLE_VECTOR = [0.0123, -0.0456, 0.0789]
+
+
+class CohereApiVersionSerializer(serializers.Serializer):
+    """`meta.api_version` of Cohere's answers (rerank and embed)."""
+
+    version = serializers.CharField()

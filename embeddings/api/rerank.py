@@ -16,7 +16,7 @@ from rest_framework.response import Response
 
 from embeddings.api.authentication import model_for_request
 from embeddings.api.base import ApiView
-from embeddings.api.docs import ERRORS
+from embeddings.api.docs import ERRORS, CohereApiVersionSerializer
 from embeddings.api.served import embedding_response, log_request
 from embeddings.contracts.fields import validated
 from embeddings.contracts.rerank_request import CohereRerankRequest, RerankRequest, TeiRerankRequest
@@ -51,12 +51,8 @@ class BilledUnitsSerializer(serializers.Serializer):
     )
 
 
-class ApiVersionSerializer(serializers.Serializer):
-    version = serializers.CharField()
-
-
 class MetaSerializer(serializers.Serializer):
-    api_version = ApiVersionSerializer()
+    api_version = CohereApiVersionSerializer()
     billed_units = BilledUnitsSerializer()
 
 

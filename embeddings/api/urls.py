@@ -2,13 +2,14 @@
 
 from django.urls import path
 
-from embeddings.api import batches, files, jobs, rerank, tokenize, usage, views
+from embeddings.api import batches, cohere_embed, files, jobs, rerank, tokenize, usage, views
 
 urlpatterns = [
     path("v1/embeddings", views.OpenAIEmbeddingsView.as_view(), name="openai-embeddings"),
     path("v1/embedding", views.SeedEmbeddingView.as_view(), name="seed-embedding"),
     path("api/v1/embed", views.TeiEmbedView.as_view(), name="tei-embed"),
     path("embed", views.TeiEmbedShortView.as_view(), name="tei-embed-short"),
+    path("v2/embed", cohere_embed.CohereEmbedView.as_view(), name="cohere-embed"),
     path("v2/rerank", rerank.CohereRerankView.as_view(), name="cohere-rerank"),
     path("v1/rerank", rerank.RerankView.as_view(), name="rerank"),
     path("rerank", rerank.TeiRerankView.as_view(), name="tei-rerank"),

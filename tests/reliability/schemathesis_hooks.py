@@ -16,6 +16,9 @@ in the OpenAPI 3.0 schema. Each is dropped only on its operations, with its stat
   part's schema, and Schemathesis fills one with image samples and random bytes.
 - `metadata` keys (422): over 64 characters or with a NUL. OpenAPI 3.0 cannot bound an object's
   keys (`propertyNames` is 3.1's); the values' bounds are in the schema.
+- one of two fields (422): Cohere's /v2/embed takes `texts` or `inputs`, exactly one; /v1/embeddings
+  takes `dimensions` and Voyage's `output_dimension` only when they agree. How two optional fields
+  relate is not something this schema says.
 
 Each dropped failure is counted (the JSON report's `filtered`) and written to the file named by
 DROPPED_LOG_ENV, one JSON line each, so the test can report what was dropped and why.
@@ -38,12 +41,14 @@ REASONS = (
     "file content",
     "empty_file",
     "metadata keys",
+    "one of two fields",
 )
 # The operations whose fields a model may refuse: the embedding ones and TEI's tokenizer routes.
 MODEL_OPERATIONS = {
     "POST /v1/embeddings",
     "POST /api/v1/embed",
     "POST /embed",
+    "POST /v2/embed",
     "POST /v1/jobs",
     "POST /tokenize",
     "POST /decode",
@@ -65,6 +70,11 @@ def expected_refusal(operation: str, status: int, error: dict) -> str | None:
     code, param, message = error.get("code"), error.get("param"), error.get("message") or ""
     if status == 422 and code == "unsupported_by_model" and operation in MODEL_OPERATIONS:
         return "unsupported_by_model"
+    if status == 422 and (operation, param) in {
+        ("POST /v2/embed", "texts"),
+        ("POST /v1/embeddings", "output_dimension"),
+    }:
+        return "one of two fields"
     if status == 422 and code == "invalid_range" and operation == "GET /v1/usage":
         return "invalid_range"
     if status == 422 and param == "callback_url" and operation == "POST /v1/jobs":
