@@ -114,7 +114,7 @@ class CohereEmbedRequest(serializers.Serializer):
         min_length=1,
         required=False,
         help_text="The types to answer, each under its name in `embeddings` (default: float). int8/uint8 "
-        "use per-dimension ranges calibrated at export; binary/ubinary pack signs eight to a byte; "
+        "share one scale calibrated at export; binary/ubinary pack signs eight to a byte; "
         "base64 is the float vector's bytes.",
     )
     truncate = serializers.ChoiceField(

@@ -159,8 +159,8 @@ def output_type_field(name: str = "output_dtype", default: str = "float") -> ser
     return serializers.ChoiceField(
         choices=list(OUTPUT_TYPES),
         default=default,
-        help_text="`float`, or quantised: `int8`/`uint8` (one byte a dimension, scaled by per-dimension "
-        "ranges calibrated at export), `binary`/`ubinary` (sign bits packed eight to a byte, as signed "
+        help_text="`float`, or quantised: `int8`/`uint8` (one byte a dimension, one scale for every "
+        "dimension calibrated at export), `binary`/`ubinary` (sign bits packed eight to a byte, as signed "
         "int8 or uint8; dimensions a multiple of 8). With `encoding_format: base64`, the bytes of that "
         "type.",
     )
