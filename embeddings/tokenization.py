@@ -57,6 +57,22 @@ class InputTooLong(TokenizationError):
         self.max_tokens = max_tokens
 
 
+class InputTooManyChunks(InputTooLong):
+    """An input to embed in chunks that needs more chunks than an input may have."""
+
+    def __init__(self, *, index: int, tokens: int, chunks: int, max_chunks: int, max_tokens: int) -> None:
+        super().__init__(
+            index=index,
+            tokens=tokens,
+            max_tokens=max_tokens,
+            message=f"Input {index} has {tokens} tokens: {chunks} chunks of at most {max_tokens} tokens, "
+            f"more than the {max_chunks} an input may have (MAX_CHUNKS_PER_INPUT); shorten it or "
+            "truncate it.",
+        )
+        self.chunks = chunks
+        self.max_chunks = max_chunks
+
+
 class DocumentTooLong(InputTooLong):
     """A ranked document longer than its pair leaves room for, and truncation not allowed."""
 
@@ -102,6 +118,41 @@ class TokenizedBatch:
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class ChunkedBatch:
+    """Inputs split into chunks that each fit the model: one row of `batch` per chunk (an input
+    that fits is one chunk), input k's rows being `starts[k]:starts[k + 1]`."""
+
+    batch: TokenizedBatch
+    starts: np.ndarray
+
+    @property
+    def inputs(self) -> int:
+        return len(self.starts) - 1
+
+    @property
+    def chunk_counts(self) -> np.ndarray:
+        return np.diff(self.starts)
+
+    @property
+    def input_token_counts(self) -> np.ndarray:
+        """Each input's tokens: its chunks' together (the overlaps and special tokens counted in each
+        chunk, as the model reads them)."""
+        return np.add.reduceat(self.batch.token_counts, self.starts[:-1]) if self.inputs else self.starts[:0]
+
+
+def chunk_spans(length: int, *, window: int, overlap: int) -> list[tuple[int, int]]:
+    """Where the chunks of `length` content tokens lie: windows of `window` tokens, each starting
+    `window - overlap` after the previous, the last one ending at `length` (it may be shorter)."""
+    if not 0 <= overlap < window:
+        raise ValueError(f"the overlap ({overlap}) must be at least 0 and below the window ({window})")
+    if length <= window:
+        return [(0, length)]
+    stride = window - overlap
+    count = -(-(length - window) // stride) + 1
+    return [(index * stride, min(index * stride + window, length)) for index in range(count)]
 
 
 class Token(NamedTuple):
@@ -314,6 +365,55 @@ class TextTokenizer:
         attention_mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
         return TokenizedBatch(input_ids, attention_mask, lengths, truncated)
 
+    def encode_chunks(
+        self,
+        texts: list[str],
+        *,
+        overlap: int,
+        max_chunks: int,
+        buckets: tuple[int, ...] = (),
+    ) -> ChunkedBatch:
+        """The texts' rows as `encode` gives them, except that a text longer than the model's maximum
+        is not cut but split: its own tokens (special tokens aside) into windows that leave room for
+        the special tokens, `overlap` tokens shared by neighbours, each window wrapped in the special
+        tokens the tokenizer's template put around the whole text ([CLS] ... [SEP], <s> ... </s>).
+        A text that would take more than `max_chunks` chunks is refused (InputTooManyChunks)."""
+        for index, text in enumerate(texts):
+            _check_text(index, text)
+        if not texts:
+            empty = self.encode([])
+            return ChunkedBatch(empty, np.zeros(1, dtype=np.int64))
+        encodings = self._tokenizer(None).encode_batch_fast(texts, add_special_tokens=True)
+        rows: list[list[int]] = []
+        starts = [0]
+        for index, encoding in enumerate(encodings):
+            ids = encoding.ids
+            if len(ids) <= self.max_tokens:
+                rows.append(ids)
+            else:
+                head, tail = _special_ends(encoding)
+                window = self.max_tokens - head - (len(ids) - tail)
+                spans = chunk_spans(tail - head, window=window, overlap=overlap)
+                if len(spans) > max_chunks:
+                    raise InputTooManyChunks(
+                        index=index,
+                        tokens=len(ids),
+                        chunks=len(spans),
+                        max_chunks=max_chunks,
+                        max_tokens=self.max_tokens,
+                    )
+                rows += [ids[:head] + ids[head + start : head + stop] + ids[tail:] for start, stop in spans]
+            starts.append(len(rows))
+        truncated = np.zeros(len(rows), dtype=bool)
+        lengths = np.fromiter((len(ids) for ids in rows), dtype=np.int64, count=len(rows))
+        width = padded_length(int(lengths.max()), buckets)
+        input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
+        for row, ids in enumerate(rows):
+            input_ids[row, : lengths[row]] = ids
+        attention_mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
+        batch = TokenizedBatch(input_ids, attention_mask, lengths, truncated)
+        return ChunkedBatch(batch, np.asarray(starts, dtype=np.int64))
+
     def encode_pairs(
         self,
         query: str,
@@ -374,9 +474,8 @@ def _check_text(index: int, text: object) -> None:
         raise InvalidText(f"Input {index} is not valid UTF-8 text", index=index) from None
 
 
-def _cut(encoding, limit: int, direction: TruncationDirection) -> list[int]:
-    """The encoding's ids cut to `limit`, its leading and trailing special tokens kept ([CLS] ...
-    [SEP], <s> ... </s>): the text's own tokens are dropped from the end (or, "left", the start)."""
+def _special_ends(encoding) -> tuple[int, int]:
+    """Where the encoding's own tokens lie between its leading and trailing special tokens."""
     ids, special = encoding.ids, encoding.special_tokens_mask
     head = 0
     while head < len(ids) and special[head]:
@@ -384,6 +483,14 @@ def _cut(encoding, limit: int, direction: TruncationDirection) -> list[int]:
     tail = len(ids)
     while tail > head and special[tail - 1]:
         tail -= 1
+    return head, tail
+
+
+def _cut(encoding, limit: int, direction: TruncationDirection) -> list[int]:
+    """The encoding's ids cut to `limit`, its leading and trailing special tokens kept ([CLS] ...
+    [SEP], <s> ... </s>): the text's own tokens are dropped from the end (or, "left", the start)."""
+    ids = encoding.ids
+    head, tail = _special_ends(encoding)
     keep = max(0, limit - head - (len(ids) - tail))
     content = ids[head:tail]
     content = content[:keep] if direction == "right" else content[len(content) - keep :]

@@ -428,6 +428,11 @@ MAX_INPUTS_PER_REQUEST = env_int("MAX_INPUTS_PER_REQUEST", 2048, minimum=1)
 # alone, ~4x headroom for sharing). A GPU deployment raises it (README: sizing the limits).
 MAX_TOKENS_PER_REQUEST = env_int("MAX_TOKENS_PER_REQUEST", 32_768, minimum=1)
 MAX_REQUEST_BODY_BYTES = env_int("MAX_REQUEST_BODY_BYTES", 16 * 1024 * 1024, minimum=1024)
+# Long inputs embedded in chunks (`long_inputs: "chunk"`): neighbouring chunks share this many
+# tokens (below the model's maximum less its special tokens, else the request is refused), and an
+# input may make at most this many chunks (more: 413 naming it and its tokens).
+CHUNK_OVERLAP_TOKENS = env_int("CHUNK_OVERLAP_TOKENS", 32, minimum=0)
+MAX_CHUNKS_PER_INPUT = env_int("MAX_CHUNKS_PER_INPUT", 16, minimum=1)
 # Rerank: documents one request may rank (Cohere's recommended maximum), and the most tokens a
 # document keeps unless the request asks fewer (Cohere's max_tokens_per_doc default); the model's
 # own maximum caps both. More documents are refused (413); a larger max_tokens_per_doc is outside the

