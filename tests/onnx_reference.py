@@ -63,3 +63,23 @@ def vectors_for_ids(rows: list[list[int]]) -> np.ndarray:
 def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def chunks_of(ids: list[int], *, max_tokens: int, overlap: int) -> list[list[int]]:
+    """What embedding a text in chunks does to its ids, written out: its own tokens (between [CLS]
+    and [SEP]) in windows of max_tokens - 2, each `overlap` into the previous one, the last ending
+    at the text's end, each wrapped in [CLS] ... [SEP]."""
+    body, window = ids[1:-1], max_tokens - 2
+    chunks, start = [], 0
+    while True:
+        chunks.append([ids[0], *body[start : start + window], ids[-1]])
+        if start + window >= len(body):
+            return chunks
+        start += window - overlap
+
+
+def chunks_aggregated(vectors: np.ndarray, chunks: list[list[int]]) -> np.ndarray:
+    """The chunks' vectors averaged, each weighted by its tokens, then L2-normalised."""
+    weights = np.array([len(chunk) for chunk in chunks], dtype=np.float64)
+    mean = (np.asarray(vectors, dtype=np.float64) * weights[:, None]).sum(axis=0) / weights.sum()
+    return mean / np.linalg.norm(mean)

@@ -13,7 +13,13 @@ import orjson
 import pytest
 from django.core.management import CommandError, call_command
 
-from embeddings.errors.service import InferenceTimeout, InvalidRequest, ModelNotLoaded, Overloaded
+from embeddings.errors.service import (
+    InferenceTimeout,
+    InvalidRequest,
+    ModelNotLoaded,
+    Overloaded,
+    UnsupportedByModel,
+)
 from embeddings.services.inference import embedding
 from embeddings.services.inference.clients import model_tokenizer
 from embeddings.services.inference.embedding import EmbeddingOptions, EmbeddingTarget
@@ -312,3 +318,33 @@ async def test_a_request_past_its_deadline_ends_at_the_deadline(service_triton, 
     # Nothing of it waits any more, and the calls it had at Triton were cancelled with it.
     scheduler = inference_scheduler()
     assert scheduler.waiting_sub_batches == 0 and scheduler.in_flight == 0
+
+
+async def test_chunked_inputs_are_their_chunks_run_alone_in_onnx_and_averaged(service_triton, settings):
+    settings.CHUNK_OVERLAP_TOKENS = 16
+    long_text = " ".join(f"river{i} bridge town" for i in range(300))
+    ids = onnx_reference.token_ids(long_text)
+    chunks = onnx_reference.chunks_of(ids, max_tokens=256, overlap=16)
+    assert len(chunks) >= 4 and chunks[-1][-2] == ids[-2]
+    expected = onnx_reference.chunks_aggregated(onnx_reference.vectors_for_ids(chunks), chunks)
+
+    texts = ["short one", long_text, "another short one"]
+    options = EmbeddingOptions(chunk=True)
+    results = [
+        await embedding.embeddings_create(target=MINILM, texts=texts, options=options),
+        embedding.embeddings_create_sync(target=MINILM, texts=texts, options=options),
+    ]
+    shorts = onnx_reference.vectors_for_ids(
+        [onnx_reference.token_ids(texts[0]), onnx_reference.token_ids(texts[2])]
+    )
+    for result in results:
+        assert result.vectors.shape == (3, 384)
+        assert onnx_reference.row_cosines(result.vectors[1:2], expected[None])[0] >= 0.99999
+        assert onnx_reference.row_cosines(result.vectors[[0, 2]], shorts).min() >= 0.99999
+        assert result.token_counts.tolist()[1] == sum(map(len, chunks))
+        assert result.inputs == 3
+
+
+async def test_a_model_that_tokenises_in_triton_cannot_chunk(service_triton):
+    with pytest.raises(UnsupportedByModel, match="cannot embed long inputs in chunks"):
+        await embeddings_create(texts=["hello"], model="minilm_text", chunk=True)

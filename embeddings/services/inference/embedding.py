@@ -4,6 +4,19 @@ One implementation behind every endpoint, the Celery tasks and the `embed` comma
 sent to Triton as token-bounded sub-batches (embeddings.services.inference.scheduling): interleaved fairly
 with other requests on the async path, a few at a time at Triton's bulk priority on the blocking
 path, and each request's inference ends at its deadline.
+
+Long inputs are truncated (right or left), refused, or, with `EmbeddingOptions.chunk`, embedded in
+chunks: each over-long text's own tokens split into windows of the model's maximum (its special
+tokens re-added around each, CHUNK_OVERLAP_TOKENS shared by neighbours; at most
+MAX_CHUNKS_PER_INPUT an input), every chunk a row sent to Triton in the same sub-batches as the
+request's other rows, and the input's vector the token-weighted mean of its chunks' vectors (each
+weighted by its tokens, special tokens and overlap included), normalised, before the usual
+post-processing (dimensions, output types). The model's graph normalises each row, so the chunks
+are averaged as unit vectors, as vLLM averages them: a chunk's direction counts by its tokens
+alone, not by its norm. Chunks cost what they are: every chunk's tokens count against the
+request's token limit, its quota and its usage, and its rows against the model's inputs per
+request. Pre-tokenised inputs are not chunked (their special tokens, if any, are the client's):
+refused. A text's prompt is part of its text, so only its first chunk carries it.
 """
 
 from __future__ import annotations
@@ -56,7 +69,7 @@ from embeddings.services.inference.quantization import (
     quantized,
 )
 from embeddings.services.inference.scheduling import SubBatch, reassembled, sub_batches
-from embeddings.tokenization import TextTokenizer, TokenizedBatch, TruncationDirection
+from embeddings.tokenization import ChunkedBatch, TokenizedBatch, TruncationDirection
 from embeddings.triton import (
     PRIORITY_BULK,
     PRIORITY_INTERACTIVE,
@@ -177,6 +190,9 @@ class EmbeddingOptions:
     max_tokens: int | tuple[int, ...] | None = None
     # float, or quantised (int8, uint8, binary, ubinary: embeddings.services.inference.quantization).
     output_type: str = "float"
+    # Embed an input longer than the model takes in chunks, aggregated (see the module docstring),
+    # instead of truncating or refusing it (`truncate` and `direction` are then unused).
+    chunk: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,7 +248,9 @@ def _tokenize(
     texts: Sequence[str] | None,
     token_ids: Sequence[Sequence[int]] | None,
     options: EmbeddingOptions,
-) -> tuple[TokenizedBatch, TextTokenizer, float]:
+) -> tuple[TokenizedBatch, np.ndarray | None, float]:
+    """The request's rows, where each input's chunks start among them (None unless it is chunked),
+    and the seconds it took."""
     with tracing.span("tokenize", model=target.triton_model):
         return _tokenize_timed(target, texts, token_ids, options)
 
@@ -242,7 +260,7 @@ def _tokenize_timed(
     texts: Sequence[str] | None,
     token_ids: Sequence[Sequence[int]] | None,
     options: EmbeddingOptions,
-) -> tuple[TokenizedBatch, TextTokenizer, float]:
+) -> tuple[TokenizedBatch, np.ndarray | None, float]:
     started = time.perf_counter()
     count = len(token_ids if token_ids is not None else texts or ())
     if target.max_inputs is not None and count > target.max_inputs:
@@ -250,7 +268,23 @@ def _tokenize_timed(
             f"{count} inputs in one request; this model takes at most {target.max_inputs}", param="input"
         )
     tokenizer = model_tokenizer(target.triton_model, target.max_tokens, target.triton_version)
-    if token_ids is not None:
+    starts = None
+    if options.chunk:
+        if token_ids is not None:
+            raise InvalidRequest(
+                "Token ids are not embedded in chunks (their special tokens are yours to place): send "
+                "texts, or truncate or refuse long inputs",
+                param="long_inputs",
+            )
+        chunked = tokenizer.encode_chunks(
+            list(texts or ()),
+            overlap=settings.CHUNK_OVERLAP_TOKENS,
+            max_chunks=settings.MAX_CHUNKS_PER_INPUT,
+            buckets=tuple(settings.SEQUENCE_LENGTH_BUCKETS),
+        )
+        batch, starts = chunked.batch, chunked.starts
+        _chunks_check(target, chunked)
+    elif token_ids is not None:
         batch = tokenizer.encode_ids(list(token_ids), truncate=options.truncate, direction=options.direction)
     else:
         batch = tokenizer.encode(
@@ -270,17 +304,59 @@ def _tokenize_timed(
         )
     elapsed = time.perf_counter() - started
     TOKENIZATION_SECONDS.labels(target.triton_model).observe(elapsed)
-    return batch, tokenizer, elapsed
+    return batch, starts, elapsed
 
 
-def _takes_text(spec: ModelSpec, token_ids: object) -> bool:
-    """Whether the model takes text (one BYTES input) rather than token ids; checks seed settings."""
+def _chunks_check(target: EmbeddingTarget, chunked: ChunkedBatch) -> None:
+    """A chunked request's rows are bounded as inputs are: at most the model's inputs per request."""
+    rows = len(chunked.batch)
+    if target.max_inputs is not None and rows > target.max_inputs:
+        longest = int(np.argmax(chunked.chunk_counts))
+        raise LimitExceeded(
+            f"The {chunked.inputs} inputs make {rows} chunks in all (input {longest} has "
+            f"{int(chunked.input_token_counts[longest])} tokens in {int(chunked.chunk_counts[longest])} "
+            f"chunks); a request may have at most {target.max_inputs}",
+            param="input",
+        )
+
+
+def chunks_aggregated(vectors: np.ndarray, token_counts: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Each input's vector from its chunks' rows (input k's: `starts[k]:starts[k + 1]`): their mean
+    weighted by each chunk's tokens, L2-normalised. An input of one chunk keeps its row as it is."""
+    weighted = vectors.astype(np.float64) * token_counts[:, None]
+    sums = np.add.reduceat(weighted, starts[:-1], axis=0)
+    norms = np.linalg.norm(sums, axis=1, keepdims=True)
+    aggregated = (sums / np.maximum(norms, 1e-12)).astype(np.float32)
+    single = np.diff(starts) == 1
+    aggregated[single] = vectors[starts[:-1][single]]
+    return aggregated
+
+
+def _input_vectors(batch: TokenizedBatch, starts: np.ndarray | None, vectors: np.ndarray) -> np.ndarray:
+    """The rows' vectors as the inputs': their chunks' aggregated when chunked."""
+    return vectors if starts is None else chunks_aggregated(vectors, batch.token_counts, starts)
+
+
+def _input_token_counts(batch: TokenizedBatch, starts: np.ndarray | None) -> np.ndarray:
+    """Each input's tokens: its chunks' together when chunked."""
+    return batch.token_counts if starts is None else np.add.reduceat(batch.token_counts, starts[:-1])
+
+
+def _takes_text(spec: ModelSpec, token_ids: object, *, chunked: bool = False) -> bool:
+    """Whether the model takes text (one BYTES input) rather than token ids; checks seed settings.
+    Chunks are token ids: a model that takes text cannot embed them."""
     if settings.INPUT_NAME and spec.input(settings.INPUT_NAME) is None:
         raise TritonModelError(f"model {spec.name!r} has no input named {settings.INPUT_NAME!r} (INPUT_NAME)")
     takes_text = any(tensor.datatype == "BYTES" for tensor in spec.inputs)
     if takes_text and token_ids is not None:
         raise InvalidRequest(
             f"model {spec.name!r} tokenises inside Triton and takes text, not token ids", param="input"
+        )
+    if takes_text and chunked:
+        raise UnsupportedByModel(
+            f"model {spec.name!r} tokenises inside Triton: it cannot embed long inputs in chunks "
+            "(truncate or refuse them)",
+            param="long_inputs",
         )
     return takes_text
 
@@ -464,12 +540,14 @@ async def _infer(
     token_ids: Sequence[Sequence[int]] | None,
     batch: TokenizedBatch,
     deadline: float,
+    *,
+    chunked: bool = False,
 ) -> np.ndarray:
     """All of the request's sub-batches through the process's fair scheduler, by `deadline`."""
     client = triton_async_client()
     model, version = target.triton_model, target.triton_version
     spec = await client.model_metadata(model, version)
-    takes_text = _takes_text(spec, token_ids)
+    takes_text = _takes_text(spec, token_ids, chunked=chunked)
     groups = _plan(spec, batch)
     scheduler = inference_scheduler()
     share = scheduler.share()
@@ -532,20 +610,22 @@ async def embeddings_create(
     _check_options(target, options)
     texts = _with_prompt(target, texts, options)
     if _input_size(texts, token_ids) > TOKENIZE_IN_THREAD_ABOVE:
-        batch, _, tokenization_s = await asyncio.to_thread(_tokenize, target, texts, token_ids, options)
+        batch, starts, tokenization_s = await asyncio.to_thread(_tokenize, target, texts, token_ids, options)
     else:
-        batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
+        batch, starts, tokenization_s = _tokenize(target, texts, token_ids, options)
     vectors, inference_s = await tokens_infer(
         target,
         batch,
         deadline=deadline,
         timeout_s=timeout_s,
         quota=quota,
-        finish=lambda vectors: _postprocess(target, vectors, options),
+        finish=lambda vectors: _postprocess(target, _input_vectors(batch, starts, vectors), options),
         texts=texts,
         token_ids=token_ids,
+        chunk_starts=starts,
     )
-    return EmbeddingResult(target.triton_model, vectors, batch.token_counts, tokenization_s, inference_s)
+    token_counts = _input_token_counts(batch, starts)
+    return EmbeddingResult(target.triton_model, vectors, token_counts, tokenization_s, inference_s)
 
 
 async def tokens_infer(
@@ -558,23 +638,29 @@ async def tokens_infer(
     finish: Callable[[np.ndarray], np.ndarray],
     texts: Sequence[str] | None = None,
     token_ids: Sequence[Sequence[int]] | None = None,
+    chunk_starts: np.ndarray | None = None,
 ) -> tuple[np.ndarray, float]:
     """A tokenised request's model outputs, `finish`ed, and the inference seconds: metered (its
     quota reserved before, settled after: kept on success, refunded on any failure, `finish`'s
     included), within the in-flight gate and by `deadline` (`timeout_s` from the request's start).
-    Embeddings and a cross-encoder's pair scores alike."""
-    request_context.annotate(inputs=len(batch), tokens=batch.total_tokens)
+    Embeddings and a cross-encoder's pair scores alike. With `chunk_starts` the rows are the
+    inputs' chunks (input k's from chunk_starts[k]): the inputs are counted as the client sent them,
+    and every chunk's tokens."""
+    inputs = len(batch) if chunk_starts is None else len(chunk_starts) - 1
+    request_context.annotate(inputs=inputs, tokens=batch.total_tokens)
     with inflight_gate:
         if quota is not None:
             with tracing.span("quota.reserve"):
-                await quota.reserve(inputs=len(batch), tokens=batch.total_tokens)
+                await quota.reserve(inputs=inputs, tokens=batch.total_tokens)
         try:
             with triton_call_observed(target.triton_model):
                 started = time.perf_counter()
                 try:
                     async with asyncio.timeout(deadline - time.monotonic()):
                         with tracing.span("inference", model=target.triton_model, rows=len(batch)):
-                            vectors = await _infer(target, texts, token_ids, batch, deadline)
+                            vectors = await _infer(
+                                target, texts, token_ids, batch, deadline, chunked=chunk_starts is not None
+                            )
                 except TritonModelNotLoaded as error:
                     raise _not_loaded(target) from error
                 except TimeoutError:
@@ -641,7 +727,7 @@ def embeddings_create_sync(
     """
     _check_options(target, options)
     texts = _with_prompt(target, texts, options)
-    batch, _, tokenization_s = _tokenize(target, texts, token_ids, options)
+    batch, starts, tokenization_s = _tokenize(target, texts, token_ids, options)
     client = triton_sync_client()
     model, version = target.triton_model, target.triton_version
     with (
@@ -651,7 +737,7 @@ def embeddings_create_sync(
     ):
         started = time.perf_counter()
         spec = client.model_metadata(model, version)
-        takes_text = _takes_text(spec, token_ids)
+        takes_text = _takes_text(spec, token_ids, chunked=starts is not None)
         groups = _plan(spec, batch)
         call_options = {"version": version, "output_name": settings.OUTPUT_NAME, "priority": PRIORITY_BULK}
 
@@ -668,5 +754,5 @@ def embeddings_create_sync(
         parts = _run_windowed([call(group) for group in groups], window)
         vectors = reassembled(list(zip(groups, parts, strict=True)), len(batch))
         inference_s = time.perf_counter() - started
-    vectors = _postprocess(target, vectors, options)
-    return EmbeddingResult(model, vectors, batch.token_counts, tokenization_s, inference_s)
+    vectors = _postprocess(target, _input_vectors(batch, starts, vectors), options)
+    return EmbeddingResult(model, vectors, _input_token_counts(batch, starts), tokenization_s, inference_s)
