@@ -27,6 +27,8 @@ from embeddings.contracts.embeddings_request import (
     OpenAIEmbeddingsRequest,
     ParsedInput,
     TextsField,
+    long_inputs_field,
+    long_inputs_resolve,
     refuse_empty_texts,
 )
 from embeddings.contracts.fields import StrictBooleanField, StrictCharField, dimensions_field, validated
@@ -88,7 +90,8 @@ class TeiEmbedRequest(serializers.Serializer):
     inputs = TextsField()
     model = StrictCharField(lookup=True, required=False, help_text="Default: the server's default model.")
     truncate = StrictBooleanField(
-        default=True, help_text="Truncate inputs longer than the model's maximum; false: refuse them (413)."
+        required=False,
+        help_text="Default true: truncate inputs longer than the model's maximum; false: refuse them (413).",
     )
     truncation_direction = serializers.ChoiceField(choices=["Left", "Right"], default="Right")
     prompt_name = StrictCharField(
@@ -100,6 +103,11 @@ class TeiEmbedRequest(serializers.Serializer):
     )
     normalize = StrictBooleanField(default=True)
     dimensions = dimensions_field()
+    long_inputs = long_inputs_field()
+
+    def validate(self, attrs: dict) -> dict:
+        long_inputs_resolve(attrs, switch="truncate")
+        return attrs
 
 
 class UsageSerializer(serializers.Serializer):
@@ -269,7 +277,8 @@ async def openai_embeddings(call: EmbeddingsCall, params: dict) -> tuple[dict, E
             dimensions=params.get("dimensions") or params.get("output_dimension"),
             input_type=params.get("input_type"),
             output_type=params["output_dtype"],
-            truncate=params["truncation"],
+            truncate=params["long_inputs"] == "truncate",
+            chunk=params["long_inputs"] == "chunk",
         ),
         quota=call.request_quota(model.name),
     )
@@ -353,7 +362,8 @@ class TeiEmbedView(ApiView):
             target=EmbeddingTarget.for_model(model),
             texts=params["inputs"],
             options=EmbeddingOptions(
-                truncate=params["truncate"],
+                truncate=params["long_inputs"] == "truncate",
+                chunk=params["long_inputs"] == "chunk",
                 direction="left" if params["truncation_direction"] == "Left" else "right",
                 dimensions=params.get("dimensions"),
                 normalize=params["normalize"],

@@ -166,6 +166,39 @@ def output_type_field(name: str = "output_dtype", default: str = "float") -> ser
     )
 
 
+LONG_INPUTS = ("truncate", "refuse", "chunk")
+
+
+def long_inputs_field() -> serializers.ChoiceField:
+    """What to do with an input longer than the model takes (ours, beside each API's own switch)."""
+    return serializers.ChoiceField(
+        choices=list(LONG_INPUTS),
+        required=False,
+        help_text="An input longer than the model takes: `truncate` it (as the truncation field says), "
+        "`refuse` it (413 naming it and its tokens), or `chunk`: embed it in overlapping chunks of the "
+        "model's maximum, sent with the other inputs, and answer the token-weighted mean of their "
+        "vectors, normalised; every chunk's tokens are counted. Texts only. Default: as `truncation` "
+        "(or TEI's `truncate`) says.",
+    )
+
+
+def long_inputs_resolve(attrs: dict, *, switch: str) -> None:
+    """`attrs["long_inputs"]` from itself or, absent, from the API's own boolean `switch`
+    (`truncation`, `truncate`: optional, true when absent, so that whether it was sent is known);
+    the switch, when sent, must agree with it (`chunk` agrees with either: it neither truncates nor
+    refuses)."""
+    sent = switch in attrs
+    truncates = attrs.setdefault(switch, True)
+    mode = attrs.get("long_inputs")
+    if mode is None:
+        attrs["long_inputs"] = "truncate" if truncates else "refuse"
+        return
+    if sent and mode != "chunk" and (mode == "truncate") != truncates:
+        raise serializers.ValidationError(
+            {"long_inputs": f"long_inputs {mode!r} and {switch} {str(truncates).lower()} disagree; give one"}
+        )
+
+
 class OpenAIEmbeddingsRequest(serializers.Serializer):
     model = StrictCharField(lookup=True, help_text="A model id from GET /v1/models (or one of its aliases).")
     input = EmbeddingInputField(help_text=INPUT_HELP)
@@ -187,11 +220,15 @@ class OpenAIEmbeddingsRequest(serializers.Serializer):
     output_dtype = output_type_field()
     output_dimension = dimensions_field(help_text="Voyage's name for `dimensions` (give one of them).")
     truncation = StrictBooleanField(
-        default=True,
-        help_text="false: an input longer than the model takes is refused (413) instead of truncated.",
+        required=False,
+        help_text="Default true. false: an input longer than the model takes is refused (413) instead of "
+        "truncated.",
     )
+    # Ours: embedding long inputs in chunks, which neither OpenAI nor Voyage offers on this route.
+    long_inputs = long_inputs_field()
 
     def validate(self, attrs: dict) -> dict:
+        long_inputs_resolve(attrs, switch="truncation")
         both = attrs.get("dimensions"), attrs.get("output_dimension")
         if None not in both and both[0] != both[1]:
             raise serializers.ValidationError(
@@ -214,6 +251,7 @@ def embeddings_request_parse(body: object) -> dict:
         "input_type": params.get("input_type"),
         "output_type": params["output_dtype"],
         "truncate": params["truncation"],
+        "long_inputs": params["long_inputs"],
     }
 
 

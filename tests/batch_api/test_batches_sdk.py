@@ -340,6 +340,7 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
         request_line("too-many-inputs", {"model": MODEL, "input": ["x"] * 3000}),
         request_line("good-2", {**good, "encoding_format": "base64"}),
         request_line("empty-text", {"model": MODEL, "input": ["x", ""]}),
+        request_line("chunked", {"model": MODEL, "input": "x", "long_inputs": "chunk"}),
     ]
     batch = client.batches.create(
         input_file_id=upload(client, lines).id, endpoint="/v1/embeddings", completion_window="24h"
@@ -357,8 +358,9 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
         (8, "invalid_json_line"),
         (9, "unsupported_by_model"),
         (13, "invalid_value"),
+        (14, "invalid_value"),  # long_inputs "chunk": not in batches
     }, done.errors
-    assert done.request_counts.model_dump() == {"total": 12, "completed": 2, "failed": 10}
+    assert done.request_counts.model_dump() == {"total": 13, "completed": 2, "failed": 11}
     output = {record["custom_id"]: record for record in file_lines(client, done.output_file_id)}
     assert set(output) == {"good-1", "good-2"}
     for custom_id, body in (("good-1", good), ("good-2", {**good, "encoding_format": "base64"})):
@@ -366,7 +368,7 @@ def test_bad_lines_are_reported_per_line_and_the_rest_completes(client, http, jo
             output[custom_id]["response"]["body"], http.post("/v1/embeddings", json=body).json()
         )
     errors = file_lines(client, done.error_file_id)
-    assert len(errors) == 10
+    assert len(errors) == 11
     # The request the synchronous API refuses is answered as it answers it: 413, same error body.
     (refused,) = [record for record in errors if record["custom_id"] == "too-many-inputs"]
     sync = http.post("/v1/embeddings", json={"model": MODEL, "input": ["x"] * 3000})

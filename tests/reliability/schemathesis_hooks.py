@@ -17,8 +17,9 @@ in the OpenAPI 3.0 schema. Each is dropped only on its operations, with its stat
 - `metadata` keys (422): over 64 characters or with a NUL. OpenAPI 3.0 cannot bound an object's
   keys (`propertyNames` is 3.1's); the values' bounds are in the schema.
 - one of two fields (422): Cohere's /v2/embed takes `texts` or `inputs`, exactly one; /v1/embeddings
-  takes `dimensions` and Voyage's `output_dimension` only when they agree. How two optional fields
-  relate is not something this schema says.
+  takes `dimensions` and Voyage's `output_dimension` only when they agree; `long_inputs` (on
+  /v1/embeddings and TEI's /embed) only when `truncation`/`truncate` agrees with it, and `chunk`
+  only for texts, not token ids. How two optional fields relate is not something this schema says.
 
 Each dropped failure is counted (the JSON report's `filtered`) and written to the file named by
 DROPPED_LOG_ENV, one JSON line each, so the test can report what was dropped and why.
@@ -73,6 +74,9 @@ def expected_refusal(operation: str, status: int, error: dict) -> str | None:
     if status == 422 and (operation, param) in {
         ("POST /v2/embed", "texts"),
         ("POST /v1/embeddings", "output_dimension"),
+        ("POST /v1/embeddings", "long_inputs"),
+        ("POST /embed", "long_inputs"),
+        ("POST /api/v1/embed", "long_inputs"),
     }:
         return "one of two fields"
     if status == 422 and code == "invalid_range" and operation == "GET /v1/usage":

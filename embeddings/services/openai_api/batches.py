@@ -338,6 +338,13 @@ def _parse_request(
         raise _LineProblem("invalid_body", "body must be a JSON object (an embeddings request).", "body")
     try:
         request = embeddings_request_parse(body)
+        if request["long_inputs"] == "chunk":
+            raise _LineProblem(
+                "invalid_value",
+                "long_inputs 'chunk' is not available in batches (only on POST /v1/embeddings); "
+                "truncate or refuse long inputs here.",
+                "body.long_inputs",
+            )
         model = models.resolve(request["model"])
         dimensions_check(dimensions=request.get("dimensions"), model_dimensions=model.dimensions)
     except _LineProblem:
