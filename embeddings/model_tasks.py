@@ -20,6 +20,8 @@ ACTIVATIONS = (ACTIVATION_SIGMOID, ACTIVATION_IDENTITY)
 # its prompts (EmbeddingModel.input_types). Cohere's names for the first two are accepted too.
 INPUT_TYPES = ("query", "document", "classification", "clustering")
 INPUT_TYPE_ALIASES = {"search_query": "query", "search_document": "document"}
+# Every input_type a request may name (the schema's one InputTypeEnum: settings.SPECTACULAR_SETTINGS).
+INPUT_TYPE_NAMES = (*INPUT_TYPES, *INPUT_TYPE_ALIASES)
 
 # What an embedding is returned as: float32, or quantised (embeddings.services.inference.quantization):
 # int8/uint8 one byte a dimension, binary/ubinary one bit (signs packed eight to a byte).

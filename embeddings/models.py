@@ -9,7 +9,7 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
-from embeddings.model_tasks import ACTIVATIONS, INPUT_TYPES, TASK_EMBED, TASK_RERANK
+from embeddings.model_tasks import ACTIVATIONS, INPUT_TYPES, OUTPUT_TYPES, TASK_EMBED, TASK_RERANK
 from embeddings.result_dtypes import DEFAULT_RESULT_DTYPE, RESULT_DTYPE_CHOICES
 
 TASK_CHOICES = [(TASK_EMBED, "Embedding"), (TASK_RERANK, "Rerank (cross-encoder)")]
@@ -343,6 +343,16 @@ class EmbeddingJob(models.Model):
         choices=RESULT_DTYPE_CHOICES,
         default=DEFAULT_RESULT_DTYPE,
         help_text="How the stored vectors are encoded (the request's, else the model's)",
+    )
+    output_type = models.CharField(
+        max_length=10,
+        choices=[(name, name) for name in OUTPUT_TYPES],
+        default="float",
+        help_text="The vectors' type (the request's output_dtype): float (stored as result_dtype), or "
+        "int8/uint8/binary/ubinary, stored and downloaded in that type",
+    )
+    input_type = models.CharField(
+        max_length=20, blank=True, help_text="What the inputs are for (picks the model's prompt); blank: none"
     )
     has_ids = models.BooleanField(default=False, help_text="The upload gave ids, kept in results")
     # Progress, mirrored from Redis.

@@ -6,6 +6,11 @@ an absolute error of at most 2^-25), so the cosine of a stored unit vector with 
 original stays above 0.9999998 (README, "Result precision"; measured on real sentences in
 tests/api/test_jobs_end_to_end.py). Values beyond ±65504 cannot be stored at all: such a chunk is
 refused (ResultOutOfRange) rather than stored as infinity.
+
+A job whose output type is quantised (int8, uint8: one byte a dimension; binary, ubinary: sign bits
+packed eight to a byte, embeddings/services/inference/quantization.py) is stored in that type, as
+the worker's embedding call returns it, and downloaded in it: float16 applies to float results only
+(a quantised type is already smaller than float16, and would gain nothing from it).
 """
 
 from __future__ import annotations
@@ -26,27 +31,58 @@ DEFAULT_RESULT_DTYPE = FLOAT32
 # The names clients and admins use, and each one's little-endian storage dtype (as numpy spells it).
 RESULT_DTYPES: dict[str, str] = {FLOAT32: "<f4", FLOAT16: "<f2"}
 RESULT_DTYPE_CHOICES = [(name, name) for name in RESULT_DTYPES]
-# What every download returns, whatever the storage.
+# What every download of float results returns, whatever their storage.
 RETURNED_DTYPE = RESULT_DTYPES[FLOAT32]
+# Quantised output types, stored and returned as they are (quantization.OUTPUT_DTYPES); the packed
+# ones hold eight dimensions a byte.
+QUANTISED_STORAGE: dict[str, str] = {"int8": "i1", "uint8": "u1", "binary": "i1", "ubinary": "u1"}
+PACKED_STORAGE = ("binary", "ubinary")
 
 
 class ResultOutOfRange(EmbedsiteError, ValueError):
     """A vector value that the job's storage dtype cannot hold (beyond float16's ±65504)."""
 
 
+def result_storage_name(*, result_dtype: str, output_type: str) -> str:
+    """How a job's results are stored: its output type when quantised (result_dtype, float32 or
+    float16, applies to float results only), else its result_dtype."""
+    return output_type if output_type in QUANTISED_STORAGE else result_dtype
+
+
 def result_storage_dtype(name: str) -> np.dtype:
     import numpy as np
 
     try:
-        return np.dtype(RESULT_DTYPES[name])
+        return np.dtype(RESULT_DTYPES.get(name) or QUANTISED_STORAGE[name])
     except KeyError:
-        raise ValueError(f"unknown result dtype {name!r}; one of {', '.join(RESULT_DTYPES)}") from None
+        known = ", ".join([*RESULT_DTYPES, *QUANTISED_STORAGE])
+        raise ValueError(f"unknown result dtype {name!r}; one of {known}") from None
 
 
 def result_bytes_per_value(name: str) -> int:
-    """Bytes one stored vector component takes (4 for float32, 2 for float16): what a job's
-    results cost in the job store is inputs x dimensions x this."""
+    """Bytes one stored value takes (4 for float32, 2 for float16, 1 for the quantised types,
+    whose packed binary values each hold eight dimensions)."""
     return result_storage_dtype(name).itemsize
+
+
+def result_row_width(name: str, dims: int) -> int:
+    """Values one stored `dims`-dimensional vector has: dims, or dims / 8 packed bytes (binary)."""
+    return dims // 8 if name in PACKED_STORAGE else dims
+
+
+def result_row_bytes(name: str, dims: int) -> int:
+    """Bytes one stored `dims`-dimensional vector takes (384 dims: float32 1,536, float16 768, int8
+    and uint8 384, binary and ubinary 48): what a job's results cost in the job store is inputs x
+    this."""
+    return result_row_width(name, dims) * result_storage_dtype(name).itemsize
+
+
+def result_returned_dtype(name: str) -> np.dtype:
+    """The dtype downloads give: float32 for float results (float16 widened), else the quantised
+    type's own."""
+    import numpy as np
+
+    return np.dtype(QUANTISED_STORAGE[name]) if name in QUANTISED_STORAGE else np.dtype(RETURNED_DTYPE)
 
 
 def result_encode(vectors: np.ndarray, name: str) -> bytes:
@@ -54,6 +90,11 @@ def result_encode(vectors: np.ndarray, name: str) -> bytes:
     import numpy as np
 
     dtype = result_storage_dtype(name)
+    if name in QUANTISED_STORAGE:
+        # Quantised by the embedding call already: stored as they are, never converted again.
+        if vectors.dtype != dtype:
+            raise ValueError(f"{name} results are {dtype} vectors, not {vectors.dtype}")
+        return np.ascontiguousarray(vectors).tobytes()
     source = np.asarray(vectors, dtype=np.float32)
     with np.errstate(over="ignore"):  # an overflow is found and refused just below
         stored = np.ascontiguousarray(source, dtype=dtype)
@@ -70,11 +111,14 @@ def result_encode(vectors: np.ndarray, name: str) -> bytes:
 
 
 def result_decode(raw: bytes, name: str, dims: int) -> np.ndarray:
-    """Stored bytes back as a rows x dims float32 array (exact: every float16 is a float32)."""
+    """Stored bytes back as a rows x dims float32 array (exact: every float16 is a float32), or for
+    a quantised type as stored (rows x dims, or rows x dims / 8 packed bytes)."""
     import numpy as np
 
-    stored = np.frombuffer(raw, dtype=result_storage_dtype(name)).reshape(-1, dims)
-    return stored if stored.dtype == RETURNED_DTYPE else stored.astype(RETURNED_DTYPE)
+    width = result_row_width(name, dims)
+    stored = np.frombuffer(raw, dtype=result_storage_dtype(name)).reshape(-1, width)
+    returned = result_returned_dtype(name)
+    return stored if stored.dtype == returned else stored.astype(returned)
 
 
 def base64_rows(vectors: np.ndarray) -> list[str]:

@@ -397,6 +397,8 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     # Generating a schema imports embeddings/api/schema.py, which registers our extensions.
     "DEFAULT_GENERATOR_CLASS": "embeddings.api.schema.SchemaGenerator",
+    # One name for the input types /v1/embeddings and /v1/jobs take (Cohere's own set differs).
+    "ENUM_NAME_OVERRIDES": {"InputTypeEnum": "embeddings.model_tasks.INPUT_TYPE_NAMES"},
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "embeddings.api.schema.edge_errors_hook",

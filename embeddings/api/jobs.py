@@ -42,7 +42,12 @@ from embeddings.api.docs import (
 from embeddings.api.forms import form_fields
 from embeddings.api.rendering import MultipartUploadParser, OrjsonParser, in_threads, refuse_non_utf8
 from embeddings.callers import Caller
-from embeddings.contracts.embeddings_request import TEXT_SCHEMA, StringListField
+from embeddings.contracts.embeddings_request import (
+    TEXT_SCHEMA,
+    StringListField,
+    input_type_field,
+    output_type_field,
+)
 from embeddings.contracts.fields import (
     INT32_MAX,
     MetadataField,
@@ -70,6 +75,7 @@ from embeddings.errors.service import (
     JobStoreUnavailable,
     QuotaUnavailable,
 )
+from embeddings.model_tasks import OUTPUT_TYPES
 from embeddings.models import EmbeddingJob, EmbeddingModel
 from embeddings.result_dtypes import RESULT_DTYPES
 from embeddings.services.jobs.callback_targets import CallbackTargetError
@@ -89,7 +95,7 @@ from embeddings.services.jobs.reads import (
     job_results_download,
     jobs_for_tenant,
 )
-from embeddings.services.jobs.results import iter_jsonl, iter_npy, json_page, npy_header
+from embeddings.services.jobs.results import iter_jsonl, iter_npy, json_page, npy_size
 from embeddings.services.jobs.submission import JobSpec, job_create
 
 IDEMPOTENCY_KEY_MAX_CHARS = 255
@@ -153,8 +159,11 @@ class JobOptions(serializers.Serializer):
         allow_null=True,
         help_text="How the results are stored while they wait for download: `float16` takes half the "
         "memory, each value within 2^-11 of float32 relative to it (cosine to float32 above 0.9999). "
-        "Downloads are float32 either way. Default: the model's setting (float32 unless set).",
+        "Downloads are float32 either way. Default: the model's setting (float32 unless set). "
+        "For float results only: a quantised `output_dtype` is stored in its own type.",
     )
+    output_dtype = output_type_field()
+    input_type = input_type_field()
     metadata = MetadataField(required=False)
     callback_url = serializers.URLField(
         required=False,
@@ -196,8 +205,9 @@ class JobResultsQuery(serializers.Serializer):
     format = serializers.ChoiceField(
         choices=["jsonl", "json", "npy"],
         default="jsonl",
-        help_text="`jsonl`: one object a line, streamed; `npy`: one float32 array (rows of failed "
-        "inputs are NaN), streamed; `json`: one page (`offset`, `limit`).",
+        help_text="`jsonl`: one object a line, streamed; `npy`: one array, streamed: float32 (rows of "
+        "failed inputs NaN), or the job's quantised `output_dtype` (int8/uint8 [n, d], binary/ubinary "
+        "[n, d/8]; rows of failed inputs zeros); `json`: one page (`offset`, `limit`).",
     )
     encoding_format = serializers.ChoiceField(
         choices=["float", "base64"], required=False, help_text="Default: the job's encoding_format."
@@ -246,8 +256,14 @@ class JobObjectSerializer(serializers.Serializer):
     encoding_format = serializers.CharField()
     dimensions = serializers.IntegerField(allow_null=True)
     result_dtype = serializers.ChoiceField(
-        choices=list(RESULT_DTYPES), help_text="How the results are stored; downloads are float32"
+        choices=list(RESULT_DTYPES),
+        help_text="How float results are stored; their downloads are float32",
     )
+    output_dtype = serializers.ChoiceField(
+        choices=list(OUTPUT_TYPES),
+        help_text="The vectors' type: float, or int8/uint8/binary/ubinary, stored and downloaded in it",
+    )
+    input_type = serializers.CharField(allow_null=True, help_text="What the inputs are for, as asked")
 
 
 class JobListSerializer(ListPageSerializer):
@@ -294,9 +310,13 @@ def request_fingerprint(model: EmbeddingModel, options: dict, inputs: JobInputs)
         "metadata": options.get("metadata") or {},
         "callback_url": options.get("callback_url") or "",
     }
-    # Only when asked for: fingerprints of requests without it stay as they were.
+    # Only when asked for: fingerprints of requests without them stay as they were.
     if options.get("result_dtype"):
         canonical["result_dtype"] = options["result_dtype"]
+    if options.get("output_dtype", "float") != "float":
+        canonical["output_dtype"] = options["output_dtype"]
+    if options.get("input_type"):
+        canonical["input_type"] = options["input_type"]
     digest = hashlib.sha256(orjson.dumps(canonical, option=orjson.OPT_SORT_KEYS))
     digest.update(orjson.dumps(inputs.texts))
     digest.update(orjson.dumps(inputs.ids))
@@ -430,6 +450,8 @@ JOB_EXAMPLE = {
     "encoding_format": "float",
     "dimensions": None,
     "result_dtype": "float32",
+    "output_dtype": "float",
+    "input_type": None,
 }
 JOB_ID_PARAMETER = OpenApiParameter(
     "job_id",
@@ -458,7 +480,8 @@ class JobListCreateView(ApiView):
             '`file` part (one text a line, or JSONL `{"id", "text"}` lines whose ids come back '
             "with the results) and the options as form fields (`metadata` as a JSON object). "
             "Tokens for the whole job are reserved against your quotas now, and the bytes it will hold "
-            "(inputs, and inputs x dimensions x 4 of results) against your job storage budget. "
+            "(inputs, and inputs x the bytes of one stored vector: dimensions x 4 for float32, x 2 "
+            "for float16, x 1 for int8/uint8, / 8 for binary/ubinary) against your job storage budget. "
             "An `Idempotency-Key` header makes retries safe: the same key with the same request "
             "answers the job it created (200), with another request 409."
         ),
@@ -582,6 +605,8 @@ class JobListCreateView(ApiView):
             metadata=options.get("metadata") or {},
             callback_url=options.get("callback_url") or "",
             result_dtype=options.get("result_dtype"),
+            output_type=options["output_dtype"],
+            input_type=options.get("input_type") or None,
         )
         fingerprint = request_fingerprint(model, options, inputs) if key else ""
         body, created, location = await _create(
@@ -719,7 +744,9 @@ class JobResultsView(ApiView):
                 ],
             ),
             (200, "application/x-npy"): OpenApiResponse(
-                OpenApiTypes.BINARY, description="A NumPy .npy file: float32, shape (inputs, dimensions)"
+                OpenApiTypes.BINARY,
+                description="A NumPy .npy file: float32, shape (inputs, dimensions); for a quantised "
+                "output_dtype int8/uint8 (inputs, dimensions) or binary/ubinary (inputs, dimensions / 8)",
             ),
             **AUTH_ERRORS,
             404: JOB_NOT_FOUND,
@@ -778,7 +805,7 @@ class JobResultsView(ApiView):
             response = StreamingHttpResponse(
                 in_threads(lambda: iter_npy(store, rows_per_chunk, dims)), content_type="application/x-npy"
             )
-            response["Content-Length"] = str(len(npy_header(total, dims)) + total * dims * 4)
+            response["Content-Length"] = str(npy_size(store, total, dims))
         else:
             response = StreamingHttpResponse(
                 in_threads(lambda: iter_jsonl(store, rows_per_chunk, dims, encoding=encoding)),

@@ -313,3 +313,140 @@ def test_job_storage_budget_on_the_real_stack(http, job_stack):
         assert held() == before
     finally:
         database_execute(job_stack.env["DATABASE_URL"], tenant, None)
+
+
+def synchronous_rows(http: httpx2.Client, texts: list[str], **options) -> np.ndarray:
+    """POST /v1/embeddings' rows as it answers them (integers for the quantised types)."""
+    response = http.post("/v1/embeddings", json={"model": MODEL, "input": texts, **options})
+    assert response.status_code == 200, response.text
+    return np.array([item["embedding"] for item in response.json()["data"]])
+
+
+def quantised_downloads(http: httpx2.Client, job_id: str, dtype: str, width: int) -> dict[str, np.ndarray]:
+    """The job's vectors as each download format returns them, in the job's quantised type."""
+    npy = http.get(f"/v1/jobs/{job_id}/results?format=npy")
+    assert npy.status_code == 200 and int(npy.headers["content-length"]) == len(npy.content), npy.text
+    vectors = {"npy": np.load(io.BytesIO(npy.content))}
+    assert vectors["npy"].dtype == np.dtype(dtype) and vectors["npy"].shape == (len(SENTENCES), width)
+    jsonl = http.get(f"/v1/jobs/{job_id}/results?format=jsonl").content
+    records = [orjson.loads(line) for line in jsonl.splitlines()]
+    assert all(isinstance(value, int) for record in records for value in record["embedding"])
+    vectors["jsonl"] = np.array([record["embedding"] for record in records])
+    encoded = http.get(f"/v1/jobs/{job_id}/results?format=jsonl&encoding_format=base64").content
+    vectors["jsonl-base64"] = np.stack(
+        [
+            np.frombuffer(base64.b64decode(orjson.loads(line)["embedding"]), dtype=dtype)
+            for line in encoded.splitlines()
+        ]
+    )
+    page = http.get(f"/v1/jobs/{job_id}/results?format=json&limit=1000").json()
+    vectors["json"] = np.array([record["embedding"] for record in page["data"]])
+    return vectors
+
+
+def test_int8_and_binary_jobs_store_their_real_size_and_download_in_their_type(http, job_stack):
+    """Jobs asking int8 and binary output through uvicorn and a worker: the job store keeps one byte
+    a dimension (int8) and one bit (binary), the tenant's storage hold is smaller than a float32
+    job's by exactly those bytes, and every download format gives the synchronous answer's type."""
+
+    def held() -> int:
+        return http.get("/v1/usage").json()["job_storage"]["used_bytes"]
+
+    rows = len(SENTENCES)
+    holds, jobs = {}, {}
+    for output_dtype in ("float", "int8", "binary", "ubinary"):
+        before = held()
+        # float16 asked too: a quantised type is stored as itself, float16 is for float results.
+        submitted = http.post(
+            "/v1/jobs",
+            json={
+                "model": MODEL,
+                "input": SENTENCES,
+                "output_dtype": output_dtype,
+                "result_dtype": "float16",
+            },
+        )
+        assert submitted.status_code == 202, submitted.text
+        assert submitted.json()["output_dtype"] == output_dtype and submitted.json()["input_type"] is None
+        job = finished(http, job_stack, submitted.json()["id"])
+        assert job["status"] == "completed" and job["output_dtype"] == output_dtype, job
+        jobs[output_dtype] = job["id"]
+        holds[output_dtype] = held() - before  # the results' and ids' bytes, the inputs' given back
+
+    stored = {name: stored_result_bytes(job_stack, job_id) for name, job_id in jobs.items()}
+    assert stored == {"float": rows * 384 * 2, "int8": rows * 384, "binary": rows * 48, "ubinary": rows * 48}
+    # Same inputs, same chunks: the holds differ by the results' bytes alone.
+    assert holds["float"] - holds["int8"] == rows * 384 * (2 - 1)
+    assert holds["int8"] - holds["binary"] == rows * (384 - 48)
+    assert holds["binary"] == holds["ubinary"]
+    print("stored result bytes of", rows, "384-d vectors:", stored, "held:", holds)
+
+    floats = synchronous_rows(http, SENTENCES).astype(np.float32)
+    int8 = quantised_downloads(http, jobs["int8"], "i1", 384)
+    reference = synchronous_rows(http, SENTENCES, output_dtype="int8")
+    for fmt, vectors in int8.items():
+        np.testing.assert_array_equal(vectors, int8["npy"], err_msg=fmt)
+    # Against the synchronous answer: two inference runs (other batches) may put a value that sits on
+    # a rounding boundary one step apart, nothing more.
+    assert np.abs(int8["npy"].astype(int) - reference).max() <= 1
+    assert (int8["npy"] == reference).mean() > 0.99
+    for name, dtype in (("binary", "i1"), ("ubinary", "u1")):
+        packed = quantised_downloads(http, jobs[name], dtype, 48)
+        for fmt, vectors in packed.items():
+            np.testing.assert_array_equal(vectors, packed["npy"], err_msg=(name, fmt))
+        expected = np.packbits(floats > 0, axis=1)
+        if name == "binary":
+            expected = (expected.astype(np.int16) - 128).astype(np.int8)
+        # Signs of values that are not within inference noise of zero are exact.
+        sure = np.packbits(np.abs(floats) > INFERENCE_NOISE, axis=1) == 255
+        np.testing.assert_array_equal(packed["npy"][sure], expected[sure], err_msg=name)
+        synchronous_packed = synchronous_rows(http, SENTENCES, output_dtype=name)
+        np.testing.assert_array_equal(packed["npy"][sure], synchronous_packed[sure], err_msg=name)
+
+
+def test_a_job_output_type_the_model_cannot_give_is_refused_with_nothing_stored(http, job_stack):
+    before = http.get("/v1/usage").json()["job_storage"]["used_bytes"]
+    refused = http.post(
+        "/v1/jobs", json={"model": MODEL, "input": TEXTS, "output_dtype": "binary", "dimensions": 100}
+    )
+    assert refused.status_code == 422 and refused.json()["error"]["param"] == "output_dtype", refused.text
+    unknown = http.post("/v1/jobs", json={"model": MODEL, "input": TEXTS, "input_type": "web"})
+    assert unknown.status_code == 422 and unknown.json()["error"]["param"] == "input_type", unknown.text
+    assert http.get("/v1/usage").json()["job_storage"]["used_bytes"] == before
+
+
+def test_a_job_input_type_picks_the_prompt_the_model_maps_it_to(http, job_stack):
+    manage(
+        job_stack.env, "shell", "-c",
+        "from embeddings.models import EmbeddingModel as M; m = M.objects.get(name='all-MiniLM-L6-v2'); "
+        "m.pk = None; m.name = 'minilm-e5'; m.aliases = []; "
+        "m.prompts = {'query': 'query: ', 'passage': 'passage: '}; "
+        "m.input_types = {'query': 'query', 'document': 'passage'}; m.save()",
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    lines = b"".join(text.encode() + b"\n" for text in TEXTS)
+    while (
+        uploaded := http.post(
+            "/v1/jobs",
+            files={"file": ("queries.txt", lines, "text/plain")},
+            data={"model": "minilm-e5", "input_type": "search_query", "output_dtype": "int8"},
+        )
+    ).status_code == 404:
+        assert time.monotonic() < deadline, uploaded.text
+        time.sleep(0.5)
+    assert uploaded.status_code == 202, uploaded.text
+    documents = http.post("/v1/jobs", json={"model": "minilm-e5", "input": TEXTS, "input_type": "document"})
+    assert documents.status_code == 202, documents.text
+    query_job = finished(http, job_stack, uploaded.json()["id"])
+    document_job = finished(http, job_stack, documents.json()["id"])
+    assert (query_job["input_type"], query_job["output_dtype"]) == ("search_query", "int8")
+    assert (document_job["input_type"], document_job["output_dtype"]) == ("document", "float")
+
+    document_npy = np.load(io.BytesIO(http.get(f"/v1/jobs/{document_job['id']}/results?format=npy").content))
+    expected, _ = synchronous(http, ["passage: " + text for text in TEXTS])
+    np.testing.assert_allclose(document_npy, expected, atol=INFERENCE_NOISE)
+    query_npy = np.load(io.BytesIO(http.get(f"/v1/jobs/{query_job['id']}/results?format=npy").content))
+    queries = synchronous_rows(http, ["query: " + text for text in TEXTS], output_dtype="int8")
+    assert query_npy.dtype == np.int8 and np.abs(query_npy.astype(int) - queries).max() <= 1
+    # Not the unprompted vectors: the prompt made a difference the test can see.
+    assert np.abs(query_npy.astype(int) - synchronous_rows(http, TEXTS, output_dtype="int8")).max() > 1

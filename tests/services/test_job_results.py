@@ -76,3 +76,33 @@ def test_jsonl_lines(store, encoding):
 def test_json_pages(store, offset, limit, indexes):
     page = json_page(store, CHUNK_ROWS, DIMS, encoding="float", offset=offset, limit=limit)
     assert [record["index"] for record in page] == indexes
+
+
+QUANTISED_DIMS = 16
+
+
+@pytest.mark.parametrize(
+    ("output_type", "dtype", "width"),
+    [("int8", "i1", 16), ("uint8", "u1", 16), ("binary", "i1", 2), ("ubinary", "u1", 2)],
+)
+def test_quantised_downloads_in_their_type(service_redis, output_type, dtype, width):
+    store = JobStore(redis_job_store(), f"job_q_{output_type}", ttl_s=600, result_dtype=output_type)
+    store.put_inputs([["a", "b"], ["c"]])
+    written = np.arange(-4, -4 + 2 * width).reshape(2, width).astype(dtype)
+    store.finish_chunk(0, written, tokens=2)
+    store.fail_chunk(1, rows=1)
+    raw = b"".join(iter_npy(store, [2, 1], QUANTISED_DIMS))
+    assert len(raw) == len(npy_header(3, width, dtype)) + 3 * width
+    array = np.load(io.BytesIO(raw))
+    assert array.dtype == np.dtype(dtype) and array.shape == (3, width)
+    np.testing.assert_array_equal(array[:2], written)
+    assert not array[2].any()  # a failed input: zeros, integers having no NaN
+
+    lines = [
+        orjson.loads(line)
+        for line in b"".join(iter_jsonl(store, [2, 1], QUANTISED_DIMS, encoding="float")).splitlines()
+    ]
+    assert lines[1]["embedding"] == written[1].tolist()
+    assert lines[2]["embedding"] is None
+    encoded = json_page(store, [2, 1], QUANTISED_DIMS, encoding="base64", offset=0, limit=1)
+    assert base64.b64decode(encoded[0]["embedding"]) == written[0].tobytes()

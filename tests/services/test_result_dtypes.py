@@ -11,6 +11,8 @@ from embeddings.result_dtypes import (
     result_bytes_per_value,
     result_decode,
     result_encode,
+    result_row_bytes,
+    result_storage_name,
 )
 
 pytestmark = pytest.mark.unit
@@ -73,3 +75,38 @@ def test_nan_stays_nan_rather_than_refused():
     vectors = np.array([[np.nan, 0.25]], dtype=np.float32)
     decoded = result_decode(result_encode(vectors, "float16"), "float16", 2)
     assert np.isnan(decoded[0, 0]) and decoded[0, 1] == 0.25
+
+
+@pytest.mark.parametrize(
+    ("output_type", "dtype", "width", "row_bytes"),
+    [
+        ("int8", "i1", 384, 384),
+        ("uint8", "u1", 384, 384),
+        ("binary", "i1", 48, 48),
+        ("ubinary", "u1", 48, 48),
+    ],
+)
+def test_quantised_results_are_stored_and_returned_in_their_type(output_type, dtype, width, row_bytes):
+    rng = np.random.default_rng(3)
+    info = np.iinfo(dtype)
+    vectors = rng.integers(info.min, info.max + 1, size=(5, width)).astype(dtype)
+    # float16 asked for a quantised job: the output type wins, float16 is for float results only.
+    name = result_storage_name(result_dtype="float16", output_type=output_type)
+    assert name == output_type
+    assert result_row_bytes(name, 384) == row_bytes
+    raw = result_encode(vectors, name)
+    assert len(raw) == 5 * row_bytes
+    decoded = result_decode(raw, name, 384)
+    assert decoded.dtype == np.dtype(dtype) and decoded.shape == (5, width)
+    np.testing.assert_array_equal(decoded, vectors)
+
+
+def test_float_results_keep_their_result_dtype():
+    assert result_storage_name(result_dtype="float16", output_type="float") == "float16"
+    assert result_row_bytes("float32", 384) == 1536
+    assert result_row_bytes("float16", 384) == 768
+
+
+def test_quantised_storage_refuses_float_vectors():
+    with pytest.raises(ValueError, match="int8 results are int8 vectors"):
+        result_encode(unit_vectors(2, 8), "int8")

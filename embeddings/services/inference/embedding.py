@@ -166,6 +166,13 @@ def input_type_canonical(input_type: str) -> str:
     return canonical
 
 
+def model_prompt_for(model: EmbeddingModel, input_type: str | None) -> str:
+    """The prompt text a catalog model prepends to inputs of `input_type` (the one it maps, else its
+    default prompt): what token estimates made before tokenising count (jobs, batch lines)."""
+    mapped = (model.input_types or {}).get(input_type_canonical(input_type)) if input_type else None
+    return (model.prompts or {}).get(mapped or model.default_prompt_name, "")
+
+
 def embedding_model_check(model: EmbeddingModel) -> None:
     """Refuse a catalog model that makes no embeddings (a rerank model) for an embedding request."""
     if model.task != TASK_EMBED:

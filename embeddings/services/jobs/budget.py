@@ -5,7 +5,7 @@ A job's need, computed at submission (job_storage_need):
 
     inputs   its texts exactly as stored (orjson per chunk), one key per chunk   freed when it ends
     kept     its ids as stored (results name them) and its bookkeeping keys      kept until expiry
-    results  inputs x dimensions x bytes per value (result_bytes_per_value),     kept until expiry
+    results  inputs x bytes per stored vector (result_row_bytes),                kept until expiry
              one key per chunk
 
 plus KEY_OVERHEAD_BYTES for each key. Redis's own count (MEMORY USAGE) of a finished job's keys
@@ -38,7 +38,7 @@ from django.utils import timezone
 
 from embeddings.errors.service import StorageBudgetExceeded
 from embeddings.models import EmbeddingJob, JobStorageHold, Tenant
-from embeddings.result_dtypes import result_bytes_per_value
+from embeddings.result_dtypes import result_row_bytes
 from embeddings.services.jobs.store import EncodedInputs
 
 # Redis's own cost of a key beyond its value's bytes (the key name, its dict entry, the object
@@ -70,7 +70,9 @@ class StorageNeed:
 
 
 def job_storage_need(*, inputs: EncodedInputs, rows: int, dims: int, result_dtype: str) -> StorageNeed:
-    """What a job of these encoded inputs, `rows` inputs of `dims`-wide vectors, will hold."""
+    """What a job of these encoded inputs, `rows` inputs of `dims`-wide vectors, will hold;
+    `result_dtype` is how they are stored (result_dtypes.result_storage_name: float32, float16 or a
+    quantised output type)."""
     chunks = len(inputs.texts)
     id_keys = 0 if inputs.ids is None else chunks
     return StorageNeed(
@@ -79,7 +81,7 @@ def job_storage_need(*, inputs: EncodedInputs, rows: int, dims: int, result_dtyp
         + id_keys * KEY_OVERHEAD_BYTES
         + BOOKKEEPING_BYTES_PER_JOB
         + chunks * BOOKKEEPING_BYTES_PER_CHUNK,
-        result_bytes=rows * dims * result_bytes_per_value(result_dtype) + chunks * KEY_OVERHEAD_BYTES,
+        result_bytes=rows * result_row_bytes(result_dtype, dims) + chunks * KEY_OVERHEAD_BYTES,
     )
 
 

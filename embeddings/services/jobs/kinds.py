@@ -43,7 +43,12 @@ class JobKind:
         result = embeddings_create_sync(
             target=job_embedding_target(job.model),
             texts=texts,
-            options=EmbeddingOptions(dimensions=job.dimensions, normalize=job.normalize),
+            options=EmbeddingOptions(
+                dimensions=job.dimensions,
+                normalize=job.normalize,
+                output_type=job.output_type,
+                input_type=job.input_type or None,
+            ),
         )
 
         def write(store: JobStore, chunk: int) -> None:

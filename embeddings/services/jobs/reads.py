@@ -63,6 +63,8 @@ def job_object(job: EmbeddingJob) -> dict:
         "encoding_format": job.encoding_format,
         "dimensions": job.dims,
         "result_dtype": job.result_dtype,
+        "output_dtype": job.output_type,
+        "input_type": job.input_type or None,
     }
 
 

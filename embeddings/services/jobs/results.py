@@ -1,8 +1,10 @@
 """A finished job's vectors as download bodies, generated chunk by chunk (constant memory).
 
-Formats: `npy` (one float32 array rows x dims in input order; rows of failed inputs are NaN),
-`jsonl` (one object a line: index, id when the upload had ids, embedding or error), and the
-paged `json` (an OpenAI-style list of a slice).
+Formats: `npy` (one array in input order: float32 rows x dims, rows of failed inputs NaN; for a
+quantised output type its own dtype, int8/uint8 rows x dims or binary/ubinary rows x dims / 8,
+rows of failed inputs zeros), `jsonl` (one object a line: index, id when the upload had ids,
+embedding or error; quantised embeddings as integers, or base64 of their bytes), and the paged
+`json` (an OpenAI-style list of a slice).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ NPY_MAGIC = b"\x93NUMPY\x01\x00"
 FAILED_INPUT = {"code": "embedding_failed", "message": "this input's chunk failed after retries"}
 
 
-def npy_header(rows: int, dims: int) -> bytes:
-    """The .npy (format 1.0) header of a little-endian float32 C-order array rows x dims."""
-    header = f"{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {dims}), }}"
+def npy_header(rows: int, dims: int, dtype: np.dtype | str = "<f4") -> bytes:
+    """The .npy (format 1.0) header of a C-order array rows x dims of `dtype` (little-endian
+    float32 unless given)."""
+    descr = np.lib.format.dtype_to_descr(np.dtype(dtype))
+    header = f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': ({rows}, {dims}), }}"
     # Magic, version and the 2-byte length take 10 bytes; the whole header ends in "\n" on a
     # multiple of 64 bytes, as numpy writes it.
     padding = 64 - (10 + len(header) + 1) % 64
@@ -29,19 +33,29 @@ def npy_header(rows: int, dims: int) -> bytes:
     return NPY_MAGIC + len(header).to_bytes(2, "little") + header.encode("latin-1")
 
 
+def npy_size(store: JobStore, rows: int, dims: int) -> int:
+    """The .npy file's bytes: its header and rows x the stored type's row bytes."""
+    dtype, width = store.result_layout(dims)
+    return len(npy_header(rows, width, dtype)) + rows * width * dtype.itemsize
+
+
 def _chunk_vectors(store: JobStore, chunk: int, rows: int, dims: int) -> tuple[np.ndarray, bool]:
     vectors = store.chunk_result(chunk, dims)
     if vectors is None:
-        return np.full((rows, dims), np.nan, dtype="<f4"), False
+        # NaN where it can be written; integer types have none, so their failed rows are zeros.
+        dtype, width = store.result_layout(dims)
+        fill = np.nan if dtype.kind == "f" else 0
+        return np.full((rows, width), fill, dtype=dtype), False
     return vectors, True
 
 
 def iter_npy(store: JobStore, chunk_rows: Sequence[int], dims: int) -> Iterator[bytes]:
     """The .npy file: header, then each chunk's bytes as stored."""
-    yield npy_header(sum(chunk_rows), dims)
+    dtype, width = store.result_layout(dims)
+    yield npy_header(sum(chunk_rows), width, dtype)
     for chunk, rows in enumerate(chunk_rows):
         vectors, _ = _chunk_vectors(store, chunk, rows, dims)
-        yield np.ascontiguousarray(vectors, dtype="<f4").tobytes()
+        yield np.ascontiguousarray(vectors, dtype=dtype).tobytes()
 
 
 def _embedding(vector: np.ndarray, encoding: str) -> object:

@@ -29,7 +29,14 @@ from embeddings.errors.service import JobStoreUnavailable
 from embeddings.redis import keys, operations
 from embeddings.redis.connections import redis_job_store
 from embeddings.redis.transport import operation_run_sync
-from embeddings.result_dtypes import DEFAULT_RESULT_DTYPE, result_decode, result_encode
+from embeddings.result_dtypes import (
+    DEFAULT_RESULT_DTYPE,
+    result_decode,
+    result_encode,
+    result_returned_dtype,
+    result_row_width,
+    result_storage_name,
+)
 
 if TYPE_CHECKING:
     from embeddings.models import EmbeddingJob
@@ -227,9 +234,15 @@ class JobStore:
         """True at most once every `interval_s` (progress events' rate limit, across workers)."""
         return bool(self.client.set(self.key("event"), 1, nx=True, px=int(interval_s * 1000)))
 
+    def result_layout(self, dims: int) -> tuple[np.dtype, int]:
+        """(dtype, values a row) of what chunk_result returns for `dims`-dimensional vectors:
+        float32 x dims for float results (float32 or float16 stored), the quantised type's own
+        dtype x dims (int8, uint8) or x dims / 8 (binary, ubinary)."""
+        return result_returned_dtype(self.result_dtype), result_row_width(self.result_dtype, dims)
+
     def chunk_result(self, chunk: int, dims: int) -> np.ndarray | None:
-        """A finished chunk's vectors (rows x dims float32, whatever the result dtype); None if it
-        has none (failed, expired)."""
+        """A finished chunk's vectors (rows x dims float32 whatever the result dtype, or for a
+        quantised output type as stored: result_layout); None if it has none (failed, expired)."""
         raw = self.client.get(self.key("out", chunk))
         return None if raw is None else result_decode(raw, self.result_dtype, dims)
 
@@ -245,7 +258,7 @@ def job_store(job: EmbeddingJob) -> JobStore:
         redis_job_store(),
         job.public_id,
         ttl_s=settings.JOB_RESULT_TTL_S + 86400,
-        result_dtype=job.result_dtype,
+        result_dtype=result_storage_name(result_dtype=job.result_dtype, output_type=job.output_type),
     )
 
 

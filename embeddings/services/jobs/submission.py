@@ -27,12 +27,20 @@ from django.utils import timezone
 
 from embeddings.callers import NO_LIMITS, Caller
 from embeddings.errors.service import InvalidRequest, JobConflict, JobQueueUnavailable, QuotaExceeded
+from embeddings.model_tasks import OUTPUT_TYPES
 from embeddings.models import ApiKey, EmbeddingJob, EmbeddingModel, Tenant
 from embeddings.observability import context as request_context
 from embeddings.redis import keys as redis_keys
 from embeddings.redis.connections import redis_sync
-from embeddings.result_dtypes import RESULT_DTYPES
-from embeddings.services.inference.embedding import dimensions_check
+from embeddings.result_dtypes import RESULT_DTYPES, result_storage_name
+from embeddings.services.inference.embedding import (
+    EmbeddingOptions,
+    EmbeddingTarget,
+    dimensions_check,
+    input_type_canonical,
+    model_prompt_for,
+    output_type_check,
+)
 from embeddings.services.jobs.budget import job_storage_admit, job_storage_need
 from embeddings.services.jobs.engine import chunk_send, job_data_delete
 from embeddings.services.jobs.inputs import job_inputs_count_check
@@ -66,8 +74,12 @@ class JobSpec:
     normalize: bool = True
     metadata: dict = field(default_factory=dict)
     callback_url: str = ""
-    # How the results are stored (result_dtypes.py); None: the model's result_dtype.
+    # How float results are stored (result_dtypes.py); None: the model's result_dtype.
     result_dtype: str | None = None
+    # The vectors' type: float, or quantised (int8, uint8, binary, ubinary), stored in that type
+    # whatever result_dtype says; and what the inputs are for (picks the model's prompt).
+    output_type: str = "float"
+    input_type: str | None = None
     # A batch's job (services/openai_api/batches.py): each input is one request line, whose token estimate,
     # chunk size and output size the batch computes; None: a plain job's.
     token_estimate: int | None = None
@@ -100,6 +112,18 @@ def _validate(spec: JobSpec, tenant: Tenant, api_key: ApiKey | None) -> None:
             f"result_dtype must be one of {', '.join(map(repr, RESULT_DTYPES))}", param="result_dtype"
         )
     dimensions_check(dimensions=spec.dimensions, model_dimensions=spec.model.dimensions)
+    if spec.output_type not in OUTPUT_TYPES:
+        raise InvalidRequest(f"output_dtype must be one of {', '.join(OUTPUT_TYPES)}", param="output_dtype")
+    if spec.input_type is not None:
+        input_type_canonical(spec.input_type)
+    if spec.output_type != "float":
+        # Refused now, before anything is stored, rather than by every chunk: no calibration for
+        # int8/uint8, or binary of a width that is not a multiple of 8.
+        target = EmbeddingTarget.for_model(spec.model)
+        options = EmbeddingOptions(
+            dimensions=spec.dimensions, normalize=spec.normalize, output_type=spec.output_type
+        )
+        output_type_check(target, options)
     caller = Caller(
         tenant.pk,
         None if api_key is None else api_key.pk,
@@ -109,10 +133,11 @@ def _validate(spec: JobSpec, tenant: Tenant, api_key: ApiKey | None) -> None:
     job_inputs_count_check(count=len(spec.texts), caller=caller)
 
 
-def job_token_estimate(model: EmbeddingModel, texts: list[str]) -> int:
+def job_token_estimate(model: EmbeddingModel, texts: list[str], input_type: str | None = None) -> int:
     """An upper bound of the job's tokens without tokenising: a wordpiece/BPE token covers at least
-    one UTF-8 byte, plus the prompt and two special tokens, capped by the model's maximum."""
-    prompt = len((model.prompts or {}).get(model.default_prompt_name, "").encode())
+    one UTF-8 byte, plus the prompt (the one `input_type` picks, else the default) and two special
+    tokens, capped by the model's maximum."""
+    prompt = len(model_prompt_for(model, input_type).encode())
     cap = model.max_tokens
     return sum(min(cap, len(text.encode()) + prompt + 2) for text in texts)
 
@@ -215,7 +240,9 @@ def job_create(
     _validate(spec, tenant, api_key)
     model = spec.model
     caller = _job_quota_caller(tenant, api_key)
-    estimate = job_token_estimate(model, spec.texts) if spec.token_estimate is None else spec.token_estimate
+    estimate = spec.token_estimate
+    if estimate is None:
+        estimate = job_token_estimate(model, spec.texts, spec.input_type)
     size = spec.chunk_size or settings.JOB_CHUNK_SIZE
     dims = spec.dimensions or model.dimensions
     result_dtype = spec.result_dtype or model.result_dtype
@@ -243,6 +270,8 @@ def job_create(
         chunks=chunks,
         dims=dims,
         result_dtype=result_dtype,
+        output_type=spec.output_type,
+        input_type=spec.input_type or "",
         has_ids=spec.ids is not None,
         reserved_tokens=estimate,
         created_at=now,
@@ -256,7 +285,9 @@ def job_create(
     if spec.ids is not None:
         id_chunks = [[str(i) for i in spec.ids[start : start + size]] for start in range(0, job.total, size)]
     inputs = inputs_encode(text_chunks, id_chunks)
-    need = job_storage_need(inputs=inputs, rows=job.total, dims=job.dims, result_dtype=job.result_dtype)
+    # A quantised output type is held at its own size (int8 a byte a dimension, binary a bit).
+    stored_as = result_storage_name(result_dtype=job.result_dtype, output_type=job.output_type)
+    need = job_storage_need(inputs=inputs, rows=job.total, dims=job.dims, result_dtype=stored_as)
     reservation: Reservation | None = None
     with _SubmitLock(tenant_id, needed=bool(limited)):
         _check_concurrent(tenant, api_key)
