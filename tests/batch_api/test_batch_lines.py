@@ -37,6 +37,8 @@ def line(custom_id: str, texts: list[str], **options) -> LineRequest:
         token_ids=None,
         dimensions=options.get("dimensions"),
         encoding_format=options.get("encoding_format", "float"),
+        output_type=options.get("output_type", "float"),
+        input_type=options.get("input_type"),
     )
 
 
@@ -46,9 +48,11 @@ class FakeEmbedding:
 
     def __init__(self) -> None:
         self.calls: list[tuple[list[str], int | None, int | None]] = []
+        self.options = []
 
     def __call__(self, *, target, texts=None, token_ids=None, options):
         self.calls.append((list(texts), target.max_inputs, target.max_total_tokens))
+        self.options.append(options)
         if target.max_inputs is not None and len(texts) > target.max_inputs:
             raise LimitExceeded(f"{len(texts)} inputs in one request", param="input")
         if "bad" in texts:
@@ -58,6 +62,8 @@ class FakeEmbedding:
             raise LimitExceeded(f"{counts.sum()} tokens", param="input")
         width = options.dimensions or 4
         vectors = np.repeat(counts[:, None].astype(np.float32), width, axis=1)
+        if options.output_type == "int8":
+            vectors = vectors.astype(np.int8)
         return EmbeddingResult("m", vectors, counts, 0.0, 0.0)
 
 
@@ -93,6 +99,34 @@ def test_lines_of_one_kind_share_one_call_and_keep_their_order(monkeypatch):
     assert (output.succeeded, output.tokens) == (3, 7)
     requests = {name: amount for name, amount in output.usage.items() if name.split("|")[4] == "requests"}
     assert list(requests.values()) == [3]
+
+
+def test_lines_of_other_output_or_input_types_never_share_a_call(monkeypatch):
+    lines = [
+        line("float", ["aa"]),
+        line("int8", ["bbb"], output_type="int8"),
+        line("query", ["c"], input_type="query"),
+        line("int8-too", ["dddd"], output_type="int8"),
+        line("int8-base64", ["ee"], output_type="int8", encoding_format="base64"),
+    ]
+    records, fake, _ = run(monkeypatch, lines)
+    assert [call[0] for call in fake.calls] == [["aa"], ["bbb", "dddd", "ee"], ["c"]]
+    assert [(o.output_type, o.input_type) for o in fake.options] == [
+        ("float", None),
+        ("int8", None),
+        ("float", "query"),
+    ]
+    bodies = {record["custom_id"]: record["response"]["body"] for record in records}
+    assert bodies["float"]["data"][0]["embedding"] == [2.0] * 4
+    assert bodies["int8"]["data"][0]["embedding"] == [3] * 4  # integers, as /v1/embeddings gives them
+    assert bodies["int8-base64"]["data"][0]["embedding"] == "AgICAg=="  # four int8 bytes of 2
+
+
+def test_a_stored_line_without_output_or_input_type_reads_as_float():
+    stored = orjson.loads(line("old", ["x"]).encode())
+    del stored["output_type"], stored["input_type"]
+    old = LineRequest.decode(orjson.dumps(stored).decode())
+    assert (old.output_type, old.input_type) == ("float", None)
 
 
 def test_a_line_over_a_request_limit_gets_the_answer_it_would_get_alone(monkeypatch):

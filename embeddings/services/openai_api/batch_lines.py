@@ -2,7 +2,8 @@
 into OpenAI's output lines.
 
 Each job input of a batch is one validated line (`LineRequest`, stored as JSON). A chunk embeds its
-lines grouped by model, dimensions and kind of input, one embedding call per group (the job
+lines grouped by model, dimensions, kind of input, output type and input type, one embedding call
+per group, so that no line is embedded with another line's options (the job
 engine's blocking path), and splits the vectors back per line; each line's `response.body` is built
 by `embeddings_response_body`, as POST /v1/embeddings builds its answer. A line the group call
 cannot serve as that request alone would be served (more inputs or tokens than one request may
@@ -26,7 +27,12 @@ import orjson
 from embeddings.errors.answers import as_api_error
 from embeddings.errors.service import InvalidRequest, LimitExceeded
 from embeddings.models import EmbeddingModel
-from embeddings.services.inference.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
+from embeddings.services.inference.embedding import (
+    EmbeddingOptions,
+    EmbeddingTarget,
+    embeddings_create_sync,
+    model_prompt_for,
+)
 from embeddings.services.openai_api.embeddings_body import embeddings_response_body
 from embeddings.services.quotas.usage import FIELD_SEPARATOR, UsageEvent, usage_increments
 from embeddings.tokenization import TokenizationError
@@ -57,6 +63,9 @@ class LineRequest:
     token_ids: list[list[int]] | None
     dimensions: int | None
     encoding_format: str
+    # Voyage's output_dtype and input_type (defaults: lines stored before they were kept).
+    output_type: str = "float"
+    input_type: str | None = None
 
     @property
     def inputs(self) -> int:
@@ -75,14 +84,22 @@ def line_token_estimate(line: LineRequest, model: EmbeddingModel) -> int:
     cap = model.max_tokens
     if line.token_ids is not None:
         return sum(min(cap, len(ids)) for ids in line.token_ids)
-    prompt = len((model.prompts or {}).get(model.default_prompt_name, "").encode())
+    prompt = len(model_prompt_for(model, line.input_type).encode())
     return sum(min(cap, len(text.encode()) + prompt + 2) for text in line.texts or ())
 
 
 def line_output_bytes_estimate(line: LineRequest, model: EmbeddingModel) -> int:
-    """About how many bytes the line's output takes (a float in JSON ~14 bytes, in base64 ~5.4)."""
-    per_value = 6 if line.encoding_format == "base64" else 14
-    return line.inputs * (line.dimensions or model.dimensions) * per_value + 400 + len(line.custom_id)
+    """About how many bytes the line's output takes: a float in JSON ~14 bytes, in base64 ~5.4; a
+    quantised value (int8, uint8, or a packed byte of eight binary dimensions) in JSON at most 5, in
+    base64 ~1.4."""
+    dims = line.dimensions or model.dimensions
+    if line.output_type in ("binary", "ubinary"):
+        dims = -(-dims // 8)
+    if line.output_type == "float":
+        per_value = 6 if line.encoding_format == "base64" else 14
+    else:
+        per_value = 2 if line.encoding_format == "base64" else 5
+    return line.inputs * dims * per_value + 400 + len(line.custom_id)
 
 
 def new_request_ids() -> tuple[str, str]:
@@ -137,7 +154,9 @@ def _line_body(line: LineRequest, vectors: np.ndarray, tokens: int) -> dict:
 
 def _embed(target: EmbeddingTarget, lines: list[LineRequest]):
     first = lines[0]
-    options = EmbeddingOptions(dimensions=first.dimensions)
+    options = EmbeddingOptions(
+        dimensions=first.dimensions, output_type=first.output_type, input_type=first.input_type
+    )
     if first.token_ids is not None:
         ids = [ids for line in lines for ids in line.token_ids]
         return embeddings_create_sync(target=target, token_ids=ids, options=options)
@@ -178,8 +197,9 @@ def batch_chunk_embed(
 
     groups: dict[tuple, list[int]] = {}
     for index, line in enumerate(lines):
-        groups.setdefault((line.model, line.dimensions, line.token_ids is None), []).append(index)
-    for (model_name, _, _), indexes in groups.items():
+        key = (line.model, line.dimensions, line.token_ids is None, line.output_type, line.input_type)
+        groups.setdefault(key, []).append(index)
+    for (model_name, *_), indexes in groups.items():
         request_target = EmbeddingTarget.for_model(models[model_name])
         # The group's call has no per-request limits; each line is held to them below.
         group_target = dataclasses.replace(request_target, max_inputs=None, max_total_tokens=None)

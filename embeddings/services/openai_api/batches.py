@@ -55,7 +55,13 @@ from embeddings.errors.service import (
     UnsupportedByModel,
 )
 from embeddings.models import Batch, EmbeddingJob, EmbeddingModel, StoredFile, Tenant
-from embeddings.services.inference.embedding import dimensions_check, embedding_model_check
+from embeddings.services.inference.embedding import (
+    EmbeddingOptions,
+    EmbeddingTarget,
+    dimensions_check,
+    embedding_model_check,
+    output_type_check,
+)
 from embeddings.services.jobs.engine import job_cancel, job_delete
 from embeddings.services.jobs.kinds import ChunkWrite, JobKind
 from embeddings.services.jobs.reads import job_refreshed
@@ -347,6 +353,12 @@ def _parse_request(
             )
         model = models.resolve(request["model"])
         dimensions_check(dimensions=request.get("dimensions"), model_dimensions=model.dimensions)
+        if request["output_type"] != "float":
+            # A type the model cannot give is refused now, as POST /v1/embeddings refuses it.
+            options = EmbeddingOptions(
+                dimensions=request.get("dimensions"), output_type=request["output_type"]
+            )
+            output_type_check(EmbeddingTarget.for_model(model), options)
     except _LineProblem:
         raise
     except Exception as error:  # what the synchronous API would refuse this body with
@@ -362,6 +374,8 @@ def _parse_request(
         token_ids=request.get("token_ids"),
         dimensions=request.get("dimensions"),
         encoding_format=request["encoding_format"],
+        output_type=request["output_type"],
+        input_type=request.get("input_type"),
     )
     return line, model
 
