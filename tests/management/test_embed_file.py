@@ -183,6 +183,19 @@ def test_jsonl_output_and_the_key_from_the_environment(api, texts, tmp_path, mon
     assert out.read_bytes() == RESULTS
 
 
+def test_output_and_input_types_are_sent_with_the_file(api, texts, tmp_path):
+    out = tmp_path / "vectors.npy"
+    run(
+        str(texts), "--model", "minilm", "--out", str(out), "--url", api.url, "--key", KEY,
+        "--output-dtype", "int8", "--input-type", "search_document", "--poll-interval", "0.01",
+    )  # fmt: skip
+    body = api.requests[0][3]
+    assert b'name="output_dtype"\r\n\r\nint8\r\n' in body
+    assert b'name="input_type"\r\n\r\nsearch_document\r\n' in body
+    assert b'name="encoding_format"' not in body and b'name="result_dtype"' not in body
+    assert api.requests[-1][1] == "/v1/jobs/job_fake/results?format=npy"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -190,6 +203,8 @@ def test_jsonl_output_and_the_key_from_the_environment(api, texts, tmp_path, mon
         (["--out", "vectors.npy", "--encoding-format", "base64"], "--encoding-format applies to .jsonl"),
         (["--out", "vectors.npy", "--poll-interval", "0"], "--poll-interval must be positive"),
         (["--out", "vectors.npy", "--result-dtype", "float64"], "invalid choice: 'float64'"),
+        (["--out", "vectors.npy", "--output-dtype", "int4"], "invalid choice: 'int4'"),
+        (["--out", "vectors.npy", "--input-type", "image"], "invalid choice: 'image'"),
         (["--out", "missing-dir/vectors.npy"], "is not a directory"),
     ],
 )

@@ -1,5 +1,6 @@
-"""`manage.py embed_file INPUT --model M --out vectors.npy|.jsonl`: a whole file embedded through the
-jobs API (any embedsite server, with a key): submit, show progress, download the results."""
+"""`manage.py embed_file INPUT --model M --out vectors.npy|.jsonl [--output-dtype int8] [--input-type
+document]`: a whole file embedded through the jobs API (any embedsite server, with a key): submit,
+show progress, download the results (an .npy of the output type's dtype)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TextIO
 from django.core.management.base import BaseCommand, CommandError
 
 from embeddings.management.jobs_client import FINISHED_STATUSES, JobsApiError, JobsClient
+from embeddings.model_tasks import INPUT_TYPE_NAMES, OUTPUT_TYPES
 from embeddings.result_dtypes import RESULT_DTYPES
 
 RESULT_FORMATS = {".npy": "npy", ".jsonl": "jsonl"}
@@ -193,10 +195,35 @@ class Command(BaseCommand):
             help="how the server stores the results until downloaded (float16: half the memory); "
             "default: the model's setting. The download is float32 either way",
         )
+        parser.add_argument(
+            "--output-dtype",
+            choices=list(OUTPUT_TYPES),
+            default=None,
+            help="float (default), or quantised: int8, uint8, binary, ubinary (stored and downloaded in "
+            "that type: an .npy of int8/uint8)",
+        )
+        parser.add_argument(
+            "--input-type",
+            choices=list(INPUT_TYPE_NAMES),
+            default=None,
+            help="what the texts are for (query, document, ...): picks the model's prompt for it",
+        )
         parser.add_argument("--poll-interval", type=float, default=1.0, help="seconds between polls")
 
     def handle(
-        self, *args, input, model, out, url, key, encoding_format, result_dtype, poll_interval, **options
+        self,
+        *args,
+        input,
+        model,
+        out,
+        url,
+        key,
+        encoding_format,
+        result_dtype,
+        poll_interval,
+        output_dtype=None,
+        input_type=None,
+        **options,
     ):
         key = key or os.environ.get("EMBEDSITE_API_KEY", "")
         if not key:
@@ -205,7 +232,9 @@ class Command(BaseCommand):
         if result_format is None:
             raise CommandError(f"--out must end in .npy or .jsonl, not {out.name!r}")
         if encoding_format and result_format == "npy":
-            raise CommandError("--encoding-format applies to .jsonl output; .npy is always float32")
+            raise CommandError(
+                "--encoding-format applies to .jsonl output; .npy holds the output type's values"
+            )
         if not input.is_file():
             raise CommandError(f"{input} is not a file")
         if poll_interval <= 0:
@@ -214,8 +243,14 @@ class Command(BaseCommand):
             raise CommandError(f"{out.parent} is not a directory")
         client = JobsClient(url, key)
         try:
+            asked = {
+                "encoding_format": encoding_format,
+                "result_dtype": result_dtype,
+                "output_dtype": output_dtype,
+                "input_type": input_type,
+            }
             job = self._submit(
-                client, input, model=model, encoding_format=encoding_format, result_dtype=result_dtype
+                client, input, model=model, options={name: v for name, v in asked.items() if v}
             )
             self.stderr.write(f"job {job['id']}: {job['counts']['total']} inputs")
             job = self._wait(client, job, poll_interval)
@@ -234,13 +269,10 @@ class Command(BaseCommand):
         input: Path,
         *,
         model: str,
-        encoding_format: str | None,
-        result_dtype: str | None,
+        options: dict[str, str],
     ) -> dict:
-        asked = {"encoding_format": encoding_format, "result_dtype": result_dtype}
-        options = {name: value for name, value in asked.items() if value} or None
         try:
-            return client.submit_file(input, model=model, options=options)
+            return client.submit_file(input, model=model, options=options or None)
         except KeyboardInterrupt:
             # The server may have taken the whole file just before: its answer (the id) never came.
             raise interrupted(
