@@ -557,6 +557,15 @@ REDIS_MAX_CONNECTIONS = env_int("REDIS_MAX_CONNECTIONS", 64, minimum=1)
 JOB_STORE_URL = env_str("JOB_STORE_URL", "")
 # A chunk's inputs or results are up to megabytes: a longer timeout than the critical Redis's.
 JOB_STORE_TIMEOUT_S = env_float("JOB_STORE_TIMEOUT_S", 5.0, minimum=0.01)
+# The embedding cache (embeddings/services/inference/vector_cache.py, README "Embedding cache"):
+# off by default. Its Redis is by default the job store's server, never REDIS_URL (the critical
+# Redis): cached vectors filling it must not crowd out quota, usage or broker keys.
+EMBEDDING_CACHE = env_bool("EMBEDDING_CACHE", False)
+EMBEDDING_CACHE_REDIS_URL = env_str("EMBEDDING_CACHE_REDIS_URL", "")
+EMBEDDING_CACHE_TTL_S = env_int("EMBEDDING_CACHE_TTL_S", 7 * 24 * 3600, minimum=1)
+EMBEDDING_CACHE_LOCAL_ENTRIES = env_int("EMBEDDING_CACHE_LOCAL_ENTRIES", 10_000, minimum=0)
+# A lookup or a write slower than this counts as all misses (or is dropped): never a failed request.
+EMBEDDING_CACHE_TIMEOUT_S = env_float("EMBEDDING_CACHE_TIMEOUT_S", 0.05, minimum=0.001)
 # maxmemory (MiB) of the Redis servers `runstack` starts (both with noeviction: a full Redis refuses
 # writes instead of dropping keys); one server holding both roles gets the sum.
 RUNSTACK_REDIS_MAXMEMORY_MB = env_int("RUNSTACK_REDIS_MAXMEMORY_MB", 256, minimum=1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+from collections.abc import Callable
 
 import redis
 import redis.asyncio
@@ -27,6 +28,8 @@ _sync_client: redis.Redis | None = None
 _job_store_client: redis.Redis | None = None
 # redis.asyncio connections belong to the event loop that opened them: one client per loop.
 _async_clients: dict[asyncio.AbstractEventLoop, redis.asyncio.Redis] = {}
+# The embedding cache's (EMBEDDING_CACHE_REDIS_URL), one per event loop likewise.
+_embedding_cache_clients: dict[asyncio.AbstractEventLoop, redis.asyncio.Redis] = {}
 
 
 def _options(timeout: float | None = None) -> dict:
@@ -64,24 +67,52 @@ def redis_job_store() -> redis.Redis:
         return _job_store_client
 
 
-def redis_async() -> redis.asyncio.Redis:
-    """The asyncio client of the running event loop."""
+def _loop_client(
+    clients: dict[asyncio.AbstractEventLoop, redis.asyncio.Redis], make: Callable[[], redis.asyncio.Redis]
+) -> redis.asyncio.Redis:
+    """The running loop's client in `clients` (made by `make` on first use; closed loops' dropped)."""
     loop = asyncio.get_running_loop()
-    client = _async_clients.get(loop)
+    client = clients.get(loop)
     if client is None:
         with _lock:
-            for stale in [other for other in _async_clients if other.is_closed()]:
-                del _async_clients[stale]
-            # A blocking pool: beyond REDIS_MAX_CONNECTIONS commands wait (up to the timeout) for
-            # a connection, where the default pool refuses at once with MaxConnectionsError.
-            pool = redis.asyncio.BlockingConnectionPool.from_url(
-                settings.REDIS_URL,
-                max_connections=settings.REDIS_MAX_CONNECTIONS,
-                timeout=settings.REDIS_TIMEOUT_S,
-                **_options(),
-            )
-            client = _async_clients[loop] = redis.asyncio.Redis(connection_pool=pool)
+            for stale in [other for other in clients if other.is_closed()]:
+                del clients[stale]
+            client = clients[loop] = make()
     return client
+
+
+def redis_async() -> redis.asyncio.Redis:
+    """The asyncio client of the running event loop."""
+
+    def make() -> redis.asyncio.Redis:
+        # A blocking pool: beyond REDIS_MAX_CONNECTIONS commands wait (up to the timeout) for
+        # a connection, where the default pool refuses at once with MaxConnectionsError.
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            settings.REDIS_URL,
+            max_connections=settings.REDIS_MAX_CONNECTIONS,
+            timeout=settings.REDIS_TIMEOUT_S,
+            **_options(),
+        )
+        return redis.asyncio.Redis(connection_pool=pool)
+
+    return _loop_client(_async_clients, make)
+
+
+def embedding_cache_url() -> str:
+    """The embedding cache's Redis: EMBEDDING_CACHE_REDIS_URL, else the job store's server (never
+    the critical Redis's role: see settings)."""
+    return settings.EMBEDDING_CACHE_REDIS_URL or job_store_url()
+
+
+def redis_embedding_cache_async() -> redis.asyncio.Redis:
+    """The embedding cache's asyncio client of the running loop: every command within
+    EMBEDDING_CACHE_TIMEOUT_S to connect and to answer (a slow cache is a miss, not a wait)."""
+    return _loop_client(
+        _embedding_cache_clients,
+        lambda: redis.asyncio.Redis.from_url(
+            embedding_cache_url(), **_options(settings.EMBEDDING_CACHE_TIMEOUT_S)
+        ),
+    )
 
 
 def reset_redis_clients() -> None:
@@ -93,6 +124,7 @@ def reset_redis_clients() -> None:
                 client.close()
         _sync_client = _job_store_client = None
         _async_clients.clear()
+        _embedding_cache_clients.clear()
         _lean_clients.clear()
 
 

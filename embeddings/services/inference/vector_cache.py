@@ -1,0 +1,209 @@
+"""The embedding cache (part 1 of issue 35): one row's full-width vector, keyed by what determines it.
+
+A row's key is the SHA-256 of the Triton model, its exact served version (the catalog's pinned one,
+or the latest finished export for ""), that export's model.onnx SHA-256 (export.json), the scope
+(the tenant's id: no tenant ever reads another's entries) and the row's token ids as sent to
+Triton (after the prompt and truncation, so both are inside them) as little-endian int64. A new
+export or version changes the key: an old vector is never served for a new model.
+
+Values are the model's full-width float32 vector, little-endian, exactly as Triton returned it:
+dimensions, normalisation and output types are applied after the cache, so one entry serves them
+all, and a hit is bit-identical to a computed row (float16 would halve the bytes but not be exact).
+
+Entries live in EMBEDDING_CACHE_REDIS_URL (by default the job store's server, never the critical
+Redis, which holds quotas, usage and the broker: vectors must never crowd those out) for
+EMBEDDING_CACHE_TTL_S, with a per-process LRU of EMBEDDING_CACHE_LOCAL_ENTRIES in front. A request's
+rows are read with one MGET and its misses written with one pipeline of SET ... EX. Redis down or
+slower than EMBEDDING_CACHE_TIMEOUT_S: all misses, the writes dropped, a warning at most once a
+minute, never a failed request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from django.conf import settings
+from redis.exceptions import RedisError
+
+from embeddings.redis.connections import redis_embedding_cache_async
+from embeddings.services.inference.exports import (
+    EXPORT_INFO_FILENAME,
+    ModelExportError,
+    model_export_info,
+    model_export_latest,
+    model_export_version_dir,
+)
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = b"embedsite:vector:"
+FAILURE_LOG_INTERVAL_S = 60.0
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A Triton model as it is served: its version and its export's model.onnx SHA-256."""
+
+    triton_model: str
+    version: str
+    export_sha256: str
+
+    def row_key(self, scope: str, token_ids: np.ndarray) -> bytes:
+        """The cache key of one row (its real token ids, padding excluded) under `scope`."""
+        digest = hashlib.sha256()
+        for part in (self.triton_model, self.version, self.export_sha256, scope):
+            digest.update(part.encode())
+            digest.update(b"\0")  # none of the parts holds a NUL: the fields cannot run together
+        digest.update(np.ascontiguousarray(token_ids, dtype="<i8").tobytes())
+        return digest.digest()
+
+
+# (model, version, export.json's file version) -> its ServedModel, or None when it cannot be cached.
+_served: dict[tuple, ServedModel | None] = {}
+_SERVED_KEPT = 64
+
+
+def served_model(triton_model: str, triton_version: str) -> ServedModel | None:
+    """What the cache keys `triton_model` (at `triton_version`, "" for the latest finished export) by;
+    None when it has no finished export with a recorded checksum (not cached: nothing would tell a
+    replaced model apart)."""
+    repository = Path(settings.TRITON_MODEL_REPOSITORY)
+    try:
+        version = triton_version or model_export_latest(repository, triton_model)
+        if version is None:
+            return None
+        info_path = (
+            model_export_version_dir(repository_dir=repository, name=triton_model, version=version)
+            / EXPORT_INFO_FILENAME
+        )
+        stat = os.stat(info_path)
+    except (OSError, ModelExportError):
+        return None
+    memo = (triton_model, str(version), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    if memo in _served:
+        return _served[memo]
+    try:
+        # Checks model.onnx against the recorded SHA-256 (hashed once per file version).
+        sha256 = model_export_info(repository_dir=repository, name=triton_model, version=version).get(
+            "sha256"
+        )
+    except (OSError, ValueError, ModelExportError):
+        return None
+    served = ServedModel(triton_model, str(version), sha256) if sha256 else None
+    if len(_served) >= _SERVED_KEPT:
+        _served.clear()
+    _served[memo] = served
+    return served
+
+
+class LocalVectors:
+    """A bounded LRU of key -> vector, shared by the process's threads."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        with self.lock:
+            vector = self.entries.get(key)
+            if vector is not None:
+                self.entries.move_to_end(key)
+            return vector
+
+    def put(self, key: bytes, vector: np.ndarray) -> None:
+        if self.capacity <= 0:
+            return
+        vector = np.array(vector, dtype=np.float32)
+        vector.flags.writeable = False
+        with self.lock:
+            self.entries[key] = vector
+            self.entries.move_to_end(key)
+            while len(self.entries) > self.capacity:
+                self.entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+_local: LocalVectors | None = None
+_last_failure_logged = -float("inf")
+
+
+def local_vectors() -> LocalVectors:
+    global _local
+    if _local is None or _local.capacity != settings.EMBEDDING_CACHE_LOCAL_ENTRIES:
+        _local = LocalVectors(settings.EMBEDDING_CACHE_LOCAL_ENTRIES)
+    return _local
+
+
+def vector_cache_clear_local() -> None:
+    """Forget the in-process entries and the served models (tests)."""
+    global _local
+    _local = None
+    _served.clear()
+
+
+def _failed(action: str, error: BaseException) -> None:
+    global _last_failure_logged
+    now = time.monotonic()
+    if now - _last_failure_logged >= FAILURE_LOG_INTERVAL_S:
+        _last_failure_logged = now
+        logger.warning("embedding cache %s failed (%r): computing as without it", action, error)
+
+
+def _decoded(value: bytes | None, width: int | None) -> np.ndarray | None:
+    if value is None or len(value) % 4 or (width is not None and len(value) != 4 * width):
+        return None
+    vector = np.frombuffer(value, dtype="<f4")
+    return vector if len(vector) else None
+
+
+async def vectors_get(keys: Sequence[bytes]) -> list[np.ndarray | None]:
+    """Each key's vector (None for a miss): the local LRU first, then one MGET for the rest."""
+    local = local_vectors()
+    found: list[np.ndarray | None] = [local.get(key) for key in keys]
+    missing = [index for index, vector in enumerate(found) if vector is None]
+    if not missing:
+        return found
+    try:
+        async with asyncio.timeout(settings.EMBEDDING_CACHE_TIMEOUT_S):
+            values = await redis_embedding_cache_async().mget([KEY_PREFIX + keys[index] for index in missing])
+    except (RedisError, OSError, TimeoutError) as error:
+        _failed("lookup", error)
+        return found
+    width = next((len(vector) for vector in found if vector is not None), None)
+    for index, value in zip(missing, values, strict=True):
+        vector = _decoded(value, width)
+        if vector is not None:
+            found[index] = vector
+            local.put(keys[index], vector)
+    return found
+
+
+async def vectors_put(keys: Sequence[bytes], vectors: np.ndarray) -> None:
+    """Store each key's vector (float32) locally and, in one pipeline of SET ... EX, in Redis."""
+    if not keys:
+        return
+    local = local_vectors()
+    rows = np.ascontiguousarray(vectors, dtype="<f4")
+    for key, row in zip(keys, rows, strict=True):
+        local.put(key, row)
+    try:
+        async with asyncio.timeout(settings.EMBEDDING_CACHE_TIMEOUT_S):
+            async with redis_embedding_cache_async().pipeline(transaction=False) as pipeline:
+                for key, row in zip(keys, rows, strict=True):
+                    pipeline.set(KEY_PREFIX + key, row.tobytes(), ex=settings.EMBEDDING_CACHE_TTL_S)
+                await pipeline.execute()
+    except (RedisError, OSError, TimeoutError) as error:
+        _failed("write", error)
