@@ -73,3 +73,8 @@ class Caller:
 
     def may_use(self, model: EmbeddingModel) -> bool:
         return self.allow_all_models or model.pk in self.allowed_model_ids
+
+    @property
+    def cache_scope(self) -> str:
+        """Its entries' scope in the embedding cache: its tenant's own, never shared with another."""
+        return f"tenant:{self.tenant_id}"

@@ -123,7 +123,11 @@ class CohereEmbedView(ApiView):
             if kind != "base64":
                 output_type_check(target, dataclasses.replace(options, output_type=kind))
         result = await embeddings_create(
-            target=target, texts=texts, options=options, quota=self.request_quota(model.name)
+            target=target,
+            texts=texts,
+            options=options,
+            quota=self.request_quota(model.name),
+            cache_scope=None if self.caller is None else self.caller.cache_scope,
         )
         log_request(self.caller, self.endpoint, model, result)
         embeddings = {

@@ -281,6 +281,7 @@ async def openai_embeddings(call: EmbeddingsCall, params: dict) -> tuple[dict, E
             chunk=params["long_inputs"] == "chunk",
         ),
         quota=call.request_quota(model.name),
+        cache_scope=None if call.caller is None else call.caller.cache_scope,
     )
     log_request(call.caller, call.endpoint, model, result, params.get("user", ""))
     body = embeddings_response_body(
@@ -370,6 +371,7 @@ class TeiEmbedView(ApiView):
                 prompt_name=params.get("prompt_name"),
             ),
             quota=self.request_quota(model.name),
+            cache_scope=None if self.caller is None else self.caller.cache_scope,
         )
         log_request(self.caller, self.endpoint, model, result)
         return embedding_response(

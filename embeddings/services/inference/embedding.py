@@ -69,6 +69,7 @@ from embeddings.services.inference.quantization import (
     quantized,
 )
 from embeddings.services.inference.scheduling import SubBatch, reassembled, sub_batches
+from embeddings.services.inference.vector_cache import served_model, vectors_get, vectors_put
 from embeddings.tokenization import ChunkedBatch, TokenizedBatch, TruncationDirection
 from embeddings.triton import (
     PRIORITY_BULK,
@@ -549,12 +550,60 @@ async def _infer(
     deadline: float,
     *,
     chunked: bool = False,
+    cache_scope: str | None = None,
 ) -> np.ndarray:
-    """All of the request's sub-batches through the process's fair scheduler, by `deadline`."""
+    """All of the request's rows' full-width outputs: with `cache_scope` and EMBEDDING_CACHE on (and
+    a model that takes token ids), those in the embedding cache from it and only the others from
+    Triton (vector_cache.py), in input order."""
+    client = triton_async_client()
+    spec = await client.model_metadata(target.triton_model, target.triton_version)
+    takes_text = _takes_text(spec, token_ids, chunked=chunked)
+    served = None
+    if cache_scope is not None and settings.EMBEDDING_CACHE and not takes_text:
+        served = served_model(target.triton_model, target.triton_version)
+    if served is None:
+        return await _infer_rows(target, spec, texts, batch, deadline, takes_text=takes_text)
+    keys = [
+        served.row_key(cache_scope, ids[mask.astype(bool)])
+        for ids, mask in zip(batch.input_ids, batch.attention_mask, strict=True)
+    ]
+    found = await vectors_get(keys)
+    missing = [row for row, vector in enumerate(found) if vector is None]
+    if missing:
+        computed = await _infer_rows(
+            target, spec, texts, _batch_rows(batch, missing), deadline, takes_text=False
+        )
+        await vectors_put([keys[row] for row in missing], computed)
+        for position, row in enumerate(missing):
+            found[row] = computed[position]
+    return np.stack(found).astype(np.float32, copy=False)
+
+
+def _batch_rows(batch: TokenizedBatch, rows: list[int]) -> TokenizedBatch:
+    """The batch's `rows` alone (a cache's misses), in that order."""
+    if len(rows) == len(batch):
+        return batch
+    return TokenizedBatch(
+        input_ids=batch.input_ids[rows],
+        attention_mask=batch.attention_mask[rows],
+        token_counts=batch.token_counts[rows],
+        truncated=batch.truncated[rows],
+        token_type_ids=None if batch.token_type_ids is None else batch.token_type_ids[rows],
+    )
+
+
+async def _infer_rows(
+    target: EmbeddingTarget,
+    spec: ModelSpec,
+    texts: Sequence[str] | None,
+    batch: TokenizedBatch,
+    deadline: float,
+    *,
+    takes_text: bool,
+) -> np.ndarray:
+    """All of the batch's sub-batches through the process's fair scheduler, by `deadline`."""
     client = triton_async_client()
     model, version = target.triton_model, target.triton_version
-    spec = await client.model_metadata(model, version)
-    takes_text = _takes_text(spec, token_ids, chunked=chunked)
     groups = _plan(spec, batch)
     scheduler = inference_scheduler()
     share = scheduler.share()
@@ -601,6 +650,7 @@ async def embeddings_create(
     options: EmbeddingOptions = EmbeddingOptions(),
     quota: RequestQuota | None = None,
     timeout_s: float | None = None,
+    cache_scope: str | None = None,
 ) -> EmbeddingResult:
     """Embed `texts` (or pre-tokenised `token_ids`) with the target model, in input order.
 
@@ -611,6 +661,10 @@ async def embeddings_create(
     Inference (waiting for its turn included) ends within `timeout_s` (EMBEDDING_TIMEOUT_S) of
     the call: past it InferenceTimeout is raised at once, and the sub-batches not yet sent are
     never sent. A cancelled call (the client went away) drops them likewise.
+
+    `cache_scope` (the caller's tenant id) lets its rows come from and go to the embedding cache
+    when EMBEDDING_CACHE is on (vector_cache.py); None: no caching. Quotas and usage count every
+    row's tokens, cached or not.
     """
     timeout_s = settings.EMBEDDING_TIMEOUT_S if timeout_s is None else timeout_s
     deadline = time.monotonic() + timeout_s
@@ -630,6 +684,7 @@ async def embeddings_create(
         texts=texts,
         token_ids=token_ids,
         chunk_starts=starts,
+        cache_scope=cache_scope,
     )
     token_counts = _input_token_counts(batch, starts)
     return EmbeddingResult(target.triton_model, vectors, token_counts, tokenization_s, inference_s)
@@ -646,6 +701,7 @@ async def tokens_infer(
     texts: Sequence[str] | None = None,
     token_ids: Sequence[Sequence[int]] | None = None,
     chunk_starts: np.ndarray | None = None,
+    cache_scope: str | None = None,
 ) -> tuple[np.ndarray, float]:
     """A tokenised request's model outputs, `finish`ed, and the inference seconds: metered (its
     quota reserved before, settled after: kept on success, refunded on any failure, `finish`'s
@@ -666,7 +722,13 @@ async def tokens_infer(
                     async with asyncio.timeout(deadline - time.monotonic()):
                         with tracing.span("inference", model=target.triton_model, rows=len(batch)):
                             vectors = await _infer(
-                                target, texts, token_ids, batch, deadline, chunked=chunk_starts is not None
+                                target,
+                                texts,
+                                token_ids,
+                                batch,
+                                deadline,
+                                chunked=chunk_starts is not None,
+                                cache_scope=cache_scope,
                             )
                 except TritonModelNotLoaded as error:
                     raise _not_loaded(target) from error

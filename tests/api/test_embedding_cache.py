@@ -1,0 +1,125 @@
+"""The embedding cache through the real ASGI app, the real Triton and a real Redis: order and exact
+values kept, repeats not sent to Triton, tenants apart, an unreachable Redis harmless."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from embeddings.redis.connections import reset_redis_clients
+from embeddings.services.inference import embedding
+from embeddings.services.inference.vector_cache import vector_cache_clear_local
+from embeddings.tooling.triton_server import free_port
+
+FIRST = ["hello world", "a cached sentence", "日本語のテキスト"]
+SECOND = ["new text one", "hello world", "another new one", "日本語のテキスト"]
+
+
+@pytest.fixture
+def cache(settings, job_store_server, api_setup):
+    """The cache on, in the job store's Redis (emptied), its local entries forgotten; the rows
+    sent to Triton counted."""
+    settings.EMBEDDING_CACHE = True
+    settings.EMBEDDING_CACHE_REDIS_URL = job_store_server.url
+    settings.EMBEDDING_CACHE_TIMEOUT_S = 2.0
+    reset_redis_clients()
+    vector_cache_clear_local()
+    yield
+    vector_cache_clear_local()
+    reset_redis_clients()
+
+
+@pytest.fixture
+def rows_sent(monkeypatch) -> list[int]:
+    sent: list[int] = []
+    infer_rows = embedding._infer_rows
+
+    async def counted(target, spec, texts, batch, deadline, **options):
+        sent.append(len(batch))
+        return await infer_rows(target, spec, texts, batch, deadline, **options)
+
+    monkeypatch.setattr(embedding, "_infer_rows", counted)
+    return sent
+
+
+async def embed(client, tenant, texts, /, **body) -> np.ndarray:
+    """POST /v1/embeddings: the answer's vectors."""
+    return await posted(client, tenant, "/v1/embeddings", model="minilm", input=texts, **body)
+
+
+async def posted(client, tenant, path, /, **body) -> np.ndarray:
+    response = await client.post(path, json=body, headers=tenant.headers)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    if "embeddings" in data:  # Cohere's /v2/embed
+        return np.array(data["embeddings"]["float"], dtype=np.float32)
+    return np.array([item["embedding"] for item in data["data"]], dtype=np.float32)
+
+
+async def test_hits_and_misses_keep_order_and_exact_values(client, alpha, cache, rows_sent, settings):
+    settings.EMBEDDING_CACHE = False
+    uncached = await embed(client, alpha, SECOND)
+    settings.EMBEDDING_CACHE = True
+    await embed(client, alpha, FIRST)
+    assert rows_sent[-1] == 3
+    mixed = await embed(client, alpha, SECOND)
+    assert rows_sent[-1] == 2  # "hello world" and the Japanese text came from the cache
+    assert np.array_equal(mixed, uncached)  # bit-exact (float32 entries), in input order
+    # From Redis alone (the process's LRU forgotten), and cut to fewer dimensions after the cache.
+    vector_cache_clear_local()
+    sent = len(rows_sent)
+    again = await embed(client, alpha, SECOND)
+    assert len(rows_sent) == sent and np.array_equal(again, uncached)
+    short = await embed(client, alpha, SECOND, dimensions=64)
+    assert len(rows_sent) == sent and short.shape == (4, 64)
+
+
+async def test_a_repeated_request_sends_no_rows_on_every_embedding_route(client, alpha, cache, rows_sent):
+    first = await embed(client, alpha, FIRST)
+    calls = len(rows_sent)
+    assert np.array_equal(await embed(client, alpha, FIRST), first)
+    assert np.array_equal(await posted(client, alpha, "/embed", inputs=FIRST), first)
+    cohere = await posted(
+        client,
+        alpha,
+        "/v2/embed",
+        model="minilm",
+        texts=FIRST,
+        input_type="search_document",
+        embedding_types=["float"],
+    )
+    assert len(rows_sent) == calls and cohere.shape == first.shape
+
+
+async def test_another_tenant_does_not_read_the_first_ones_entries(client, alpha, beta, cache, rows_sent):
+    first = await embed(client, alpha, FIRST)
+    assert rows_sent == [3]
+    second = await embed(client, beta, FIRST)
+    assert rows_sent == [3, 3]
+    assert np.array_equal(first, second)
+
+
+async def test_an_unreachable_cache_answers_as_without_it(client, alpha, cache, rows_sent, settings):
+    settings.EMBEDDING_CACHE = False
+    uncached = await embed(client, alpha, SECOND)
+    settings.EMBEDDING_CACHE = True
+    settings.EMBEDDING_CACHE_REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"
+    settings.EMBEDDING_CACHE_LOCAL_ENTRIES = 0
+    reset_redis_clients()
+    for _ in range(2):
+        assert np.array_equal(await embed(client, alpha, SECOND), uncached)
+    assert rows_sent[-2:] == [4, 4]
+
+
+async def test_chunks_of_a_long_input_are_rows_like_any_other(client, alpha, cache, rows_sent, settings):
+    long_text = " ".join(["a long document about caches and vectors"] * 80)
+    texts = [long_text, "short one"]
+    settings.EMBEDDING_CACHE = False
+    uncached = await embed(client, alpha, texts, long_inputs="chunk")
+    settings.EMBEDDING_CACHE = True
+    first = await embed(client, alpha, texts, long_inputs="chunk")
+    assert rows_sent[-1] > 2  # the long input's chunks and the short one
+    sent = len(rows_sent)
+    again = await embed(client, alpha, texts, long_inputs="chunk")
+    assert len(rows_sent) == sent
+    assert np.array_equal(first, uncached) and np.array_equal(again, uncached)
