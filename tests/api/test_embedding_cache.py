@@ -74,10 +74,14 @@ async def test_hits_and_misses_keep_order_and_exact_values(client, alpha, cache,
     assert len(rows_sent) == sent and short.shape == (4, 64)
 
 
-async def test_a_repeated_request_sends_no_rows_on_every_embedding_route(client, alpha, cache, rows_sent):
+async def test_a_repeated_request_sends_no_rows_on_every_embedding_route(
+    client, alpha, cache, rows_sent, settings
+):
     first = await embed(client, alpha, FIRST)
     calls = len(rows_sent)
-    assert np.array_equal(await embed(client, alpha, FIRST), first)
+    assert np.array_equal(await embed(client, alpha, FIRST), first)  # the express lane
+    settings.EXPRESS_EMBEDDINGS = False
+    assert np.array_equal(await embed(client, alpha, FIRST), first)  # the view
     assert np.array_equal(await posted(client, alpha, "/embed", inputs=FIRST), first)
     cohere = await posted(
         client,
