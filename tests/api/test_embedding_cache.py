@@ -3,6 +3,9 @@ values kept, repeats not sent to Triton, tenants apart, an unreachable Redis har
 
 from __future__ import annotations
 
+import socket
+import time
+
 import numpy as np
 import pytest
 
@@ -127,3 +130,21 @@ async def test_chunks_of_a_long_input_are_rows_like_any_other(client, alpha, cac
     again = await embed(client, alpha, texts, long_inputs="chunk")
     assert len(rows_sent) == sent
     assert np.array_equal(first, uncached) and np.array_equal(again, uncached)
+
+
+async def test_a_cache_that_never_answers_costs_at_most_its_timeout(
+    client, alpha, cache, rows_sent, settings
+):
+    settings.EMBEDDING_CACHE = False
+    uncached = await embed(client, alpha, SECOND)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        settings.EMBEDDING_CACHE = True
+        settings.EMBEDDING_CACHE_REDIS_URL = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        settings.EMBEDDING_CACHE_TIMEOUT_S = 0.2
+        settings.EMBEDDING_CACHE_LOCAL_ENTRIES = 0
+        reset_redis_clients()
+        started = time.monotonic()
+        assert np.array_equal(await embed(client, alpha, SECOND), uncached)
+        # One lookup and one write, each given up after its timeout.
+        assert time.monotonic() - started < 2.0
+    assert rows_sent[-1] == 4
