@@ -37,6 +37,23 @@ TOKENIZATION_SECONDS = Histogram(
     ["model"],
     buckets=DURATION_BUCKETS,
 )
+# The embedding cache (services/inference/vector_cache.py): where each looked-up row was found.
+EMBEDDING_CACHE_ROWS = Counter(
+    "embedsite_embedding_cache_rows",
+    "Rows looked up in the embedding cache, by result: local (this process's entries), redis, miss.",
+    ["result"],
+)
+EMBEDDING_CACHE_SECONDS = Histogram(
+    "embedsite_embedding_cache_seconds",
+    "Time of one embedding-cache Redis operation (a request's lookup or its write of the misses).",
+    ["operation"],
+    buckets=DURATION_BUCKETS,
+)
+EMBEDDING_CACHE_FAILURES = Counter(
+    "embedsite_embedding_cache_failures",
+    "Embedding-cache Redis operations that failed or timed out (the rows were computed as without it).",
+    ["operation"],
+)
 TRITON_CALL_SECONDS = Histogram(
     "embedsite_triton_call_seconds",
     "Time of one request's Triton inference (all its batches), by Triton model.",

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from embeddings.redis.connections import reset_redis_clients
 from embeddings.services.inference import embedding
@@ -148,3 +149,35 @@ async def test_a_cache_that_never_answers_costs_at_most_its_timeout(
         # One lookup and one write, each given up after its timeout.
         assert time.monotonic() - started < 2.0
     assert rows_sent[-1] == 4
+
+
+def cache_rows() -> dict[str, float]:
+    return {
+        result: REGISTRY.get_sample_value("embedsite_embedding_cache_rows_total", {"result": result}) or 0.0
+        for result in ("local", "redis", "miss")
+    }
+
+
+def cache_failures(operation: str) -> float:
+    return (
+        REGISTRY.get_sample_value("embedsite_embedding_cache_failures_total", {"operation": operation}) or 0.0
+    )
+
+
+async def test_metrics_count_where_each_row_was_found_and_every_failure(client, alpha, cache, settings):
+    before = cache_rows()
+    await embed(client, alpha, FIRST)  # 3 misses
+    await embed(client, alpha, SECOND)  # 2 from this process's entries, 2 misses
+    vector_cache_clear_local()
+    await embed(client, alpha, FIRST)  # 3 from Redis
+    after = cache_rows()
+    assert {result: after[result] - before[result] for result in after} == {"local": 2, "redis": 3, "miss": 5}
+    assert REGISTRY.get_sample_value("embedsite_embedding_cache_seconds_count", {"operation": "lookup"}) >= 3
+
+    settings.EMBEDDING_CACHE_REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"
+    reset_redis_clients()
+    vector_cache_clear_local()
+    lookups, writes, misses = cache_failures("lookup"), cache_failures("write"), cache_rows()["miss"]
+    await embed(client, alpha, FIRST)
+    assert (cache_failures("lookup"), cache_failures("write")) == (lookups + 1, writes + 1)
+    assert cache_rows()["miss"] == misses + 3

@@ -35,6 +35,7 @@ import numpy as np
 from django.conf import settings
 from redis.exceptions import RedisError
 
+from embeddings.metrics import EMBEDDING_CACHE_FAILURES, EMBEDDING_CACHE_ROWS, EMBEDDING_CACHE_SECONDS
 from embeddings.redis.connections import redis_embedding_cache_async
 from embeddings.services.inference.exports import (
     EXPORT_INFO_FILENAME,
@@ -156,6 +157,7 @@ def vector_cache_clear_local() -> None:
 
 def _failed(action: str, error: BaseException) -> None:
     global _last_failure_logged
+    EMBEDDING_CACHE_FAILURES.labels(action).inc()
     now = time.monotonic()
     if now - _last_failure_logged >= FAILURE_LOG_INTERVAL_S:
         _last_failure_logged = now
@@ -174,20 +176,28 @@ async def vectors_get(keys: Sequence[bytes]) -> list[np.ndarray | None]:
     local = local_vectors()
     found: list[np.ndarray | None] = [local.get(key) for key in keys]
     missing = [index for index, vector in enumerate(found) if vector is None]
+    EMBEDDING_CACHE_ROWS.labels("local").inc(len(keys) - len(missing))
     if not missing:
         return found
+    started = time.perf_counter()
     try:
         async with asyncio.timeout(settings.EMBEDDING_CACHE_TIMEOUT_S):
             values = await redis_embedding_cache_async().mget([KEY_PREFIX + keys[index] for index in missing])
     except (RedisError, OSError, TimeoutError) as error:
         _failed("lookup", error)
+        EMBEDDING_CACHE_ROWS.labels("miss").inc(len(missing))
         return found
+    EMBEDDING_CACHE_SECONDS.labels("lookup").observe(time.perf_counter() - started)
     width = next((len(vector) for vector in found if vector is not None), None)
+    from_redis = 0
     for index, value in zip(missing, values, strict=True):
         vector = _decoded(value, width)
         if vector is not None:
             found[index] = vector
             local.put(keys[index], vector)
+            from_redis += 1
+    EMBEDDING_CACHE_ROWS.labels("redis").inc(from_redis)
+    EMBEDDING_CACHE_ROWS.labels("miss").inc(len(missing) - from_redis)
     return found
 
 
@@ -199,6 +209,7 @@ async def vectors_put(keys: Sequence[bytes], vectors: np.ndarray) -> None:
     rows = np.ascontiguousarray(vectors, dtype="<f4")
     for key, row in zip(keys, rows, strict=True):
         local.put(key, row)
+    started = time.perf_counter()
     try:
         async with asyncio.timeout(settings.EMBEDDING_CACHE_TIMEOUT_S):
             async with redis_embedding_cache_async().pipeline(transaction=False) as pipeline:
@@ -207,3 +218,5 @@ async def vectors_put(keys: Sequence[bytes], vectors: np.ndarray) -> None:
                 await pipeline.execute()
     except (RedisError, OSError, TimeoutError) as error:
         _failed("write", error)
+        return
+    EMBEDDING_CACHE_SECONDS.labels("write").observe(time.perf_counter() - started)
