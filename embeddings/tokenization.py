@@ -358,12 +358,7 @@ class TextTokenizer:
                 tokens=self.count_tokens(texts[index]),
                 max_tokens=self.max_tokens if limits is None else int(limits[index]),
             )
-        width = padded_length(int(lengths.max()), buckets)
-        input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
-        for row, ids in enumerate(rows):
-            input_ids[row, : lengths[row]] = ids
-        attention_mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
-        return TokenizedBatch(input_ids, attention_mask, lengths, truncated)
+        return self._padded(rows, lengths, truncated, buckets)
 
     def encode_chunks(
         self,
@@ -406,12 +401,7 @@ class TextTokenizer:
             starts.append(len(rows))
         truncated = np.zeros(len(rows), dtype=bool)
         lengths = np.fromiter((len(ids) for ids in rows), dtype=np.int64, count=len(rows))
-        width = padded_length(int(lengths.max()), buckets)
-        input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
-        for row, ids in enumerate(rows):
-            input_ids[row, : lengths[row]] = ids
-        attention_mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
-        batch = TokenizedBatch(input_ids, attention_mask, lengths, truncated)
+        batch = self._padded(rows, lengths, truncated, buckets)
         return ChunkedBatch(batch, np.asarray(starts, dtype=np.int64))
 
     def encode_pairs(
@@ -455,14 +445,29 @@ class TextTokenizer:
             rows.append(pair.ids)
             types.append(pair.type_ids)
         counts = np.fromiter((len(ids) for ids in rows), dtype=np.int64, count=len(rows))
-        width = padded_length(int(counts.max()), buckets) if len(rows) else 0
+        return self._padded(rows, counts, truncated, buckets, types=types)
+
+    def _padded(
+        self,
+        rows: list[list[int]],
+        lengths: np.ndarray,
+        truncated: np.ndarray,
+        buckets: tuple[int, ...],
+        *,
+        types: list[list[int]] | None = None,
+    ) -> TokenizedBatch:
+        """Rows of ids (and a pair batch's token types) right-padded to the longest, or to its bucket."""
+        width = padded_length(int(lengths.max()), buckets) if len(rows) else 0
         input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
-        token_type_ids = np.zeros((len(rows), width), dtype=np.int64)
         for row, ids in enumerate(rows):
-            input_ids[row, : counts[row]] = ids
-            token_type_ids[row, : counts[row]] = types[row]
-        attention_mask = (np.arange(width)[None, :] < counts[:, None]).astype(np.int64)
-        return TokenizedBatch(input_ids, attention_mask, counts, truncated, token_type_ids)
+            input_ids[row, : lengths[row]] = ids
+        token_type_ids = None
+        if types is not None:
+            token_type_ids = np.zeros((len(rows), width), dtype=np.int64)
+            for row, row_types in enumerate(types):
+                token_type_ids[row, : lengths[row]] = row_types
+        attention_mask = (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64)
+        return TokenizedBatch(input_ids, attention_mask, lengths, truncated, token_type_ids)
 
 
 def _check_text(index: int, text: object) -> None:
