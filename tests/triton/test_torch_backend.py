@@ -102,11 +102,24 @@ def test_each_pooling_of_an_exported_bert_matches_pytorch(tmp_path, pooling):
 
 
 @pytest.mark.unit
-def test_an_export_of_another_architecture_is_refused_with_the_way_to_serve_it(tmp_path):
-    source = build_tiny_bert(tmp_path / "source", model_type="distilbert", seed=5)
-    result = model_export(source_dir=source, repository_dir=tmp_path / "repository", name="d", pooling="mean")
+@pytest.mark.parametrize(
+    ("model_type", "task"),
+    [("distilbert", "embed"), ("xlm-roberta", "rerank")],
+    ids=["embedding", "cross-encoder"],
+)
+def test_an_export_of_another_architecture_is_refused_with_the_way_to_serve_it(tmp_path, model_type, task):
+    source = build_tiny_bert(
+        tmp_path / "source", model_type=model_type, seed=5, cross_encoder=task == "rerank"
+    )
+    result = model_export(
+        source_dir=source,
+        repository_dir=tmp_path / "repository",
+        name="other",
+        pooling="mean" if task == "embed" else None,
+        task=task,
+    )
 
-    with pytest.raises(EncoderLoadError, match=r"not 'distilbert'.*configs/gpu\.pbtxt"):
+    with pytest.raises(EncoderLoadError, match=rf"not '{model_type}'.*configs/gpu\.pbtxt"):
         load_encoder(result.model_path, device="cpu", dtype=torch.float32)
 
 
@@ -234,15 +247,6 @@ def test_a_bert_cross_encoder_reads_the_pairs_token_types(cross_encoder):
     )
     with pytest.raises(ValueError, match="takes token_type_ids"):
         encoder.embed(batch.input_ids, batch.attention_mask)
-
-
-@pytest.mark.unit
-def test_a_cross_encoder_of_another_architecture_is_refused_with_the_way_to_serve_it(tmp_path):
-    source = build_tiny_bert(tmp_path / "source", model_type="xlm-roberta", seed=6, cross_encoder=True)
-    result = model_export(source_dir=source, repository_dir=tmp_path / "repository", name="x", task="rerank")
-
-    with pytest.raises(EncoderLoadError, match=r"not 'xlm-roberta'.*configs/gpu\.pbtxt"):
-        load_encoder(result.model_path, device="cpu", dtype=torch.float32)
 
 
 @pytest.mark.unit
