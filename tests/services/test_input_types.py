@@ -54,3 +54,14 @@ def test_the_catalog_refuses_a_mapping_to_no_prompt_or_of_no_input_type():
     with pytest.raises(ValidationError, match="a JSON object"):
         EmbeddingModel(name="x", prompts=PROMPTS, input_types=["query"]).clean()
     EmbeddingModel(name="x", prompts=PROMPTS, input_types={"document": "passage"}).clean()
+
+
+def test_ranking_by_similarity_takes_the_prompts_the_input_types_map():
+    from embeddings.services.inference.ranking import DOCUMENT_PROMPTS, _prompt
+
+    mapped = target(input_types={"query": "classify", "document": "query"})
+    assert _prompt(mapped, "query", ("query",)) == "classify: "
+    assert _prompt(mapped, "document", DOCUMENT_PROMPTS) == "query: "
+    # Without a mapping, the prompts named so.
+    assert _prompt(target(), "query", ("query",)) == "query: "
+    assert _prompt(target(), "document", DOCUMENT_PROMPTS) == "passage: "

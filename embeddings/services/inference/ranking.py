@@ -9,10 +9,11 @@ pair).
 
 An embedding model the catalog lets rank (`EmbeddingModel.rerank_by_similarity`) embeds the query
 and the documents in one call and scores each document by the cosine similarity of its vector
-and the query's, in [-1, 1]. The query takes the model's "query" prompt and the documents its
-"document" (or "passage") prompt where it has them (e5-style models are trained so), else both
-its default prompt. One request is one quota reservation of all its tokens (the query's and every
-document's), one inference deadline and one usage record, as an embeddings request is.
+and the query's, in [-1, 1]. The query takes the prompt the catalog maps the "query" input type
+to and the documents the "document" one's, else the prompts named "query" and "document" (or
+"passage") where the model has them (e5-style models are trained so), else both its default prompt.
+One request is one quota reservation of all its tokens (the query's and every document's), one
+inference deadline and one usage record, as an embeddings request is.
 """
 
 from __future__ import annotations
@@ -124,7 +125,11 @@ def _in_rerank_terms(error: TokenizationError) -> TokenizationError:
     return error.restated(message, param="documents")
 
 
-def _prompt(target: EmbeddingTarget, names: Sequence[str]) -> str:
+def _prompt(target: EmbeddingTarget, input_type: str, names: Sequence[str]) -> str:
+    """The prompt the catalog maps `input_type` to, else the first of `names` the model has, else
+    its default prompt."""
+    if input_type in dict(target.input_types):
+        return target.prompt(None, input_type)
     prompts = dict(target.prompts)
     for name in names:
         if name in prompts:
@@ -149,7 +154,8 @@ async def rerank_create(
             model=model, query=query, documents=documents, options=options, quota=quota
         )
     target = EmbeddingTarget.for_model(model)
-    query_prompt, document_prompt = _prompt(target, ("query",)), _prompt(target, DOCUMENT_PROMPTS)
+    query_prompt = _prompt(target, "query", ("query",))
+    document_prompt = _prompt(target, "document", DOCUMENT_PROMPTS)
     default_limit = settings.RERANK_MAX_TOKENS_PER_DOCUMENT
     document_limit = min(model.max_tokens, options.max_tokens_per_document or default_limit)
     # The prompts are added here, per side, so the target adds none; the documents count against
