@@ -197,6 +197,16 @@ class TenantAdmin(admin.ModelAdmin):
                 "results until they expire). A job that would not fit the budget is refused at submission.",
             },
         ),
+        (
+            "Embedding cache",
+            {
+                "fields": ("shared_embedding_cache",),
+                "description": "Where EMBEDDING_CACHE is on, a tenant's cached vectors are its own. "
+                "Opting in shares them with every other tenant that did (more hits), at the price that "
+                "a fast answer reveals a text someone else embedded. A model can opt in for all its "
+                "tenants (its own setting).",
+            },
+        ),
     )
     inlines = (ApiKeyInline,)
     actions = ("deactivate_tenants", "rotate_webhook_secrets", "rotate_webhook_secrets_now")
@@ -229,7 +239,7 @@ class TenantAdmin(admin.ModelAdmin):
             "summary": summary,
             "month_counts": {
                 name: f"{getattr(summary, f'month_{name}'):,}"
-                for name in ("succeeded", "rejected", "failed", "inputs")
+                for name in ("succeeded", "rejected", "failed", "inputs", "cached_inputs", "cached_tokens")
             },
             "windows": [
                 {
@@ -659,6 +669,7 @@ class UsageBucketAdmin(admin.ModelAdmin):
         "failed",
         "inputs",
         "tokens",
+        "cached_tokens",
         "mean_latency_ms",
     )
     list_filter = ("tenant", ("api_key", admin.RelatedOnlyFieldListFilter), "model", "endpoint")

@@ -69,12 +69,20 @@ class Caller:
     allow_all_models: bool = False
     allowed_model_ids: frozenset[int] = field(default_factory=frozenset)
     expires_at: datetime | None = None
+    # The tenant opted in to the embedding cache's shared scope (Tenant.shared_embedding_cache).
+    shared_embedding_cache: bool = False
     is_authenticated: bool = True  # for DRF permission classes
 
     def may_use(self, model: EmbeddingModel) -> bool:
         return self.allow_all_models or model.pk in self.allowed_model_ids
 
-    @property
-    def cache_scope(self) -> str:
-        """Its entries' scope in the embedding cache: its tenant's own, never shared with another."""
+    def cache_scope_for(self, model: EmbeddingModel) -> str:
+        """Its entries' scope in the embedding cache for `model`: its tenant's own, which no other
+        tenant reads, unless the tenant or the model opted in to the scope shared by all who did."""
+        if self.shared_embedding_cache or model.shared_embedding_cache:
+            return SHARED_CACHE_SCOPE
         return f"tenant:{self.tenant_id}"
+
+
+# The embedding cache's scope of every tenant and model that opted in (a tenant's is "tenant:<id>").
+SHARED_CACHE_SCOPE = "shared"

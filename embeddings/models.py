@@ -72,6 +72,12 @@ class EmbeddingModel(models.Model):
         help_text="A rerank model's, from its export.json: applied to its raw scores (logits) unless a "
         "request asks for them raw (TEI's raw_scores); sigmoid gives scores in (0, 1)",
     )
+    shared_embedding_cache = models.BooleanField(
+        default=False,
+        help_text="Every tenant's requests to this model share one embedding cache scope (when "
+        "EMBEDDING_CACHE is on): a text one tenant embedded is a hit for all, and its speed tells "
+        "them someone embedded it. Off: each tenant has its own, unless the tenant opts in",
+    )
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -207,6 +213,12 @@ class Tenant(QuotaLimits):
         help_text="Bytes this tenant's jobs may hold in the job store at once. "
         "Blank: JOB_STORAGE_TENANT_BUDGET_BYTES",
     )
+    shared_embedding_cache = models.BooleanField(
+        default=False,
+        help_text="Its requests use the embedding cache scope shared by every tenant that opts in "
+        "(when EMBEDDING_CACHE is on): more hits, and a fast answer tells it that another tenant "
+        "embedded the same text. Off: its own scope, never read by another tenant",
+    )
 
     class Meta:
         ordering = ["name"]
@@ -265,6 +277,9 @@ class UsageBucket(models.Model):
     failed = models.PositiveBigIntegerField(default=0, help_text="Accepted, then failed (e.g. Triton down)")
     inputs = models.PositiveBigIntegerField(default=0)
     tokens = models.PositiveBigIntegerField(default=0)
+    # Of inputs and tokens, those answered from the embedding cache (services/inference/vector_cache.py).
+    cached_inputs = models.PositiveBigIntegerField(default=0, help_text="Of inputs, answered from the cache")
+    cached_tokens = models.PositiveBigIntegerField(default=0, help_text="Of tokens, answered from the cache")
     latency_ms_total = models.PositiveBigIntegerField(default=0, help_text="Sum, for the mean")
 
     class Meta:

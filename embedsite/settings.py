@@ -564,6 +564,9 @@ EMBEDDING_CACHE = env_bool("EMBEDDING_CACHE", False)
 EMBEDDING_CACHE_REDIS_URL = env_str("EMBEDDING_CACHE_REDIS_URL", "")
 EMBEDDING_CACHE_TTL_S = env_int("EMBEDDING_CACHE_TTL_S", 7 * 24 * 3600, minimum=1)
 EMBEDDING_CACHE_LOCAL_ENTRIES = env_int("EMBEDDING_CACHE_LOCAL_ENTRIES", 10_000, minimum=0)
+# Quotas count the tokens of inputs the cache answered (true), or give them back after the request
+# (false). Usage records them either way (cached_inputs, cached_tokens), so bills can discount them.
+EMBEDDING_CACHE_COUNT_HITS = env_bool("EMBEDDING_CACHE_COUNT_HITS", True)
 # A lookup or a write slower than this counts as all misses (or is dropped): never a failed request.
 EMBEDDING_CACHE_TIMEOUT_S = env_float("EMBEDDING_CACHE_TIMEOUT_S", 0.05, minimum=0.001)
 # maxmemory (MiB) of the Redis servers `runstack` starts (both with noeviction: a full Redis refuses

@@ -64,6 +64,7 @@ def _caller_for_key(key: str) -> Caller | ApiError:
         allow_all_models=tenant.allow_all_models,
         allowed_model_ids=allowed,
         expires_at=api_key.expires_at,
+        shared_embedding_cache=tenant.shared_embedding_cache,
         tenant_limits=QuotaLimitValues.of(tenant),
         key_limits=QuotaLimitValues.of(api_key),
     )

@@ -127,7 +127,7 @@ class CohereEmbedView(ApiView):
             texts=texts,
             options=options,
             quota=self.request_quota(model.name),
-            cache_scope=None if self.caller is None else self.caller.cache_scope,
+            cache_scope=None if self.caller is None else self.caller.cache_scope_for(model),
         )
         log_request(self.caller, self.endpoint, model, result)
         embeddings = {

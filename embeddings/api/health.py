@@ -7,6 +7,10 @@ concurrently under READY_CHECK_TIMEOUT_S, so /ready answers within about that lo
 down. A process shutting down (SIGTERM, embedsite/server.py) answers 503 at once, while it still
 serves everything else for SHUTDOWN_DRAIN_S.
 
+"embedding_cache" reports the embedding cache (services/inference/vector_cache.py): off, or on with
+its Redis's state and the process's local entries. It never makes the process unready: without the
+cache every row is computed.
+
 It also reports, under "models", what Triton says of every enabled catalog model (its Triton
 model, pinned version, state and reason); only the default model counts for readiness.
 
@@ -34,6 +38,7 @@ from embeddings.redis.connections import redis_async, redis_job_store
 from embeddings.services.inference import catalog
 from embeddings.services.inference.clients import triton_async_client
 from embeddings.services.inference.serving import models_serving_states
+from embeddings.services.inference.vector_cache import vector_cache_state
 from embeddings.triton import TritonError, TritonModelNotLoaded
 
 logger = logging.getLogger(__name__)
@@ -227,13 +232,13 @@ async def ready(request: HttpRequest) -> JsonResponse:
         )
     replicas = ReplicasCheck() if triton_async_client().replicas.replicated else None
     checks = readiness_checks(replicas)
-    *outcomes, models = await asyncio.gather(
-        *(_run_check(name, check) for name, check in checks.items()), models_report()
+    *outcomes, models, cache = await asyncio.gather(
+        *(_run_check(name, check) for name, check in checks.items()), models_report(), vector_cache_state()
     )
     results = dict(zip(checks, outcomes, strict=True))
     failed = [name for name, outcome in results.items() if outcome != "ok"]
     detail = None if replicas is None else replicas.detail
-    return _readiness_response("unavailable" if failed else "ready", results, failed, models, detail)
+    return _readiness_response("unavailable" if failed else "ready", results, failed, models, detail, cache)
 
 
 def _readiness_response(
@@ -242,12 +247,15 @@ def _readiness_response(
     failed: list[str],
     models: dict | None = None,
     replicas: dict | None = None,
+    embedding_cache: dict | None = None,
 ) -> JsonResponse:
     body: dict[str, object] = {"status": status, "checks": checks}
     if models is not None:
         body["models"] = models
     if replicas is not None:
         body["replicas"] = replicas
+    if embedding_cache is not None:
+        body["embedding_cache"] = embedding_cache
     if failed:
         body["failed"] = failed
     response = JsonResponse(body, status=503 if failed else 200)

@@ -130,6 +130,7 @@ async def _rank(
         documents=documents,
         options=options,
         quota=view.request_quota(model.name),
+        cache_scope=None if view.caller is None else view.caller.cache_scope_for(model),
     )
     log_request(view.caller, view.endpoint, model, result, action="rerank")
     return model, result

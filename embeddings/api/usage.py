@@ -94,7 +94,12 @@ class UsageCountersSerializer(serializers.Serializer):
     rejected = serializers.IntegerField(help_text="Refused by a quota or rate limit")
     failed = serializers.IntegerField(help_text="Accepted, then failed")
     inputs = serializers.IntegerField()
-    tokens = serializers.IntegerField()
+    tokens = serializers.IntegerField(help_text="Every input's tokens, cached or computed")
+    cached_inputs = serializers.IntegerField(help_text="Of inputs, those answered from the embedding cache")
+    cached_tokens = serializers.IntegerField(help_text="Of tokens, those answered from the embedding cache")
+    computed_tokens = serializers.IntegerField(
+        help_text="Of tokens, those the model computed: tokens - cached_tokens"
+    )
     mean_latency_ms = serializers.FloatField(allow_null=True, help_text="Null without requests")
 
 
@@ -191,6 +196,9 @@ def counters_json(counters: dict[str, int]) -> dict:
         "failed": counters["failed"],
         "inputs": counters["inputs"],
         "tokens": counters["tokens"],
+        "cached_inputs": counters["cached_inputs"],
+        "cached_tokens": counters["cached_tokens"],
+        "computed_tokens": counters["tokens"] - counters["cached_tokens"],
         "mean_latency_ms": round(counters["latency_ms_total"] / requests, 3) if requests else None,
     }
 
@@ -256,16 +264,19 @@ USAGE_EXAMPLE = {
     "includes_unfolded": True,
     "totals": {
         "requests": 1250, "succeeded": 1200, "rejected": 40, "failed": 10,
-        "inputs": 5100, "tokens": 182000, "mean_latency_ms": 14.2,
+        "inputs": 5100, "tokens": 182000, "cached_inputs": 900, "cached_tokens": 31000,
+        "computed_tokens": 151000, "mean_latency_ms": 14.2,
     },
     "data": [
         {
             "day": "2026-11-01", "requests": 600, "succeeded": 590, "rejected": 10, "failed": 0,
-            "inputs": 2400, "tokens": 90000, "mean_latency_ms": 13.9,
+            "inputs": 2400, "tokens": 90000, "cached_inputs": 400, "cached_tokens": 14000,
+            "computed_tokens": 76000, "mean_latency_ms": 13.9,
         },
         {
             "day": "2026-11-02", "requests": 650, "succeeded": 610, "rejected": 30, "failed": 10,
-            "inputs": 2700, "tokens": 92000, "mean_latency_ms": 14.5,
+            "inputs": 2700, "tokens": 92000, "cached_inputs": 500, "cached_tokens": 17000,
+            "computed_tokens": 75000, "mean_latency_ms": 14.5,
         },
     ],
     "quota": {

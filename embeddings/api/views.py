@@ -281,7 +281,7 @@ async def openai_embeddings(call: EmbeddingsCall, params: dict) -> tuple[dict, E
             chunk=params["long_inputs"] == "chunk",
         ),
         quota=call.request_quota(model.name),
-        cache_scope=None if call.caller is None else call.caller.cache_scope,
+        cache_scope=None if call.caller is None else call.caller.cache_scope_for(model),
     )
     log_request(call.caller, call.endpoint, model, result, params.get("user", ""))
     body = embeddings_response_body(
@@ -317,7 +317,10 @@ class SeedEmbeddingView(ApiView):
         texts = SeedQueriesField().run_validation(request.data)
         model = await model_for_request(self, None)
         result = await embeddings_create(
-            target=EmbeddingTarget.for_model(model), texts=texts, quota=self.request_quota(model.name)
+            target=EmbeddingTarget.for_model(model),
+            texts=texts,
+            quota=self.request_quota(model.name),
+            cache_scope=None if self.caller is None else self.caller.cache_scope_for(model),
         )
         log_request(self.caller, self.endpoint, model, result)
         return embedding_response([{"embedding": vector} for vector in result.vectors], result)
@@ -371,7 +374,7 @@ class TeiEmbedView(ApiView):
                 prompt_name=params.get("prompt_name"),
             ),
             quota=self.request_quota(model.name),
-            cache_scope=None if self.caller is None else self.caller.cache_scope,
+            cache_scope=None if self.caller is None else self.caller.cache_scope_for(model),
         )
         log_request(self.caller, self.endpoint, model, result)
         return embedding_response(

@@ -33,6 +33,8 @@ class RequestContext:
     model: str = ""
     inputs: int | None = None
     tokens: int | None = None
+    # Of the request's rows (texts or chunks), those the embedding cache answered; None: not looked up.
+    cache_hits: int | None = None
     # A Celery task's name and a job's public id, for work a request caused.
     task: str = ""
     job: str = ""
@@ -48,6 +50,7 @@ class RequestContext:
             "model": self.model,
             "inputs": self.inputs,
             "tokens": self.tokens,
+            "cache_hits": self.cache_hits,
             "task": self.task,
             "job": self.job,
         }

@@ -25,6 +25,7 @@ async def test_ready_when_everything_answers(client):
         "models": {
             "all-MiniLM-L6-v2": {"triton_model": "minilm", "version": "1", "state": "READY", "reason": ""}
         },
+        "embedding_cache": {"enabled": False},
     }
     assert response.headers["cache-control"] == "no-store"
 

@@ -39,6 +39,8 @@ def june(alpha, beta):
         succeeded=3,
         inputs=6,
         tokens=60,
+        cached_inputs=2,
+        cached_tokens=25,
         latency_ms_total=30,
     )
     bucket(
@@ -103,11 +105,15 @@ async def test_by_day_with_totals(client, alpha, june):
     assert (body["start"], body["end"]) == ("2026-06-01T00:00:00Z", "2026-07-01T00:00:00Z")
     assert body["totals"] == {
         "requests": 6, "succeeded": 4, "rejected": 1, "failed": 1,
-        "inputs": 9, "tokens": 85, "mean_latency_ms": round(140 / 6, 3),
+        "inputs": 9, "tokens": 85, "cached_inputs": 2, "cached_tokens": 25, "computed_tokens": 60,
+        "mean_latency_ms": round(140 / 6, 3),
     }  # fmt: skip
-    assert [(row["day"], row["requests"], row["tokens"], row["mean_latency_ms"]) for row in body["data"]] == [
-        ("2026-06-01", 5, 80, 8.0),
-        ("2026-06-02", 1, 5, 100.0),
+    assert [
+        (row["day"], row["requests"], row["tokens"], row["cached_tokens"], row["mean_latency_ms"])
+        for row in body["data"]
+    ] == [
+        ("2026-06-01", 5, 80, 25, 8.0),
+        ("2026-06-02", 1, 5, 0, 100.0),
     ]
     assert body["includes_unfolded"] is True
 

@@ -204,6 +204,31 @@ class EmbeddingOptions:
 
 
 @dataclass(frozen=True)
+class CacheHits:
+    """What the embedding cache answered of one request: inputs (all of whose rows it held), their
+    rows (texts or chunks) and those rows' tokens."""
+
+    inputs: int = 0
+    rows: int = 0
+    tokens: int = 0
+
+    @classmethod
+    def of(
+        cls, batch: TokenizedBatch, cached: np.ndarray | None, chunk_starts: np.ndarray | None
+    ) -> CacheHits:
+        if cached is None or not cached.any():
+            return NO_CACHE_HITS
+        if chunk_starts is None:
+            inputs = int(cached.sum())
+        else:  # an input is a hit when every one of its chunks is
+            inputs = int(np.logical_and.reduceat(cached, chunk_starts[:-1]).sum())
+        return cls(inputs=inputs, rows=int(cached.sum()), tokens=int(batch.token_counts[cached].sum()))
+
+
+NO_CACHE_HITS = CacheHits()
+
+
+@dataclass(frozen=True)
 class EmbeddingResult:
     """Vectors in input order (float32 [n, dims]) and what producing them cost."""
 
@@ -212,6 +237,7 @@ class EmbeddingResult:
     token_counts: np.ndarray
     tokenization_s: float
     inference_s: float
+    cache_hits: CacheHits = NO_CACHE_HITS
 
     @property
     def total_tokens(self) -> int:
@@ -551,10 +577,11 @@ async def _infer(
     *,
     chunked: bool = False,
     cache_scope: str | None = None,
-) -> np.ndarray:
-    """All of the request's rows' full-width outputs: with `cache_scope` and EMBEDDING_CACHE on (and
-    a model that takes token ids), those in the embedding cache from it and only the others from
-    Triton (vector_cache.py), in input order."""
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """All of the request's rows' full-width outputs, in input order, and which rows the embedding
+    cache answered (None: not looked up): with `cache_scope` and EMBEDDING_CACHE on (and a model
+    that takes token ids), those in the cache come from it and only the others from Triton
+    (vector_cache.py)."""
     client = triton_async_client()
     spec = await client.model_metadata(target.triton_model, target.triton_version)
     takes_text = _takes_text(spec, token_ids, chunked=chunked)
@@ -562,12 +589,13 @@ async def _infer(
     if cache_scope is not None and settings.EMBEDDING_CACHE and not takes_text:
         served = served_model(target.triton_model, target.triton_version)
     if served is None:
-        return await _infer_rows(target, spec, texts, batch, deadline, takes_text=takes_text)
+        return await _infer_rows(target, spec, texts, batch, deadline, takes_text=takes_text), None
     keys = [
         served.row_key(cache_scope, ids[mask.astype(bool)])
         for ids, mask in zip(batch.input_ids, batch.attention_mask, strict=True)
     ]
     found = await vectors_get(keys)
+    cached = np.array([vector is not None for vector in found], dtype=bool)
     missing = [row for row, vector in enumerate(found) if vector is None]
     if missing:
         computed = await _infer_rows(
@@ -576,7 +604,7 @@ async def _infer(
         await vectors_put([keys[row] for row in missing], computed)
         for position, row in enumerate(missing):
             found[row] = computed[position]
-    return np.stack(found).astype(np.float32, copy=False)
+    return np.stack(found).astype(np.float32, copy=False), cached
 
 
 def _batch_rows(batch: TokenizedBatch, rows: list[int]) -> TokenizedBatch:
@@ -674,7 +702,7 @@ async def embeddings_create(
         batch, starts, tokenization_s = await asyncio.to_thread(_tokenize, target, texts, token_ids, options)
     else:
         batch, starts, tokenization_s = _tokenize(target, texts, token_ids, options)
-    vectors, inference_s = await tokens_infer(
+    vectors, inference_s, cache_hits = await tokens_infer(
         target,
         batch,
         deadline=deadline,
@@ -687,7 +715,9 @@ async def embeddings_create(
         cache_scope=cache_scope,
     )
     token_counts = _input_token_counts(batch, starts)
-    return EmbeddingResult(target.triton_model, vectors, token_counts, tokenization_s, inference_s)
+    return EmbeddingResult(
+        target.triton_model, vectors, token_counts, tokenization_s, inference_s, cache_hits
+    )
 
 
 async def tokens_infer(
@@ -702,8 +732,9 @@ async def tokens_infer(
     token_ids: Sequence[Sequence[int]] | None = None,
     chunk_starts: np.ndarray | None = None,
     cache_scope: str | None = None,
-) -> tuple[np.ndarray, float]:
-    """A tokenised request's model outputs, `finish`ed, and the inference seconds: metered (its
+) -> tuple[np.ndarray, float, CacheHits]:
+    """A tokenised request's model outputs, `finish`ed, the inference seconds and what the embedding
+    cache answered (`cache_scope`, as for embeddings_create): metered (its
     quota reserved before, settled after: kept on success, refunded on any failure, `finish`'s
     included), within the in-flight gate and by `deadline` (`timeout_s` from the request's start).
     Embeddings and a cross-encoder's pair scores alike. With `chunk_starts` the rows are the
@@ -721,7 +752,7 @@ async def tokens_infer(
                 try:
                     async with asyncio.timeout(deadline - time.monotonic()):
                         with tracing.span("inference", model=target.triton_model, rows=len(batch)):
-                            vectors = await _infer(
+                            vectors, cached = await _infer(
                                 target,
                                 texts,
                                 token_ids,
@@ -740,15 +771,18 @@ async def tokens_infer(
                     ) from None
                 inference_s = time.perf_counter() - started
             vectors = finish(vectors)
+            hits = CacheHits.of(batch, cached, chunk_starts)
         except BaseException:  # a Triton error, a bad output, the deadline, or the client went away
             if quota is not None:
                 with tracing.span("quota.settle", succeeded=False):
                     await quota.settle(succeeded=False)
             raise
+    if cached is not None:
+        request_context.annotate(cache_hits=hits.rows)
     if quota is not None:
         with tracing.span("quota.settle", succeeded=True):
-            await quota.settle(succeeded=True)
-    return vectors, inference_s
+            await quota.settle(succeeded=True, cached_inputs=hits.inputs, cached_tokens=hits.tokens)
+    return vectors, inference_s, hits
 
 
 def _not_loaded(target: EmbeddingTarget) -> ModelNotLoaded:

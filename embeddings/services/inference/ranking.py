@@ -144,8 +144,11 @@ async def rerank_create(
     documents: Sequence[str],
     options: RankingOptions = RankingOptions(),
     quota: RequestQuota | None = None,
+    cache_scope: str | None = None,
 ) -> RankingResult:
-    """Score `documents` against `query` with `model` (see the module docstring)."""
+    """Score `documents` against `query` with `model` (see the module docstring). By similarity,
+    the query's and documents' vectors come from the embedding cache where it holds them
+    (`cache_scope`, as for embeddings_create); a cross-encoder's pair scores are not cached."""
     ranking_check(
         model=model, documents=len(documents), max_tokens_per_document=options.max_tokens_per_document
     )
@@ -170,6 +173,7 @@ async def rerank_create(
                 max_tokens=(model.max_tokens, *[document_limit] * len(documents)),
             ),
             quota=quota,
+            cache_scope=cache_scope,
         )
     except TokenizationError as error:
         raise _in_rerank_terms(error) from None
@@ -262,7 +266,7 @@ async def _rerank_pairs(
             )
         return outputs[:, 0].astype(np.float64)
 
-    logits, inference_s = await tokens_infer(
+    logits, inference_s, _ = await tokens_infer(
         target, batch, deadline=deadline, timeout_s=timeout_s, quota=quota, finish=finish
     )
     scores = (

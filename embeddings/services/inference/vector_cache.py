@@ -220,3 +220,22 @@ async def vectors_put(keys: Sequence[bytes], vectors: np.ndarray) -> None:
         _failed("write", error)
         return
     EMBEDDING_CACHE_SECONDS.labels("write").observe(time.perf_counter() - started)
+
+
+async def vector_cache_state() -> dict[str, object]:
+    """What /ready says of the cache (never a reason for not being ready: without it requests are
+    computed): whether it is on, whether its Redis answers a PING within EMBEDDING_CACHE_TIMEOUT_S,
+    and the process's local entries."""
+    if not settings.EMBEDDING_CACHE:
+        return {"enabled": False}
+    local = local_vectors()
+    state = {"enabled": True, "redis": "ok", "local_entries": len(local), "local_capacity": local.capacity}
+    try:
+        async with asyncio.timeout(settings.EMBEDDING_CACHE_TIMEOUT_S):
+            await redis_embedding_cache_async().ping()
+    except TimeoutError:
+        state["redis"] = f"timed out after {settings.EMBEDDING_CACHE_TIMEOUT_S:g} s: every row is computed"
+    except (RedisError, OSError) as error:
+        # The error's class only: the cache's host stays in the log.
+        state["redis"] = f"unreachable ({type(error).__name__}): every row is computed"
+    return state

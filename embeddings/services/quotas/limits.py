@@ -426,13 +426,15 @@ class Reservation:
     headers: dict[str, str]
     tokens: int = 0
 
-    def refunds(self) -> list[tuple[str, int]]:
+    def refunds(self, tokens: int | None = None) -> list[tuple[str, int]]:
         """(key, amount) to give back when the request failed: its tokens (to the token cells, as
-        time, and to the budgets), not its request."""
-        if not self.tokens:
+        time, and to the budgets), not its request; with `tokens`, only that many of them (those
+        the embedding cache answered, where EMBEDDING_CACHE_COUNT_HITS is off)."""
+        tokens = self.tokens if tokens is None else min(tokens, self.tokens)
+        if not tokens:
             return []
-        refunds = [(c.key, c.cost_us(self.tokens)) for c in self.cells if c.rate.kind == "tokens"]
-        return refunds + [(c.key, c.amount) for c in self.counters]
+        refunds = [(c.key, c.cost_us(tokens)) for c in self.cells if c.rate.kind == "tokens"]
+        return refunds + [(c.key, tokens) for c in self.counters]
 
     @property
     def holds_anything(self) -> bool:
@@ -513,10 +515,13 @@ def quota_reserve_sync(*, caller: Caller, inputs: int, tokens: int, now: float |
 
 
 def settle_operation(
-    reservation: Reservation | None, refund: bool, usage: UsageEvent | None
+    reservation: Reservation | None, refund: bool | int, usage: UsageEvent | None
 ) -> Operation[None]:
     """`quota_release` as an operation, for either transport."""
-    refunds = reservation.refunds() if reservation is not None and refund else []
+    if reservation is None or refund is False:
+        refunds = []
+    else:
+        refunds = reservation.refunds(None if refund is True else refund)
     lease_sets = [lease.key for lease in reservation.leases] if reservation is not None else []
     if refunds or lease_sets or usage is not None:
         yield from operations.quota_settle(
@@ -528,15 +533,15 @@ def settle_operation(
 
 
 async def quota_release(
-    *, reservation: Reservation | None, refund: bool, usage: UsageEvent | None = None
+    *, reservation: Reservation | None, refund: bool | int, usage: UsageEvent | None = None
 ) -> None:
-    """Free the reservation's leases; with `refund`, give its tokens back (inference failed); count
-    `usage` (its usage_increments) in the same round trip."""
+    """Free the reservation's leases; with `refund` True, give its tokens back (inference failed),
+    with a number, that many of them; count `usage` (its usage_increments) in the same round trip."""
     await operation_run(settle_operation(reservation, refund, usage))
 
 
 def quota_release_sync(
-    *, reservation: Reservation | None, refund: bool, usage: UsageEvent | None = None
+    *, reservation: Reservation | None, refund: bool | int, usage: UsageEvent | None = None
 ) -> None:
     """`quota_release` on the blocking transport."""
     operation_run_sync(settle_operation(reservation, refund, usage), redis_sync())
@@ -577,6 +582,8 @@ class RequestQuota:
         self.headers: dict[str, str] | None = None
         self.inputs = 0
         self.tokens = 0
+        self.cached_inputs = 0
+        self.cached_tokens = 0
 
     async def reserve(self, *, inputs: int, tokens: int) -> None:
         self.inputs, self.tokens = inputs, tokens
@@ -599,20 +606,29 @@ class RequestQuota:
             ) from error
         self.headers = self.reservation.headers
 
-    async def settle(self, *, succeeded: bool) -> None:
+    async def settle(self, *, succeeded: bool, cached_inputs: int = 0, cached_tokens: int = 0) -> None:
         """Release (and on failure refund) the reservation and record usage, in one round trip;
-        never raises."""
+        never raises. `cached_inputs` and `cached_tokens` (of a success) were answered from the
+        embedding cache: usage records them apart, and with EMBEDDING_CACHE_COUNT_HITS off their
+        tokens are given back to the limits."""
+        self.cached_inputs, self.cached_tokens = cached_inputs, cached_tokens
+        if not succeeded:
+            refund: bool | int = True
+        elif cached_tokens and not settings.EMBEDDING_CACHE_COUNT_HITS:
+            refund = cached_tokens
+        else:
+            refund = False
         try:
             await quota_release(
                 reservation=self.reservation,
-                refund=not succeeded,
+                refund=refund,
                 usage=self._usage("succeeded" if succeeded else "failed"),
             )
         except RedisError as error:
             # Leases expire after QUOTA_LEASE_SECONDS; a lost refund stays counted.
             _log_redis_failure("could not settle a request's quota and usage", error)
             return
-        if not succeeded and self.reservation is not None and self.reservation.refunds():
+        if refund and self.reservation is not None and self.reservation.refunds():
             self.headers = None  # the refund changed them: the view reads them afresh
 
     async def _record(self, outcome: Outcome) -> None:
@@ -631,6 +647,8 @@ class RequestQuota:
             outcome=outcome,
             inputs=self.inputs if succeeded else 0,
             tokens=self.tokens if succeeded else 0,
+            cached_inputs=self.cached_inputs if succeeded else 0,
+            cached_tokens=self.cached_tokens if succeeded else 0,
             latency_ms=round((time.perf_counter() - self.started) * 1000),
         )
 

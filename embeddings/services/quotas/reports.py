@@ -31,6 +31,8 @@ USAGE_CSV_HEADER = (
     "inputs",
     "tokens",
     "latency_ms_total",
+    "cached_inputs",
+    "cached_tokens",
 )
 
 
@@ -73,6 +75,9 @@ class TenantUsageSummary:
     month_rejected: int
     month_failed: int
     month_inputs: int
+    # Of month_inputs and month_tokens, those the embedding cache answered.
+    month_cached_inputs: int
+    month_cached_tokens: int
     day_requests: int
 
 
@@ -108,6 +113,8 @@ def tenant_usage_summary(*, tenant: Tenant, now: datetime) -> TenantUsageSummary
         "rejected",
         "failed",
         "inputs",
+        "cached_inputs",
+        "cached_tokens",
     )
     today = _totals(UsageBucket.objects.filter(tenant=tenant, hour__gte=day_start), "tokens", "requests")
     return TenantUsageSummary(
@@ -120,6 +127,8 @@ def tenant_usage_summary(*, tenant: Tenant, now: datetime) -> TenantUsageSummary
         month_rejected=month["rejected"],
         month_failed=month["failed"],
         month_inputs=month["inputs"],
+        month_cached_inputs=month["cached_inputs"],
+        month_cached_tokens=month["cached_tokens"],
         day_requests=today["requests"],
     )
 
@@ -201,4 +210,6 @@ def usage_csv_rows(buckets: Iterable[UsageBucket] | QuerySet[UsageBucket]) -> It
             bucket.inputs,
             bucket.tokens,
             bucket.latency_ms_total,
+            bucket.cached_inputs,
+            bucket.cached_tokens,
         )

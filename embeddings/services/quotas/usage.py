@@ -7,7 +7,8 @@ applies them in the same round trip. A job chunk's are kept with its result in t
 offered. Each hash field is one counter of one bucket:
 "<tenant>|<key or empty>|<hour epoch>|<endpoint>|<metric>|<model>"
 (the model last, so a "|" in a model's name cannot shift the other parts). Metrics are the
-UsageBucket counter fields: requests, succeeded, rejected, failed, inputs, tokens, latency_ms_total.
+UsageBucket counter fields: requests, succeeded, rejected, failed, inputs, tokens, cached_inputs,
+cached_tokens (of inputs and tokens, those the embedding cache answered), latency_ms_total.
 
 Fold (`usage_fold`, run by Celery beat through embeddings.tasks): the counters move into UsageBucket
 rows exactly once, whatever crashes when (see "The fold" below).
@@ -57,6 +58,9 @@ class UsageEvent:
     tokens: int = 0
     latency_ms: int = 0
     at: float | None = None  # epoch seconds; now when None
+    # Of inputs and tokens, those answered from the embedding cache (counted in both).
+    cached_inputs: int = 0
+    cached_tokens: int = 0
 
     def hour_epoch(self) -> int:
         at = time.time() if self.at is None else self.at
@@ -77,6 +81,8 @@ def usage_increments(event: UsageEvent) -> dict[str, int]:
         event.outcome: 1,
         "inputs": event.inputs,
         "tokens": event.tokens,
+        "cached_inputs": event.cached_inputs,
+        "cached_tokens": event.cached_tokens,
         "latency_ms_total": max(0, event.latency_ms),
     }
     hour = event.hour_epoch()
@@ -115,7 +121,17 @@ def usage_count_once(*, owner: str, unit: int, increments: dict[str, int], ttl_s
 # batch cannot both commit it).
 
 FOLDING_BATCHES_KEY = redis_keys.FOLDING_BATCHES
-COUNTER_METRICS = ("requests", "succeeded", "rejected", "failed", "inputs", "tokens", "latency_ms_total")
+COUNTER_METRICS = (
+    "requests",
+    "succeeded",
+    "rejected",
+    "failed",
+    "inputs",
+    "tokens",
+    "cached_inputs",
+    "cached_tokens",
+    "latency_ms_total",
+)
 # A UsageFold row guards its batch only while the batch is still in Redis (gone milliseconds after
 # the commit); older rows whose batch is gone are deleted, so the table stays small.
 USAGE_FOLD_RECORDS_KEPT = timedelta(days=7)
