@@ -90,7 +90,7 @@ def tenant_with_usage(transactional_db):
     for hour in (today, today.replace(hour=1)):
         UsageBucket.objects.create(
             tenant=tenant, api_key=api_key, model="all-MiniLM-L6-v2", endpoint="embeddings", hour=hour,
-            requests=3, succeeded=3, inputs=6, tokens=2_500,
+            requests=3, succeeded=3, inputs=6, tokens=2_500, cached_inputs=2, cached_tokens=800,
         )  # fmt: skip
     User.objects.create_superuser("root", "root@example.com", "a-long-password")
     return tenant
@@ -125,6 +125,15 @@ def test_log_in_see_the_usage_chart_and_create_a_key(live_server, tenant_with_us
     assert month.locator(".tokens-percent").inner_text() == "5.0%"
     assert month.locator("td.requests").inner_text() == "6"
     assert "acme-batch" in page.locator("#usage-top-keys").inner_text()
+    cached = page.locator("#usage-cached")
+    assert cached.is_visible()
+    assert cached.inner_text() == "4 of them (1,600 tokens) answered from the embedding cache"
+    shared = page.locator("#id_shared_embedding_cache")
+    assert shared.is_visible() and not shared.is_checked()
+    page.goto(live_server.url + reverse("admin:embeddings_usagebucket_changelist"))
+    assert page.locator("#result_list th.column-cached_tokens").text_content().strip() == "Cached tokens"
+    assert page.locator("#result_list td.field-cached_tokens").all_inner_texts() == ["800", "800"]
+    page.goto(tenant_url)
 
     for chart_id in ("usage-tokens-chart", "usage-requests-chart"):
         chart = page.locator(f"svg#{chart_id}")
