@@ -569,6 +569,25 @@ EMBEDDING_CACHE_LOCAL_ENTRIES = env_int("EMBEDDING_CACHE_LOCAL_ENTRIES", 10_000,
 EMBEDDING_CACHE_COUNT_HITS = env_bool("EMBEDDING_CACHE_COUNT_HITS", True)
 # A lookup or a write slower than this counts as all misses (or is dropped): never a failed request.
 EMBEDDING_CACHE_TIMEOUT_S = env_float("EMBEDDING_CACHE_TIMEOUT_S", 0.05, minimum=0.001)
+
+
+def redis_server_of(url: str) -> tuple[str, str]:
+    """The server a Redis URL names (host and port, or a unix socket's path): two databases of one
+    server share its memory. Names are compared as written (nothing is resolved), loopback's aside."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return ("unix", parts.path)
+    host = parts.hostname or "localhost"
+    return ("loopback" if host in {"localhost", "127.0.0.1", "::1"} else host, str(parts.port or 6379))
+
+
+if EMBEDDING_CACHE and redis_server_of(EMBEDDING_CACHE_REDIS_URL or JOB_STORE_URL or REDIS_URL) == (
+    redis_server_of(REDIS_URL)
+):
+    raise ImproperlyConfigured(
+        "EMBEDDING_CACHE is on but its Redis would be the critical one (REDIS_URL's server, where quotas, "
+        "usage and the broker live): set EMBEDDING_CACHE_REDIS_URL, or JOB_STORE_URL, to another server"
+    )
 # maxmemory (MiB) of the Redis servers `runstack` starts (both with noeviction: a full Redis refuses
 # writes instead of dropping keys); one server holding both roles gets the sum.
 RUNSTACK_REDIS_MAXMEMORY_MB = env_int("RUNSTACK_REDIS_MAXMEMORY_MB", 256, minimum=1)

@@ -392,3 +392,31 @@ def test_local_triton_model_control_from_the_environment(project_copy):
     assert everything.stdout.split() == ["none", "-", "300.0"], everything.stderr
     refused = load_settings(project_copy, code, TRITON_MODEL_CONTROL_MODE="Explicit", **environment)
     assert "TRITON_MODEL_CONTROL_MODE must be explicit, none or poll, got 'Explicit'" in refusal(refused)
+
+
+@pytest.mark.parametrize(
+    ("environment", "refused"),
+    [
+        ({}, True),  # one Redis for everything
+        ({"JOB_STORE_URL": "redis://127.0.0.1:6390/3"}, True),  # another database, the same server
+        ({"EMBEDDING_CACHE_REDIS_URL": "redis://localhost:6390/7"}, True),
+        ({"JOB_STORE_URL": "redis://127.0.0.1:6391/0"}, False),  # the job store's own server
+        ({"EMBEDDING_CACHE_REDIS_URL": "redis://cache:6379/0"}, False),
+    ],
+)
+def test_the_cache_is_refused_a_place_on_the_critical_redis(project_copy, environment, refused):
+    done = load_settings(
+        project_copy,
+        DJANGO_DEBUG="true",
+        EMBEDDING_CACHE="true",
+        **{
+            "REDIS_URL": "redis://127.0.0.1:6390/0",
+            "JOB_STORE_URL": "",
+            "EMBEDDING_CACHE_REDIS_URL": "",
+            **environment,
+        },
+    )
+    if refused:
+        assert "its Redis would be the critical one" in refusal(done)
+    else:
+        assert done.returncode == 0, done.stderr

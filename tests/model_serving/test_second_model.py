@@ -6,9 +6,10 @@ database. The model is a small random BERT (128 dimensions, CLS pooling, MiniLM'
 offline; its vectors are compared with the same model run in PyTorch.
 
 The tests run in file order and build on each other: register → serve → job → unload → reload →
-new version → switch → disable. Then two cross-encoders (a BERT with token types, an XLM-R without)
-are exported as rerank models, registered, and rank through the three rerank shapes, their scores
-compared with PyTorch's."""
+new version → switch → disable. The stack runs with the embedding cache on (its own Redis
+database): every comparison below holds with it, and a new version is a miss. Then two
+cross-encoders (a BERT with token types, an XLM-R without) are exported as rerank models,
+registered, and rank through the three rerank shapes, their scores compared with PyTorch's."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from pathlib import Path
 import httpx2
 import numpy as np
 import pytest
+import redis
 
 from embeddings.triton.client import TritonClient
+from tests.api.test_metrics import parse, value
 from tests.conftest import require_exported_model, start_triton
 from tests.job_stack import JobStack, job_stack_running
 from tests.processes import REPO_ROOT, manage
@@ -76,14 +79,23 @@ def explicit_triton(repository, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stack(explicit_triton, redis_server, repository, tmp_path_factory) -> Iterator[JobStack]:
+def stack(
+    explicit_triton, redis_server, job_store_server, repository, tmp_path_factory
+) -> Iterator[JobStack]:
+    cache_url = job_store_server.url.rsplit("/", 1)[0] + "/8"  # a database no other test uses
+    redis.Redis.from_url(cache_url).flushdb()
     with job_stack_running(
         triton_server=explicit_triton,
         redis_server=redis_server,
         workdir=tmp_path_factory.mktemp("stack"),
         chunk_size=3,
         # Every process reads the catalog fresh: what a command changed is seen by the next request.
-        extra_env={"TRITON_MODEL_REPOSITORY": str(repository), "MODEL_CACHE_SECONDS": "0"},
+        extra_env={
+            "TRITON_MODEL_REPOSITORY": str(repository),
+            "MODEL_CACHE_SECONDS": "0",
+            "EMBEDDING_CACHE": "true",
+            "EMBEDDING_CACHE_REDIS_URL": cache_url,
+        },
     ) as stack:
         yield stack
 
@@ -104,6 +116,17 @@ def embed(http: httpx2.Client, model: str, texts: list[str] = TEXTS) -> np.ndarr
     response = http.post("/v1/embeddings", json={"model": model, "input": texts})
     assert response.status_code == 200, response.text
     return np.array([item["embedding"] for item in response.json()["data"]], dtype=np.float32)
+
+
+def cache_rows(http: httpx2.Client) -> dict[str, float]:
+    """The server's embedding cache rows by where they were found (local, redis, miss)."""
+    samples = parse(http.get("/metrics").text)
+    return {
+        result: value(samples, "embedsite_embedding_cache_rows_total", result=result) for result in RESULTS
+    }
+
+
+RESULTS = ("local", "redis", "miss")
 
 
 def loaded_versions(triton: TritonClient, name: str) -> set[str]:
@@ -166,7 +189,8 @@ def test_a_job_on_the_second_model_runs_on_the_worker(http, stack, sources):
 
 def test_unloaded_it_answers_503_naming_it_while_minilm_keeps_serving(http, stack, triton):
     triton.model_unload(TINY_TRITON)
-    refused = http.post("/v1/embeddings", json={"model": TINY, "input": TEXTS})
+    # A text the embedding cache cannot hold yet: it must go to Triton.
+    refused = http.post("/v1/embeddings", json={"model": TINY, "input": ["not embedded before", *TEXTS]})
     assert refused.status_code == 503, refused.text
     error = refused.json()["error"]
     assert error["code"] == "model_not_loaded" and TINY in error["message"], error
@@ -184,6 +208,9 @@ def test_a_new_export_is_a_new_version_that_serves_only_once_switched(
     http, stack, sources, repository, triton
 ):
     before = embed(http, TINY)
+    cached = cache_rows(http)
+    assert np.array_equal(embed(http, TINY), before)  # a repeat: every row from the cache
+    assert cache_rows(http)["local"] - cached["local"] == len(TEXTS)
     manage(stack.env, "export_model", "--source", str(sources[2]), "--name", TINY_TRITON, "--pooling", "cls")
     assert (
         stack.env and Path(stack.env["TRITON_MODEL_REPOSITORY"]) / TINY_TRITON / "2" / "model.onnx"
@@ -194,8 +221,11 @@ def test_a_new_export_is_a_new_version_that_serves_only_once_switched(
     manage(stack.env, "register_model", "--triton-model", TINY_TRITON)
     assert np.array_equal(embed(http, TINY), before)
 
+    cache_before = cache_rows(http)
     manage(stack.env, "register_model", "--triton-model", TINY_TRITON, "--name", TINY, "--version", "2")
     switched = embed(http, TINY)
+    # Version 1's vectors were cached; the new version's key differs, so every row is computed.
+    assert cache_rows(http)["miss"] - cache_before["miss"] == len(TEXTS)
     assert cosines(switched, embed_with_torch(sources[2], TEXTS, pooling="cls")).min() >= MIN_COSINE
     assert cosines(switched, before).max() < 0.99  # a different model, not the same vectors again
     assert "2" in loaded_versions(triton, TINY_TRITON)
