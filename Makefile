@@ -28,6 +28,8 @@ unexport PYTHONDONTWRITEBYTECODE
 # on its own port cannot fill the Redis that quotas, usage and the broker need. Set JOB_STORE_URL
 # empty to run one server for both roles.
 run: export JOB_STORE_URL ?= redis://127.0.0.1:6391/0
+# The embedding cache (when EMBEDDING_CACHE is on) on a third, evicting one (README "Embedding cache").
+run: export EMBEDDING_CACHE_REDIS_URL ?= redis://127.0.0.1:6392/0
 run: setup
 	$(PY) manage.py runstack
 

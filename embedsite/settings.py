@@ -592,6 +592,8 @@ if EMBEDDING_CACHE and redis_server_of(EMBEDDING_CACHE_REDIS_URL or JOB_STORE_UR
 # writes instead of dropping keys); one server holding both roles gets the sum.
 RUNSTACK_REDIS_MAXMEMORY_MB = env_int("RUNSTACK_REDIS_MAXMEMORY_MB", 256, minimum=1)
 RUNSTACK_JOB_STORE_MAXMEMORY_MB = env_int("RUNSTACK_JOB_STORE_MAXMEMORY_MB", 2048, minimum=1)
+# And of the embedding cache's, where EMBEDDING_CACHE is on with a local port of its own (evicting).
+RUNSTACK_EMBEDDING_CACHE_MAXMEMORY_MB = env_int("RUNSTACK_EMBEDDING_CACHE_MAXMEMORY_MB", 256, minimum=1)
 
 # --- runstack: restarting what dies (README "Reliability and security") --------------------------
 # A child of `runstack` that dies (either Redis, Triton, the Celery worker or beat, the web server) is

@@ -26,8 +26,9 @@ class RedisServer:
     persistent: append-only file in the data directory, written at once and fsynced every second
     (the local stack keeps quotas and unfolded usage across restarts; a crash loses at most the
     last second); off for tests, which want a clean, fast server.
-    maxmemory_mb: the memory it may use, with noeviction: past it, writes are refused (the caller
-    gets an error) instead of keys silently evicted, quota windows and usage counters among them.
+    maxmemory_mb: the memory it may use, with noeviction (by default): past it, writes are refused
+    (the caller gets an error) instead of keys silently evicted, quota windows and usage counters
+    among them. A cache's server names an evicting policy instead (`eviction`).
     """
 
     def __init__(
@@ -38,8 +39,10 @@ class RedisServer:
         persistent: bool = True,
         log_path: Path | None = None,
         maxmemory_mb: int | None = None,
+        eviction: str = "noeviction",
     ):
         self.port = port
+        self.eviction = eviction
         self.data_dir = Path(data_dir)
         self.persistent = persistent
         self.log_path = log_path
@@ -61,7 +64,7 @@ class RedisServer:
             "--save", "",
             "--appendonly", "yes" if self.persistent else "no",
             "--appendfsync", "everysec",
-            "--maxmemory-policy", "noeviction",
+            "--maxmemory-policy", self.eviction,
             "--logfile", str(self.log_path or ""),
         ]  # fmt: skip
         if self.maxmemory_mb is not None:
@@ -151,7 +154,32 @@ def local_redis_servers() -> dict[str, RedisServer]:
     (data in RUN_DIR/redis, RUNSTACK_REDIS_MAXMEMORY_MB) and, where JOB_STORE_URL names another
     port, "job store" there (RUN_DIR/redis-jobs, RUNSTACK_JOB_STORE_MAXMEMORY_MB). Both keep an
     append-only file: the job store's keeps running jobs' inputs and progress across a restart. One
-    server holding both roles gets both budgets."""
+    server holding both roles gets both budgets. With EMBEDDING_CACHE on and EMBEDDING_CACHE_REDIS_URL
+    naming a port of its own, "embedding cache" there: no file (a cache), at most
+    RUNSTACK_EMBEDDING_CACHE_MAXMEMORY_MB, evicting (EMBEDDING_CACHE_EVICTION)."""
+    servers = _stores()
+    cache_url = settings.EMBEDDING_CACHE_REDIS_URL
+    if settings.EMBEDDING_CACHE and cache_url:
+        cache_port = _local_port(cache_url, "EMBEDDING_CACHE_REDIS_URL")
+        if cache_port not in {server.port for server in servers.values()}:
+            servers["embedding cache"] = RedisServer(
+                port=cache_port,
+                data_dir=Path(settings.RUN_DIR) / "redis-cache",
+                persistent=False,
+                log_path=Path(settings.RUN_DIR) / "redis-cache.log",
+                maxmemory_mb=settings.RUNSTACK_EMBEDDING_CACHE_MAXMEMORY_MB,
+                eviction=EMBEDDING_CACHE_EVICTION,
+            )
+    return servers
+
+
+# The cache's Redis evicts the least frequently used entries when full: popular queries stay while a
+# one-off re-index, read once, goes first (least recently used would let one big re-index push
+# every popular query out).
+EMBEDDING_CACHE_EVICTION = "allkeys-lfu"
+
+
+def _stores() -> dict[str, RedisServer]:
     run_dir = Path(settings.RUN_DIR)
     critical_port = _local_port(settings.REDIS_URL, "REDIS_URL")
     job_store_port = _local_port(settings.JOB_STORE_URL, "JOB_STORE_URL") if settings.JOB_STORE_URL else None

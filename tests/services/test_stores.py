@@ -117,6 +117,26 @@ def test_runstack_runs_both_roles_bounded_without_eviction_and_with_an_append_on
         local_redis_servers()
 
 
+def test_runstack_gives_the_embedding_cache_an_evicting_server_of_its_own(tmp_path, settings):
+    settings.RUN_DIR = tmp_path
+    settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"
+    settings.JOB_STORE_URL = f"redis://127.0.0.1:{free_port()}/0"
+    settings.EMBEDDING_CACHE_REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"
+    settings.RUNSTACK_EMBEDDING_CACHE_MAXMEMORY_MB = 8
+    assert set(local_redis_servers()) == {"critical", "job store"}  # the cache off: not started
+    settings.EMBEDDING_CACHE = True
+    with local_redis_servers()["embedding cache"] as cache:
+        assert config(cache) == {
+            "maxmemory": str(8 * 1024 * 1024),
+            "maxmemory-policy": "allkeys-lfu",
+            "appendonly": "no",
+            "appendfsync": "everysec",
+        }
+    # On the job store's port (or the critical one's) it is that server's: nothing more is started.
+    settings.EMBEDDING_CACHE_REDIS_URL = settings.JOB_STORE_URL.replace("/0", "/3")
+    assert set(local_redis_servers()) == {"critical", "job store"}
+
+
 def fill_job_store(client: redis.Redis, maxmemory_mb: int) -> int:
     """Store 1 MiB chunks until the job store refuses one (maxmemory, noeviction); the bytes stored.
     Every key it writes starts with FILLER_KEYS."""

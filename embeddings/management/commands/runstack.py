@@ -1,5 +1,6 @@
-"""Run the whole local service: Redis (the critical one and the job store), Triton, Celery (worker,
-beat), then the ASGI server (`manage.py serve`); a child that dies is restarted, Ctrl-C stops all.
+"""Run the whole local service: Redis (the critical one, the job store and, where it is on, the
+embedding cache), Triton, Celery (worker, beat), then the ASGI server (`manage.py serve`); a child
+that dies is restarted, Ctrl-C stops all.
 
 The supervision (delays, giving up) is embeddings/tooling/supervision.py; this module says what each
 child is: how it starts, when it is ready, what a dead one leaves behind.
