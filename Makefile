@@ -20,7 +20,7 @@ COMPOSE := $(VENV)/bin/docker-compose
 # few thousand; compiling them all cost the setup 100 CPU-seconds. pip still installs --no-compile.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test test-unit test-services setup setup-steps bench bench-api bench-peers bench-rerank bench-quantization bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
+.PHONY: run test test-unit test-services setup setup-steps bench bench-api bench-peers bench-rerank bench-cache bench-quantization bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
 	clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
@@ -83,6 +83,11 @@ bench-peers: setup
 bench-rerank: setup
 	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
 	$(PY) bench/rerank.py $(BENCH_ARGS)
+
+## bench-cache: the embedding cache on vs off at 0/50/90 % repeated texts, 32 x 8, one run (table, JSON)
+bench-cache: setup
+	command -v wrk >/dev/null || (apt-get update -q && apt-get install -y -q wrk)
+	$(PY) bench/cache.py $(BENCH_ARGS)
 
 ## bench-quantization: recall@10 and Spearman of int8, uint8, binary and ubinary MiniLM vectors against float (table, JSON)
 bench-quantization: setup
