@@ -22,9 +22,11 @@ pipeline of SET), and found nowhere.
 Before each cell the cache's entries are deleted from its Redis (the stack's job store; SCAN and
 DEL of the cache's key prefix) and the measured server is started fresh, so no cell inherits
 another's entries. Each cell reports embeddings and requests per second, wrk's p50/p99, the web
-process's CPU and the cache Redis's CPU per request, how many rows reached Triton, and where the
-server's /metrics says each row was found (`embedsite_embedding_cache_rows_total{result}`, read
-before and after) beside the share wrk actually drew from the hot pool; then the issue's two
+process's CPU and the cache Redis's CPU per request, how many rows reached Triton and its compute
+time per execution (at equal rows an execution costs the same cached or not: where it rises, the
+model was starved of CPU by something else on the machine), and where the server's /metrics says
+each row was found (`embedsite_embedding_cache_rows_total{result}`, read before and after) beside
+the share wrk actually drew from the hot pool; then the means of the rounds and the issue's two
 ratios: a miss's cost, (off at 0 %) / (on at 0 %) - 1, and the speed-up at 90 %, on / off.
 Writes bench/results/cache.json.
 """
@@ -285,16 +287,17 @@ def format_cell(cell: dict) -> str:
         f"| {cell['config']} | {100 * cell['repeat']:.0f} % | {cell['round']} | {cell['emb_per_s']:.0f} | "
         f"{cell['requests_per_s']:.0f} | {cell['p50_ms']:.0f} | {cell['p99_ms']:.0f} | "
         f"{cell['web_cpu_ms_per_request']:.2f} | {cell['redis_cpu_ms_per_request']:.3f} | "
-        f"{cell['triton_rows_per_request']:.2f} | {100 * cell['drawn_repeat']:.1f} | {found} | "
+        f"{cell['triton_rows_per_request']:.2f} | {cell['compute_infer_ms_per_execution']:.0f} | "
+        f"{100 * cell['drawn_repeat']:.1f} | {found} | "
         f"{failures:.0f}{errors} |"
     )
 
 
 TABLE_HEADER = (
     "| cache | repeated | round | emb/s | requests/s | p50 ms | p99 ms | web CPU ms/request | "
-    "Redis CPU ms/request | Triton rows/request | drawn repeated % | local / redis / miss % | "
-    "cache failures |\n"
-    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    "Redis CPU ms/request | Triton rows/request | Triton ms/execution | drawn repeated % | "
+    "local / redis / miss % | cache failures |\n"
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
 )
 
 
@@ -314,17 +317,19 @@ def ratios(cells: list[dict], repeats: list[float]) -> dict:
 
 
 def format_summary(cells: list[dict], repeats: list[float]) -> str:
-    lines = ["| repeated | off emb/s | on emb/s | on / off | off p50 / p99 ms | on p50 / p99 ms |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    fields = ("emb_per_s", "p50_ms", "p99_ms", "web_cpu_ms_per_request")
+    lines = ["| repeated | off emb/s | on emb/s | on / off | off p50 / p99 ms | on p50 / p99 ms | "
+             "web CPU ms/request off / on |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for repeat in repeats:
         off, on = (
-            {field: mean_of(cells, config, repeat, field) for field in ("emb_per_s", "p50_ms", "p99_ms")}
-            for config in ("off", "on")
+            {field: mean_of(cells, config, repeat, field) for field in fields} for config in ("off", "on")
         )
         lines.append(
             f"| {100 * repeat:.0f} % | {off['emb_per_s']:.0f} | {on['emb_per_s']:.0f} | "
             f"{on['emb_per_s'] / off['emb_per_s']:.2f} | {off['p50_ms']:.0f} / {off['p99_ms']:.0f} | "
-            f"{on['p50_ms']:.0f} / {on['p99_ms']:.0f} |"
+            f"{on['p50_ms']:.0f} / {on['p99_ms']:.0f} | "
+            f"{off['web_cpu_ms_per_request']:.2f} / {on['web_cpu_ms_per_request']:.2f} |"
         )
     summary = ratios(cells, repeats)
     if "miss_cost" in summary:
