@@ -24,11 +24,12 @@ DEL of the cache's key prefix) and the measured server is started fresh, so no c
 another's entries. Each cell reports embeddings and requests per second, wrk's p50/p99, the web
 process's CPU and the cache Redis's CPU per request, how many rows reached Triton and its compute
 time per execution (at equal rows an execution costs the same cached or not: where it rises, the
-model was starved of CPU by something else on the machine), and where the server's /metrics says
-each row was found (`embedsite_embedding_cache_rows_total{result}`, read before and after) beside
-the share wrk actually drew from the hot pool; then the means of the rounds and the issue's two
-ratios: a miss's cost, (off at 0 %) / (on at 0 %) - 1, and the speed-up at 90 %, on / off.
-Writes bench/results/cache.json.
+model was starved of CPU), the cores that something outside the bench took meanwhile (the
+machine's busy time less this process tree's, as bench/gpu.py reads them), and where the server's
+/metrics says each row was found (`embedsite_embedding_cache_rows_total{result}`, read before and
+after) beside the share wrk actually drew from the hot pool; then the means of the rounds and the
+issue's two ratios: a miss's cost, (off at 0 %) / (on at 0 %) - 1, and the speed-up at 90 %,
+on / off. Writes bench/results/cache.json.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx2
@@ -53,6 +55,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from api import REAL_MODEL, Server, shipped_stack  # noqa: E402
 from configs import start_profiler  # noqa: E402
+from gpu import machine_busy_seconds, process_tree_cpu_seconds  # noqa: E402
 from peers import SHORT_WORDS, Shape, parse_wrk, probe, wrk_script  # noqa: E402
 from triton_client import WORDS  # noqa: E402
 from triton_stats import triton_counts, triton_delta  # noqa: E402
@@ -224,6 +227,11 @@ def warm_hot_pool(url: str, hot: list[str], headers: dict[str, str]) -> None:
             http.post(f"{url}/v1/embeddings", json=body).raise_for_status()
 
 
+def bench_cpu_seconds() -> float:
+    """CPU of this process and all it started (Triton, the redis-servers, the servers, wrk)."""
+    return process_tree_cpu_seconds(os.getpid())
+
+
 def measure_cell(
     env: dict[str, str], headers: dict[str, str], triton_http: str, cache: redis.Redis, warmer: Server,
     *, cell: int, repeat: float, hot_texts: int, seconds: float, workdir: Path, profile: Path | None,
@@ -245,11 +253,14 @@ def measure_cell(
         counts_before = cache_counts(server.url)
         stats_before, redis_before = triton_counts(triton_http), redis_cpu_seconds(cache)
         cpu_before = server.cpu_seconds()
+        machine_before, bench_before, started = machine_busy_seconds(), bench_cpu_seconds(), time.monotonic()
         profiler = None if profile is None else start_profiler(server.process.pid, seconds, profile)
         result = run_wrk(url, workload_script(cell, repeat, hot, headers), seconds, workdir)
         if profiler is not None:
             profiler.wait(timeout=60)
         cpu = server.cpu_seconds() - cpu_before
+        machine, bench = machine_busy_seconds() - machine_before, bench_cpu_seconds() - bench_before
+        other_load = (machine - bench) / (time.monotonic() - started)
         redis_cpu = redis_cpu_seconds(cache) - redis_before
         result.update(triton_delta(stats_before, triton_counts(triton_http)))
         counts_after = cache_counts(server.url)
@@ -264,6 +275,7 @@ def measure_cell(
         requests_per_s=result["requests"] / result["seconds"],
         web_cpu_ms_per_request=cpu * 1000 / requests,
         redis_cpu_ms_per_request=redis_cpu * 1000 / requests,
+        other_load_cores=other_load,
         triton_rows_per_request=result["rows_per_execution"] * result["triton_executions"] / requests,
         drawn_repeat=result["hot_rows_sent"] / sent if sent else 0.0,
         cache_rows=counts,
@@ -288,7 +300,7 @@ def format_cell(cell: dict) -> str:
         f"{cell['requests_per_s']:.0f} | {cell['p50_ms']:.0f} | {cell['p99_ms']:.0f} | "
         f"{cell['web_cpu_ms_per_request']:.2f} | {cell['redis_cpu_ms_per_request']:.3f} | "
         f"{cell['triton_rows_per_request']:.2f} | {cell['compute_infer_ms_per_execution']:.0f} | "
-        f"{100 * cell['drawn_repeat']:.1f} | {found} | "
+        f"{100 * cell['drawn_repeat']:.1f} | {found} | {cell['other_load_cores']:.2f} | "
         f"{failures:.0f}{errors} |"
     )
 
@@ -296,8 +308,8 @@ def format_cell(cell: dict) -> str:
 TABLE_HEADER = (
     "| cache | repeated | round | emb/s | requests/s | p50 ms | p99 ms | web CPU ms/request | "
     "Redis CPU ms/request | Triton rows/request | Triton ms/execution | drawn repeated % | "
-    "local / redis / miss % | cache failures |\n"
-    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    "local / redis / miss % | other load, cores | cache failures |\n"
+    "| --- |" + " ---: |" * 14
 )
 
 
