@@ -317,12 +317,22 @@ def mean_of(cells: list[dict], config: str, repeat: float, field: str) -> float:
     return statistics.fmean(c[field] for c in cells if c["config"] == config and c["repeat"] == repeat)
 
 
+def round_ratios(cells: list[dict], repeat: float) -> list[float]:
+    """Each round's on / off at `repeat`: the two cells of a round run back to back, so the spread of
+    these says how far the machine's drift reaches the mean's ratio."""
+    rounds = sorted({c["round"] for c in cells})
+    by_round = {(c["config"], c["round"]): c["emb_per_s"] for c in cells if c["repeat"] == repeat}
+    return [by_round["on", r] / by_round["off", r] for r in rounds]
+
+
 def ratios(cells: list[dict], repeats: list[float]) -> dict:
-    """Per repeat fraction, cache on's throughput over off's (means of the rounds); the miss cost."""
+    """Per repeat fraction, cache on's throughput over off's (means of the rounds; and each round's);
+    the miss cost."""
     result = {}
     for repeat in repeats:
         on, off = mean_of(cells, "on", repeat, "emb_per_s"), mean_of(cells, "off", repeat, "emb_per_s")
         result[f"on_over_off_{100 * repeat:.0f}"] = on / off
+        result[f"on_over_off_{100 * repeat:.0f}_per_round"] = round_ratios(cells, repeat)
     if 0.0 in repeats:
         result["miss_cost"] = 1 / result["on_over_off_0"] - 1
     return result
@@ -330,16 +340,18 @@ def ratios(cells: list[dict], repeats: list[float]) -> dict:
 
 def format_summary(cells: list[dict], repeats: list[float]) -> str:
     fields = ("emb_per_s", "p50_ms", "p99_ms", "web_cpu_ms_per_request")
-    lines = ["| repeated | off emb/s | on emb/s | on / off | off p50 / p99 ms | on p50 / p99 ms | "
-             "web CPU ms/request off / on |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = ["| repeated | off emb/s | on emb/s | on / off | each round's | off p50 / p99 ms | "
+             "on p50 / p99 ms | web CPU ms/request off / on |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for repeat in repeats:
         off, on = (
             {field: mean_of(cells, config, repeat, field) for field in fields} for config in ("off", "on")
         )
         lines.append(
             f"| {100 * repeat:.0f} % | {off['emb_per_s']:.0f} | {on['emb_per_s']:.0f} | "
-            f"{on['emb_per_s'] / off['emb_per_s']:.2f} | {off['p50_ms']:.0f} / {off['p99_ms']:.0f} | "
+            f"{on['emb_per_s'] / off['emb_per_s']:.2f} | "
+            f"{', '.join(f'{ratio:.2f}' for ratio in round_ratios(cells, repeat))} | "
+            f"{off['p50_ms']:.0f} / {off['p99_ms']:.0f} | "
             f"{on['p50_ms']:.0f} / {on['p99_ms']:.0f} | "
             f"{off['web_cpu_ms_per_request']:.2f} / {on['web_cpu_ms_per_request']:.2f} |"
         )
