@@ -1,5 +1,6 @@
 """Our Prometheus metrics: requests, inputs and tokens, where the time goes, in-flight calls and
-tokens, batches, queue time, Triton errors, the job backlog, what the HTTP edge refused.
+tokens, batches, queue time, Triton errors, the job backlog, what the HTTP edge refused, the
+embedding cache (rows found, its Redis's time and failures, evictions; its Redis's own figures).
 
 Exported at /metrics by django-prometheus's view. With PROMETHEUS_MULTIPROC_DIR set (runstack sets
 it for its uvicorn workers before they start), prometheus_client keeps every value in a per-process
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from prometheus_client import Counter, Gauge, Histogram, multiprocess
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from embeddings.triton.errors import TritonError
 
@@ -54,6 +56,18 @@ EMBEDDING_CACHE_FAILURES = Counter(
     "Embedding-cache Redis operations that failed or timed out (the rows were computed as without it).",
     ["operation"],
 )
+EMBEDDING_CACHE_EVICTIONS = Counter(
+    "embedsite_embedding_cache_evictions",
+    "Entries the embedding cache evicted to stay within its bound, by where: local (this process's LRU).",
+    ["where"],
+)
+EMBEDDING_CACHE_LOCAL_EVICTIONS = EMBEDDING_CACHE_EVICTIONS.labels("local")
+# Every label value from the start, so rate() and the dashboard see them at 0 before the first use.
+for _result in ("local", "redis", "miss"):
+    EMBEDDING_CACHE_ROWS.labels(_result)
+for _operation in ("lookup", "write"):
+    EMBEDDING_CACHE_SECONDS.labels(_operation)
+    EMBEDDING_CACHE_FAILURES.labels(_operation)
 TRITON_CALL_SECONDS = Histogram(
     "embedsite_triton_call_seconds",
     "Time of one request's Triton inference (all its batches), by Triton model.",
@@ -179,6 +193,44 @@ def triton_call_observed(model: str) -> Iterator[None]:
         TRITON_ERRORS.labels(model, type(error).__name__).inc()
         raise
     TRITON_CALL_SECONDS.labels(model).observe(time.perf_counter() - started)
+
+
+class EmbeddingCacheRedisFigures:
+    """The embedding cache's Redis, as its INFO said at this scrape (None: it did not answer).
+
+    Read when /metrics is scraped (embeddings/api/metrics_export.py), never stored: they are the
+    server's own figures, the same from every process and pod (the dashboard takes their max, never
+    their sum), and a Redis that stops answering shows as `up` 0 with no stale memory figures.
+    `generate_latest` asks an object like this one only for collect().
+    """
+
+    def __init__(self, info: Mapping[str, object] | None) -> None:
+        self.info = info
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "embedsite_embedding_cache_redis_up",
+            "1 if the embedding cache's Redis answered INFO within EMBEDDING_CACHE_TIMEOUT_S at this scrape.",
+            value=0 if self.info is None else 1,
+        )
+        if self.info is None:
+            return
+        yield CounterMetricFamily(
+            "embedsite_embedding_cache_redis_evicted_keys",
+            "Keys the embedding cache's Redis evicted to stay within maxmemory (INFO evicted_keys; "
+            "from 0 again when it restarts).",
+            value=float(self.info["evicted_keys"]),
+        )
+        yield GaugeMetricFamily(
+            "embedsite_embedding_cache_redis_memory_used_bytes",
+            "Memory the embedding cache's Redis uses (INFO used_memory).",
+            value=float(self.info["used_memory"]),
+        )
+        yield GaugeMetricFamily(
+            "embedsite_embedding_cache_redis_memory_max_bytes",
+            "The embedding cache's Redis maxmemory (0: unbounded).",
+            value=float(self.info["maxmemory"]),
+        )
 
 
 async def lifespan(scope, receive, send) -> None:

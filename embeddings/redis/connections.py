@@ -2,7 +2,8 @@
 
 Two roles, two connections: the critical Redis (REDIS_URL: quotas, usage counters; the broker and
 the channel layer connect to it on their own) and the job store (JOB_STORE_URL, by default the same
-server: jobs' inputs, results and progress), so a full job store cannot refuse a quota check.
+server: jobs' inputs, results and progress), so a full job store cannot refuse a quota check; and
+the embedding cache's (EMBEDDING_CACHE_REDIS_URL, by default the job store's server).
 Every command has REDIS_TIMEOUT_S (JOB_STORE_TIMEOUT_S) to connect and to answer, so a stuck Redis
 fails a request instead of hanging it. Callers turn `redis.exceptions.RedisError` into their own errors.
 
@@ -21,11 +22,14 @@ import redis
 import redis.asyncio
 import redis.connection
 from django.conf import settings
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+from redis.retry import Retry
 
 _lock = threading.Lock()
 _sync_client: redis.Redis | None = None
 _job_store_client: redis.Redis | None = None
+_embedding_cache_sync_client: redis.Redis | None = None
 # redis.asyncio connections belong to the event loop that opened them: one client per loop.
 _async_clients: dict[asyncio.AbstractEventLoop, redis.asyncio.Redis] = {}
 # The embedding cache's (EMBEDDING_CACHE_REDIS_URL), one per event loop likewise.
@@ -115,14 +119,31 @@ def redis_embedding_cache_async() -> redis.asyncio.Redis:
     )
 
 
+def redis_embedding_cache_sync() -> redis.Redis:
+    """The embedding cache's blocking client, for what reads its server's figures (/metrics): every
+    command within EMBEDDING_CACHE_TIMEOUT_S to connect and to answer, tried again at once only when
+    its connection broke (Redis restarted since), never after a timeout (our policy, not redis-py's
+    default, which retries timeouts too, with backoff): a cache Redis that is down or silent costs
+    a caller about that timeout once."""
+    global _embedding_cache_sync_client
+    with _lock:
+        if _embedding_cache_sync_client is None:
+            _embedding_cache_sync_client = redis.Redis.from_url(
+                embedding_cache_url(),
+                **_options(settings.EMBEDDING_CACHE_TIMEOUT_S),
+                retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
+            )
+        return _embedding_cache_sync_client
+
+
 def reset_redis_clients() -> None:
     """Forget the clients (settings changed, e.g. in tests); their connections are left to be collected."""
-    global _sync_client, _job_store_client
+    global _sync_client, _job_store_client, _embedding_cache_sync_client
     with _lock:
-        for client in (_sync_client, _job_store_client):
+        for client in (_sync_client, _job_store_client, _embedding_cache_sync_client):
             if client is not None:
                 client.close()
-        _sync_client = _job_store_client = None
+        _sync_client = _job_store_client = _embedding_cache_sync_client = None
         _async_clients.clear()
         _embedding_cache_clients.clear()
         _lean_clients.clear()

@@ -17,6 +17,7 @@ import pytest
 
 from embeddings.models import EmbeddingModel
 from embeddings.services.inference.catalog import embedding_model_register_local
+from embeddings.tooling.local_redis import EMBEDDING_CACHE_EVICTION, RedisServer
 from embeddings.tooling.triton_server import die_with_parent, free_port
 from tests.api.raw_http import RawHttp
 from tests.conftest import TenantWithKey
@@ -160,6 +161,20 @@ def uvicorn_server(
         redis_url=redis_server.url,
     ) as server:
         yield server
+
+
+def cache_redis(data_dir: Path, *, maxmemory_mb: int) -> RedisServer:
+    """A redis-server for the embedding cache, as deployments run it, on a free port (not started):
+    full, it evicts by EMBEDDING_CACHE_EVICTION (what runstack runs, and tests/deploy checks that
+    Compose and Kubernetes run), and it keeps nothing across a restart."""
+    return RedisServer(
+        port=free_port(),
+        data_dir=data_dir,
+        persistent=False,
+        log_path=data_dir / "redis.log",
+        maxmemory_mb=maxmemory_mb,
+        eviction=EMBEDDING_CACHE_EVICTION,
+    )
 
 
 # Small limits and timeouts, so that the HTTP edge's refusals are quick to reach. The head's size

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from prometheus_client import REGISTRY
 
 from embeddings.services.inference.vector_cache import (
     LocalVectors,
@@ -65,3 +66,21 @@ def test_the_local_lru_keeps_at_most_its_capacity_and_drops_the_least_recent():
     assert local.get(bytes([9]))[0] == 9 and local.get(bytes([1])) is None
     assert len(local) == 3
     assert len(LocalVectors(0).entries) == 0
+
+
+def local_evictions() -> float:
+    return REGISTRY.get_sample_value("embedsite_embedding_cache_evictions_total", {"where": "local"})
+
+
+def test_the_local_lru_counts_each_entry_it_evicts_and_nothing_else():
+    local = LocalVectors(2)
+    before = local_evictions()
+    for index in range(2):
+        local.put(bytes([index]), np.full(4, index, dtype=np.float32))
+    local.put(bytes([1]), np.full(4, 7, dtype=np.float32))  # replaced in place: nothing dropped
+    assert local_evictions() == before
+    for index in range(2, 5):
+        local.put(bytes([index]), np.full(4, index, dtype=np.float32))
+    assert local_evictions() == before + 3 and len(local) == 2
+    LocalVectors(0).put(b"never kept", np.zeros(4, dtype=np.float32))  # nothing kept, nothing evicted
+    assert local_evictions() == before + 3

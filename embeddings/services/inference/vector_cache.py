@@ -35,7 +35,12 @@ import numpy as np
 from django.conf import settings
 from redis.exceptions import RedisError
 
-from embeddings.metrics import EMBEDDING_CACHE_FAILURES, EMBEDDING_CACHE_ROWS, EMBEDDING_CACHE_SECONDS
+from embeddings.metrics import (
+    EMBEDDING_CACHE_FAILURES,
+    EMBEDDING_CACHE_LOCAL_EVICTIONS,
+    EMBEDDING_CACHE_ROWS,
+    EMBEDDING_CACHE_SECONDS,
+)
 from embeddings.redis.connections import redis_embedding_cache_async
 from embeddings.services.inference.exports import (
     EXPORT_INFO_FILENAME,
@@ -108,7 +113,8 @@ def served_model(triton_model: str, triton_version: str) -> ServedModel | None:
 
 
 class LocalVectors:
-    """A bounded LRU of key -> vector, shared by the process's threads."""
+    """A bounded LRU of key -> vector, shared by the process's threads; each entry it drops to stay
+    within `capacity` is counted (embedsite_embedding_cache_evictions_total{where="local"})."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -127,11 +133,15 @@ class LocalVectors:
             return
         vector = np.array(vector, dtype=np.float32)
         vector.flags.writeable = False
+        evicted = 0
         with self.lock:
             self.entries[key] = vector
             self.entries.move_to_end(key)
             while len(self.entries) > self.capacity:
                 self.entries.popitem(last=False)
+                evicted += 1
+        if evicted:
+            EMBEDDING_CACHE_LOCAL_EVICTIONS.inc(evicted)
 
     def __len__(self) -> int:
         return len(self.entries)
