@@ -1,6 +1,6 @@
 """API fixtures: the real ASGI application (in process) backed by the real Triton, two tenants, a
-real multi-worker uvicorn (`uvicorn_server`) and one with small body limits and timeouts
-(`edge_server`)."""
+real multi-worker uvicorn (`uvicorn_server`), one with the embedding cache on in a Redis of its own
+(`cache_server`) and one with small body limits and timeouts (`edge_server`)."""
 
 from __future__ import annotations
 
@@ -175,6 +175,36 @@ def cache_redis(data_dir: Path, *, maxmemory_mb: int) -> RedisServer:
         maxmemory_mb=maxmemory_mb,
         eviction=EMBEDDING_CACHE_EVICTION,
     )
+
+
+@pytest.fixture(scope="session")
+def cache_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """The embedding cache's own redis-server (64 MiB): a test may kill it, as long as it starts
+    it again on the same port before it ends."""
+    with cache_redis(tmp_path_factory.mktemp("redis-cache"), maxmemory_mb=64) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def cache_server(
+    triton_server, redis_server, cache_redis_server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    """`manage.py serve --workers 2` with the embedding cache on, in `cache_redis_server`: no
+    in-process entries (every lookup reaches Redis, so its hits show in /metrics), and 0.25 s for
+    each cache operation (the shipped 0.05 s is for a Redis beside the web pods, not for a 2-core
+    machine running Triton, two workers and the test's clients)."""
+    with live_uvicorn(
+        workdir=tmp_path_factory.mktemp("cache_server"),
+        triton_target=triton_server.grpc_target,
+        redis_url=redis_server.url,
+        env={
+            "EMBEDDING_CACHE": "true",
+            "EMBEDDING_CACHE_REDIS_URL": cache_redis_server.url,
+            "EMBEDDING_CACHE_LOCAL_ENTRIES": "0",
+            "EMBEDDING_CACHE_TIMEOUT_S": "0.25",
+        },
+    ) as server:
+        yield server
 
 
 # Small limits and timeouts, so that the HTTP edge's refusals are quick to reach. The head's size
