@@ -6,10 +6,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import orjson
 import pytest
 
+from embeddings.tooling.local_redis import EMBEDDING_CACHE_EVICTION
 from embeddings.tooling.triton_server import TRITON_PING_FLAGS
 from tests.deploy.env_files import (
     generated_secret,
@@ -65,7 +67,7 @@ def cpu_stack(tmp_path: Path) -> dict:
 
 def test_the_default_profile_runs_the_whole_stack_on_a_gpu(gpu_stack: dict) -> None:
     services = gpu_stack["services"]
-    assert set(services) == {"postgres", "redis", "redis-jobs", "triton", *APP_SERVICES}
+    assert set(services) == {"postgres", "redis", "redis-jobs", "redis-cache", "triton", *APP_SERVICES}
     triton = services["triton"]
     assert triton["image"].startswith("nvcr.io/nvidia/tritonserver:")
     assert "--model-config-name=gpu" in triton["command"]
@@ -75,7 +77,7 @@ def test_the_default_profile_runs_the_whole_stack_on_a_gpu(gpu_stack: dict) -> N
 
 def test_the_cpu_profile_runs_triton_on_the_cpu_config_under_the_same_name(cpu_stack: dict) -> None:
     services = cpu_stack["services"]
-    assert set(services) == {"postgres", "redis", "redis-jobs", "triton-cpu", *APP_SERVICES}
+    assert set(services) == {"postgres", "redis", "redis-jobs", "redis-cache", "triton-cpu", *APP_SERVICES}
     triton = services["triton-cpu"]
     assert "--model-config-name=cpu" in triton["command"]
     assert "devices" not in triton.get("deploy", {}).get("resources", {}).get("reservations", {})
@@ -141,10 +143,15 @@ def test_services_start_in_order_on_healthy_dependencies(gpu_stack: dict) -> Non
     for app in ("web", "worker", "beat"):
         assert waits_for(app)["migrate"] == "service_completed_successfully"
         assert waits_for(app)["redis"] == waits_for(app)["redis-jobs"] == "service_healthy"
+    # The cache's Redis starts before the two that use it, which never wait for it to be healthy:
+    # a cache not up yet is a miss, not a failure.
+    for app in ("web", "worker"):
+        assert waits_for(app)["redis-cache"] == "service_started"
     assert waits_for("web")["triton"] == "service_healthy"
     assert services["postgres"]["healthcheck"]["test"][1] == "pg_isready"
-    for redis_service in ("redis", "redis-jobs"):
+    for redis_service in ("redis", "redis-jobs", "redis-cache"):
         assert services[redis_service]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    for redis_service in ("redis", "redis-jobs"):
         assert {volume["source"] for volume in services[redis_service]["volumes"]} == {redis_service}
     assert {volume["source"] for volume in services["postgres"]["volumes"]} == {"postgres"}
     assert "migrate --noinput" in " ".join(services["migrate"]["command"])
@@ -177,6 +184,37 @@ def test_the_critical_redis_and_the_job_store_are_two_bounded_servers(tmp_path: 
     assert (
         redis_options(defaults["redis"]["command"])["maxmemory"]
         == read_env_file(ENV_EXAMPLE)["REDIS_MAXMEMORY"]
+    )
+
+
+def test_the_embedding_cache_has_a_bounded_evicting_redis_of_its_own(tmp_path: Path) -> None:
+    services = resolved(tmp_path, EMBEDDING_CACHE_MAXMEMORY="300mb")["services"]
+    cache = services["redis-cache"]
+    # Full, it evicts the least frequently used entries (a vector can be computed again), as runstack's
+    # does; it keeps nothing across a restart (no snapshot, no append-only file, no volume).
+    assert redis_options(cache["command"]) == {
+        "save": "",
+        "appendonly": "no",
+        "maxmemory": "300mb",
+        "maxmemory-policy": EMBEDDING_CACHE_EVICTION,
+    }
+    assert "volumes" not in cache
+    for app in ("web", "worker"):
+        environment = services[app]["environment"]
+        assert environment["EMBEDDING_CACHE_REDIS_URL"] == "redis://redis-cache:6379/0"
+        # Never the critical Redis or the job store, which must not evict (their test above).
+        assert urlsplit(environment["EMBEDDING_CACHE_REDIS_URL"]).hostname not in {
+            urlsplit(environment["REDIS_URL"]).hostname,
+            urlsplit(environment["JOB_STORE_URL"]).hostname,
+        }
+    # Off as shipped, and one line of .env turns it on.
+    assert {services[app]["environment"]["EMBEDDING_CACHE"] for app in APP_SERVICES} == {"0"}
+    assert read_env_file(ENV_EXAMPLE)["EMBEDDING_CACHE"] == "0"
+    on = resolved(tmp_path, EMBEDDING_CACHE="1")["services"]
+    assert {on[app]["environment"]["EMBEDDING_CACHE"] for app in ("web", "worker")} == {"1"}
+    assert (
+        redis_options(on["redis-cache"]["command"])["maxmemory"]
+        == read_env_file(ENV_EXAMPLE)["EMBEDDING_CACHE_MAXMEMORY"]
     )
 
 

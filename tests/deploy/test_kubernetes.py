@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -12,8 +13,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from embeddings.tooling.local_redis import EMBEDDING_CACHE_EVICTION
 from embeddings.tooling.triton_server import TRITON_PING_FLAGS
 from tests.deploy.env_files import generated_secret, read_env_file, settings_check_deploy, write_env_file
+from tests.deploy.test_compose import redis_options
 from tests.processes import REPO_ROOT
 
 KUBERNETES_DIR = REPO_ROOT / "deploy" / "kubernetes"
@@ -127,8 +130,9 @@ def test_the_pieces_the_issue_names_are_all_there(base: list[dict]) -> None:
         "embedsite-worker",
         "embedsite-beat",
         "embedsite-triton",
+        "embedsite-redis-cache",
     }
-    assert set(by_kind(base, "Service")) == {"embedsite-web", "embedsite-triton"}
+    assert set(by_kind(base, "Service")) == {"embedsite-web", "embedsite-triton", "embedsite-redis-cache"}
     assert all(doc["metadata"].get("namespace") == "embedsite" for doc in base if doc["kind"] != "Namespace")
 
 
@@ -281,7 +285,7 @@ def test_every_deployment_is_restarted_when_it_exits_or_hangs(
         for container in pod["containers"]:
             assert "livenessProbe" in container, name
             assert "startupProbe" in container, name
-    for name in ("embedsite-web", "embedsite-triton", "embedsite-worker"):
+    for name in ("embedsite-web", "embedsite-triton", "embedsite-worker", "embedsite-redis-cache"):
         (container,) = (c for c in deployments[name]["spec"]["template"]["spec"]["containers"])
         assert "readinessProbe" in container, name
     # Beat answers no ping: its probes read the schedule file it is told to write.
@@ -291,3 +295,68 @@ def test_every_deployment_is_restarted_when_it_exits_or_hangs(
     for probe in ("startupProbe", "livenessProbe"):
         assert f"find {directory} " in beat[probe]["exec"]["command"][-1]
         assert f"-name '{name}*'" in beat[probe]["exec"]["command"][-1]
+
+
+# Redis's memory units (redis.conf) and Kubernetes' binary quantities, in bytes.
+REDIS_UNITS = {"kb": 1024, "mb": 1024**2, "gb": 1024**3}
+QUANTITY_UNITS = {"Ki": 1024, "Mi": 1024**2, "Gi": 1024**3}
+
+
+def size_bytes(size: str, units: dict[str, int]) -> int:
+    number, unit = re.fullmatch(r"(\d+)([A-Za-z]*)", size).groups()
+    return int(number) * (units[unit] if unit else 1)
+
+
+@pytest.mark.parametrize("variant", ["base", "cpu_overlay"])
+def test_the_embedding_cache_has_a_bounded_evicting_redis_of_its_own(
+    variant: str, request: pytest.FixtureRequest
+) -> None:
+    documents = request.getfixturevalue(variant)
+    deployment = by_kind(documents, "Deployment")["embedsite-redis-cache"]
+    pod = deployment["spec"]["template"]["spec"]
+    (redis_container,) = pod["containers"]
+    # Full, it evicts the least frequently used entries, as runstack's does; it keeps nothing across
+    # a restart.
+    assert redis_options(redis_container["args"]) == {
+        "save": "",
+        "appendonly": "no",
+        "maxmemory": "$(EMBEDDING_CACHE_MAXMEMORY)",
+        "maxmemory-policy": EMBEDDING_CACHE_EVICTION,
+        "requirepass": "$(EMBEDDING_CACHE_REDIS_PASSWORD)",
+    }
+    assert "volumes" not in pod and "volumeMounts" not in redis_container
+    # Its maxmemory and password come from the generated ConfigMap and Secret, by their real names.
+    (config_name,) = by_kind(documents, "ConfigMap")
+    (secret_name,) = by_kind(documents, "Secret")
+    sources = {entry["name"]: entry["valueFrom"] for entry in redis_container["env"]}
+    assert sources["EMBEDDING_CACHE_MAXMEMORY"] == {
+        "configMapKeyRef": {"name": config_name, "key": "EMBEDDING_CACHE_MAXMEMORY"}
+    }
+    password_source = {"secretKeyRef": {"name": secret_name, "key": "EMBEDDING_CACHE_REDIS_PASSWORD"}}
+    assert sources["EMBEDDING_CACHE_REDIS_PASSWORD"] == password_source
+    config = config_of(documents)
+    maxmemory = size_bytes(config["EMBEDDING_CACHE_MAXMEMORY"], REDIS_UNITS)
+    limit = size_bytes(redis_container["resources"]["limits"]["memory"], QUANTITY_UNITS)
+    # Room for Redis's own overhead and fragmentation above maxmemory, or the pod is OOM-killed.
+    assert limit >= 1.25 * maxmemory
+    # Off as shipped: one line of config.env turns it on.
+    assert config["EMBEDDING_CACHE"] == "0"
+
+    service = by_kind(documents, "Service")["embedsite-redis-cache"]
+    (port,) = service["spec"]["ports"]
+    expected_url = (
+        f"redis://:$(EMBEDDING_CACHE_REDIS_PASSWORD)@{service['metadata']['name']}:{port['port']}/0"
+    )
+    for name in ("embedsite-web", "embedsite-worker"):
+        (container,) = by_kind(documents, "Deployment")[name]["spec"]["template"]["spec"]["containers"]
+        names = [entry["name"] for entry in container["env"]]
+        environment = {entry["name"]: entry for entry in container["env"]}
+        assert environment["EMBEDDING_CACHE_REDIS_URL"]["value"] == expected_url, name
+        # The password the URL names is defined before it (Kubernetes expands only those), from
+        # the key the cache's Redis requires.
+        assert names.index("EMBEDDING_CACHE_REDIS_PASSWORD") < names.index("EMBEDDING_CACHE_REDIS_URL")
+        assert environment["EMBEDDING_CACHE_REDIS_PASSWORD"]["valueFrom"] == password_source
+    # Never the critical Redis or the job store (yours, with noeviction: secret.env).
+    example = read_env_file(BASE / "secret.env.example")
+    hosts = {urlsplit(example[name]).hostname for name in ("REDIS_URL", "JOB_STORE_URL")}
+    assert service["metadata"]["name"] not in hosts
