@@ -1,5 +1,6 @@
 """deploy/grafana's dashboard and deploy/prometheus's alert rules: they load, and every metric they
-name exists in the /metrics of the service as shipped (uvicorn with two workers, summed)."""
+name exists in the /metrics of the service as shipped (uvicorn with two workers, summed), the
+embedding cache's in that of one with the cache on."""
 
 from __future__ import annotations
 
@@ -86,28 +87,38 @@ def test_the_files_name_the_alerts_and_panels_the_issue_asks_for():
     assert sum(map(len, dashboard_expressions().values())) >= 15
 
 
-def test_every_metric_the_dashboard_and_alerts_name_is_served(uvicorn_server):
-    expressions = {**dashboard_expressions(), **alert_expressions()}
-    assert set(expressions) == {"embedsite.json", "embedsite-alerts.yml"}
-    # One embedding request, so every label set an embedding makes exists.
+def served_names(server) -> set[str]:
+    """The sample names in the server's /metrics, after an embedding request, so every label set an
+    embedding makes exists."""
     answer = httpx2.post(
-        f"{uvicorn_server.base_url}/v1/embeddings",
+        f"{server.base_url}/v1/embeddings",
         json={"model": MODEL, "input": ["hello"]},
-        headers=uvicorn_server.headers,
+        headers=server.headers,
         timeout=60,
     )
     assert answer.status_code == 200, answer.text
-    scraped = httpx2.get(f"{uvicorn_server.base_url}/metrics", timeout=30)
+    scraped = httpx2.get(f"{server.base_url}/metrics", timeout=30)
     assert scraped.status_code == 200
-    served = {
+    return {
         sample.name for family in text_string_to_metric_families(scraped.text) for sample in family.samples
     }
+
+
+# The figures of the embedding cache's Redis, read at the scrape only with EMBEDDING_CACHE on: checked
+# against `cache_server` below.
+CACHE_REDIS_FIGURES = "embedsite_embedding_cache_redis_"
+
+
+def test_every_metric_the_dashboard_and_alerts_name_is_served(uvicorn_server):
+    expressions = {**dashboard_expressions(), **alert_expressions()}
+    assert set(expressions) == {"embedsite.json", "embedsite-alerts.yml"}
+    served = served_names(uvicorn_server)
     missing = {
         f"{source}: {name}"
         for source, exprs in expressions.items()
         for expression in exprs
         for name in metric_names(expression)
-        if name not in served
+        if name not in served and not name.startswith(CACHE_REDIS_FIGURES)
     }
     assert not missing, sorted(missing)
     named = {
@@ -118,6 +129,27 @@ def test_every_metric_the_dashboard_and_alerts_name_is_served(uvicorn_server):
         "embedsite_queue_seconds_bucket",
         "embedsite_jobs_active",
     } <= named
+
+
+def test_every_cache_metric_the_dashboard_names_is_served_with_the_cache_on(cache_server):
+    named = {
+        name
+        for expression in dashboard_expressions()["embedsite.json"]
+        for name in metric_names(expression)
+        if name.startswith("embedsite_embedding_cache_")
+    }
+    # The issue's panels: hit ratio, latency, failures, evictions (both tiers), the Redis's memory.
+    assert named == {
+        "embedsite_embedding_cache_rows_total",
+        "embedsite_embedding_cache_seconds_bucket",
+        "embedsite_embedding_cache_failures_total",
+        "embedsite_embedding_cache_evictions_total",
+        "embedsite_embedding_cache_redis_evicted_keys_total",
+        "embedsite_embedding_cache_redis_memory_used_bytes",
+        "embedsite_embedding_cache_redis_memory_max_bytes",
+        "embedsite_embedding_cache_redis_up",
+    }
+    assert sorted(named - served_names(cache_server)) == []
 
 
 def test_the_job_backlog_is_served_for_every_active_status(uvicorn_server):
