@@ -120,11 +120,12 @@ def redis_embedding_cache_async() -> redis.asyncio.Redis:
 
 
 def redis_embedding_cache_sync() -> redis.Redis:
-    """The embedding cache's blocking client, for what reads its server's figures (/metrics): every
-    command within EMBEDDING_CACHE_TIMEOUT_S to connect and to answer, tried again at once only when
-    its connection broke (Redis restarted since), never after a timeout (our policy, not redis-py's
-    default, which retries timeouts too, with backoff): a cache Redis that is down or silent costs
-    a caller about that timeout once."""
+    """The embedding cache's blocking client, for Celery workers' lookups and writes (jobs, batch
+    lines) and what reads its server's figures (/metrics): every command within
+    EMBEDDING_CACHE_TIMEOUT_S to connect and to answer, tried again at once only when its connection
+    broke (Redis restarted since), never after a timeout (our policy, not redis-py's default, which
+    retries timeouts too, with backoff): a cache Redis that is down or silent costs a caller about
+    that timeout once."""
     global _embedding_cache_sync_client
     with _lock:
         if _embedding_cache_sync_client is None:

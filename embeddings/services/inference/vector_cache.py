@@ -13,9 +13,10 @@ all, and a hit is bit-identical to a computed row (float16 would halve the bytes
 Entries live in EMBEDDING_CACHE_REDIS_URL (by default the job store's server, never the critical
 Redis, which holds quotas, usage and the broker: vectors must never crowd those out) for
 EMBEDDING_CACHE_TTL_S, with a per-process LRU of EMBEDDING_CACHE_LOCAL_ENTRIES in front. A request's
-rows are read with one MGET and its misses written with one pipeline of SET ... EX. Redis down or
-slower than EMBEDDING_CACHE_TIMEOUT_S: all misses, the writes dropped, a warning at most once a
-minute, never a failed request.
+rows are read with one MGET and its misses written with one pipeline of SET ... EX, each written once
+and run on the asyncio client (the web) or the blocking one (Celery workers: jobs, batch lines).
+Redis down or slower than EMBEDDING_CACHE_TIMEOUT_S: all misses, the writes dropped, a warning at
+most once a minute, never a failed request or chunk.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 from django.conf import settings
@@ -41,7 +43,8 @@ from embeddings.metrics import (
     EMBEDDING_CACHE_ROWS,
     EMBEDDING_CACHE_SECONDS,
 )
-from embeddings.redis.connections import redis_embedding_cache_async
+from embeddings.redis.connections import redis_embedding_cache_async, redis_embedding_cache_sync
+from embeddings.redis.transport import Command, Request, operation_run, operation_run_sync, single
 from embeddings.services.inference.exports import (
     EXPORT_INFO_FILENAME,
     ModelExportError,
@@ -54,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 KEY_PREFIX = b"embedsite:vector:"
 FAILURE_LOG_INTERVAL_S = 60.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -181,7 +185,16 @@ def _decoded(value: bytes | None, width: int | None) -> np.ndarray | None:
     return vector if len(vector) else None
 
 
-async def vectors_get(keys: Sequence[bytes]) -> list[np.ndarray | None]:
+# A cache operation, written once for both transports (as embeddings.redis.transport's): it yields
+# what it asks of the cache's Redis as (action, request), "lookup" or "write" and a transport
+# Request, and is sent the reply, or UNANSWERED when Redis failed or was slower than
+# EMBEDDING_CACHE_TIMEOUT_S (counted and logged by its _RoundTrip); it returns its result. `vectors_get`
+# and `vectors_put` run them on the running loop, their `_sync` twins on the blocking client.
+CacheOperation = Generator[tuple[str, Request], Any, T]
+UNANSWERED = object()
+
+
+def _lookup(keys: Sequence[bytes]) -> CacheOperation[list[np.ndarray | None]]:
     """Each key's vector (None for a miss): the local LRU first, then one MGET for the rest."""
     local = local_vectors()
     found: list[np.ndarray | None] = [local.get(key) for key in keys]
@@ -189,15 +202,10 @@ async def vectors_get(keys: Sequence[bytes]) -> list[np.ndarray | None]:
     EMBEDDING_CACHE_ROWS.labels("local").inc(len(keys) - len(missing))
     if not missing:
         return found
-    started = time.perf_counter()
-    try:
-        async with asyncio.timeout(settings.EMBEDDING_CACHE_TIMEOUT_S):
-            values = await redis_embedding_cache_async().mget([KEY_PREFIX + keys[index] for index in missing])
-    except (RedisError, OSError, TimeoutError) as error:
-        _failed("lookup", error)
+    values = yield "lookup", Command.of("MGET", *[KEY_PREFIX + keys[index] for index in missing])
+    if values is UNANSWERED:
         EMBEDDING_CACHE_ROWS.labels("miss").inc(len(missing))
         return found
-    EMBEDDING_CACHE_SECONDS.labels("lookup").observe(time.perf_counter() - started)
     width = next((len(vector) for vector in found if vector is not None), None)
     from_redis = 0
     for index, value in zip(missing, values, strict=True):
@@ -211,25 +219,101 @@ async def vectors_get(keys: Sequence[bytes]) -> list[np.ndarray | None]:
     return found
 
 
-async def vectors_put(keys: Sequence[bytes], vectors: np.ndarray) -> None:
+def _write(keys: Sequence[bytes], vectors: np.ndarray) -> CacheOperation[None]:
     """Store each key's vector (float32) locally and, in one pipeline of SET ... EX, in Redis."""
     if not keys:
         return
     local = local_vectors()
     rows = np.ascontiguousarray(vectors, dtype="<f4")
+    sets = []
     for key, row in zip(keys, rows, strict=True):
         local.put(key, row)
-    started = time.perf_counter()
-    try:
-        async with asyncio.timeout(settings.EMBEDDING_CACHE_TIMEOUT_S):
-            async with redis_embedding_cache_async().pipeline(transaction=False) as pipeline:
-                for key, row in zip(keys, rows, strict=True):
-                    pipeline.set(KEY_PREFIX + key, row.tobytes(), ex=settings.EMBEDDING_CACHE_TTL_S)
-                await pipeline.execute()
-    except (RedisError, OSError, TimeoutError) as error:
-        _failed("write", error)
-        return
-    EMBEDDING_CACHE_SECONDS.labels("write").observe(time.perf_counter() - started)
+        sets.append(Command.of("SET", KEY_PREFIX + key, row.tobytes(), "EX", settings.EMBEDDING_CACHE_TTL_S))
+    yield "write", sets
+
+
+class _RoundTrip:
+    """One request of a cache operation, run in a `with` block that sets `reply`: timed when
+    answered; when Redis failed or timed out, the failure counted and logged, the error suppressed
+    and the reply UNANSWERED."""
+
+    def __init__(self, action: str, request: Request) -> None:
+        self.action = action
+        self.request = request
+        self.reply: Any = UNANSWERED
+
+    def __enter__(self) -> _RoundTrip:
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback) -> bool:
+        if error is None:
+            EMBEDDING_CACHE_SECONDS.labels(self.action).observe(time.perf_counter() - self.started)
+            return False
+        if not isinstance(error, RedisError | OSError | TimeoutError):
+            return False
+        _failed(self.action, error)
+        return True
+
+
+class _Steps:
+    """A cache operation's round trips, for a transport to run each (setting its reply) in turn;
+    `result` is the operation's once they are done."""
+
+    def __init__(self, operation: CacheOperation[T]) -> None:
+        self.operation = operation
+        self.result: Any = None
+
+    def __iter__(self) -> Iterator[_RoundTrip]:
+        reply = None
+        while True:
+            try:
+                action, request = self.operation.send(reply)
+            except StopIteration as done:
+                self.result = done.value
+                return
+            trip = _RoundTrip(action, request)
+            yield trip
+            reply = trip.reply
+
+
+async def _run(operation: CacheOperation[T]) -> T:
+    """Run a cache operation on the running loop's client, each request within the timeout."""
+    steps = _Steps(operation)
+    for trip in steps:
+        with trip:
+            async with asyncio.timeout(settings.EMBEDDING_CACHE_TIMEOUT_S):
+                trip.reply = await operation_run(single(trip.request), client=redis_embedding_cache_async())
+    return steps.result
+
+
+def _run_sync(operation: CacheOperation[T]) -> T:
+    """Run a cache operation on the blocking client (its socket timeout is the cache's)."""
+    steps = _Steps(operation)
+    for trip in steps:
+        with trip:
+            trip.reply = operation_run_sync(single(trip.request), redis_embedding_cache_sync())
+    return steps.result
+
+
+async def vectors_get(keys: Sequence[bytes]) -> list[np.ndarray | None]:
+    """Each key's vector, None for a miss (`_lookup`), on the running loop's client."""
+    return await _run(_lookup(keys))
+
+
+def vectors_get_sync(keys: Sequence[bytes]) -> list[np.ndarray | None]:
+    """`vectors_get` on the blocking client (Celery workers: jobs and batch lines)."""
+    return _run_sync(_lookup(keys))
+
+
+async def vectors_put(keys: Sequence[bytes], vectors: np.ndarray) -> None:
+    """Store each key's vector (`_write`), on the running loop's client."""
+    await _run(_write(keys, vectors))
+
+
+def vectors_put_sync(keys: Sequence[bytes], vectors: np.ndarray) -> None:
+    """`vectors_put` on the blocking client."""
+    _run_sync(_write(keys, vectors))
 
 
 async def vector_cache_state() -> dict[str, object]:
