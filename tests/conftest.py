@@ -3,10 +3,12 @@ two tenants (`two_tenants`) that isolation tests build on."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -365,6 +367,40 @@ def service_redis(
     redis_sync().flushdb()
     redis_job_store().flushdb()
     yield redis_server
+    reset_redis_clients()
+
+
+# Words of one wordpiece each in MiniLM's vocabulary.
+ONE_TOKEN_WORDS = (
+    "apple river stone cloud house green music water light table paper horse garden window bridge summer"
+).split()
+
+
+def texts_of_one_length(count: int) -> list[str]:
+    """`count` texts no test embedded before (a fresh marker: the embedding cache's Redis lives as
+    long as the run), all of one length in tokens. Triton pads a batch to its longest row and runs a
+    batch of one row through other kernels, and either can move a row's last bits: rows of one
+    length, sent two or more a call, are computed alike whatever else they are batched with, so a
+    cache hit can be compared with a computed row bit for bit."""
+    marker = uuid.uuid4().hex[:12]
+    pairs = itertools.product(ONE_TOKEN_WORDS, repeat=2)
+    return [f"{marker} {first} {second} about caches" for first, second in itertools.islice(pairs, count)]
+
+
+@pytest.fixture
+def embedding_cache(settings, job_store_server: RedisServer) -> Iterator[RedisServer]:
+    """The embedding cache on, in the job store's Redis (not emptied: tests embed texts of their
+    own), with a timeout a loaded machine's lookups meet, and no entries left in this process."""
+    from embeddings.redis.connections import reset_redis_clients
+    from embeddings.services.inference.vector_cache import vector_cache_clear_local
+
+    settings.EMBEDDING_CACHE = True
+    settings.EMBEDDING_CACHE_REDIS_URL = job_store_server.url
+    settings.EMBEDDING_CACHE_TIMEOUT_S = 2.0
+    reset_redis_clients()
+    vector_cache_clear_local()
+    yield job_store_server
+    vector_cache_clear_local()
     reset_redis_clients()
 
 

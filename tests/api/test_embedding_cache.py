@@ -26,17 +26,8 @@ SECOND = ["new text one", "hello world", "another new one", "日本語のテキ�
 
 
 @pytest.fixture
-def cache(settings, job_store_server, api_setup):
-    """The cache on, in the job store's Redis (emptied), its local entries forgotten; the rows
-    sent to Triton counted."""
-    settings.EMBEDDING_CACHE = True
-    settings.EMBEDDING_CACHE_REDIS_URL = job_store_server.url
-    settings.EMBEDDING_CACHE_TIMEOUT_S = 2.0
-    reset_redis_clients()
-    vector_cache_clear_local()
-    yield
-    vector_cache_clear_local()
-    reset_redis_clients()
+def cache(api_setup, embedding_cache):
+    """The cache on, in the job store's Redis (emptied by api_setup), its local entries forgotten."""
 
 
 @pytest.fixture

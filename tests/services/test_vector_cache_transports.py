@@ -27,16 +27,8 @@ TRANSPORTS = ("asyncio", "blocking")
 
 
 @pytest.fixture
-def cache(settings, job_store_server):
-    """The cache in the job store's Redis (the test's keys are random: no emptying needed), its
-    local entries forgotten."""
-    settings.EMBEDDING_CACHE_REDIS_URL = job_store_server.url
-    settings.EMBEDDING_CACHE_TIMEOUT_S = 2.0
-    reset_redis_clients()
-    vector_cache_clear_local()
-    yield
-    vector_cache_clear_local()
-    reset_redis_clients()
+def cache(embedding_cache):
+    """The cache's Redis, the job store's (the test's keys are random)."""
 
 
 def get(transport: str, keys: list[bytes]) -> list[np.ndarray | None]:

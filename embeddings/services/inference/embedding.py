@@ -26,7 +26,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,7 +69,13 @@ from embeddings.services.inference.quantization import (
     quantized,
 )
 from embeddings.services.inference.scheduling import SubBatch, reassembled, sub_batches
-from embeddings.services.inference.vector_cache import served_model, vectors_get, vectors_put
+from embeddings.services.inference.vector_cache import (
+    served_model,
+    vectors_get,
+    vectors_get_sync,
+    vectors_put,
+    vectors_put_sync,
+)
 from embeddings.tokenization import ChunkedBatch, TokenizedBatch, TruncationDirection
 from embeddings.triton import (
     PRIORITY_BULK,
@@ -211,6 +217,8 @@ class CacheHits:
     inputs: int = 0
     rows: int = 0
     tokens: int = 0
+    # The same per input ([inputs, 3]: a hit or not, rows, tokens), for `between`; None without hits.
+    per_input: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -218,11 +226,30 @@ class CacheHits:
     ) -> CacheHits:
         if cached is None or not cached.any():
             return NO_CACHE_HITS
+        tokens = np.where(cached, batch.token_counts, 0)
         if chunk_starts is None:
-            inputs = int(cached.sum())
+            per_input = np.stack([cached, cached, tokens], axis=1)
         else:  # an input is a hit when every one of its chunks is
-            inputs = int(np.logical_and.reduceat(cached, chunk_starts[:-1]).sum())
-        return cls(inputs=inputs, rows=int(cached.sum()), tokens=int(batch.token_counts[cached].sum()))
+            starts = chunk_starts[:-1]
+            per_input = np.stack(
+                [
+                    np.logical_and.reduceat(cached, starts),
+                    np.add.reduceat(cached.astype(np.int64), starts),
+                    np.add.reduceat(tokens, starts),
+                ],
+                axis=1,
+            )
+        return cls._summed(per_input.astype(np.int64))
+
+    @classmethod
+    def _summed(cls, per_input: np.ndarray) -> CacheHits:
+        inputs, rows, tokens = (int(total) for total in per_input.sum(axis=0))
+        return cls(inputs, rows, tokens, per_input) if rows else NO_CACHE_HITS
+
+    def between(self, start: int, end: int) -> CacheHits:
+        """What the cache answered of inputs `start` to `end` (excluded) alone: one of the requests
+        a call embedded together (a batch's lines)."""
+        return NO_CACHE_HITS if self.per_input is None else self._summed(self.per_input[start:end])
 
 
 NO_CACHE_HITS = CacheHits()
@@ -585,25 +612,46 @@ async def _infer(
     client = triton_async_client()
     spec = await client.model_metadata(target.triton_model, target.triton_version)
     takes_text = _takes_text(spec, token_ids, chunked=chunked)
-    served = None
-    if cache_scope is not None and settings.EMBEDDING_CACHE and not takes_text:
-        served = served_model(target.triton_model, target.triton_version)
-    if served is None:
+    keys = _row_keys(target, batch, cache_scope, takes_text=takes_text)
+    if keys is None:
         return await _infer_rows(target, spec, texts, batch, deadline, takes_text=takes_text), None
-    keys = [
-        served.row_key(cache_scope, ids[mask.astype(bool)])
-        for ids, mask in zip(batch.input_ids, batch.attention_mask, strict=True)
-    ]
     found = await vectors_get(keys)
-    cached = np.array([vector is not None for vector in found], dtype=bool)
     missing = [row for row, vector in enumerate(found) if vector is None]
+    computed = None
     if missing:
         computed = await _infer_rows(
             target, spec, texts, _batch_rows(batch, missing), deadline, takes_text=False
         )
         await vectors_put([keys[row] for row in missing], computed)
-        for position, row in enumerate(missing):
-            found[row] = computed[position]
+    return _rows_filled(found, missing, computed)
+
+
+def _row_keys(
+    target: EmbeddingTarget, batch: TokenizedBatch, cache_scope: str | None, *, takes_text: bool
+) -> list[bytes] | None:
+    """The embedding cache's key of each of the batch's rows under `cache_scope`; None when its rows
+    are not cached (no scope, EMBEDDING_CACHE off, a model that takes text or without a recorded
+    export checksum)."""
+    if cache_scope is None or not settings.EMBEDDING_CACHE or takes_text:
+        return None
+    served = served_model(target.triton_model, target.triton_version)
+    if served is None:
+        return None
+    return [
+        served.row_key(cache_scope, ids[mask.astype(bool)])
+        for ids, mask in zip(batch.input_ids, batch.attention_mask, strict=True)
+    ]
+
+
+def _rows_filled(
+    found: list[np.ndarray | None], missing: list[int], computed: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every row's vector, in order (the cache's, and the `missing` rows' `computed` ones), and
+    which rows the cache answered."""
+    cached = np.ones(len(found), dtype=bool)
+    cached[missing] = False
+    for position, row in enumerate(missing):
+        found[row] = computed[position]
     return np.stack(found).astype(np.float32, copy=False), cached
 
 
@@ -822,11 +870,14 @@ def embeddings_create_sync(
     texts: Sequence[str] | None = None,
     token_ids: Sequence[Sequence[int]] | None = None,
     options: EmbeddingOptions = EmbeddingOptions(),
+    cache_scope: str | None = None,
 ) -> EmbeddingResult:
     """The blocking twin of `embeddings_create`, for Celery workers and commands (no in-flight gate).
 
     Its sub-batches go to Triton at the bulk priority, MAX_TOKENS_IN_FLIGHT / MAX_BATCH_TOKENS at a
-    time, so queued bulk work never stands in front of a request someone is waiting for.
+    time, so queued bulk work never stands in front of a request someone is waiting for. With
+    `cache_scope` (a job's tenant's) its rows come from and go to the embedding cache as
+    `embeddings_create`'s do: only the misses are sent, and the result says what was a hit.
     """
     _check_options(target, options)
     texts = _with_prompt(target, texts, options)
@@ -841,21 +892,59 @@ def embeddings_create_sync(
         started = time.perf_counter()
         spec = client.model_metadata(model, version)
         takes_text = _takes_text(spec, token_ids, chunked=starts is not None)
-        groups = _plan(spec, batch)
-        call_options = {"version": version, "output_name": settings.OUTPUT_NAME, "priority": PRIORITY_BULK}
-
-        def call(group: SubBatch) -> Callable[[], np.ndarray]:
-            if takes_text:
-                rows = [texts[row] for row in group.rows] if len(groups) > 1 else list(texts or ())
-                return lambda: client.embed_texts(model, rows, **call_options)
-            input_ids, attention_mask, token_type_ids = _sub_batch_inputs(batch, group)
-            return lambda: client.embed_tokens(
-                model, input_ids, attention_mask, token_type_ids=token_type_ids, **call_options
-            )
-
-        window = max(1, settings.MAX_TOKENS_IN_FLIGHT // settings.MAX_BATCH_TOKENS)
-        parts = _run_windowed([call(group) for group in groups], window)
-        vectors = reassembled(list(zip(groups, parts, strict=True)), len(batch))
+        keys = _row_keys(target, batch, cache_scope, takes_text=takes_text)
+        cached = None
+        if keys is None:
+            vectors = _infer_rows_sync(target, spec, texts, batch, takes_text=takes_text)
+        else:
+            found = vectors_get_sync(keys)
+            missing = [row for row, vector in enumerate(found) if vector is None]
+            computed = None
+            if missing:
+                computed = _infer_rows_sync(
+                    target, spec, texts, _batch_rows(batch, missing), takes_text=False
+                )
+                vectors_put_sync([keys[row] for row in missing], computed)
+            vectors, cached = _rows_filled(found, missing, computed)
         inference_s = time.perf_counter() - started
     vectors = _postprocess(target, _input_vectors(batch, starts, vectors), options)
-    return EmbeddingResult(model, vectors, _input_token_counts(batch, starts), tokenization_s, inference_s)
+    return EmbeddingResult(
+        model,
+        vectors,
+        _input_token_counts(batch, starts),
+        tokenization_s,
+        inference_s,
+        CacheHits.of(batch, cached, starts),
+    )
+
+
+def _infer_rows_sync(
+    target: EmbeddingTarget,
+    spec: ModelSpec,
+    texts: Sequence[str] | None,
+    batch: TokenizedBatch,
+    *,
+    takes_text: bool,
+) -> np.ndarray:
+    """All of the batch's sub-batches, a window of them at a time, at the bulk priority."""
+    client = triton_sync_client()
+    model = target.triton_model
+    groups = _plan(spec, batch)
+    call_options = {
+        "version": target.triton_version,
+        "output_name": settings.OUTPUT_NAME,
+        "priority": PRIORITY_BULK,
+    }
+
+    def call(group: SubBatch) -> Callable[[], np.ndarray]:
+        if takes_text:
+            rows = [texts[row] for row in group.rows] if len(groups) > 1 else list(texts or ())
+            return lambda: client.embed_texts(model, rows, **call_options)
+        input_ids, attention_mask, token_type_ids = _sub_batch_inputs(batch, group)
+        return lambda: client.embed_tokens(
+            model, input_ids, attention_mask, token_type_ids=token_type_ids, **call_options
+        )
+
+    window = max(1, settings.MAX_TOKENS_IN_FLIGHT // settings.MAX_BATCH_TOKENS)
+    parts = _run_windowed([call(group) for group in groups], window)
+    return reassembled(list(zip(groups, parts, strict=True)), len(batch))
