@@ -77,12 +77,20 @@ class Caller:
         return self.allow_all_models or model.pk in self.allowed_model_ids
 
     def cache_scope_for(self, model: EmbeddingModel) -> str:
-        """Its entries' scope in the embedding cache for `model`: its tenant's own, which no other
-        tenant reads, unless the tenant or the model opted in to the scope shared by all who did."""
-        if self.shared_embedding_cache or model.shared_embedding_cache:
-            return SHARED_CACHE_SCOPE
-        return f"tenant:{self.tenant_id}"
+        """Its entries' scope in the embedding cache for `model` (`embedding_cache_scope`)."""
+        return embedding_cache_scope(
+            tenant_id=self.tenant_id, tenant_shared=self.shared_embedding_cache, model=model
+        )
 
 
 # The embedding cache's scope of every tenant and model that opted in (a tenant's is "tenant:<id>").
 SHARED_CACHE_SCOPE = "shared"
+
+
+def embedding_cache_scope(*, tenant_id: int, tenant_shared: bool, model: EmbeddingModel) -> str:
+    """A tenant's entries' scope in the embedding cache for `model`: its own, which no other tenant
+    reads, unless the tenant (`tenant_shared`) or the model opted in to the scope shared by all who
+    did. A request's from its Caller, a job's chunk's from its tenant's row as it runs."""
+    if tenant_shared or model.shared_embedding_cache:
+        return SHARED_CACHE_SCOPE
+    return f"tenant:{tenant_id}"

@@ -160,15 +160,17 @@ def job_chunk_finish(
     tokens: int,
     counter: str,
     increments: bytes,
+    cached_tokens: int = 0,
 ) -> Operation[bool]:
-    """Write a chunk's result, progress and usage increments once; False if it was finished before."""
+    """Write a chunk's result, progress (its tokens, and of them those the embedding cache answered)
+    and usage increments once; False if it was finished before."""
     chunk_keys = [
         keys.job_key(job_id, "done"),
         keys.job_chunk_key(job_id, "out", chunk),
         keys.job_key(job_id, "progress"),
         keys.job_key(job_id, "uncounted"),
     ]
-    arguments = [chunk, payload, ttl_s, rows, tokens, counter, increments]
+    arguments = [chunk, payload, ttl_s, rows, tokens, counter, increments, cached_tokens]
     return (yield ScriptCall(scripts.JOB_CHUNK_FINISH, chunk_keys, arguments)) == 1
 
 

@@ -210,7 +210,8 @@ return out
 
 # KEYS: done set, result key, progress hash, uncounted usage hash.
 # ARGV: chunk number, payload, ttl seconds, rows, tokens, counter ("completed" or "failed"), the
-# chunk's usage increments (orjson; empty: none), kept until the critical Redis has counted them.
+# chunk's usage increments (orjson; empty: none), kept until the critical Redis has counted them,
+# and of its tokens those the embedding cache answered.
 JOB_CHUNK_FINISH = Script(
     "job_chunk_finish",
     """
@@ -222,6 +223,9 @@ if ARGV[6] == 'completed' then
 end
 redis.call('HINCRBY', KEYS[3], ARGV[6], ARGV[4])
 redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[5])
+if ARGV[8] and tonumber(ARGV[8]) > 0 then
+    redis.call('HINCRBY', KEYS[3], 'cached_tokens', ARGV[8])
+end
 redis.call('HINCRBY', KEYS[3], 'chunks_done', 1)
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[3], ARGV[3])

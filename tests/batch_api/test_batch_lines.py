@@ -5,6 +5,7 @@ SDK tests run the same code on the real stack."""
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import numpy as np
 import orjson
@@ -12,7 +13,7 @@ import pytest
 
 from embeddings.errors.service import InvalidRequest, LimitExceeded
 from embeddings.models import EmbeddingModel
-from embeddings.services.inference.embedding import EmbeddingResult
+from embeddings.services.inference.embedding import CacheHits, EmbeddingResult
 from embeddings.services.openai_api import batch_lines
 from embeddings.services.openai_api.batch_lines import LineRequest, batch_chunk_embed
 from embeddings.services.openai_api.batches import _lines
@@ -44,15 +45,18 @@ def line(custom_id: str, texts: list[str], **options) -> LineRequest:
 
 class FakeEmbedding:
     """Each text's vector is its length repeated; each text costs len(text) tokens; a text "bad"
-    is refused as a model refuses an input. Records every call's texts and limits."""
+    is refused as a model refuses an input; with a cache scope, a text that starts with "cached:"
+    is a hit of the embedding cache. Records every call's texts, limits and cache scope."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[list[str], int | None, int | None]] = []
         self.options = []
+        self.scopes: list[str | None] = []
 
-    def __call__(self, *, target, texts=None, token_ids=None, options):
+    def __call__(self, *, target, texts=None, token_ids=None, options, cache_scope=None):
         self.calls.append((list(texts), target.max_inputs, target.max_total_tokens))
         self.options.append(options)
+        self.scopes.append(cache_scope)
         if target.max_inputs is not None and len(texts) > target.max_inputs:
             raise LimitExceeded(f"{len(texts)} inputs in one request", param="input")
         if "bad" in texts:
@@ -64,7 +68,9 @@ class FakeEmbedding:
         vectors = np.repeat(counts[:, None].astype(np.float32), width, axis=1)
         if options.output_type == "int8":
             vectors = vectors.astype(np.int8)
-        return EmbeddingResult("m", vectors, counts, 0.0, 0.0)
+        cached = None if cache_scope is None else np.array([text.startswith("cached:") for text in texts])
+        hits = CacheHits.of(SimpleNamespace(token_counts=counts), cached, None)
+        return EmbeddingResult("m", vectors, counts, 0.0, 0.0, hits)
 
 
 def render(error: Exception) -> tuple[int, dict]:
@@ -74,11 +80,13 @@ def render(error: Exception) -> tuple[int, dict]:
     }
 
 
-def run(monkeypatch, lines: list[LineRequest]) -> tuple[list[dict], FakeEmbedding, batch_lines.ChunkOutput]:
+def run(
+    monkeypatch, lines: list[LineRequest], **options
+) -> tuple[list[dict], FakeEmbedding, batch_lines.ChunkOutput]:
     fake = FakeEmbedding()
     monkeypatch.setattr(batch_lines, "embeddings_create_sync", fake)
     output = batch_chunk_embed(
-        lines=lines, models={"m": MODEL}, tenant_id=1, api_key_id=None, render_error=render
+        lines=lines, models={"m": MODEL}, tenant_id=1, api_key_id=None, render_error=render, **options
     )
     return [orjson.loads(raw) for raw in output.payload.splitlines()], fake, output
 
@@ -152,6 +160,37 @@ def test_a_refused_input_fails_its_line_only(monkeypatch):
     assert [record["response"]["status_code"] for record in records] == [200, 422, 200]
     assert records[1]["response"]["body"]["error"]["message"] == "bad input" and records[1]["error"] is None
     assert output.succeeded == 2
+
+
+def usage_totals(output: batch_lines.ChunkOutput) -> dict[str, int]:
+    """The chunk's usage increments summed by metric (one model here)."""
+    totals: dict[str, int] = {}
+    for name, amount in output.usage.items():
+        metric = name.split("|")[4]
+        totals[metric] = totals.get(metric, 0) + amount
+    return totals
+
+
+def test_each_line_counts_what_the_cache_answered_of_it_alone(monkeypatch):
+    lines = [
+        line("part", ["cached:a", "b"]),  # 9 tokens, one input of two a hit (8 tokens)
+        line("whole", ["cached:c"]),  # 8 tokens, all a hit
+        line("none", ["d"]),
+        line("long", ["cached:" + "x" * 5]),  # a hit in the group's call, but refused alone
+    ]
+    records, fake, output = run(monkeypatch, lines, cache_scope=lambda model: f"scope of {model.name}")
+    assert [record["response"]["status_code"] for record in records] == [200, 200, 200, 413]
+    assert set(fake.scopes) == {"scope of m"}  # the group's call and the refused line's alone
+    assert (output.succeeded, output.tokens, output.cached_tokens) == (3, 18, 16)
+    totals = usage_totals(output)
+    assert (totals["inputs"], totals["tokens"]) == (4, 18)
+    assert (totals["cached_inputs"], totals["cached_tokens"]) == (2, 16)
+
+
+def test_without_a_cache_scope_no_line_reads_the_cache(monkeypatch):
+    _, fake, output = run(monkeypatch, [line("a", ["cached:a"]), line("b", ["b"])])
+    assert fake.scopes == [None] and output.cached_tokens == 0
+    assert "cached_inputs" not in usage_totals(output)
 
 
 def test_the_line_reader_never_holds_an_overlong_line():

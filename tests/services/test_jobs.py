@@ -15,7 +15,8 @@ from django.utils import timezone
 
 from embeddings.errors.service import InvalidRequest, JobConflict, LimitExceeded, QuotaExceeded
 from embeddings.models import EmbeddingJob, Tenant
-from embeddings.redis.connections import redis_job_store, redis_sync
+from embeddings.redis.connections import redis_job_store, redis_sync, reset_redis_clients
+from embeddings.services.inference import embedding
 from embeddings.services.inference.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
 from embeddings.services.jobs import engine, kinds, submission
 from embeddings.services.jobs.engine import (
@@ -39,7 +40,9 @@ from embeddings.services.jobs.store import JobStore, job_store
 from embeddings.services.jobs.submission import JobSpec, job_create
 from embeddings.services.quotas.limits import quota_status_sync
 from embeddings.services.quotas.usage import LIVE_USAGE_KEY, counters_from_hash
+from embeddings.tooling.triton_server import free_port
 from tests.api import conftest as api_fixtures
+from tests.conftest import texts_of_one_length
 from tests.database_backend import wait_for_lock_waiters
 
 # Triton, an emptied Redis, the local model and two tenants with a key each.
@@ -373,9 +376,10 @@ def _die(*args, **kwargs):
     raise WorkerDied
 
 
-def _job_usage_totals() -> dict[str, int]:
-    """The critical Redis's live usage counters of endpoint "jobs", summed over buckets."""
-    counters, _ = counters_from_hash(redis_sync().hgetall(LIVE_USAGE_KEY))
+def _job_usage_totals(tenant_id: int | None = None) -> dict[str, int]:
+    """The critical Redis's live usage counters of endpoint "jobs" (of one tenant's, or all),
+    summed over buckets."""
+    counters, _ = counters_from_hash(redis_sync().hgetall(LIVE_USAGE_KEY), tenant_id=tenant_id)
     totals: dict[str, int] = {}
     for bucket, metrics in counters.items():
         if bucket.endpoint == "jobs":
@@ -592,3 +596,115 @@ def test_a_vector_float16_cannot_hold_fails_its_chunk_not_the_worker(api_setup, 
     assert (job.status, job.completed, job.failed, job.error_code) == ("failed", 0, 5, "embedding_failed")
     assert "beyond float16's range" in job.error_message and "result_dtype float32" in job.error_message
     assert redis_job_store().exists(job_store(job).key("out", 0)) == 0
+
+
+# --- The embedding cache (services/inference/vector_cache.py) --------------------------------------
+
+
+@pytest.fixture
+def rows_computed(monkeypatch) -> list[int]:
+    """The rows each embedding call of a chunk sent to Triton (the blocking path's)."""
+    sent: list[int] = []
+    infer_rows = embedding._infer_rows_sync
+
+    def counted(target, spec, texts, batch, **options):
+        sent.append(len(batch))
+        return infer_rows(target, spec, texts, batch, **options)
+
+    monkeypatch.setattr(embedding, "_infer_rows_sync", counted)
+    return sent
+
+
+def _run_job(who, model, texts) -> EmbeddingJob:
+    """A job of `who`'s (results as float32) with every chunk run; the job as it ended."""
+    spec = JobSpec(model=model, texts=texts, result_dtype="float32")
+    job, _ = job_create(tenant_id=who.tenant.pk, api_key_id=None, spec=spec)
+    run_all_chunks(job)
+    job.refresh_from_db()
+    assert job.status == "completed"
+    return job
+
+
+def test_a_job_embeds_only_what_its_tenant_did_not_before(
+    api_setup, embedding_cache, small_chunks, rows_computed
+):
+    """Texts of one length (conftest.texts_of_one_length), in chunks of 5: 5, 5 and 2 rows a call,
+    so the computed rows and the cached ones can be compared bit for bit."""
+    alpha, beta, model = api_setup["alpha"], api_setup["beta"], api_setup["model"]
+    texts = texts_of_one_length(12)
+    first = _run_job(alpha, model, texts[:5])
+    uncached = _run_job(beta, model, texts)  # beta reads none of alpha's entries
+    assert rows_computed == [5, 5, 5, 2]
+    repeated = _run_job(alpha, model, texts)
+    assert rows_computed[4:] == [5, 2]  # the first chunk's texts were alpha's hits
+    assert np.array_equal(stored_vectors(repeated), stored_vectors(uncached))
+    assert repeated.prompt_tokens == uncached.prompt_tokens  # every input's tokens, cached or not
+    usage = _job_usage_totals(alpha.tenant.pk)
+    assert (usage["inputs"], usage["tokens"]) == (17, first.prompt_tokens + repeated.prompt_tokens)
+    assert (usage["cached_inputs"], usage["cached_tokens"]) == (5, first.prompt_tokens)
+    assert "cached_inputs" not in _job_usage_totals(beta.tenant.pk)
+    again = _run_job(alpha, model, texts)  # from another job's entries: nothing sent
+    assert len(rows_computed) == 6 and np.array_equal(stored_vectors(again), stored_vectors(uncached))
+    assert _job_usage_totals(alpha.tenant.pk)["cached_tokens"] == first.prompt_tokens + again.prompt_tokens
+
+
+@pytest.mark.parametrize("count_hits", [True, False])
+def test_a_jobs_hits_are_given_back_to_its_quota_unless_they_count(
+    api_setup, embedding_cache, small_chunks, settings, count_hits
+):
+    alpha, model = api_setup["alpha"], api_setup["model"]
+    alpha.tenant.tokens_per_month = 1_000_000
+    alpha.tenant.save()
+    settings.EMBEDDING_CACHE_COUNT_HITS = count_hits
+    month = lambda: quota_status_sync(alpha.tenant.pk)["tenant"]["tokens_per_month"]["used"]  # noqa: E731
+    texts = texts_of_one_length(8)
+    first = _run_job(alpha, model, texts[:4])
+    assert month() == first.prompt_tokens
+    second = _run_job(alpha, model, texts)  # half of it hits
+    hits = first.prompt_tokens
+    assert month() == first.prompt_tokens + second.prompt_tokens - (0 if count_hits else hits)
+    assert job_store(second).progress().cached_tokens == hits
+
+
+def test_a_jobs_scope_is_its_tenants_and_models_as_its_chunks_run(
+    api_setup, embedding_cache, small_chunks, rows_computed, sent_chunks
+):
+    """Read when a chunk runs, not when the job was submitted: an opt-in (or out) applies to the
+    jobs already queued, as it applies to requests within API_KEY_CACHE_SECONDS."""
+    alpha, beta, model = api_setup["alpha"], api_setup["beta"], api_setup["model"]
+    texts = texts_of_one_length(4)
+    alpha.tenant.shared_embedding_cache = True
+    alpha.tenant.save(update_fields=["shared_embedding_cache"])
+    _run_job(alpha, model, texts)
+    assert rows_computed == [4]
+    queued, _ = job_create(tenant_id=beta.tenant.pk, api_key_id=None, spec=JobSpec(model=model, texts=texts))
+    beta.tenant.shared_embedding_cache = True
+    beta.tenant.save(update_fields=["shared_embedding_cache"])
+    run_all_chunks(queued)
+    assert rows_computed == [4]  # beta opted in after submitting: its chunk read the shared scope
+    beta.tenant.shared_embedding_cache = False
+    beta.tenant.save(update_fields=["shared_embedding_cache"])
+    _run_job(beta, model, texts)
+    assert rows_computed == [4, 4]  # opted out again: its own scope
+    model.shared_embedding_cache = True
+    model.save(update_fields=["shared_embedding_cache"])
+    _run_job(beta, model, texts)
+    assert rows_computed == [4, 4]  # the model opted in: every tenant's jobs share its entries
+
+
+def test_an_unreachable_cache_costs_a_job_nothing_but_misses(
+    api_setup, embedding_cache, small_chunks, rows_computed, settings
+):
+    alpha, model = api_setup["alpha"], api_setup["model"]
+    texts = texts_of_one_length(7)
+    settings.EMBEDDING_CACHE = False
+    uncached = _run_job(alpha, model, texts)
+    settings.EMBEDDING_CACHE = True
+    settings.EMBEDDING_CACHE_REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"
+    settings.EMBEDDING_CACHE_LOCAL_ENTRIES = 0
+    reset_redis_clients()
+    for _ in range(2):
+        job = _run_job(alpha, model, texts)
+        assert np.array_equal(stored_vectors(job), stored_vectors(uncached))
+    assert rows_computed == [5, 2] * 3
+    assert "cached_inputs" not in _job_usage_totals(alpha.tenant.pk)

@@ -15,8 +15,9 @@ in the critical Redis (REDIS_URL). Life of a job:
                    successor chunk. A redelivered chunk counts what a dead worker wrote but did
                    not count; so do the watchdog and the job's end, for every chunk.
     job_finalize   exactly once: completed | failed | cancelled, counts, tokens settled against
-                   the reservation (the unused rest refunded), inputs deleted (their bytes given
-                   back), event published, callback enqueued.
+                   the reservation (the unused rest refunded, and the embedding cache's hits where
+                   EMBEDDING_CACHE_COUNT_HITS is off), inputs deleted (their bytes given back),
+                   event published, callback enqueued.
     job_watchdog   (beat, every JOB_WATCHDOG_INTERVAL_S) re-sends a chunk whose lease lapsed (its
                    worker died mid-chunk) and one handed out JOB_STALL_S ago that never started
                    (its message lost), hands out the successor a dead worker did not, finalises
@@ -61,7 +62,7 @@ from embeddings.services.jobs.leases import (
     live_leases,
 )
 from embeddings.services.jobs.reads import job_object
-from embeddings.services.jobs.store import JobStore, chunk_rows, job_store
+from embeddings.services.jobs.store import JobProgress, JobStore, chunk_rows, job_store
 from embeddings.services.quotas.limits import quota_refund_forget, quota_refund_once
 from embeddings.services.quotas.usage import usage_count_once
 
@@ -186,7 +187,8 @@ def job_chunk_run(*, job_id: int, chunk: int) -> None:
     again, and hands out no second successor. The job's kind embeds and writes the chunk
     (kinds.py: vectors for /v1/jobs, OpenAI's output lines for a batch).
     """
-    job = EmbeddingJob.objects.select_related("model").filter(pk=job_id).first()
+    # The tenant too: its chunks' embedding cache scope is read from its row (kinds.job_cache_scope).
+    job = EmbeddingJob.objects.select_related("model", "tenant").filter(pk=job_id).first()
     if job is None:
         return
     store = job_store(job)
@@ -287,7 +289,7 @@ def job_finalize(*, job_id: int, status: str, publish: bool = True) -> bool:
     progress = store.progress()
     if status == Status.COMPLETED and progress.failed:
         status = Status.FAILED
-    _settle(job, store, progress.tokens)
+    _settle(job, store, progress)
     now = timezone.now()
     won = EmbeddingJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
         status=status,
@@ -325,10 +327,14 @@ def _free_inputs(job: EmbeddingJob, store: JobStore, completed: int) -> None:
     job_storage_settle(public_id=job.public_id, completed=completed, total=job.total)
 
 
-def _settle(job: EmbeddingJob, store: JobStore, used_tokens: int) -> None:
+def _settle(job: EmbeddingJob, store: JobStore, progress: JobProgress) -> None:
     """Give back what the reservation held beyond the tokens used, once (a marker in the script,
-    run on the critical Redis that holds the token counters)."""
+    run on the critical Redis that holds the token counters). With EMBEDDING_CACHE_COUNT_HITS off,
+    the tokens the embedding cache answered were not used: given back too."""
     keys = store.reservation()
+    used_tokens = progress.tokens
+    if not settings.EMBEDDING_CACHE_COUNT_HITS:
+        used_tokens -= progress.cached_tokens
     refund = max(0, job.reserved_tokens - used_tokens)
     if keys and refund:
         quota_refund_once(job_id=store.job_id, counters=keys, tokens=refund, ttl_s=store.ttl_s)

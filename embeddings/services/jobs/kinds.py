@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 from django.utils.module_loading import import_string
 
-from embeddings.services.inference.embedding import EmbeddingOptions, EmbeddingTarget, embeddings_create_sync
+from embeddings.callers import embedding_cache_scope
+from embeddings.services.inference.embedding import (
+    NO_CACHE_HITS,
+    CacheHits,
+    EmbeddingOptions,
+    EmbeddingTarget,
+    embeddings_create_sync,
+)
 from embeddings.services.quotas.usage import UsageEvent, usage_increments
 
 if TYPE_CHECKING:
@@ -49,12 +56,15 @@ class JobKind:
                 output_type=job.output_type,
                 input_type=job.input_type or None,
             ),
+            cache_scope=job_cache_scope(job),
         )
 
         def write(store: JobStore, chunk: int) -> None:
-            tokens = result.total_tokens
-            usage = self.chunk_usage(job, "succeeded", inputs=len(texts), tokens=tokens, started=started)
-            store.finish_chunk(chunk, result.vectors, tokens=tokens, usage=usage)
+            tokens, hits = result.total_tokens, result.cache_hits
+            usage = self.chunk_usage(
+                job, "succeeded", inputs=len(texts), tokens=tokens, cache_hits=hits, started=started
+            )
+            store.finish_chunk(chunk, result.vectors, tokens=tokens, cached_tokens=hits.tokens, usage=usage)
 
         return write
 
@@ -62,10 +72,19 @@ class JobKind:
         """A job of this kind has ended: its final status is saved, its event published."""
 
     def chunk_usage(
-        self, job: EmbeddingJob, outcome: str, *, inputs: int = 0, tokens: int = 0, started: float
+        self,
+        job: EmbeddingJob,
+        outcome: str,
+        *,
+        inputs: int = 0,
+        tokens: int = 0,
+        cache_hits: CacheHits = NO_CACHE_HITS,
+        started: float,
     ) -> dict[str, int]:
         """A chunk's usage increments, under this kind's endpoint, kept with its result and counted
-        once (the engine's _count_usage)."""
+        once (the engine's _count_usage); of its inputs and tokens, those the embedding cache
+        answered are counted apart too."""
+        succeeded = outcome == "succeeded"
         return usage_increments(
             UsageEvent(
                 tenant_id=job.tenant_id,
@@ -73,9 +92,11 @@ class JobKind:
                 model=job.model.name,
                 endpoint=self.usage_endpoint,
                 outcome=outcome,
-                inputs=inputs if outcome == "succeeded" else 0,
-                tokens=tokens if outcome == "succeeded" else 0,
+                inputs=inputs if succeeded else 0,
+                tokens=tokens if succeeded else 0,
                 latency_ms=round((time.perf_counter() - started) * 1000),
+                cached_inputs=cache_hits.inputs if succeeded else 0,
+                cached_tokens=cache_hits.tokens if succeeded else 0,
             )
         )
 
@@ -86,6 +107,17 @@ EMBEDDINGS = JobKind()
 def job_kind(name: str) -> JobKind:
     """The kind a job was submitted as (settings.JOB_KINDS)."""
     return import_string(settings.JOB_KINDS[name])
+
+
+def job_cache_scope(job: EmbeddingJob, model: EmbeddingModel | None = None) -> str:
+    """The embedding cache scope of a job's chunk for `model` (the job's by default): its tenant's, or
+    the shared one where the tenant or the model opted in (callers.py), read from their rows as the
+    chunk runs, so that a tenant's or a model's change applies to jobs already queued as it does to
+    requests."""
+    model = job.model if model is None else model
+    return embedding_cache_scope(
+        tenant_id=job.tenant_id, tenant_shared=job.tenant.shared_embedding_cache, model=model
+    )
 
 
 def job_embedding_target(model: EmbeddingModel) -> EmbeddingTarget:

@@ -75,6 +75,8 @@ class JobProgress:
     failed: int = 0
     tokens: int = 0
     chunks_done: int = 0
+    # Of tokens, those the embedding cache answered.
+    cached_tokens: int = 0
 
 
 class JobStore:
@@ -154,22 +156,50 @@ class JobStore:
         return bool(self.client.sismember(self.key("done"), chunk))
 
     def finish_chunk(
-        self, chunk: int, vectors: np.ndarray, *, tokens: int, usage: dict[str, int] | None = None
+        self,
+        chunk: int,
+        vectors: np.ndarray,
+        *,
+        tokens: int,
+        cached_tokens: int = 0,
+        usage: dict[str, int] | None = None,
     ) -> bool:
-        """Write a chunk's vectors (in the job's result dtype) and count them, and keep its usage
-        increments to be counted, once; False if the chunk was already finished. Raises
-        ResultOutOfRange, before anything is written, for a value the result dtype cannot hold."""
+        """Write a chunk's vectors (in the job's result dtype) and count them and their tokens (of
+        which `cached_tokens` the embedding cache answered), and keep its usage increments to be
+        counted, once; False if the chunk was already finished. Raises ResultOutOfRange, before
+        anything is written, for a value the result dtype cannot hold."""
         payload = result_encode(vectors, self.result_dtype)
         return self._finish(
-            chunk, payload, rows=len(vectors), tokens=tokens, counter="completed", usage=usage
+            chunk,
+            payload,
+            rows=len(vectors),
+            tokens=tokens,
+            cached_tokens=cached_tokens,
+            counter="completed",
+            usage=usage,
         )
 
     def finish_chunk_lines(
-        self, chunk: int, lines: bytes, *, rows: int, tokens: int, usage: dict[str, int] | None = None
+        self,
+        chunk: int,
+        lines: bytes,
+        *,
+        rows: int,
+        tokens: int,
+        cached_tokens: int = 0,
+        usage: dict[str, int] | None = None,
     ) -> bool:
         """Write a batch chunk's output lines (JSONL bytes) and count `rows` of them completed, once,
         as finish_chunk does for vectors; False if the chunk was already finished."""
-        return self._finish(chunk, lines, rows=rows, tokens=tokens, counter="completed", usage=usage)
+        return self._finish(
+            chunk,
+            lines,
+            rows=rows,
+            tokens=tokens,
+            cached_tokens=cached_tokens,
+            counter="completed",
+            usage=usage,
+        )
 
     def chunk_lines(self, chunk: int) -> bytes | None:
         """A finished batch chunk's output lines; None if it has none (failed, expired)."""
@@ -190,6 +220,7 @@ class JobStore:
         tokens: int,
         counter: str,
         usage: dict[str, int] | None,
+        cached_tokens: int = 0,
     ) -> bool:
         finish = operations.job_chunk_finish(
             job_id=self.job_id,
@@ -200,6 +231,7 @@ class JobStore:
             tokens=tokens,
             counter=counter,
             increments=orjson.dumps(usage) if usage else b"",
+            cached_tokens=cached_tokens,
         )
         return operation_run_sync(finish, self.client)
 

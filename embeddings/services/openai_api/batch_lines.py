@@ -28,6 +28,7 @@ from embeddings.errors.answers import as_api_error
 from embeddings.errors.service import InvalidRequest, LimitExceeded
 from embeddings.models import EmbeddingModel
 from embeddings.services.inference.embedding import (
+    CacheHits,
     EmbeddingOptions,
     EmbeddingTarget,
     embeddings_create_sync,
@@ -40,6 +41,8 @@ from embeddings.triton import TritonInvalidInput
 
 # An exception -> (HTTP status, OpenAI error body), as the API would answer it.
 RenderError = Callable[[Exception], tuple[int, dict]]
+# A model -> the embedding cache scope of the batch's tenant for it.
+CacheScope = Callable[[EmbeddingModel], str]
 # Errors that belong to one request's inputs: that line gets an error answer, the others go on.
 # Anything else (Triton down, a timeout) propagates: the chunk is retried as any job chunk.
 LINE_ERRORS = (InvalidRequest, LimitExceeded, TokenizationError, TritonInvalidInput)
@@ -134,11 +137,13 @@ def error_line(custom_id: str | None, code: str, message: str) -> bytes:
 
 @dataclass
 class ChunkOutput:
-    """A chunk's output lines (JSONL, input order), how many succeeded, their tokens and usage."""
+    """A chunk's output lines (JSONL, input order), how many succeeded, their tokens (of which those
+    the embedding cache answered) and usage."""
 
     lines: list[bytes] = field(default_factory=list)
     succeeded: int = 0
     tokens: int = 0
+    cached_tokens: int = 0
     usage: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -152,16 +157,16 @@ def _line_body(line: LineRequest, vectors: np.ndarray, tokens: int) -> dict:
     )
 
 
-def _embed(target: EmbeddingTarget, lines: list[LineRequest]):
+def _embed(target: EmbeddingTarget, lines: list[LineRequest], cache_scope: str | None):
     first = lines[0]
     options = EmbeddingOptions(
         dimensions=first.dimensions, output_type=first.output_type, input_type=first.input_type
     )
     if first.token_ids is not None:
         ids = [ids for line in lines for ids in line.token_ids]
-        return embeddings_create_sync(target=target, token_ids=ids, options=options)
+        return embeddings_create_sync(target=target, token_ids=ids, options=options, cache_scope=cache_scope)
     texts = [text for line in lines for text in line.texts]
-    return embeddings_create_sync(target=target, texts=texts, options=options)
+    return embeddings_create_sync(target=target, texts=texts, options=options, cache_scope=cache_scope)
 
 
 def batch_chunk_embed(
@@ -171,29 +176,31 @@ def batch_chunk_embed(
     tenant_id: int,
     api_key_id: int | None,
     render_error: RenderError = line_error_render,
+    cache_scope: CacheScope | None = None,
 ) -> ChunkOutput:
-    """Embed a chunk's lines: one output line each, in order (see the module docstring)."""
+    """Embed a chunk's lines: one output line each, in order (see the module docstring). Their rows
+    come from and go to the embedding cache under `cache_scope(model)`, and each line's usage
+    counts what the cache answered of it."""
     answers: list[bytes | None] = [None] * len(lines)
-    tally: dict[str, list[int]] = {}  # model -> [requests, inputs, tokens]
+    tally: dict[str, list[int]] = {}  # model -> [requests, inputs, tokens, cached inputs, cached tokens]
     started = time.perf_counter()
 
-    def succeed(index: int, vectors: np.ndarray, tokens: int) -> None:
+    def succeed(index: int, vectors: np.ndarray, tokens: int, hits: CacheHits) -> None:
         line = lines[index]
         answers[index] = output_line(line.custom_id, 200, _line_body(line, vectors, tokens))
-        counts = tally.setdefault(line.model, [0, 0, 0])
-        counts[0] += 1
-        counts[1] += line.inputs
-        counts[2] += tokens
+        counts = tally.setdefault(line.model, [0, 0, 0, 0, 0])
+        for position, amount in enumerate((1, line.inputs, tokens, hits.inputs, hits.tokens)):
+            counts[position] += amount
 
-    def alone(index: int, target: EmbeddingTarget) -> None:
+    def alone(index: int, target: EmbeddingTarget, scope: str | None) -> None:
         line = lines[index]
         try:
-            result = _embed(target, [line])
+            result = _embed(target, [line], scope)
         except LINE_ERRORS as error:
             status, body = render_error(error)
             answers[index] = output_line(line.custom_id, status, body)
             return
-        succeed(index, result.vectors, result.total_tokens)
+        succeed(index, result.vectors, result.total_tokens, result.cache_hits)
 
     groups: dict[tuple, list[int]] = {}
     for index, line in enumerate(lines):
@@ -201,19 +208,20 @@ def batch_chunk_embed(
         groups.setdefault(key, []).append(index)
     for (model_name, *_), indexes in groups.items():
         request_target = EmbeddingTarget.for_model(models[model_name])
+        scope = None if cache_scope is None else cache_scope(models[model_name])
         # The group's call has no per-request limits; each line is held to them below.
         group_target = dataclasses.replace(request_target, max_inputs=None, max_total_tokens=None)
         fits = [i for i in indexes if lines[i].inputs <= (request_target.max_inputs or lines[i].inputs)]
         for index in sorted(set(indexes) - set(fits)):
-            alone(index, request_target)
+            alone(index, request_target, scope)
         if not fits:
             continue
         try:
-            result = _embed(group_target, [lines[i] for i in fits])
+            result = _embed(group_target, [lines[i] for i in fits], scope)
         except LINE_ERRORS:
             # Some line's input is refused: each line alone gets its own answer.
             for index in fits:
-                alone(index, request_target)
+                alone(index, request_target, scope)
             continue
         start = 0
         for index in fits:
@@ -221,15 +229,16 @@ def batch_chunk_embed(
             tokens = int(result.token_counts[start:end].sum())
             limit = request_target.max_total_tokens
             if limit is not None and tokens > limit:
-                alone(index, request_target)  # refused as the request alone is refused
+                alone(index, request_target, scope)  # refused as the request alone is refused
             else:
-                succeed(index, result.vectors[start:end], tokens)
+                succeed(index, result.vectors[start:end], tokens, result.cache_hits.between(start, end))
             start = end
     output = ChunkOutput(lines=[answer for answer in answers if answer is not None])
     latency_ms = round((time.perf_counter() - started) * 1000)
-    for model_name, (requests, inputs, tokens) in tally.items():
+    for model_name, (requests, inputs, tokens, cached_inputs, cached_tokens) in tally.items():
         output.succeeded += requests
         output.tokens += tokens
+        output.cached_tokens += cached_tokens
         event = UsageEvent(
             tenant_id=tenant_id,
             api_key_id=api_key_id,
@@ -239,6 +248,8 @@ def batch_chunk_embed(
             inputs=inputs,
             tokens=tokens,
             latency_ms=latency_ms,
+            cached_inputs=cached_inputs,
+            cached_tokens=cached_tokens,
         )
         for name, amount in usage_increments(event).items():
             # One event per model stands for `requests` requests: each line counts as one.

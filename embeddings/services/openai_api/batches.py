@@ -28,6 +28,7 @@ batches_expire_due (beat) a batch not done within its completion window is stopp
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -63,7 +64,7 @@ from embeddings.services.inference.embedding import (
     output_type_check,
 )
 from embeddings.services.jobs.engine import job_cancel, job_delete
-from embeddings.services.jobs.kinds import ChunkWrite, JobKind
+from embeddings.services.jobs.kinds import ChunkWrite, JobKind, job_cache_scope
 from embeddings.services.jobs.reads import job_refreshed
 from embeddings.services.jobs.store import JobStore, job_store
 from embeddings.services.jobs.submission import JobSpec, job_create
@@ -565,12 +566,21 @@ class BatchJobKind(JobKind):
         names = {line.model for line in lines}
         models = {model.name: model for model in EmbeddingModel.objects.filter(name__in=names)}
         output = batch_chunk_embed(
-            lines=lines, models=models, tenant_id=job.tenant_id, api_key_id=job.api_key_id
+            lines=lines,
+            models=models,
+            tenant_id=job.tenant_id,
+            api_key_id=job.api_key_id,
+            cache_scope=functools.partial(job_cache_scope, job),
         )
 
         def write(store: JobStore, chunk: int) -> None:
             store.finish_chunk_lines(
-                chunk, output.payload, rows=output.succeeded, tokens=output.tokens, usage=output.usage
+                chunk,
+                output.payload,
+                rows=output.succeeded,
+                tokens=output.tokens,
+                cached_tokens=output.cached_tokens,
+                usage=output.usage,
             )
 
         return write
