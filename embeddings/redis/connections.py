@@ -148,6 +148,7 @@ def reset_redis_clients() -> None:
         _async_clients.clear()
         _embedding_cache_clients.clear()
         _lean_clients.clear()
+        _embedding_cache_lean_clients.clear()
 
 
 # --- A lean path for the request path's scripts ----------------------------------------------------
@@ -314,11 +315,12 @@ class LeanScriptClient:
     redis-py's asyncio client costs ~100-150 us of Python per command; the request path's quota
     scripts run once or twice per request, so they take this path (~50 us a round trip). Same
     timeouts and the same exceptions (redis.exceptions.*) as the redis-py clients: a command not
-    answered within REDIS_TIMEOUT_S raises TimeoutError (its reply, should it come, is dropped);
-    a failed connection is replaced by the next command. Only for redis:// URLs (TCP, no TLS).
+    answered within `timeout` (REDIS_TIMEOUT_S) raises TimeoutError (its reply, should it come, is
+    dropped); a failed connection is replaced by the next command. Only for redis:// URLs (TCP, no
+    TLS). The embedding cache's lookups and writes take it too, on their own server.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, timeout: float | None = None) -> None:
         options = redis.connection.parse_url(url)
         if "connection_class" in options:
             raise ValueError("the lean client speaks plain TCP only")
@@ -333,7 +335,7 @@ class LeanScriptClient:
         if options.get("db"):
             self.handshake += pack_command(b"SELECT", options["db"])
             self.handshake_replies += 1
-        self.timeout = settings.REDIS_TIMEOUT_S
+        self.timeout = settings.REDIS_TIMEOUT_S if timeout is None else timeout
         self.connection: LeanConnection | None = None
         # The connection being opened, which every caller meanwhile waits for.
         self.connecting: asyncio.Future[LeanConnection] | None = None
@@ -394,21 +396,36 @@ class ClosedWhileIdle(redis.exceptions.ConnectionError):
 
 
 _lean_clients: dict[asyncio.AbstractEventLoop, LeanScriptClient | None] = {}
+_embedding_cache_lean_clients: dict[asyncio.AbstractEventLoop, LeanScriptClient | None] = {}
+
+
+def _lean_loop_client(
+    clients: dict[asyncio.AbstractEventLoop, LeanScriptClient | None], url: str, timeout: float
+) -> LeanScriptClient | None:
+    loop = asyncio.get_running_loop()
+    try:
+        return clients[loop]
+    except KeyError:
+        pass
+    with _lock:
+        for stale in [other for other in clients if other.is_closed()]:
+            del clients[stale]
+        try:
+            client = LeanScriptClient(url, timeout=timeout)
+        except ValueError:
+            client = None
+        clients[loop] = client
+    return client
 
 
 def redis_lean_async() -> LeanScriptClient | None:
     """The running loop's lean script client, or None where REDIS_URL is not plain TCP."""
-    loop = asyncio.get_running_loop()
-    try:
-        return _lean_clients[loop]
-    except KeyError:
-        pass
-    with _lock:
-        for stale in [other for other in _lean_clients if other.is_closed()]:
-            del _lean_clients[stale]
-        try:
-            client = LeanScriptClient(settings.REDIS_URL)
-        except ValueError:
-            client = None
-        _lean_clients[loop] = client
-    return client
+    return _lean_loop_client(_lean_clients, settings.REDIS_URL, settings.REDIS_TIMEOUT_S)
+
+
+def redis_embedding_cache_lean() -> LeanScriptClient | None:
+    """The running loop's lean client of the embedding cache (EMBEDDING_CACHE_TIMEOUT_S), or None
+    where its URL is not plain TCP (then redis_embedding_cache_async)."""
+    return _lean_loop_client(
+        _embedding_cache_lean_clients, embedding_cache_url(), settings.EMBEDDING_CACHE_TIMEOUT_S
+    )

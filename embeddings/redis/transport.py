@@ -164,15 +164,22 @@ def _sync_send(client: redis.Redis, plain: Request):
 # --- asyncio transport (the request path, critical Redis) -----------------------------------------
 
 
-async def operation_run(operation: Operation[T], *, client: redis.asyncio.Redis | None = None) -> T:
+async def operation_run(
+    operation: Operation[T],
+    *,
+    client: redis.asyncio.Redis | None = None,
+    lean: LeanScriptClient | None = None,
+) -> T:
     """Run `operation` on the critical Redis from the running loop; its result.
 
     On the lean client where REDIS_URL is plain TCP, else on redis-py's asyncio client; `client`
-    picks a redis-py client instead (bench/quota.py compares the two).
+    picks a redis-py client instead (bench/quota.py compares the two), `lean` another lean client
+    (another server's: the embedding cache's).
     """
-    lean = redis_lean_async() if client is None else None
     if lean is None and client is None:
-        client = redis_async()
+        lean = redis_lean_async()
+        if lean is None:
+            client = redis_async()
     steps, reply = _lowered(operation), None
     while True:
         try:
