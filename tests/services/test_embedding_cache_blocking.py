@@ -20,7 +20,7 @@ from embeddings.services.inference.vector_cache import vector_cache_clear_local
 from embeddings.tooling.triton_server import free_port
 from tests.conftest import texts_of_one_length
 
-MINILM = EmbeddingTarget("minilm", dimensions=384)
+MINILM = EmbeddingTarget("minilm", "1", dimensions=384)  # pinned: what the cache keys
 SCOPE = "tenant:1"
 
 

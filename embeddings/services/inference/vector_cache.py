@@ -53,7 +53,6 @@ from embeddings.services.inference.exports import (
     EXPORT_INFO_FILENAME,
     ModelExportError,
     model_export_info,
-    model_export_latest,
     model_export_version_dir,
 )
 
@@ -88,14 +87,17 @@ _SERVED_KEPT = 64
 
 
 def served_model(triton_model: str, triton_version: str) -> ServedModel | None:
-    """What the cache keys `triton_model` (at `triton_version`, "" for the latest finished export) by;
-    None when it has no finished export with a recorded checksum (not cached: nothing would tell a
-    replaced model apart)."""
+    """What the cache keys `triton_model` at `triton_version` by; None (not cached) for a model
+    without a pinned version, whose answer may come from whichever version Triton serves at that
+    moment (the newest export on disk may not be loaded yet: its key on the old version's vectors
+    would serve them as the new one's), and for a version without a finished export recording its
+    checksum (nothing would tell a replaced model apart). The catalog pins the version at
+    registration (register_model); only an admin blanking it makes a model unpinned."""
+    if not triton_version:
+        return None
     repository = Path(settings.TRITON_MODEL_REPOSITORY)
+    version = triton_version
     try:
-        version = triton_version or model_export_latest(repository, triton_model)
-        if version is None:
-            return None
         info_path = (
             model_export_version_dir(repository_dir=repository, name=triton_model, version=version)
             / EXPORT_INFO_FILENAME
