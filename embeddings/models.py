@@ -374,6 +374,8 @@ class EmbeddingJob(models.Model):
     completed = models.PositiveIntegerField(default=0)
     failed = models.PositiveIntegerField(default=0)
     prompt_tokens = models.PositiveBigIntegerField(default=0)
+    # Of prompt_tokens, those the embedding cache answered.
+    cached_tokens = models.PositiveBigIntegerField(default=0)
     reserved_tokens = models.PositiveBigIntegerField(default=0, help_text="Held against quotas until settled")
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)

@@ -229,8 +229,13 @@ class JobCountsSerializer(serializers.Serializer):
     failed = serializers.IntegerField()
 
 
+class JobPromptTokensDetailsSerializer(serializers.Serializer):
+    cached_tokens = serializers.IntegerField(help_text="Of prompt_tokens, those the embedding cache answered")
+
+
 class JobUsageSerializer(serializers.Serializer):
     prompt_tokens = serializers.IntegerField()
+    prompt_tokens_details = JobPromptTokensDetailsSerializer()
 
 
 class JobErrorSerializer(serializers.Serializer):
@@ -440,7 +445,7 @@ JOB_EXAMPLE = {
     "status": "running",
     "model": "all-MiniLM-L6-v2",
     "counts": {"total": 100000, "completed": 25600, "failed": 0},
-    "usage": {"prompt_tokens": 312000},
+    "usage": {"prompt_tokens": 312000, "prompt_tokens_details": {"cached_tokens": 41000}},
     "created_at": 1767225600,
     "started_at": 1767225601,
     "finished_at": None,
@@ -575,7 +580,7 @@ class JobListCreateView(ApiView):
                     **JOB_EXAMPLE,
                     "status": "queued",
                     "counts": {"total": 2, "completed": 0, "failed": 0},
-                    "usage": {"prompt_tokens": 0},
+                    "usage": {"prompt_tokens": 0, "prompt_tokens_details": {"cached_tokens": 0}},
                     "started_at": None,
                 },
                 response_only=True,

@@ -134,6 +134,7 @@ def test_a_job_sends_only_what_its_tenant_did_not_embed_before(http, other_http,
     assert np.array_equal(vectors[:4], api_vectors)
     tokens = job["usage"]["prompt_tokens"]
     hit_tokens = api.json()["usage"]["prompt_tokens"]
+    assert job["usage"]["prompt_tokens_details"] == {"cached_tokens": hit_tokens}
     assert usage_since(http, before) == {
         "inputs": 10, "tokens": tokens, "cached_inputs": 4, "cached_tokens": hit_tokens,
     }  # fmt: skip
@@ -145,6 +146,7 @@ def test_a_job_sends_only_what_its_tenant_did_not_embed_before(http, other_http,
     stored_as = np.dtype(again["result_dtype"])
     assert np.array_equal(stored, uncached.astype(stored_as).astype(np.float32))
     assert again["usage"]["prompt_tokens"] == tokens  # the job's usage counts every token
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": tokens}
     assert usage_since(http, before) == {
         "inputs": 10, "tokens": tokens, "cached_inputs": 10, "cached_tokens": tokens,
     }  # fmt: skip

@@ -88,7 +88,7 @@ def test_submit_poll_download_in_every_format(http, job_stack):
     expected, tokens = synchronous(http, TEXTS)
     assert job["status"] == "completed", job
     assert job["counts"] == {"total": 10, "completed": 10, "failed": 0}
-    assert job["usage"] == {"prompt_tokens": tokens}
+    assert job["usage"] == {"prompt_tokens": tokens, "prompt_tokens_details": {"cached_tokens": 0}}
     assert job["error"] is None and job["metadata"] == {"run": "e2e"}
     assert job["started_at"] is not None and job["finished_at"] >= job["started_at"]
 

@@ -84,7 +84,10 @@ def test_job_runs_to_completion_with_the_synchronous_vectors(api_setup, small_ch
     np.testing.assert_allclose(stored_vectors(job), expected.vectors, rtol=1e-5, atol=1e-6)
     body = job_object(job)
     assert body["counts"] == {"total": 23, "completed": 23, "failed": 0}
-    assert body["usage"] == {"prompt_tokens": expected.total_tokens}
+    assert body["usage"] == {
+        "prompt_tokens": expected.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert body["metadata"] == {"batch": "one"} and body["dimensions"] == 128 and body["error"] is None
     assert body["finished_at"] >= body["started_at"] >= body["created_at"]
     # A chunk delivered again writes and counts nothing twice.

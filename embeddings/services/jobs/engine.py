@@ -61,7 +61,7 @@ from embeddings.services.jobs.leases import (
     chunks_scan,
     live_leases,
 )
-from embeddings.services.jobs.reads import job_object
+from embeddings.services.jobs.reads import job_object, job_progress_mirror
 from embeddings.services.jobs.store import JobProgress, JobStore, chunk_rows, job_store
 from embeddings.services.quotas.limits import quota_refund_forget, quota_refund_once
 from embeddings.services.quotas.usage import usage_count_once
@@ -230,10 +230,7 @@ def _after_chunk(job: EmbeddingJob, store: JobStore, chunk: int) -> None:
     next_chunk = chunk_hand_off(store, chunk=chunk, chunks=job.chunks)
     if 0 <= next_chunk < job.chunks:
         chunk_send(job.pk, next_chunk)
-    job.completed, job.failed, job.prompt_tokens = progress.completed, progress.failed, progress.tokens
-    EmbeddingJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
-        completed=job.completed, failed=job.failed, prompt_tokens=job.prompt_tokens
-    )
+    job_progress_mirror(job, progress)
     _publish(job)
 
 
@@ -297,6 +294,7 @@ def job_finalize(*, job_id: int, status: str, publish: bool = True) -> bool:
         completed=progress.completed,
         failed=progress.failed,
         prompt_tokens=progress.tokens,
+        cached_tokens=progress.cached_tokens,
     )
     if not won:
         return False

@@ -10,7 +10,7 @@ from django.utils import timezone
 from embeddings.errors.service import JobExpired, JobNotFinished
 from embeddings.models import EmbeddingJob
 from embeddings.services.jobs.kinds import EMBEDDINGS
-from embeddings.services.jobs.store import JobStore, chunk_rows, job_store
+from embeddings.services.jobs.store import JobProgress, JobStore, chunk_rows, job_store
 from embeddings.services.pages import creation_page
 
 Status = EmbeddingJob.Status
@@ -53,7 +53,11 @@ def job_object(job: EmbeddingJob) -> dict:
         "status": job.status,
         "model": job.model.name,
         "counts": {"total": job.total, "completed": job.completed, "failed": job.failed},
-        "usage": {"prompt_tokens": job.prompt_tokens},
+        # OpenAI's shape for tokens a cache answered (its chat usage's prompt_tokens_details).
+        "usage": {
+            "prompt_tokens": job.prompt_tokens,
+            "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
+        },
         "created_at": _timestamp(job.created_at),
         "started_at": _timestamp(job.started_at),
         "finished_at": _timestamp(job.finished_at),
@@ -73,17 +77,23 @@ def job_refreshed(job: EmbeddingJob) -> EmbeddingJob:
     is updated when they moved. Finished jobs are returned as they are."""
     if job.status not in ACTIVE:
         return job
-    progress = job_store(job).progress()
-    if (progress.completed, progress.failed, progress.tokens) != (
-        job.completed,
-        job.failed,
-        job.prompt_tokens,
-    ):
-        job.completed, job.failed, job.prompt_tokens = progress.completed, progress.failed, progress.tokens
-        EmbeddingJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(
-            completed=job.completed, failed=job.failed, prompt_tokens=job.prompt_tokens
-        )
+    job_progress_mirror(job, job_store(job).progress())
     return job
+
+
+def job_progress_mirror(job: EmbeddingJob, progress: JobProgress) -> None:
+    """Copy a running job's progress counters from Redis onto its row (and `job`) where they moved."""
+    counters = {
+        "completed": progress.completed,
+        "failed": progress.failed,
+        "prompt_tokens": progress.tokens,
+        "cached_tokens": progress.cached_tokens,
+    }
+    if all(getattr(job, name) == value for name, value in counters.items()):
+        return
+    for name, value in counters.items():
+        setattr(job, name, value)
+    EmbeddingJob.objects.filter(pk=job.pk, status__in=ACTIVE).update(**counters)
 
 
 def job_results_source(job: EmbeddingJob) -> tuple[JobStore, list[int], int]:
