@@ -13,8 +13,11 @@ Export-only: onnxruntime.quantization is never imported by the service."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -52,14 +55,17 @@ def int8_quantize(*, model_path: Path, tokenizer, min_cosine: float = DEFAULT_MI
     handle, scratch = tempfile.mkstemp(prefix=".int8-", suffix=".onnx", dir=model_path.parent)
     os.close(handle)
     scratch = Path(scratch)
+    # mkstemp's file is its owner's alone; the served model is read by Triton's user too.
+    scratch.chmod(model_path.stat().st_mode & 0o777)
     try:
-        quantize_dynamic(
-            str(model_path),
-            str(scratch),
-            weight_type=QuantType.QInt8,
-            per_channel=True,
-            nodes_to_exclude=kept,
-        )
+        with _quiet_root_logger():
+            quantize_dynamic(
+                str(model_path),
+                str(scratch),
+                weight_type=QuantType.QInt8,
+                per_channel=True,
+                nodes_to_exclude=kept,
+            )
         int8_vectors = embed_corpus(scratch, tokenizer, texts)
         cosines = row_cosines(int8_vectors, float32_vectors)
         record = {
@@ -86,6 +92,19 @@ def int8_quantize(*, model_path: Path, tokenizer, min_cosine: float = DEFAULT_MI
     finally:
         scratch.unlink(missing_ok=True)
     return record
+
+
+@contextlib.contextmanager
+def _quiet_root_logger() -> Iterator[None]:
+    """onnxruntime.quantization logs every node it passes over (INFO) and advice (WARNING) on the
+    root logger: hundreds of lines in the middle of the command's output."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
 
 
 def float32_matmuls(model_path: Path) -> list[str]:

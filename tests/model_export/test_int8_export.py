@@ -17,6 +17,8 @@ from embeddings.services.inference.exports import ModelExportError, file_sha256,
 from embeddings.tooling.calibration_corpus import HELD_OUT_CORPUS, read_corpus
 from embeddings.tooling.model_export import model_export
 from embeddings.tooling.model_int8 import float32_matmuls, recall_at_k
+from embeddings.triton.client import TritonClient
+from tests.conftest import start_triton
 from tests.tiny_models import build_tiny_bert
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -71,6 +73,8 @@ def test_the_int8_export_is_a_new_version_with_integer_weights_beside_its_tokeni
     info = json.loads((int8 / "export.json").read_text())
     assert info["dtype"] == "int8"
     assert info["sha256"] == file_sha256(int8 / "model.onnx")
+    # Readable as the float32 model is (Triton may run as another user).
+    assert (int8 / "model.onnx").stat().st_mode == (float32 / "model.onnx").stat().st_mode
     assert {"MatMulInteger", "DynamicQuantizeLinear"} <= operators(int8 / "model.onnx")
     assert "MatMulInteger" not in operators(float32 / "model.onnx")
     assert (int8 / "model.onnx").stat().st_size < 0.5 * (float32 / "model.onnx").stat().st_size
@@ -98,6 +102,31 @@ def test_export_json_records_the_agreement_with_float32_as_measured_again_here(r
     assert ACCEPTED <= record["min_cosine"] < record["mean_cosine"] < 1.0
     assert record["recall_at_10"] == pytest.approx(recall_at_k(expected, found, 10), abs=0.02)
     assert 0.5 < record["recall_at_10"] < 1.0
+
+
+@pytest.mark.integration  # starts its own Triton
+def test_triton_serves_the_int8_version_with_the_cpu_config_as_written(repository, tmp_path):
+    from tokenizers import Tokenizer
+
+    int8 = repository / "tiny" / "2"
+    encodings = Tokenizer.from_file(str(int8 / "tokenizer.json")).encode_batch(
+        ["hello", "The quick brown fox jumps over the lazy dog.", "a longer text " * 40]
+    )
+    input_ids = np.array([encoding.ids for encoding in encodings], dtype=np.int64)
+    attention_mask = np.array([encoding.attention_mask for encoding in encodings], dtype=np.int64)
+    server = start_triton(tmp_path, [repository], model_control_mode="explicit", startup_models=["tiny"])
+    try:
+        with TritonClient(server.grpc_target) as client:
+            assert client.model_ready("tiny", "2") and not client.model_ready("tiny", "1")
+            served = client.embed_tokens("tiny", input_ids, attention_mask)
+    finally:
+        server.stop()
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(int8 / "model.onnx"), providers=["CPUExecutionProvider"])
+    direct = session.run(["embedding"], {"input_ids": input_ids, "attention_mask": attention_mask})[0]
+    np.testing.assert_allclose(served, direct, atol=1e-6)
+    assert np.allclose(np.linalg.norm(served, axis=1), 1.0, atol=1e-5)
 
 
 def test_below_the_threshold_the_export_is_refused_naming_the_figure(tiny_bert, tmp_path):
