@@ -41,7 +41,7 @@ from embeddings.services.accounts.tenants import (
     webhook_secret_fingerprint,
 )
 from embeddings.services.inference.catalog import embedding_model_cache_clear
-from embeddings.services.inference.exports import model_export_versions
+from embeddings.services.inference.exports import DTYPE_FLOAT32, model_export_dtypes
 from embeddings.services.quotas.reports import (
     CHART_DAYS,
     api_keys_with_month_usage,
@@ -503,8 +503,13 @@ class EmbeddingModelForm(forms.ModelForm):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         triton_model = self.data.get("triton_model") or self.instance.triton_model
-        versions = [str(v) for v in exported_versions(triton_model)]
-        choices = [("", "Triton's latest")] + [(v, f"version {v}") for v in reversed(versions)]
+        dtypes = exported_versions(triton_model)
+        versions = [str(v) for v in dtypes]
+        # An int8 export is a version like any other: the label says which one it is.
+        choices = [("", "Triton's latest")] + [
+            (str(v), f"version {v}" if dtype == DTYPE_FLOAT32 else f"version {v} ({dtype})")
+            for v, dtype in reversed(dtypes.items())
+        ]
         current = self.instance.triton_version
         if current and current not in versions:
             choices.append((current, f"version {current} (no finished export on disk)"))
@@ -518,10 +523,11 @@ class EmbeddingModelForm(forms.ModelForm):
         )
 
 
-def exported_versions(triton_model: str) -> list[int]:
+def exported_versions(triton_model: str) -> dict[int, str]:
+    """The model's finished exports, oldest first -> each one's dtype."""
     if not triton_model:
-        return []
-    return model_export_versions(repository_dir=Path(settings.TRITON_MODEL_REPOSITORY), name=triton_model)
+        return {}
+    return model_export_dtypes(repository_dir=Path(settings.TRITON_MODEL_REPOSITORY), name=triton_model)
 
 
 @admin.register(EmbeddingModel)

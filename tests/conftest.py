@@ -119,16 +119,17 @@ def second_triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[T
     server.stop()
 
 
-def write_finished_export(repository: Path, *, dims: int = 384, max_tokens: int = 256) -> None:
-    """A finished minilm version 1 as far as the catalog reads it (no Triton loads it): model.onnx and
-    tokenizer.json in place, export.json (written last) describing them."""
-    version_dir = repository / "minilm" / "1"
+def write_finished_export(
+    repository: Path, *, dims: int = 384, max_tokens: int = 256, version: int = 1, extra: dict | None = None
+) -> None:
+    """A finished minilm `version` as far as the catalog reads it (no Triton loads it): model.onnx and
+    tokenizer.json in place, export.json (written last) describing them, plus `extra`'s fields."""
+    version_dir = repository / "minilm" / str(version)
     version_dir.mkdir(parents=True, exist_ok=True)
     (version_dir / "model.onnx").write_bytes(b"not read by the catalog")
     (version_dir / "tokenizer.json").write_text("{}")
-    (version_dir / "export.json").write_text(
-        json.dumps({"name": "minilm", "pooling": "mean", "dims": dims, "max_tokens": max_tokens})
-    )
+    info = {"name": "minilm", "pooling": "mean", "dims": dims, "max_tokens": max_tokens, **(extra or {})}
+    (version_dir / "export.json").write_text(json.dumps(info))
 
 
 def serving_model_folder(repository: Path, name: str, *, source: str = "minilm", versions=(1,)) -> Path:

@@ -36,6 +36,7 @@ from embeddings.model_tasks import (
 )
 from embeddings.services.inference.exports import (
     CALIBRATION_FILENAME,
+    DTYPES,
     EXPORT_INFO_FILENAME,
     MODEL_FILENAME,
     POOLINGS,
@@ -53,7 +54,7 @@ from embeddings.services.inference.exports import (
 from embeddings.services.inference.quantization import CALIBRATION_METHOD, QUANTIZATION_RECORD
 from embeddings.tooling.calibration_corpus import CALIBRATION_CORPUS, read_corpus
 from embeddings.tooling.model_configs import EMBEDDING_OUTPUT, SCORE_OUTPUT, model_configs_write
-from embeddings.tooling.model_int8 import DEFAULT_MIN_COSINE, DTYPES, embed_corpus, int8_quantize, row_cosines
+from embeddings.tooling.model_int8 import DEFAULT_MIN_COSINE, embed_corpus, int8_quantize, row_cosines
 
 CONFIG_FILENAME = "config.pbtxt"
 MIN_COSINE = 0.9999

@@ -26,7 +26,6 @@ from embeddings.services.inference.exports import ModelExportError, file_sha256
 from embeddings.tooling.calibration_corpus import HELD_OUT_CORPUS, read_corpus
 from embeddings.tooling.model_configs import EMBEDDING_OUTPUT
 
-DTYPES = ("float32", "int8")
 DEFAULT_MIN_COSINE = 0.99
 RECALL_K = 10
 QUANTIZATION_METHOD = (

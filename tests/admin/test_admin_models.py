@@ -10,6 +10,7 @@ from embeddings.models import EmbeddingModel
 from embeddings.services.inference.catalog import embedding_model_register
 from embeddings.services.inference.clients import reset_clients, triton_sync_client
 from embeddings.tooling.triton_server import free_port
+from tests.conftest import write_finished_export
 
 CHANGELIST = "admin:embeddings_embeddingmodel_changelist"
 
@@ -85,6 +86,26 @@ def test_a_failed_load_is_a_message_and_the_reason(admin_client, explicit_triton
         and "no_such_backend" in message
     )
     assert "no_such_backend" in response.text  # the state column's tooltip says why
+
+
+def test_an_int8_exports_version_is_labelled_with_its_dtype_and_can_be_pinned(
+    admin_client, tmp_path, settings
+):
+    settings.TRITON_MODEL_REPOSITORY = str(tmp_path)
+    settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"  # the pin is the point, not the load
+    reset_clients()
+    write_finished_export(tmp_path, version=1)
+    write_finished_export(tmp_path, version=2, extra={"dtype": "int8"})
+    model = embedding_model_register(triton_model="minilm", version=1)
+    url = reverse("admin:embeddings_embeddingmodel_change", args=[model.pk])
+    assert admin_client.get(url).context["adminform"].form.fields["triton_version"].choices == [
+        ("", "Triton's latest"),
+        ("2", "version 2 (int8)"),
+        ("1", "version 1"),
+    ]
+    admin_client.post(url, change_data(model, triton_version="2"), follow=True)
+    assert EmbeddingModel.objects.get(pk=model.pk).triton_version == "2"
+    reset_clients()
 
 
 def test_the_version_is_chosen_among_the_exports_and_a_switch_keeps_the_old_one(

@@ -10,6 +10,7 @@ from django.core.management import CommandError, call_command
 from embeddings.models import EmbeddingModel
 from embeddings.services.inference.clients import reset_clients, triton_sync_client
 from embeddings.tooling.triton_server import free_port
+from tests.conftest import write_finished_export
 
 pytestmark = pytest.mark.django_db
 
@@ -77,3 +78,23 @@ def test_bad_arguments_are_clear_errors(explicit_triton):
     with pytest.raises(CommandError, match=r"--prompt"):
         register("--triton-model", "minilm", "--prompt", "no-equals-sign")
     assert not EmbeddingModel.objects.exists()
+
+
+def test_dtype_pins_the_newest_export_of_it_or_is_refused_naming_export_model(tmp_path, settings):
+    settings.TRITON_MODEL_REPOSITORY = str(tmp_path)
+    settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"  # nothing to load into: the pin is the point
+    reset_clients()
+    write_finished_export(tmp_path, version=1)
+    with pytest.raises(
+        CommandError, match=r"no finished int8 export .*export_model --name minilm --dtype int8"
+    ):
+        register("--triton-model", "minilm", "--dtype", "int8")
+    write_finished_export(tmp_path, version=2, extra={"dtype": "int8"})
+    write_finished_export(tmp_path, version=3, extra={"dtype": "float32"})
+    output = register("--triton-model", "minilm", "--dtype", "int8")
+    assert "registered minilm -> Triton model minilm version 2 (384-d, 256 tokens, int8)" in output
+    register("--triton-model", "minilm", "--dtype", "float32")
+    assert EmbeddingModel.objects.get(name="minilm").triton_version == "3"
+    with pytest.raises(CommandError, match="invalid choice: 'int4'"):
+        register("--triton-model", "minilm", "--dtype", "int4")
+    reset_clients()

@@ -196,6 +196,46 @@ def test_only_an_embedding_model_ranks_by_similarity(db, tmp_path):
         )
 
 
+INT8_RECORD = {"min_cosine": 0.991, "mean_cosine": 0.996, "recall_at_10": 0.921}
+
+
+def test_a_dtype_pins_the_newest_export_of_it_and_a_second_name_serves_the_other(db, tmp_path):
+    # 1 float32 (no "dtype": made before int8 existed), 2 int8, 3 float32, 4 int8, 5 float32.
+    write_finished_export(tmp_path, version=1)
+    for version, dtype in ((2, "int8"), (3, "float32"), (4, "int8"), (5, "float32")):
+        extra = {"dtype": dtype, **({"int8": INT8_RECORD} if dtype == "int8" else {})}
+        write_finished_export(tmp_path, version=version, extra=extra)
+    register = catalog.embedding_model_register
+
+    model = register(triton_model="minilm", name="mini", version=1, repository=tmp_path)
+    assert (
+        register(triton_model="minilm", name="mini", dtype="int8", repository=tmp_path).triton_version == "4"
+    )
+    # Registering again without a dtype keeps the pin; a dtype moves it.
+    assert register(triton_model="minilm", name="mini", repository=tmp_path).triton_version == "4"
+    model = register(triton_model="minilm", name="mini", dtype="float32", repository=tmp_path)
+    assert (model.triton_version, model.dimensions) == ("5", 384)
+    # Side by side: a second catalog name on the int8 version of the same Triton model.
+    both = register(triton_model="minilm", name="mini-int8", dtype="int8", repository=tmp_path)
+    assert both.triton_version == "4" and EmbeddingModel.objects.get(name="mini").triton_version == "5"
+    assert register(triton_model="minilm", name="old", version=2, dtype="int8", repository=tmp_path)
+    with pytest.raises(CatalogError, match="minilm version 3 is a float32 export, not int8"):
+        register(triton_model="minilm", name="mini", version=3, dtype="int8", repository=tmp_path)
+    with pytest.raises(CatalogError, match="dtype must be one of float32, int8, not 'int4'"):
+        register(triton_model="minilm", name="mini", dtype="int4", repository=tmp_path)
+
+
+def test_a_dtype_with_no_export_of_it_is_refused_naming_the_export_command(db, tmp_path):
+    write_finished_export(tmp_path, version=1)
+    with pytest.raises(
+        CatalogError,
+        match=r"minilm has no finished int8 export \(finished versions: 1\); export one first "
+        r"\(manage.py export_model --name minilm --dtype int8\)",
+    ):
+        catalog.embedding_model_register(triton_model="minilm", dtype="int8", repository=tmp_path)
+    assert not EmbeddingModel.objects.exists()
+
+
 def test_a_rerank_request_naming_no_model_prefers_a_rerank_model_then_the_default(models, settings):
     settings.MODEL_CACHE_SECONDS = 0
     everything = Caller(1, 1, allow_all_models=True)

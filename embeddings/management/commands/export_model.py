@@ -8,13 +8,14 @@ from django.core.management.base import BaseCommand, CommandError
 
 from embeddings.model_tasks import ACTIVATIONS, TASK_EMBED, TASK_RERANK, TASKS
 from embeddings.services.inference.exports import (
+    DTYPES,
     POOLINGS,
     ModelExportError,
     model_export_path,
     model_export_versions,
 )
 from embeddings.tooling.model_export import SUPPORTED_MODEL_TYPES, model_export, model_export_outdated
-from embeddings.tooling.model_int8 import DEFAULT_MIN_COSINE, DTYPES
+from embeddings.tooling.model_int8 import DEFAULT_MIN_COSINE
 
 
 def default_source_dir() -> Path | None:

@@ -7,8 +7,10 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from embeddings.services.inference.catalog import (
     CatalogError,
     embedding_model_cache_clear,
+    embedding_model_dtype,
     embedding_model_register,
 )
+from embeddings.services.inference.exports import DTYPES
 from embeddings.services.inference.serving import models_reconcile
 from embeddings.triton import TritonError
 
@@ -40,6 +42,12 @@ class Command(BaseCommand):
             "--version",
             type=int,
             help="The export version to serve (default: the one the model serves now, else the latest)",
+        )
+        parser.add_argument(
+            "--dtype",
+            choices=DTYPES,
+            help="Serve the newest export of this dtype (export_model --dtype int8 writes int8 ones); "
+            "with --version, that version must be of it",
         )
         parser.add_argument(
             "--name",
@@ -79,6 +87,7 @@ class Command(BaseCommand):
         version,
         name,
         aliases,
+        dtype=None,
         prompts,
         default_prompt,
         disable,
@@ -90,6 +99,7 @@ class Command(BaseCommand):
             model = embedding_model_register(
                 triton_model=triton_model,
                 version=version,
+                dtype=dtype,
                 name=name,
                 aliases=aliases,
                 prompts=dict(prompts) if prompts is not None else None,
@@ -101,9 +111,12 @@ class Command(BaseCommand):
         except CatalogError as error:
             raise CommandError(str(error)) from error
         ranks = ", ranks by similarity" if model.rerank_by_similarity else ""
+        served = embedding_model_dtype(model=model)["dtype"]
+        int8 = ", int8" if served == "int8" else ""
         self.stdout.write(
             f"registered {model.name} -> Triton model {model.triton_model} version {model.triton_version} "
-            f"({model.dimensions}-d, {model.max_tokens} tokens{ranks}){'' if model.enabled else ', disabled'}"
+            f"({model.dimensions}-d, {model.max_tokens} tokens{int8}{ranks})"
+            f"{'' if model.enabled else ', disabled'}"
         )
         self.load(model)
 

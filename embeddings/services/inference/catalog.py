@@ -13,7 +13,15 @@ from django.conf import settings
 from embeddings.errors import EmbedsiteError
 from embeddings.model_tasks import ACTIVATION_IDENTITY
 from embeddings.models import TASK_EMBED, TASK_RERANK, EmbeddingModel, input_types_problem
-from embeddings.services.inference.exports import ModelExportError, model_export_info, model_export_versions
+from embeddings.services.inference.exports import (
+    DTYPE_INT8,
+    DTYPES,
+    ModelExportError,
+    model_export_dtype,
+    model_export_info,
+    model_export_latest_of_dtype,
+    model_export_versions,
+)
 from embeddings.single_flight import SingleFlight
 
 if TYPE_CHECKING:
@@ -86,6 +94,7 @@ def embedding_model_register(
     *,
     triton_model: str,
     version: int | None = None,
+    dtype: str | None = None,
     name: str | None = None,
     aliases: Sequence[str] | None = None,
     prompts: Mapping[str, str] | None = None,
@@ -98,7 +107,9 @@ def embedding_model_register(
     """Create or update the catalog row `name` for a finished export of `triton_model` (`version`):
     its dimensions and maximum tokens come from that version's export.json. Without a name: the one
     row serving `triton_model`, else the Triton model's name. Without a version: the row's pinned
-    one, else the latest export. Aliases, prompts, `enabled` and `rerank_by_similarity` given
+    one, else the latest export. With a `dtype` (float32, int8) and no version: the newest export
+    of that dtype (an int8 export is a new version of the same Triton model); with both, the
+    version must be of that dtype. Aliases, prompts, `enabled` and `rerank_by_similarity` given
     replace the row's; omitted, they are kept (a new row is enabled, and ranks only if it is a
     rerank model). Its task (embed or rerank) is the export's. Loading it into Triton is
     `models_reconcile`'s (services/inference/serving.py)."""
@@ -110,6 +121,17 @@ def embedding_model_register(
     existing = EmbeddingModel.objects.filter(name=name).first()
     versions = model_export_versions(repository_dir=repository, name=triton_model)
     pinned = existing.triton_version if existing and existing.triton_model == triton_model else ""
+    if dtype is not None and dtype not in DTYPES:
+        raise CatalogError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if version is None and dtype is not None:
+        # Asking for a dtype is asking for a (possibly) different version than the pinned one.
+        version = model_export_latest_of_dtype(repository_dir=repository, name=triton_model, dtype=dtype)
+        if version is None:
+            found = ", ".join(map(str, versions)) or "none"
+            raise CatalogError(
+                f"{triton_model} has no finished {dtype} export (finished versions: {found}); "
+                f"export one first (manage.py export_model --name {triton_model} --dtype {dtype})"
+            )
     if version is None and pinned.isdigit():
         # Registering again keeps the pin: a new export never changes a tenant's vectors unasked.
         version = int(pinned)
@@ -129,6 +151,10 @@ def embedding_model_register(
         info = model_export_info(repository_dir=repository, name=triton_model, version=version)
     except ModelExportError as error:
         raise CatalogError(str(error)) from error
+    if dtype is not None and model_export_dtype(info) != dtype:
+        raise CatalogError(
+            f"{triton_model} version {version} is a {model_export_dtype(info)} export, not {dtype}"
+        )
     aliases = list(aliases) if aliases is not None else (existing.aliases if existing else [])
     prompts = dict(prompts) if prompts is not None else (existing.prompts if existing else {})
     input_types = dict(input_types) if input_types is not None else (existing.input_types if existing else {})
@@ -169,6 +195,28 @@ def embedding_model_register(
     )
     embedding_model_cache_clear()
     return model
+
+
+AGREEMENT_FIELDS = ("min_cosine", "mean_cosine", "recall_at_10", "text_count")
+
+
+def embedding_model_dtype(*, model: EmbeddingModel, repository: Path | None = None) -> dict:
+    """What the model's pinned export runs (GET /v1/models, /ready): {"dtype": "float32" | "int8",
+    "int8_agreement": null, or for int8 its recorded agreement with the float32 graph (min and mean
+    cosine, recall@10, over how many held-out texts)}. dtype is null when the export cannot be read
+    (gone, or not the model.onnx its export.json describes). Read through model_export_info, which
+    hashes model.onnx once per file version: a few small reads, never on the embedding path."""
+    repository = Path(repository or settings.TRITON_MODEL_REPOSITORY)
+    try:
+        info = model_export_info(
+            repository_dir=repository, name=model.triton_model, version=model.triton_version or None
+        )
+    except (OSError, ValueError, ModelExportError):
+        return {"dtype": None, "int8_agreement": None}
+    dtype = model_export_dtype(info)
+    record = info.get(DTYPE_INT8) if dtype == DTYPE_INT8 else None
+    agreement = {field: record.get(field) for field in AGREEMENT_FIELDS} if isinstance(record, dict) else None
+    return {"dtype": dtype, "int8_agreement": agreement}
 
 
 def _check_names_free(*, name: str, aliases: Sequence[str], exclude: EmbeddingModel | None) -> None:

@@ -23,6 +23,10 @@ EXPORT_INFO_FILENAME = "export.json"
 CALIBRATION_FILENAME = "calibration.npy"
 # A Triton model name is a directory name and a quoted string in the config: keep it plain.
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# The graph's weights: export.json's "dtype" (absent in exports made before int8: float32).
+DTYPE_FLOAT32 = "float32"
+DTYPE_INT8 = "int8"
+DTYPES: tuple[str, ...] = (DTYPE_FLOAT32, DTYPE_INT8)
 
 
 def model_name_is_valid(name: str) -> bool:
@@ -81,6 +85,30 @@ def model_export_versions(*, repository_dir: Path, name: str) -> list[int]:
 def model_export_latest(repository_dir: Path, name: str) -> int | None:
     versions = model_export_versions(repository_dir=repository_dir, name=name)
     return versions[-1] if versions else None
+
+
+def model_export_dtype(info: dict) -> str:
+    """An export's dtype as its export.json records it; float32 when it predates the record."""
+    return info.get("dtype") or DTYPE_FLOAT32
+
+
+def model_export_dtypes(*, repository_dir: Path, name: str) -> dict[int, str]:
+    """Each finished version of model `name` -> its dtype, oldest first (an unreadable export.json
+    left out). export.json only: the model.onnx checks are model_export_info's, for the one served."""
+    dtypes = {}
+    for version in model_export_versions(repository_dir=repository_dir, name=name):
+        info_path = model_export_dir(repository_dir, name) / str(version) / EXPORT_INFO_FILENAME
+        try:
+            dtypes[version] = model_export_dtype(json.loads(info_path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return dtypes
+
+
+def model_export_latest_of_dtype(*, repository_dir: Path, name: str, dtype: str) -> int | None:
+    """The newest finished version of model `name` whose export.json records `dtype`; None when none does."""
+    versions = model_export_dtypes(repository_dir=repository_dir, name=name)
+    return max((version for version, found in versions.items() if found == dtype), default=None)
 
 
 def model_export_version_dir(*, repository_dir: Path, name: str, version: int | str) -> Path:
