@@ -203,7 +203,7 @@ async def _run_check(name: str, check: Callable[[], Awaitable[None]]) -> str:
 
 
 async def models_report() -> dict[str, dict[str, str]]:
-    """Catalog name -> {triton_model, version, state, reason} for each enabled model, from one
+    """Catalog name -> {triton_model, version, dtype, state, reason} for each enabled model, from one
     repository index; {} when the catalog or Triton cannot be read (the checks say which)."""
     try:
         async with asyncio.timeout(settings.READY_CHECK_TIMEOUT_S):
@@ -212,10 +212,14 @@ async def models_report() -> dict[str, dict[str, str]]:
     except Exception as error:
         logger.warning("readiness: the models' states could not be read: %s", error)
         return {}
+    by_name = {model.name: model for model in models}
     return {
         state.name: {
             "triton_model": state.triton_model,
             "version": state.version,
+            "dtype": catalog.embedding_model_dtype(model=by_name[state.name])["dtype"]
+            if state.name in by_name
+            else None,
             "state": state.state,
             "reason": state.reason,
         }

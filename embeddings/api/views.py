@@ -171,6 +171,17 @@ class RerankCapabilitySerializer(serializers.Serializer):
     )
 
 
+class Int8AgreementSerializer(serializers.Serializer):
+    min_cosine = serializers.FloatField(
+        help_text="The lowest cosine of a text's int8 vector to its float32 one"
+    )
+    mean_cosine = serializers.FloatField()
+    recall_at_10 = serializers.FloatField(
+        help_text="Each text a query against the others: the share of float32's ten nearest int8's hold"
+    )
+    text_count = serializers.IntegerField(help_text="Held-out texts measured")
+
+
 class ModelObjectSerializer(serializers.Serializer):
     id = serializers.CharField()
     object = serializers.CharField(default="model")
@@ -193,6 +204,17 @@ class ModelObjectSerializer(serializers.Serializer):
         child=serializers.CharField(),
         help_text="What `output_dtype` / `embedding_types` may ask of it (int8 and uint8 need an export "
         "calibrated for them; binary types a width that is a multiple of 8)",
+    )
+    dtype = serializers.ChoiceField(
+        choices=["float32", "int8"],
+        allow_null=True,
+        help_text="The weights of the graph that serves it (its pinned export's); null when the export "
+        "cannot be read. Not `output_dtype`: an int8 model answers float vectors like any other",
+    )
+    int8_agreement = Int8AgreementSerializer(
+        allow_null=True,
+        help_text="An int8 model's agreement with its float32 graph, measured at export on held-out "
+        "texts; null for float32",
     )
 
 
@@ -418,6 +440,8 @@ MODEL_EXAMPLE = {
     "rerank": {"method": "cosine_similarity", "activation": None, "score_range": [-1.0, 1.0]},
     "input_types": None,
     "output_types": ["float", "int8", "uint8", "binary", "ubinary"],
+    "dtype": "float32",
+    "int8_agreement": None,
 }
 
 
@@ -434,6 +458,7 @@ def model_object(model: EmbeddingModel) -> dict:
         "rerank": rerank_capability(model),
         "input_types": dict(model.input_types) if model.input_types else None,
         "output_types": model_output_types(model),
+        **catalog.embedding_model_dtype(model=model),
     }
 
 

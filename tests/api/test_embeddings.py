@@ -347,6 +347,8 @@ async def test_models_list_and_detail(client, alpha, beta, model):
     assert body["object"] == "list"
     assert [m["id"] for m in body["data"]] == ["all-MiniLM-L6-v2"]
     assert body["data"][0]["object"] == "model" and body["data"][0]["dimensions"] == 384
+    # Version 1 is the float32 export: no int8 agreement to report.
+    assert (body["data"][0]["dtype"], body["data"][0]["int8_agreement"]) == ("float32", None)
     detail = await client.get("/v1/models/sentence-transformers/all-MiniLM-L6-v2", headers=alpha.headers)
     assert detail.status_code == 200 and detail.json()["id"] == "all-MiniLM-L6-v2"
     assert_error(await client.get("/v1/models/nope", headers=alpha.headers), 404)

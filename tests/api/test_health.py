@@ -23,7 +23,13 @@ async def test_ready_when_everything_answers(client):
         "status": "ready",
         "checks": {"triton": "ok", "model": "ok", "database": "ok", "redis": "ok", "job_store": "ok"},
         "models": {
-            "all-MiniLM-L6-v2": {"triton_model": "minilm", "version": "1", "state": "READY", "reason": ""}
+            "all-MiniLM-L6-v2": {
+                "triton_model": "minilm",
+                "version": "1",
+                "dtype": "float32",
+                "state": "READY",
+                "reason": "",
+            }
         },
         "embedding_cache": {"enabled": False},
     }

@@ -87,6 +87,7 @@ def test_a_second_model_is_registered_loaded_served_and_503_once_unloaded(servin
     assert states["all-MiniLM-L6-v2"] == {
         "triton_model": "minilm",
         "version": "1",
+        "dtype": "float32",
         "state": "READY",
         "reason": "",
     }
