@@ -6,14 +6,16 @@ database. The model is a small random BERT (128 dimensions, CLS pooling, MiniLM'
 offline; its vectors are compared with the same model run in PyTorch.
 
 The tests run in file order and build on each other: register → serve → job → unload → reload →
-new version → switch → disable. The stack runs with the embedding cache on (its own Redis
-database): every comparison below holds with it, and a new version is a miss. Then two
+new version → switch → disable → an int8 version served beside it under a second name. The stack
+runs with the embedding cache on (its own Redis database): every comparison below holds with it,
+and a new version is a miss. Then two
 cross-encoders (a BERT with token types, an XLM-R without) are exported as rerank models,
 registered, and rank through the three rerank shapes, their scores compared with PyTorch's."""
 
 from __future__ import annotations
 
 import io
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +36,7 @@ from tests.tiny_models import build_tiny_bert, embed_with_torch, score_with_torc
 MINILM = "all-MiniLM-L6-v2"
 TINY = "tiny-bert"
 TINY_TRITON = "tiny_bert"
+TINY_INT8 = "tiny-bert-int8"
 TEXTS = [
     "hello",
     "The quick brown fox jumps over the lazy dog.",
@@ -253,6 +256,45 @@ def test_disabled_it_is_unloaded_and_no_longer_listed_until_registered_again(htt
     manage(stack.env, "register_model", "--triton-model", TINY_TRITON)
     assert loaded_versions(triton, TINY_TRITON) == {"2"}
     assert embed(http, TINY).shape == (len(TEXTS), 128)
+
+
+def test_an_int8_export_serves_beside_float32_under_a_second_name_that_says_its_dtype(
+    http, stack, sources, repository, triton
+):
+    # A random BERT agrees less with its int8 graph than a trained one: the threshold only needs to pass.
+    manage(
+        stack.env, "export_model", "--source", str(sources[2]), "--name", TINY_TRITON, "--pooling", "cls",
+        "--dtype", "int8", "--min-cosine", "0.5",
+    )  # fmt: skip
+    info = json.loads((repository / TINY_TRITON / "3" / "export.json").read_text())
+    assert info["dtype"] == "int8"
+    # The float32 name keeps its pin (version 2); a second name pins the newest int8 export.
+    manage(stack.env, "register_model", "--triton-model", TINY_TRITON, "--name", TINY_INT8, "--dtype", "int8")
+    assert loaded_versions(triton, TINY_TRITON) == {"2", "3"}
+
+    listed = {model["id"]: model for model in http.get("/v1/models").json()["data"]}
+    assert (listed[TINY]["dtype"], listed[TINY]["int8_agreement"]) == ("float32", None)
+    assert listed[TINY_INT8]["dtype"] == "int8"
+    assert listed[TINY_INT8]["int8_agreement"] == {
+        "min_cosine": info["int8"]["min_cosine"],
+        "mean_cosine": info["int8"]["mean_cosine"],
+        "recall_at_10": info["int8"]["recall_at_10"],
+        "text_count": 500,
+    }
+    assert 0.5 <= info["int8"]["min_cosine"] < info["int8"]["mean_cosine"] < 1.0
+    states = http.get("/ready").json()["models"]
+    assert (states[TINY]["version"], states[TINY]["dtype"]) == ("2", "float32")
+    assert (states[TINY_INT8]["version"], states[TINY_INT8]["dtype"], states[TINY_INT8]["state"]) == (
+        "3",
+        "int8",
+        "READY",
+    )
+    assert states[MINILM]["dtype"] == "float32"
+
+    # Both answer, each from its own version (the embedding cache keys them apart).
+    float32, int8 = embed(http, TINY), embed(http, TINY_INT8)
+    assert not np.array_equal(float32, int8)
+    assert cosines(int8, float32).min() > 0.5
 
 
 # --- A cross-encoder: exported, registered and ranking beside the embedding models ----------------
