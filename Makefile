@@ -20,7 +20,7 @@ COMPOSE := $(VENV)/bin/docker-compose
 # few thousand; compiling them all cost the setup 100 CPU-seconds. pip still installs --no-compile.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test test-unit test-services setup setup-steps bench bench-api bench-peers bench-rerank bench-cache bench-quantization bench-int8 bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
+.PHONY: run test test-unit test-services setup setup-steps bench bench-api bench-peers bench-rerank bench-cache bench-quantization bench-int8 bench-int8-serve bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
 	clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
@@ -96,6 +96,10 @@ bench-quantization: setup
 ## bench-int8: MiniLM's int8 graph (export_model --dtype int8) against float32: agreement, speed on long texts (table, JSON)
 bench-int8: setup
 	$(PY) bench/int8.py $(BENCH_ARGS)
+
+## bench-int8-serve: float32 vs int8 MiniLM served side by side, through Triton and through HTTP (table, JSON)
+bench-int8-serve: setup
+	$(PY) bench/int8_serve.py $(BENCH_ARGS)
 
 ## bench-overload: one tenant's 32/256/1,000 connections: its goodput, a second tenant's answers (BENCH_ARGS='--baseline REF --refusal-cost')
 bench-overload: setup

@@ -66,9 +66,10 @@ def ensure_matplotlib() -> None:
         )
 
 
-def bench_triton(workdir: Path, repository: Path | None = None):
+def bench_triton(workdir: Path, repository: Path | None = None, model_control_mode: str = "none"):
     """A Triton on free ports serving the model repository (default: the checkout's) and the
-    test-only models (instant_1024), logging into `workdir`; not started."""
+    test-only models (instant_1024), logging into `workdir`; not started. "explicit" mode loads
+    nothing until the catalog is reconciled (`manage.py reconcile_models`), as `make run` does."""
     from embeddings.tooling.triton_server import TritonServer, free_port
 
     return TritonServer(
@@ -78,6 +79,7 @@ def bench_triton(workdir: Path, repository: Path | None = None):
         http_port=free_port(),
         metrics_port=free_port(),
         log_path=workdir / "triton.log",
+        model_control_mode=model_control_mode,
     )
 
 
@@ -137,13 +139,13 @@ def prepare_database(env: dict[str, str], triton_target: str) -> str:
 
 @contextlib.contextmanager
 def shipped_stack(
-    workdir: Path, repository: Path | None = None, **env_overrides: str
+    workdir: Path, repository: Path | None = None, model_control_mode: str = "none", **env_overrides: str
 ) -> Iterator[tuple[dict[str, str], str, object]]:
     """What `make run` starts besides the web server: Triton and the two redis-servers, and a fresh
     SQLite database with the models and a bench tenant. Yields the environment for the server, the
     tenant's API key and the TritonServer; stops them all after. `repository`: another model
     repository than the checkout's (it must hold minilm too)."""
-    triton = bench_triton(workdir, repository)
+    triton = bench_triton(workdir, repository, model_control_mode)
     if repository is not None:
         env_overrides = {"TRITON_MODEL_REPOSITORY": str(repository), **env_overrides}
     redis = RedisPair(workdir)

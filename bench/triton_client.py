@@ -110,8 +110,10 @@ def run_raw(
     return summarize(latencies, batch, time.perf_counter() - started)
 
 
-async def run_client(client, texts, batch, min_s, max_requests, concurrency=1) -> dict:
-    await client.embed_tokens(MODEL, *tokenized(texts[:batch]))  # warm up
+async def run_client(client, texts, batch, min_s, max_requests, concurrency=1, version="") -> dict:
+    """Through the project's client: `concurrency` callers of `batch` texts, of minilm `version`
+    ("": the one Triton serves)."""
+    await client.embed_tokens(MODEL, *tokenized(texts[:batch]), version=version)  # warm up
     latencies: list[float] = []
     started = time.perf_counter()
     counter = 0
@@ -126,7 +128,7 @@ async def run_client(client, texts, batch, min_s, max_requests, concurrency=1) -
                 chunk = texts[:batch]
             offset += batch * concurrency
             t0 = time.perf_counter()
-            await client.embed_tokens(MODEL, *tokenized(chunk))
+            await client.embed_tokens(MODEL, *tokenized(chunk), version=version)
             latencies.append(time.perf_counter() - t0)
 
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
@@ -134,6 +136,12 @@ async def run_client(client, texts, batch, min_s, max_requests, concurrency=1) -
 
 
 _tokenizer: TextTokenizer | None = None
+
+
+def tokenizer_use(tokenizer: TextTokenizer) -> None:
+    """The tokenizer run_client tokenises with (measure() sets it itself)."""
+    global _tokenizer
+    _tokenizer = tokenizer
 
 
 def tokenized(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:

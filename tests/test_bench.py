@@ -14,6 +14,7 @@ sys.path.insert(0, str(BENCH))
 
 import api  # noqa: E402
 import configs  # noqa: E402
+import int8_serve  # noqa: E402
 import overload  # noqa: E402
 import peers  # noqa: E402
 import quantization  # noqa: E402
@@ -146,15 +147,39 @@ def test_scripts_run_as_readme_says(script):
     assert "--quick" in done.stdout
 
 
-def test_the_replicas_bench_runs_as_readme_says():
+@pytest.mark.parametrize(
+    ("script", "options"),
+    [("replicas.py", ("--shape", "--rounds")), ("int8_serve.py", ("--seconds", "--rounds"))],
+)
+def test_benches_without_quick_run_as_readme_says(script, options):
     done = subprocess.run(
-        [sys.executable, str(BENCH / "replicas.py"), "--help"],
-        cwd=BENCH.parent,
-        capture_output=True,
-        text=True,
+        [sys.executable, str(BENCH / script), "--help"], cwd=BENCH.parent, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    assert "--shape" in done.stdout and "--rounds" in done.stdout
+    assert all(option in done.stdout for option in options)
+
+
+def test_the_int8_serve_summary_compares_medians_per_shape_and_path():
+    def cell(path: str, dtype: str, rate: float, load: float) -> dict:
+        shape = int8_serve.LONG_256.name
+        return {"shape": shape, "path": path, "dtype": dtype, "emb_per_s": rate, "p50_ms": 1000 / rate,
+                "other_load_cores": load}  # fmt: skip
+
+    cells = [
+        cell("http", "float32", 10, 0.2), cell("http", "int8", 18, 0.2),
+        cell("http", "float32", 12, 0.4), cell("http", "int8", 12, 0.4),
+        cell("http", "float32", 11, 0.0), cell("http", "int8", 15, 0.0),
+        cell("triton", "float32", 20, 0.0), cell("triton", "int8", 30, 0.0),
+    ]  # fmt: skip
+    [triton, http] = int8_serve.summary(cells)
+    assert (http["path"], http["emb_per_s"], http["speedup"]) == (
+        "http",
+        {"float32": 11, "int8": 15},
+        15 / 11,
+    )
+    assert http["other_load_cores"] == pytest.approx(0.2)
+    assert triton["speedup"] == 1.5
+    assert "| 2 x 32, 256 tokens | triton | 20 (50) | 30 (33) | 1.50x | 0.00 |" in int8_serve.table([triton])
 
 
 def test_base64_rows_decode_little_endian_float32():
