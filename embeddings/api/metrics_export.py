@@ -9,7 +9,6 @@ from django.conf import settings
 from django.db import DatabaseError
 from django_prometheus.exports import ExportToDjangoView
 from prometheus_client import generate_latest
-from redis.exceptions import RedisError
 
 from embeddings.metrics import (
     JOB_INPUTS_PENDING,
@@ -17,21 +16,10 @@ from embeddings.metrics import (
     JOBS_ACTIVE,
     EmbeddingCacheRedisFigures,
 )
-from embeddings.redis.connections import redis_embedding_cache_sync
+from embeddings.services.inference.vector_cache import vector_cache_redis_info
 from embeddings.services.jobs.backlog import job_backlog
 
 logger = logging.getLogger(__name__)
-
-
-def embedding_cache_redis_info() -> dict | None:
-    """The embedding cache Redis's INFO memory and stats, or None when it did not answer within
-    EMBEDDING_CACHE_TIMEOUT_S (one round trip: a scrape never waits on a cache that is down)."""
-    try:
-        with redis_embedding_cache_sync().pipeline(transaction=False) as pipeline:
-            memory, stats = pipeline.info("memory").info("stats").execute()
-    except (RedisError, OSError):
-        return None
-    return {**memory, **stats}
 
 
 def metrics(request):
@@ -49,5 +37,5 @@ def metrics(request):
     if settings.EMBEDDING_CACHE:
         # Appended, not registered: with PROMETHEUS_MULTIPROC_DIR the export builds its own registry
         # from the workers' files, and these figures are the server's, read now, not a worker's.
-        response.write(generate_latest(EmbeddingCacheRedisFigures(embedding_cache_redis_info())))
+        response.write(generate_latest(EmbeddingCacheRedisFigures(vector_cache_redis_info())))
     return response

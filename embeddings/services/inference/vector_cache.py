@@ -349,3 +349,14 @@ async def vector_cache_state() -> dict[str, object]:
         # The error's class only: the cache's host stays in the log.
         state["redis"] = f"unreachable ({type(error).__name__}): every row is computed"
     return state
+
+
+def vector_cache_redis_info() -> dict | None:
+    """The cache Redis's INFO memory and stats (for /metrics), or None when it did not answer within
+    EMBEDDING_CACHE_TIMEOUT_S (one round trip: a scrape never waits on a cache that is down)."""
+    try:
+        with redis_embedding_cache_sync().pipeline(transaction=False) as pipeline:
+            memory, stats = pipeline.info("memory").info("stats").execute()
+    except (RedisError, OSError):
+        return None
+    return {**memory, **stats}
