@@ -515,13 +515,13 @@ def quota_reserve_sync(*, caller: Caller, inputs: int, tokens: int, now: float |
 
 
 def settle_operation(
-    reservation: Reservation | None, refund: bool | int, usage: UsageEvent | None
+    reservation: Reservation | None,
+    refund: bool,
+    usage: UsageEvent | None,
+    refund_tokens: int | None = None,
 ) -> Operation[None]:
     """`quota_release` as an operation, for either transport."""
-    if reservation is None or refund is False:
-        refunds = []
-    else:
-        refunds = reservation.refunds(None if refund is True else refund)
+    refunds = reservation.refunds(refund_tokens) if reservation is not None and refund else []
     lease_sets = [lease.key for lease in reservation.leases] if reservation is not None else []
     if refunds or lease_sets or usage is not None:
         yield from operations.quota_settle(
@@ -533,15 +533,19 @@ def settle_operation(
 
 
 async def quota_release(
-    *, reservation: Reservation | None, refund: bool | int, usage: UsageEvent | None = None
+    *,
+    reservation: Reservation | None,
+    refund: bool,
+    usage: UsageEvent | None = None,
+    refund_tokens: int | None = None,
 ) -> None:
-    """Free the reservation's leases; with `refund` True, give its tokens back (inference failed),
-    with a number, that many of them; count `usage` (its usage_increments) in the same round trip."""
-    await operation_run(settle_operation(reservation, refund, usage))
+    """Free the reservation's leases; with `refund`, give its tokens back (inference failed), or
+    only `refund_tokens` of them; count `usage` (its usage_increments) in the same round trip."""
+    await operation_run(settle_operation(reservation, refund, usage, refund_tokens))
 
 
 def quota_release_sync(
-    *, reservation: Reservation | None, refund: bool | int, usage: UsageEvent | None = None
+    *, reservation: Reservation | None, refund: bool, usage: UsageEvent | None = None
 ) -> None:
     """`quota_release` on the blocking transport."""
     operation_run_sync(settle_operation(reservation, refund, usage), redis_sync())
@@ -612,17 +616,15 @@ class RequestQuota:
         embedding cache: usage records them apart, and with EMBEDDING_CACHE_COUNT_HITS off their
         tokens are given back to the limits."""
         self.cached_inputs, self.cached_tokens = cached_inputs, cached_tokens
-        if not succeeded:
-            refund: bool | int = True
-        elif cached_tokens and not settings.EMBEDDING_CACHE_COUNT_HITS:
-            refund = cached_tokens
-        else:
-            refund = False
+        # A failure gives every token back; a success the cache's, where hits are not counted.
+        hits_refunded = succeeded and cached_tokens > 0 and not settings.EMBEDDING_CACHE_COUNT_HITS
+        refund = not succeeded or hits_refunded
         try:
             await quota_release(
                 reservation=self.reservation,
                 refund=refund,
                 usage=self._usage("succeeded" if succeeded else "failed"),
+                refund_tokens=cached_tokens if hits_refunded else None,
             )
         except RedisError as error:
             # Leases expire after QUOTA_LEASE_SECONDS; a lost refund stays counted.
