@@ -258,7 +258,8 @@ class ApiKey(QuotaLimits):
 
 
 class UsageBucket(models.Model):
-    """What one key did with one model through one endpoint in one UTC hour.
+    """What one key did with one model variant (its pinned export version and dtype) through one
+    endpoint in one UTC hour.
 
     Written only by the usage fold (embeddings/services/quotas/usage.py), which adds Redis's counters here.
     """
@@ -269,6 +270,14 @@ class UsageBucket(models.Model):
         ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_buckets"
     )
     model = models.CharField(max_length=200, help_text="The catalog model's name")
+    # The variant that served: traffic before and after a switch (float32 to int8, version 2 to 3)
+    # lands in separate rows. Blank: not recorded (rows from before, or a model with no pinned version).
+    model_version = models.CharField(
+        max_length=20, blank=True, default="", help_text="The pinned export version that served"
+    )
+    model_dtype = models.CharField(
+        max_length=32, blank=True, default="", help_text="That export's dtype (export.json): float32, int8, …"
+    )
     endpoint = models.CharField(max_length=50)
     hour = models.DateTimeField(help_text="Start of the UTC hour")
     requests = models.PositiveBigIntegerField(default=0)
@@ -287,20 +296,23 @@ class UsageBucket(models.Model):
         # Two partial constraints rather than nulls_distinct=False, which SQLite lacks.
         constraints = [
             models.UniqueConstraint(
-                fields=["tenant", "api_key", "model", "endpoint", "hour"],
+                fields=["tenant", "api_key", "model", "model_version", "model_dtype", "endpoint", "hour"],
                 condition=models.Q(api_key__isnull=False),
-                name="usage_bucket_unique_per_key",
+                name="usage_bucket_unique_per_key_variant",
             ),
             models.UniqueConstraint(
-                fields=["tenant", "model", "endpoint", "hour"],
+                fields=["tenant", "model", "model_version", "model_dtype", "endpoint", "hour"],
                 condition=models.Q(api_key__isnull=True),
-                name="usage_bucket_unique_without_key",
+                name="usage_bucket_unique_without_key_variant",
             ),
         ]
         indexes = [models.Index(fields=["tenant", "hour"])]
 
     def __str__(self) -> str:
-        return f"{self.tenant_id}/{self.api_key_id}/{self.model}/{self.endpoint} @ {self.hour:%Y-%m-%d %H}:00"
+        model = self.model
+        if self.model_version or self.model_dtype:
+            model += f" ({self.model_version or '?'}, {self.model_dtype or '?'})"
+        return f"{self.tenant_id}/{self.api_key_id}/{model}/{self.endpoint} @ {self.hour:%Y-%m-%d %H}:00"
 
 
 class UsageFold(models.Model):

@@ -18,7 +18,7 @@ import pytest
 
 from embeddings.management.commands.runstack import start_celery
 from embeddings.redis.connections import redis_sync
-from embeddings.services.quotas.usage import LIVE_USAGE_KEY
+from embeddings.services.quotas.usage import LIVE_USAGE_KEY, parse_usage_field
 from tests.database_backend import DatabaseReader, migrated_database_url
 from tests.processes import DjangoShell, stop_process_groups
 
@@ -139,7 +139,7 @@ def job_usage(tenant_id: int | None = None) -> dict[str, int]:
     """The jobs endpoint's usage counters in Redis, by metric."""
     totals: dict[str, int] = {}
     for field, value in redis_sync().hgetall(LIVE_USAGE_KEY).items():
-        tenant, _, _, endpoint, metric, _ = field.decode().split("|", 5)
-        if endpoint == "jobs" and (tenant_id is None or int(tenant) == tenant_id):
+        bucket, metric = parse_usage_field(field.decode())
+        if bucket.endpoint == "jobs" and (tenant_id is None or bucket.tenant_id == tenant_id):
             totals[metric] = totals.get(metric, 0) + int(value)
     return totals

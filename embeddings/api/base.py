@@ -26,8 +26,10 @@ from embeddings.api.rendering import OrjsonParser, OrjsonRenderer
 from embeddings.callers import Caller
 from embeddings.errors.answers import ApiError, as_api_error
 from embeddings.metrics import request_observed
+from embeddings.models import EmbeddingModel
 from embeddings.observability import context as request_context
 from embeddings.observability import tracing
+from embeddings.services.inference.catalog import embedding_model_variant
 from embeddings.services.quotas.limits import RequestQuota, answer_ratelimit_headers
 
 
@@ -55,6 +57,22 @@ def list_page(data: list[dict], has_more: bool) -> dict:
 
 def error_response(error: ApiError) -> Response:
     return Response(error.body(), status=error.status, headers=error.headers)
+
+
+def model_request_quota(
+    *, caller: Caller, model: EmbeddingModel, endpoint: str, started: float
+) -> RequestQuota:
+    """One request's quota and usage bookkeeping for `model`: its usage records the variant serving
+    it (remembered by the catalog: no file is read per request)."""
+    variant = embedding_model_variant(model=model)
+    return RequestQuota(
+        caller=caller,
+        model=model.name,
+        model_version=variant.version,
+        model_dtype=variant.dtype,
+        endpoint=endpoint,
+        started=started,
+    )
 
 
 class ApiView(APIView):
@@ -125,11 +143,11 @@ class ApiView(APIView):
                     return
             request._not_authenticated()
 
-    def request_quota(self, model_name: str) -> RequestQuota:
+    def request_quota(self, model: EmbeddingModel) -> RequestQuota:
         """The quota and usage bookkeeping for this request's embedding call (embeddings_create)."""
         arrived = self.request._request.META.get(ARRIVED, time.perf_counter())
-        self.quota = RequestQuota(
-            caller=self.caller, model=model_name, endpoint=self.endpoint, started=arrived
+        self.quota = model_request_quota(
+            caller=self.caller, model=model, endpoint=self.endpoint, started=arrived
         )
         return self.quota
 

@@ -126,7 +126,7 @@ class CohereEmbedView(ApiView):
             target=target,
             texts=texts,
             options=options,
-            quota=self.request_quota(model.name),
+            quota=self.request_quota(model),
             cache_scope=None if self.caller is None else self.caller.cache_scope_for(model),
         )
         log_request(self.caller, self.endpoint, model, result)

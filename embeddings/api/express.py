@@ -26,6 +26,7 @@ from django.http.request import split_domain_port, validate_host
 from rest_framework.exceptions import ValidationError
 
 from embeddings.api.authentication import caller_for_authorization
+from embeddings.api.base import model_request_quota
 from embeddings.api.rendering import OrjsonRenderer
 from embeddings.api.served import timing_header
 from embeddings.api.views import OpenAIEmbeddingsView, openai_embeddings
@@ -34,6 +35,7 @@ from embeddings.contracts.embeddings_request import OpenAIEmbeddingsRequest
 from embeddings.contracts.fields import validated
 from embeddings.errors.answers import ValidationFailed, as_api_error
 from embeddings.metrics import request_observed
+from embeddings.models import EmbeddingModel
 from embeddings.observability import context as request_context
 from embeddings.observability import tracing
 from embeddings.services.quotas.limits import RequestQuota, answer_ratelimit_headers
@@ -117,9 +119,9 @@ class ExpressCall:
         self.model_name = ""
         self.quota: RequestQuota | None = None
 
-    def request_quota(self, model_name: str) -> RequestQuota:
-        self.quota = RequestQuota(
-            caller=self.caller, model=model_name, endpoint=self.endpoint, started=self.arrived
+    def request_quota(self, model: EmbeddingModel) -> RequestQuota:
+        self.quota = model_request_quota(
+            caller=self.caller, model=model, endpoint=self.endpoint, started=self.arrived
         )
         return self.quota
 

@@ -129,7 +129,7 @@ async def _rank(
         query=query,
         documents=documents,
         options=options,
-        quota=view.request_quota(model.name),
+        quota=view.request_quota(model),
         cache_scope=None if view.caller is None else view.caller.cache_scope_for(model),
     )
     log_request(view.caller, view.endpoint, model, result, action="rerank")

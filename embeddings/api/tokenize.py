@@ -103,7 +103,7 @@ class TeiTokenizeView(ApiView):
             texts=params["inputs"],
             add_special_tokens=params["add_special_tokens"],
             prompt_name=params.get("prompt_name"),
-            quota=self.request_quota(model.name),
+            quota=self.request_quota(model),
         )
         log_request(self.caller, self.endpoint, model, result, action="tokenize")
         return embedding_response([[token._asdict() for token in row] for row in result.answers], result)
@@ -139,7 +139,7 @@ class TeiDecodeView(ApiView):
             model=model,
             ids=params["ids"],
             skip_special_tokens=params["skip_special_tokens"],
-            quota=self.request_quota(model.name),
+            quota=self.request_quota(model),
         )
         log_request(self.caller, self.endpoint, model, result, action="decode")
         return embedding_response(result.answers, result)

@@ -283,7 +283,7 @@ class EmbeddingsCall(ModelCall, Protocol):
 
     endpoint: str
 
-    def request_quota(self, model_name: str) -> RequestQuota: ...
+    def request_quota(self, model: EmbeddingModel) -> RequestQuota: ...
 
 
 async def openai_embeddings(call: EmbeddingsCall, params: dict) -> tuple[dict, EmbeddingResult]:
@@ -302,7 +302,7 @@ async def openai_embeddings(call: EmbeddingsCall, params: dict) -> tuple[dict, E
             truncate=params["long_inputs"] == "truncate",
             chunk=params["long_inputs"] == "chunk",
         ),
-        quota=call.request_quota(model.name),
+        quota=call.request_quota(model),
         cache_scope=None if call.caller is None else call.caller.cache_scope_for(model),
     )
     log_request(call.caller, call.endpoint, model, result, params.get("user", ""))
@@ -341,7 +341,7 @@ class SeedEmbeddingView(ApiView):
         result = await embeddings_create(
             target=EmbeddingTarget.for_model(model),
             texts=texts,
-            quota=self.request_quota(model.name),
+            quota=self.request_quota(model),
             cache_scope=None if self.caller is None else self.caller.cache_scope_for(model),
         )
         log_request(self.caller, self.endpoint, model, result)
@@ -395,7 +395,7 @@ class TeiEmbedView(ApiView):
                 normalize=params["normalize"],
                 prompt_name=params.get("prompt_name"),
             ),
-            quota=self.request_quota(model.name),
+            quota=self.request_quota(model),
             cache_scope=None if self.caller is None else self.caller.cache_scope_for(model),
         )
         log_request(self.caller, self.endpoint, model, result)

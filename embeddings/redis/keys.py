@@ -24,7 +24,8 @@ Critical Redis (REDIS_URL)
     job:{<job id>}:settled                string   the job's TTL             job refund (once marker)
     jobs:{t<tenant>}:submit               string   30 s (a redis-py Lock)    job submission lock
 
-The usage hash's fields are "<tenant>|<key or empty>|<hour epoch>|<endpoint>|<metric>|<model>"
+The usage hash's fields are
+"<tenant>|<key or empty>|<hour epoch>|<endpoint>|<version>|<dtype>|<metric>|<model>"
 (embeddings.services.quotas.usage). Celery's broker and the channel layer keep their own keys there.
 
 Job store (JOB_STORE_URL); the job's TTL is JOB_RESULT_TTL_S + 1 day (expiry deletes it first)

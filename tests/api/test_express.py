@@ -22,7 +22,7 @@ from embeddings.api.authentication import caller_cache
 from embeddings.redis.connections import redis_sync
 from embeddings.services.accounts.tenants import quota_limits_update
 from embeddings.services.quotas import limits as quotas
-from embeddings.services.quotas.usage import LIVE_USAGE_KEY
+from embeddings.services.quotas.usage import LIVE_USAGE_KEY, parse_usage_field
 
 JSON = {"Content-Type": "application/json"}
 VOLATILE_HEADERS = {"x-request-id", "server-timing", "date"}
@@ -201,12 +201,14 @@ async def test_a_model_the_key_may_not_use_is_refused_alike(both_ways, alpha, be
     assert by_view.status_code == 403
 
 
-def usage_of(tenant_id: int) -> dict[str, int]:
-    totals: dict[str, int] = {}
+def usage_of(tenant_id: int) -> dict[tuple[str, str, str], int]:
+    """The tenant's counters by (metric, model version, dtype): the variant is recorded alike too."""
+    totals: dict[tuple[str, str, str], int] = {}
     for field, value in redis_sync().hgetall(LIVE_USAGE_KEY).items():
-        tenant, _, _, _, metric, _ = field.decode().split("|", 5)
-        if int(tenant) == tenant_id and not metric.startswith("latency"):  # latency: each its own
-            totals[metric] = totals.get(metric, 0) + int(value)
+        bucket, metric = parse_usage_field(field.decode())
+        if bucket.tenant_id == tenant_id and not metric.startswith("latency"):  # latency: each its own
+            counter = (metric, bucket.model_version, bucket.model_dtype)
+            totals[counter] = totals.get(counter, 0) + int(value)
     return totals
 
 
@@ -223,6 +225,7 @@ async def test_quotas_admit_refuse_and_count_alike(both_ways, alpha, beta):
         statuses.append(by_view.status_code)
     assert statuses == [200, 200, 429]
     assert usage_of(alpha.tenant.pk) == usage_of(beta.tenant.pk) != {}
+    assert {(version, dtype) for _, version, dtype in usage_of(alpha.tenant.pk)} == {("1", "float32")}
 
 
 async def test_a_host_allowed_before_is_asked_again_once_allowed_hosts_change(both_ways, settings):

@@ -19,7 +19,7 @@ from embeddings.services.accounts.tenants import quota_limits_update
 from embeddings.services.inference.clients import model_tokenizer, reset_clients
 from embeddings.services.quotas import limits as quotas
 from embeddings.services.quotas.limits import quota_status_sync
-from embeddings.services.quotas.usage import LIVE_USAGE_KEY
+from embeddings.services.quotas.usage import LIVE_USAGE_KEY, parse_usage_field
 from embeddings.tooling.triton_server import free_port
 from tests.api.conftest import LiveServer
 from tests.api.worker_metrics import answered_since, requests_answered_by_worker
@@ -74,8 +74,8 @@ def usage_by_outcome(tenant_id: int) -> dict[str, int]:
     """The live usage counters of one tenant, summed by metric."""
     totals: dict[str, int] = {}
     for field, value in redis_sync().hgetall(LIVE_USAGE_KEY).items():
-        tenant, _, _, _, metric, _ = field.decode().split("|", 5)
-        if int(tenant) == tenant_id:
+        bucket, metric = parse_usage_field(field.decode())
+        if bucket.tenant_id == tenant_id:
             totals[metric] = totals.get(metric, 0) + int(value)
     return totals
 
@@ -263,7 +263,8 @@ async def test_every_endpoint_is_metered(client, alpha):
     assert (await client.post("/embed", json={"inputs": "a"}, headers=alpha.headers)).status_code == 200
     refused = await client.post("/embed", json={"inputs": "a"}, headers=alpha.headers)
     assert refused.status_code == 429
-    endpoints = {field.decode().split("|")[3] for field in redis_sync().hkeys(LIVE_USAGE_KEY)}
+    fields = redis_sync().hkeys(LIVE_USAGE_KEY)
+    endpoints = {parse_usage_field(field.decode())[0].endpoint for field in fields}
     assert endpoints == {"seed", "tei"}
 
 

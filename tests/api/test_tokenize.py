@@ -19,7 +19,7 @@ from embeddings.api.tokenize import EXAMPLE_TEXT, EXAMPLE_TOKENS
 from embeddings.models import EmbeddingModel
 from embeddings.redis.connections import redis_sync
 from embeddings.services.accounts.tenants import quota_limits_update
-from embeddings.services.quotas.usage import LIVE_USAGE_KEY
+from embeddings.services.quotas.usage import LIVE_USAGE_KEY, parse_usage_field
 from tests.api.conftest import LiveServer
 from tests.conftest import TenantWithKey, tenant_with_key
 
@@ -235,9 +235,10 @@ def usage_fields(tenant_id: int, endpoint: str) -> dict[tuple[str, str, str], in
     """The live usage counters of one tenant and endpoint: (key id, model, metric) -> value."""
     counters = {}
     for field, value in redis_sync().hgetall(LIVE_USAGE_KEY).items():
-        tenant, key, _, field_endpoint, metric, model = field.decode().split("|", 5)
-        if int(tenant) == tenant_id and field_endpoint == endpoint:
-            counters[(key, model, metric)] = int(value)
+        bucket, metric = parse_usage_field(field.decode())
+        if bucket.tenant_id == tenant_id and bucket.endpoint == endpoint:
+            key = "" if bucket.api_key_id is None else str(bucket.api_key_id)
+            counters[(key, bucket.model, metric)] = int(value)
     return counters
 
 

@@ -13,10 +13,13 @@ import pytest
 
 from embeddings.errors.service import InvalidRequest, LimitExceeded
 from embeddings.models import EmbeddingModel
+from embeddings.services.inference.catalog import embedding_model_cache_clear
 from embeddings.services.inference.embedding import CacheHits, EmbeddingResult
 from embeddings.services.openai_api import batch_lines
 from embeddings.services.openai_api.batch_lines import LineRequest, batch_chunk_embed
 from embeddings.services.openai_api.batches import _lines
+from embeddings.services.quotas.usage import parse_usage_field
+from tests.conftest import write_finished_export
 
 pytestmark = pytest.mark.unit
 
@@ -105,8 +108,27 @@ def test_lines_of_one_kind_share_one_call_and_keep_their_order(monkeypatch):
     assert records[1]["response"]["body"]["usage"] == {"prompt_tokens": 4, "total_tokens": 4}
     assert isinstance(records[2]["response"]["body"]["data"][0]["embedding"], str)
     assert (output.succeeded, output.tokens) == (3, 7)
-    requests = {name: amount for name, amount in output.usage.items() if name.split("|")[4] == "requests"}
+    requests = {
+        name: amount for name, amount in output.usage.items() if parse_usage_field(name)[1] == "requests"
+    }
     assert list(requests.values()) == [3]
+
+
+def test_a_chunks_usage_records_the_variant_serving_its_model(monkeypatch, settings, tmp_path):
+    settings.TRITON_MODEL_REPOSITORY = str(tmp_path)
+    write_finished_export(tmp_path, version=2, extra={"dtype": "int8"})
+    pinned = EmbeddingModel(name="m", triton_model="minilm", triton_version="2", dimensions=4, max_tokens=16)
+    embedding_model_cache_clear()
+    fake = FakeEmbedding()
+    monkeypatch.setattr(batch_lines, "embeddings_create_sync", fake)
+    output = batch_chunk_embed(
+        lines=[line("a", ["xx"]), line("b", ["y"])], models={"m": pinned}, tenant_id=1, api_key_id=None
+    )
+    counted = {parse_usage_field(name): amount for name, amount in output.usage.items()}
+    assert {(bucket.endpoint, bucket.model_version, bucket.model_dtype) for bucket, _ in counted} == {
+        ("batches", "2", "int8")
+    }
+    assert [amount for (_, metric), amount in counted.items() if metric == "requests"] == [2]
 
 
 def test_lines_of_other_output_or_input_types_never_share_a_call(monkeypatch):
@@ -166,7 +188,7 @@ def usage_totals(output: batch_lines.ChunkOutput) -> dict[str, int]:
     """The chunk's usage increments summed by metric (one model here)."""
     totals: dict[str, int] = {}
     for name, amount in output.usage.items():
-        metric = name.split("|")[4]
+        _, metric = parse_usage_field(name)
         totals[metric] = totals.get(metric, 0) + amount
     return totals
 

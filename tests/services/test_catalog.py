@@ -6,6 +6,7 @@ a tenant's models through the caller the API key authenticator builds."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -249,3 +250,61 @@ def test_a_rerank_request_naming_no_model_prefers_a_rerank_model_then_the_defaul
     assert default(caller=everything).name == "z-reranker"
     only_e5 = Caller(1, 1, allowed_model_ids=frozenset({models["e5"].pk}))
     assert default(caller=only_e5).name == "e5-small"
+
+
+def test_a_models_variant_is_its_pinned_version_and_that_exports_dtype(db, tmp_path, settings):
+    settings.TRITON_MODEL_REPOSITORY = str(tmp_path)
+    write_finished_export(tmp_path, version=1)  # no "dtype": exported before int8, float32
+    # Any dtype export.json records (float16 is not one register_model knows yet).
+    for version, dtype in ((2, "int8"), (3, "float16"), (4, "in|t8"), (5, ["int8"])):
+        write_finished_export(tmp_path, version=version, extra={"dtype": dtype})
+    embedding_model_cache_clear()
+
+    def variant(version: str) -> tuple[str, str]:
+        model = EmbeddingModel(
+            name="m", triton_model="minilm", triton_version=version, dimensions=1, max_tokens=1
+        )
+        found = catalog.embedding_model_variant(model=model)
+        return found.version, found.dtype
+
+    assert [variant(v) for v in ("1", "2", "3")] == [("1", "float32"), ("2", "int8"), ("3", "float16")]
+    # A dtype no usage row could hold, an export gone, no pinned version: what is known, no more.
+    assert [variant(v) for v in ("4", "5", "9", "")] == [("4", ""), ("5", ""), ("9", ""), ("", "")]
+
+
+def test_a_requests_variant_is_remembered_with_the_catalog_and_no_file_is_read_for_it(
+    db, tmp_path, settings, monkeypatch
+):
+    settings.TRITON_MODEL_REPOSITORY = str(tmp_path)
+    settings.MODEL_CACHE_SECONDS = 3600
+    write_finished_export(tmp_path, version=1)
+    write_finished_export(tmp_path, version=2, extra={"dtype": "int8"})
+    EmbeddingModel.objects.create(
+        name="m", triton_model="minilm", triton_version="1", dimensions=384, max_tokens=256
+    )
+    embedding_model_cache_clear()
+    model = resolve(name="m")  # what a request does first: the catalog's read remembers the variant
+    reads = []
+    read_text = Path.read_text
+    monkeypatch.setattr(
+        Path, "read_text", lambda path, *a, **k: reads.append(path) or read_text(path, *a, **k)
+    )
+
+    assert catalog.embedding_model_variant(model=model) == catalog.ModelVariant("1", "float32")
+    assert reads == []
+    # Switched to the int8 version: the next catalog read (register_model clears it) knows it.
+    EmbeddingModel.objects.filter(name="m").update(triton_version="2")
+    embedding_model_cache_clear()
+    switched = resolve(name="m")
+    assert len(reads) == 1
+    assert catalog.embedding_model_variant(model=switched) == catalog.ModelVariant("2", "int8")
+    assert len(reads) == 1
+    # A model the catalog's read does not hold (a disabled one, a job's in a worker): read once,
+    # then remembered for MODEL_CACHE_SECONDS, as the catalog's rows are.
+    disabled = EmbeddingModel(name="d", triton_model="minilm", triton_version="1", dimensions=1, max_tokens=1)
+    for _ in range(3):
+        assert catalog.embedding_model_variant(model=disabled) == catalog.ModelVariant("1", "float32")
+    assert len(reads) == 2
+    settings.MODEL_CACHE_SECONDS = 0
+    catalog.embedding_model_variant(model=disabled)
+    assert len(reads) == 3

@@ -391,6 +391,15 @@ def _job_usage_totals(tenant_id: int | None = None) -> dict[str, int]:
     return {metric: amount for metric, amount in totals.items() if amount}
 
 
+def test_a_chunks_usage_records_the_variant_that_embedded_it(api_setup, small_chunks, sent_chunks):
+    job = _submit(api_setup)
+    job_chunk_run(job_id=job.pk, chunk=0)
+    counters, _ = counters_from_hash(redis_sync().hgetall(LIVE_USAGE_KEY), tenant_id=job.tenant_id)
+    variants = {(b.endpoint, b.model, b.model_version, b.model_dtype) for b in counters}
+    # The bundled model as api_setup registers it: version 1 pinned, a float32 export.
+    assert variants == {("jobs", api_setup["model"].name, "1", "float32")}
+
+
 def test_a_chunk_redelivered_after_its_result_was_written_counts_usage_once(
     api_setup, small_chunks, sent_chunks, monkeypatch
 ):

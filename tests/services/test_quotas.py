@@ -23,7 +23,7 @@ from embeddings.services.quotas.limits import (
     quota_status,
     quota_status_sync,
 )
-from embeddings.services.quotas.usage import LIVE_USAGE_KEY
+from embeddings.services.quotas.usage import LIVE_USAGE_KEY, parse_usage_field
 from embeddings.tooling.local_redis import RedisServer
 from embeddings.tooling.triton_server import free_port
 
@@ -310,7 +310,7 @@ def test_duration_text_is_openais_format():
 
 def usage_counters() -> dict[str, int]:
     return {
-        field.decode().split("|")[4]: int(value)
+        parse_usage_field(field.decode())[1]: int(value)
         for field, value in redis_sync().hgetall(LIVE_USAGE_KEY).items()
     }
 

@@ -370,3 +370,40 @@ def test_two_folds_of_different_batches_racing_on_a_new_bucket_lose_nothing(
     assert database_totals(model="b-model")["requests"] == 2
     assert UsageBucket.objects.filter(model="a-model").count() == 1
     assert redis_is_empty()
+
+
+def record(event: UsageEvent) -> None:
+    quota_release_sync(reservation=None, refund=False, usage=event)
+
+
+def test_each_variant_of_a_model_folds_into_its_own_row(tenants):
+    """A switch from float32 to int8 (version 2 to 3) within one hour: two rows, each with its own
+    counters; counters written before variants were recorded (a previous release's field) fold
+    into a third row whose variant is blank, and folding again adds to the right rows only."""
+    alpha, key = tenants["alpha"].pk, tenants["alpha_key"].pk
+
+    def served(version: str, dtype: str, tokens: int) -> UsageEvent:
+        return UsageEvent(
+            alpha, key, "minilm", "openai", "succeeded", 1, tokens, 4, HOUR + 60,
+            model_version=version, model_dtype=dtype,
+        )  # fmt: skip
+
+    record(served("2", "float32", 10))
+    record(served("2", "float32", 5))
+    record(served("3", "int8", 7))
+    redis_sync().hincrby(LIVE_USAGE_KEY, f"{alpha}|{key}|{HOUR}|openai|tokens|minilm", 100)
+    redis_sync().hincrby(LIVE_USAGE_KEY, f"{alpha}|{key}|{HOUR}|openai|requests|minilm", 1)
+
+    result = usage_fold()
+    record(served("3", "int8", 1))
+    usage_fold()
+
+    assert result.dropped == 0
+    rows = UsageBucket.objects.filter(tenant_id=alpha).order_by("model_version")
+    assert [(r.model_version, r.model_dtype, r.requests, r.tokens, r.api_key_id) for r in rows] == [
+        ("", "", 1, 100, key),
+        ("2", "float32", 2, 15, key),
+        ("3", "int8", 2, 8, key),
+    ]
+    assert {row.hour for row in rows} == {datetime.fromtimestamp(HOUR, UTC)}
+    assert redis_is_empty()

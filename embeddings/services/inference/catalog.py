@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,10 +19,12 @@ from embeddings.models import TASK_EMBED, TASK_RERANK, EmbeddingModel, input_typ
 from embeddings.services.inference.exports import (
     DTYPE_INT8,
     DTYPES,
+    EXPORT_INFO_FILENAME,
     ModelExportError,
     model_export_dtype,
     model_export_info,
     model_export_latest_of_dtype,
+    model_export_version_dir,
     model_export_versions,
 )
 from embeddings.single_flight import SingleFlight
@@ -50,14 +55,78 @@ async def _enabled_cached() -> tuple[EmbeddingModel, ...]:
 async def _enabled_read() -> tuple[EmbeddingModel, ...]:
     global _enabled_cache
     read_at = time.monotonic()
-    models = await sync_to_async(embedding_models_enabled)()
+    models = await sync_to_async(_enabled_with_variants)()
     _enabled_cache = (read_at, models)
+    return models
+
+
+def _enabled_with_variants() -> tuple[EmbeddingModel, ...]:
+    """The enabled models, each one's variant read with them (in this thread, off the event loop):
+    the requests served from this read then find their variant remembered."""
+    models = embedding_models_enabled()
+    for model in models:
+        _variant_read(model.triton_model, model.triton_version)
     return models
 
 
 def embedding_model_cache_clear() -> None:
     global _enabled_cache
     _enabled_cache = None
+    _variants.clear()
+
+
+@dataclass(frozen=True)
+class ModelVariant:
+    """What serves a catalog model: its pinned export version and that export's dtype (float32,
+    int8, ... as its export.json records it). Blank: not known (no version pinned, which Triton may
+    answer from any version; an export.json gone or unreadable)."""
+
+    version: str
+    dtype: str
+
+
+NO_VARIANT = ModelVariant("", "")
+# A dtype as usage records it (a field of a Redis hash key part, a column): plain word characters.
+RECORDABLE_DTYPE = re.compile(r"[A-Za-z0-9_]{1,32}")
+# (Triton model, pinned version) -> (when read, its variant); read again after MODEL_CACHE_SECONDS,
+# as the catalog rows are, since exporting a version again may change its dtype.
+_variants: dict[tuple[str, str], tuple[float, ModelVariant]] = {}
+_VARIANTS_KEPT = 256
+
+
+def embedding_model_variant(*, model: EmbeddingModel) -> ModelVariant:
+    """The variant serving `model`, for its usage to record: remembered per process, so a request
+    reads no file (the catalog's read refreshes it for every enabled model); only what is not
+    remembered, or older than MODEL_CACHE_SECONDS, reads the version's export.json (one small
+    file; never model.onnx)."""
+    remembered = _variants.get((model.triton_model, model.triton_version))
+    if remembered is not None and time.monotonic() - remembered[0] <= settings.MODEL_CACHE_SECONDS:
+        return remembered[1]
+    return _variant_read(model.triton_model, model.triton_version)
+
+
+def _variant_read(triton_model: str, triton_version: str) -> ModelVariant:
+    read_at = time.monotonic()
+    variant = _variant_of_export(triton_model, triton_version)
+    if len(_variants) >= _VARIANTS_KEPT:
+        _variants.clear()
+    _variants[(triton_model, triton_version)] = (read_at, variant)
+    return variant
+
+
+def _variant_of_export(triton_model: str, triton_version: str) -> ModelVariant:
+    if not (triton_version.isascii() and triton_version.isdigit()):
+        return NO_VARIANT
+    try:
+        version_dir = model_export_version_dir(
+            repository_dir=Path(settings.TRITON_MODEL_REPOSITORY), name=triton_model, version=triton_version
+        )
+        info = json.loads((version_dir / EXPORT_INFO_FILENAME).read_text(encoding="utf-8"))
+        dtype = model_export_dtype(info)
+    except (OSError, ValueError, AttributeError, ModelExportError):
+        return ModelVariant(triton_version, "")
+    recordable = isinstance(dtype, str) and RECORDABLE_DTYPE.fullmatch(dtype) is not None
+    return ModelVariant(triton_version, dtype if recordable else "")
 
 
 async def embedding_model_resolve(*, name: str) -> EmbeddingModel | None:

@@ -19,6 +19,7 @@ from django.conf import settings
 from django.utils.module_loading import import_string
 
 from embeddings.callers import embedding_cache_scope
+from embeddings.services.inference.catalog import embedding_model_variant
 from embeddings.services.inference.embedding import (
     NO_CACHE_HITS,
     CacheHits,
@@ -81,15 +82,18 @@ class JobKind:
         cache_hits: CacheHits = NO_CACHE_HITS,
         started: float,
     ) -> dict[str, int]:
-        """A chunk's usage increments, under this kind's endpoint, kept with its result and counted
-        once (the engine's _count_usage); of its inputs and tokens, those the embedding cache
-        answered are counted apart too."""
+        """A chunk's usage increments, under this kind's endpoint and the variant serving the job's
+        model, kept with its result and counted once (the engine's _count_usage); of its inputs and
+        tokens, those the embedding cache answered are counted apart too."""
         succeeded = outcome == "succeeded"
+        variant = embedding_model_variant(model=job.model)
         return usage_increments(
             UsageEvent(
                 tenant_id=job.tenant_id,
                 api_key_id=job.api_key_id,
                 model=job.model.name,
+                model_version=variant.version,
+                model_dtype=variant.dtype,
                 endpoint=self.usage_endpoint,
                 outcome=outcome,
                 inputs=inputs if succeeded else 0,

@@ -27,6 +27,7 @@ import orjson
 from embeddings.errors.answers import as_api_error
 from embeddings.errors.service import InvalidRequest, LimitExceeded
 from embeddings.models import EmbeddingModel
+from embeddings.services.inference.catalog import embedding_model_variant
 from embeddings.services.inference.embedding import (
     CacheHits,
     EmbeddingOptions,
@@ -35,7 +36,7 @@ from embeddings.services.inference.embedding import (
     model_prompt_for,
 )
 from embeddings.services.openai_api.embeddings_body import embeddings_response_body
-from embeddings.services.quotas.usage import FIELD_SEPARATOR, UsageEvent, usage_increments
+from embeddings.services.quotas.usage import UsageEvent, parse_usage_field, usage_increments
 from embeddings.tokenization import TokenizationError
 from embeddings.triton import TritonInvalidInput
 
@@ -239,10 +240,13 @@ def batch_chunk_embed(
         output.succeeded += requests
         output.tokens += tokens
         output.cached_tokens += cached_tokens
+        variant = embedding_model_variant(model=models[model_name])
         event = UsageEvent(
             tenant_id=tenant_id,
             api_key_id=api_key_id,
             model=model_name,
+            model_version=variant.version,
+            model_dtype=variant.dtype,
             endpoint="batches",
             outcome="succeeded",
             inputs=inputs,
@@ -253,7 +257,7 @@ def batch_chunk_embed(
         )
         for name, amount in usage_increments(event).items():
             # One event per model stands for `requests` requests: each line counts as one.
-            if name.split(FIELD_SEPARATOR)[4] in ("requests", "succeeded"):
+            if parse_usage_field(name)[1] in ("requests", "succeeded"):
                 amount = requests
             output.usage[name] = output.usage.get(name, 0) + amount
     return output

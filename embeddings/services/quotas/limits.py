@@ -576,9 +576,21 @@ class RequestQuota:
     are counted only for succeeded ones (what the tenant is billed for).
     """
 
-    def __init__(self, *, caller: Caller, model: str, endpoint: str, started: float) -> None:
+    def __init__(
+        self,
+        *,
+        caller: Caller,
+        model: str,
+        endpoint: str,
+        started: float,
+        model_version: str = "",
+        model_dtype: str = "",
+    ) -> None:
         self.caller = caller
         self.model = model
+        # The variant serving the model (the catalog's ModelVariant), which its usage records.
+        self.model_version = model_version
+        self.model_dtype = model_dtype
         self.endpoint = endpoint
         self.started = started  # time.perf_counter() when the request arrived
         self.reservation: Reservation | None = None
@@ -645,6 +657,8 @@ class RequestQuota:
             tenant_id=self.caller.tenant_id,
             api_key_id=self.caller.key_id,
             model=self.model,
+            model_version=self.model_version,
+            model_dtype=self.model_dtype,
             endpoint=self.endpoint,
             outcome=outcome,
             inputs=self.inputs if succeeded else 0,

@@ -5,10 +5,14 @@ usage hash (embeddings.redis.keys); the script that settles a request's quota (s
 applies them in the same round trip. A job chunk's are kept with its result in the job store
 (services/jobs/store.py) and counted here by `usage_count_once`, once per chunk however often it is
 offered. Each hash field is one counter of one bucket:
-"<tenant>|<key or empty>|<hour epoch>|<endpoint>|<metric>|<model>"
-(the model last, so a "|" in a model's name cannot shift the other parts). Metrics are the
-UsageBucket counter fields: requests, succeeded, rejected, failed, inputs, tokens, cached_inputs,
-cached_tokens (of inputs and tokens, those the embedding cache answered), latency_ms_total.
+"<tenant>|<key or empty>|<hour epoch>|<endpoint>|<version>|<dtype>|<metric>|<model>"
+(the model last, so a "|" in a model's name cannot shift the other parts; version and dtype are the
+variant that served, its pinned export version and that export's dtype, either empty when not
+known). Metrics are the UsageBucket counter fields: requests, succeeded, rejected, failed, inputs,
+tokens, cached_inputs, cached_tokens (of inputs and tokens, those the embedding cache answered),
+latency_ms_total. Fields written before the variant was recorded,
+"<tenant>|<key>|<hour>|<endpoint>|<metric>|<model>" (a process of the previous release during a
+deploy, a job chunk's increments kept with its result), are still read: their variant is empty.
 
 Fold (`usage_fold`, run by Celery beat through embeddings.tasks): the counters move into UsageBucket
 rows exactly once, whatever crashes when (see "The fold" below).
@@ -41,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 LIVE_USAGE_KEY = redis_keys.LIVE_USAGE
 FIELD_SEPARATOR = "|"
+# UsageBucket's model_version and model_dtype columns: a longer value could never be folded.
+MODEL_VERSION_MAX_LENGTH = UsageBucket._meta.get_field("model_version").max_length
+MODEL_DTYPE_MAX_LENGTH = UsageBucket._meta.get_field("model_dtype").max_length
 
 Outcome = Literal["succeeded", "rejected", "failed"]
 
@@ -61,17 +68,33 @@ class UsageEvent:
     # Of inputs and tokens, those answered from the embedding cache (counted in both).
     cached_inputs: int = 0
     cached_tokens: int = 0
+    # The variant that served (the catalog's ModelVariant): pinned export version, its dtype; "" unknown.
+    model_version: str = ""
+    model_dtype: str = ""
 
     def hour_epoch(self) -> int:
         at = time.time() if self.at is None else self.at
         return int(at // 3600 * 3600)
 
 
-def usage_field(
-    *, tenant_id: int, api_key_id: int | None, hour_epoch: int, endpoint: str, metric: str, model: str
-) -> str:
-    key = "" if api_key_id is None else str(api_key_id)
-    return FIELD_SEPARATOR.join((str(tenant_id), key, str(hour_epoch), endpoint, metric, model))
+def _field_head(event: UsageEvent) -> str:
+    """What every field of the event's bucket starts with, up to its metric."""
+    key = "" if event.api_key_id is None else str(event.api_key_id)
+    version = event.model_version if _is_recordable_version(event.model_version) else ""
+    dtype = event.model_dtype if _is_recordable_dtype(event.model_dtype) else ""
+    parts = (str(event.tenant_id), key, str(event.hour_epoch()), event.endpoint, version, dtype, "")
+    return FIELD_SEPARATOR.join(parts)
+
+
+def _is_recordable_version(version: str) -> bool:
+    if version == "":
+        return True
+    return len(version) <= MODEL_VERSION_MAX_LENGTH and version.isascii() and version.isdigit()
+
+
+def _is_recordable_dtype(dtype: str) -> bool:
+    # A separator would shift the parts after it; a longer one than its column could never be folded.
+    return len(dtype) <= MODEL_DTYPE_MAX_LENGTH and FIELD_SEPARATOR not in dtype
 
 
 def usage_increments(event: UsageEvent) -> dict[str, int]:
@@ -85,19 +108,8 @@ def usage_increments(event: UsageEvent) -> dict[str, int]:
         "cached_tokens": event.cached_tokens,
         "latency_ms_total": max(0, event.latency_ms),
     }
-    hour = event.hour_epoch()
-    return {
-        usage_field(
-            tenant_id=event.tenant_id,
-            api_key_id=event.api_key_id,
-            hour_epoch=hour,
-            endpoint=event.endpoint,
-            metric=metric,
-            model=event.model,
-        ): amount
-        for metric, amount in counters.items()
-        if amount
-    }
+    head, tail = _field_head(event), FIELD_SEPARATOR + event.model
+    return {head + metric + tail: amount for metric, amount in counters.items() if amount}
 
 
 def usage_count_once(*, owner: str, unit: int, increments: dict[str, int], ttl_s: int) -> bool:
@@ -144,6 +156,8 @@ class BucketKey:
     model: str
     endpoint: str
     hour_epoch: int
+    model_version: str = ""
+    model_dtype: str = ""
 
 
 Counters = dict[BucketKey, dict[str, int]]
@@ -161,11 +175,21 @@ def parse_usage_field(field: str) -> tuple[BucketKey, str] | None:
     parts = field.split(FIELD_SEPARATOR, maxsplit=5)
     if len(parts) != 6:
         return None
-    tenant, key, hour, endpoint, metric, model = parts
-    if metric not in COUNTER_METRICS:
-        return None
+    if parts[4] in COUNTER_METRICS:
+        # Written before the variant was recorded: a metric where a version (digits or empty) now is.
+        tenant, key, hour, endpoint, metric, model = parts
+        version = dtype = ""
+    else:
+        parts = field.split(FIELD_SEPARATOR, maxsplit=7)
+        if len(parts) != 8:
+            return None
+        tenant, key, hour, endpoint, version, dtype, metric, model = parts
+        if metric not in COUNTER_METRICS:
+            return None
+        if not (_is_recordable_version(version) and _is_recordable_dtype(dtype)):
+            return None
     try:
-        bucket = BucketKey(int(tenant), int(key) if key else None, model, endpoint, int(hour))
+        bucket = BucketKey(int(tenant), int(key) if key else None, model, endpoint, int(hour), version, dtype)
     except ValueError:
         return None
     return bucket, metric
@@ -231,6 +255,8 @@ def _add_counters_to_buckets(counters: Counters) -> tuple[int, int]:
             "tenant_id": bucket.tenant_id,
             "api_key_id": bucket.api_key_id,
             "model": bucket.model,
+            "model_version": bucket.model_version,
+            "model_dtype": bucket.model_dtype,
             "endpoint": bucket.endpoint,
             "hour": datetime.fromtimestamp(bucket.hour_epoch, tz=UTC),
         }
@@ -244,7 +270,15 @@ def _add_counters_to_buckets(counters: Counters) -> tuple[int, int]:
 
 
 def _bucket_order(bucket: BucketKey) -> tuple:
-    return (bucket.tenant_id, bucket.api_key_id or 0, bucket.model, bucket.endpoint, bucket.hour_epoch)
+    return (
+        bucket.tenant_id,
+        bucket.api_key_id or 0,
+        bucket.model,
+        bucket.model_version,
+        bucket.model_dtype,
+        bucket.endpoint,
+        bucket.hour_epoch,
+    )
 
 
 def _bucket_create_or_add(lookup: dict, additions: dict[str, int]) -> None:
