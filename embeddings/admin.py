@@ -661,13 +661,16 @@ def usage_csv_response(queryset: QuerySet[UsageBucket], filename: str) -> Stream
 
 @admin.register(UsageBucket)
 class UsageBucketAdmin(admin.ModelAdmin):
-    """Usage per tenant, key, model, endpoint and UTC hour; read-only (only the usage fold writes rows)."""
+    """Usage per tenant, key, model variant, endpoint and UTC hour; read-only (only the usage fold
+    writes rows)."""
 
     list_display = (
         "hour",
         "tenant",
         "api_key",
         "model",
+        "model_version",
+        "model_dtype",
         "endpoint",
         "requests",
         "succeeded",
@@ -678,7 +681,13 @@ class UsageBucketAdmin(admin.ModelAdmin):
         "cached_tokens",
         "mean_latency_ms",
     )
-    list_filter = ("tenant", ("api_key", admin.RelatedOnlyFieldListFilter), "model", "endpoint")
+    list_filter = (
+        "tenant",
+        ("api_key", admin.RelatedOnlyFieldListFilter),
+        "model",
+        "model_dtype",
+        "endpoint",
+    )
     list_select_related = ("tenant", "api_key")
     date_hierarchy = "hour"
     search_fields = ("tenant__name", "tenant__slug", "api_key__name", "api_key__public_id", "model")

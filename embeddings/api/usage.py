@@ -72,7 +72,11 @@ class UsageQuery(serializers.Serializer):
         "an offset, UTC), from 1970-01-01 to 9999-01-01, after start and at most 366 days from it. "
         "Default: now."
     )
-    group_by = serializers.ChoiceField(choices=["day", "model", "key"], default="day")
+    group_by = serializers.ChoiceField(
+        choices=["day", "model", "variant", "key"],
+        default="day",
+        help_text="`variant`: a row per model and the variant that served it (export version and dtype)",
+    )
     key = serializers.CharField(
         required=False,
         allow_blank=True,
@@ -110,7 +114,20 @@ class UsageKeySerializer(serializers.Serializer):
 
 class UsageRowSerializer(UsageCountersSerializer):
     day = serializers.DateField(required=False, help_text="group_by=day")
-    model = serializers.CharField(required=False, help_text="group_by=model")
+    model = serializers.CharField(required=False, help_text="group_by=model or variant")
+    model_version = serializers.CharField(
+        required=False,
+        allow_null=True,
+        help_text="group_by=variant: the model's pinned export version that served (a switch of version "
+        "starts a new row); null: not recorded (usage from before it was, or a model without a pinned "
+        "version)",
+    )
+    model_dtype = serializers.CharField(
+        required=False,
+        allow_null=True,
+        help_text="group_by=variant: that export's dtype, as /v1/models reports it (`float32`, `int8`, ...); "
+        "null: not recorded",
+    )
     key = UsageKeySerializer(
         required=False, allow_null=True, help_text="group_by=key; null: no key, or a deleted one"
     )
@@ -210,6 +227,9 @@ def rows_json(usage: TenantUsage, group_by: str) -> list[dict]:
             group = {"day": row.group.isoformat()}
         elif group_by == "model":
             group = {"model": row.group}
+        elif group_by == "variant":
+            model, version, dtype = row.group
+            group = {"model": model, "model_version": version or None, "model_dtype": dtype or None}
         else:
             names = usage.key_names.get(row.group)
             group = {"key": {"id": names[0], "name": names[1]} if names else None}
@@ -301,7 +321,8 @@ class UsageView(ApiView):
         summary="Your usage and quota state",
         description=(
             "Your tenant's usage (every key's, or one key's with `key`) in the UTC hours that start "
-            "in [start, end), grouped by UTC `day`, `model` or `key`, with totals and the current "
+            "in [start, end), grouped by UTC `day`, `model`, `variant` (model, export version and "
+            "dtype that served) or `key`, with totals and the current "
             "state of your quotas. Counted per request as it happens: counters not yet folded into "
             "the database are included (`includes_unfolded`), so numbers are up to date. "
             "`job_storage`: the bytes your jobs hold in the job store now, against your budget. "

@@ -191,7 +191,16 @@ def usage_rows(alpha, beta):
     hour = utc_day_start(timezone.now())
     return [
         bucket(alpha, alpha_key, hour, tokens=10, requests=1),
-        bucket(alpha, alpha_key, hour, tokens=20, requests=2, model="other-model"),
+        bucket(
+            alpha,
+            alpha_key,
+            hour,
+            tokens=20,
+            requests=2,
+            model="other-model",
+            model_version="3",
+            model_dtype="int8",
+        ),
         bucket(alpha, alpha_key, hour - timedelta(days=40), tokens=30, requests=3),
         bucket(beta, beta_key, hour, tokens=40, requests=4),
     ]
@@ -211,6 +220,8 @@ def test_usage_list_filters_and_is_read_only(admin_client, usage_rows, alpha):
         changelist, {"tenant__id__exact": alpha.pk, "model": "other-model"}
     )
     assert [row.tokens for row in by_tenant_and_model.context["cl"].result_list] == [20]
+    by_dtype = admin_client.get(changelist, {"model_dtype": "int8"})
+    assert [(row.tokens, row.model_version) for row in by_dtype.context["cl"].result_list] == [(20, "3")]
     by_key = admin_client.get(changelist, {"api_key__id__exact": usage_rows[3].api_key_id})
     assert [row.tokens for row in by_key.context["cl"].result_list] == [40]
     this_year = usage_rows[0].hour.year
@@ -239,6 +250,8 @@ def test_csv_download_link_keeps_the_filters(admin_client, usage_rows, alpha):
     assert sorted(int(row["tokens"]) for row in rows) == [10, 20, 30]
     assert {row["tenant"] for row in rows} == {"alpha"}
     assert list(rows[0]) == list(USAGE_CSV_HEADER)
+    variants = sorted((row["model_version"], row["model_dtype"]) for row in rows)
+    assert variants == [("", ""), ("", ""), ("3", "int8")]
 
 
 def test_csv_of_everything_and_of_selected_rows(admin_client, usage_rows):

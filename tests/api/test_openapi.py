@@ -241,7 +241,11 @@ def test_query_parameters_carry_their_bounds(schema):
     ), integers
     assert parameter(results, "format")["enum"] == ["jsonl", "json", "npy"]
     usage = schema["paths"]["/v1/usage"]["get"]
-    assert parameter(usage, "group_by")["enum"] == ["day", "model", "key"]
+    assert parameter(usage, "group_by")["enum"] == ["day", "model", "variant", "key"]
+    # A variant row says which export served; null where it was not recorded.
+    row = schema["components"]["schemas"]["UsageRow"]["properties"]
+    assert all(row[field]["nullable"] and "not recorded" in row[field]["description"]
+               for field in ("model_version", "model_dtype"))  # fmt: skip
 
 
 ID_PATTERNS = {

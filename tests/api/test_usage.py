@@ -338,6 +338,52 @@ async def test_real_requests_are_counted_exactly_after_the_fold(client, alpha, b
     assert (await get_usage(client, beta)).json()["totals"]["requests"] == 0
 
 
+async def test_requests_record_the_variant_that_served_them(client, alpha, model):
+    """The bundled model, pinned to its float32 version 1, through the express lane
+    (/v1/embeddings) and a view (/embed): /v1/usage by variant says which served, before the fold
+    and after it, and so do the rows; a row from before variants were recorded has them null."""
+    hour = usage.hour_floor(datetime.now(UTC))
+    await sync_to_async(usage_bucket)(
+        alpha.tenant, alpha.api_key, hour, model=model.name, endpoint="openai", requests=1, tokens=3
+    )
+    openai = await client.post(
+        "/v1/embeddings", json={"model": model.name, "input": "hello"}, headers=alpha.headers
+    )
+    tei = await client.post("/embed", json={"inputs": ["a second text"]}, headers=alpha.headers)
+    assert openai.status_code == tei.status_code == 200, (openai.text, tei.text)
+    tokens = openai.json()["usage"]["total_tokens"] + tei.json()["usage"]["total_tokens"]
+    expected = [
+        {"model": model.name, "model_version": None, "model_dtype": None, "requests": 1, "tokens": 3},
+        {
+            "model": model.name,
+            "model_version": "1",
+            "model_dtype": "float32",
+            "requests": 2,
+            "tokens": tokens,
+        },
+    ]
+
+    def variants(body: dict) -> list[dict]:
+        fields = ("model", "model_version", "model_dtype", "requests", "tokens")
+        return [{field: row[field] for field in fields} for row in body["data"]]
+
+    before_fold = (await get_usage(client, alpha, group_by="variant")).json()
+    assert before_fold["group_by"] == "variant"
+    assert variants(before_fold) == expected
+    await sync_to_async(usage_fold)()
+    assert variants((await get_usage(client, alpha, group_by="variant")).json()) == expected
+
+    def recorded():
+        rows = UsageBucket.objects.filter(tenant=alpha.tenant).order_by("model_version", "endpoint")
+        return [(row.endpoint, row.model_version, row.model_dtype, row.requests) for row in rows]
+
+    assert await sync_to_async(recorded)() == [
+        ("openai", "", "", 1),
+        ("openai", "1", "float32", 1),
+        ("tei", "1", "float32", 1),
+    ]
+
+
 async def test_redis_down_still_answers_with_folded_usage(client, alpha, june, settings, tmp_path):
     alpha.tenant.tokens_per_month = 1000  # a limit: its window lives in Redis
     await sync_to_async(alpha.tenant.save)(update_fields=["tokens_per_month"])

@@ -30,7 +30,7 @@ from embeddings.triton.client import TritonClient
 from tests.api.test_metrics import parse, value
 from tests.conftest import require_exported_model, start_triton
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import REPO_ROOT, manage
+from tests.processes import REPO_ROOT, manage, tenant_with_key
 from tests.tiny_models import build_tiny_bert, embed_with_torch, score_with_torch
 
 MINILM = "all-MiniLM-L6-v2"
@@ -295,6 +295,53 @@ def test_an_int8_export_serves_beside_float32_under_a_second_name_that_says_its_
     float32, int8 = embed(http, TINY), embed(http, TINY_INT8)
     assert not np.array_equal(float32, int8)
     assert cosines(int8, float32).min() > 0.5
+
+
+FOLDED_ROWS = """
+import json
+from embeddings.models import UsageBucket
+from embeddings.services.quotas.usage import usage_fold
+usage_fold()
+rows = UsageBucket.objects.filter(tenant__slug="variants").order_by("model_version", "endpoint")
+print(json.dumps([[r.model, r.endpoint, r.model_version, r.model_dtype, r.requests, r.tokens] for r in rows]))
+"""
+
+
+def served_tokens(http: httpx2.Client, stack: JobStack) -> tuple[int, int]:
+    """One request's tokens and one job's (two chunks of three) on tiny-bert, as it is pinned now."""
+    answer = http.post("/v1/embeddings", json={"model": TINY, "input": TEXTS[:2]})
+    assert answer.status_code == 200, answer.text
+    submitted = http.post("/v1/jobs", json={"model": TINY, "input": TEXTS + TEXTS[:2]})
+    assert submitted.status_code == 202, submitted.text
+    deadline = time.monotonic() + 120  # against hanging only
+    while (job := http.get(f"/v1/jobs/{submitted.json()['id']}").json())["status"] != "completed":
+        assert job["status"] != "failed" and time.monotonic() < deadline, f"{job}\n{stack.logs_tail()}"
+        time.sleep(0.2)
+    return answer.json()["usage"]["total_tokens"], job["usage"]["prompt_tokens"]
+
+
+def test_usage_rows_record_the_variant_that_served_before_and_after_a_switch_to_int8(stack):
+    """tiny-bert, pinned to its float32 version 2, serves a request and a job; switched to the int8
+    version 3 (`register_model --dtype int8`), the same name serves another of each. The fold files
+    them in one row per variant and endpoint, and /v1/usage by variant tells the two apart."""
+    headers = {"Authorization": f"Bearer {tenant_with_key(stack.django, 'variants')}"}
+    with httpx2.Client(base_url=stack.base_url, headers=headers, timeout=60) as http:
+        float32_request, float32_job = served_tokens(http, stack)
+        manage(stack.env, "register_model", "--triton-model", TINY_TRITON, "--name", TINY, "--dtype", "int8")
+        int8_request, int8_job = served_tokens(http, stack)
+        by_variant = http.get("/v1/usage", params={"group_by": "variant"}).json()["data"]
+
+    assert json.loads(stack.django.run(FOLDED_ROWS)) == [
+        [TINY, "jobs", "2", "float32", 2, float32_job],
+        [TINY, "openai", "2", "float32", 1, float32_request],
+        [TINY, "jobs", "3", "int8", 2, int8_job],
+        [TINY, "openai", "3", "int8", 1, int8_request],
+    ]
+    assert [(row["model"], row["model_version"], row["model_dtype"], row["requests"], row["tokens"])
+            for row in by_variant] == [
+        (TINY, "2", "float32", 3, float32_request + float32_job),
+        (TINY, "3", "int8", 3, int8_request + int8_job),
+    ]  # fmt: skip
 
 
 # --- A cross-encoder: exported, registered and ranking beside the embedding models ----------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -407,3 +408,34 @@ def test_each_variant_of_a_model_folds_into_its_own_row(tenants):
     ]
     assert {row.hour for row in rows} == {datetime.fromtimestamp(HOUR, UTC)}
     assert redis_is_empty()
+
+
+def test_usage_grouped_by_variant_counts_folded_and_unfolded_alike(tenants):
+    alpha = tenants["alpha"].pk
+    for version, dtype, tokens in (("2", "float32", 10), ("3", "int8", 7), ("10", "int8", 1), ("", "", 2)):
+        record(
+            UsageEvent(alpha, None, "minilm", "openai", "succeeded", 1, tokens, 0, HOUR,
+                       model_version=version, model_dtype=dtype)
+        )  # fmt: skip
+    # Beta's int8 usage is not alpha's.
+    beta_event = UsageEvent(tenants["beta"].pk, None, "minilm", "openai", "succeeded", 1, 99, 0, HOUR)
+    record(replace(beta_event, model_version="3", model_dtype="int8"))
+
+    def by_variant() -> list[tuple]:
+        report = usage.usage_for_tenant(
+            tenant_id=alpha,
+            start=datetime.fromtimestamp(HOUR, UTC),
+            end=datetime.fromtimestamp(HOUR + 3600, UTC),
+            group_by="variant",
+        )
+        return [(*row.group, row.counters["tokens"]) for row in report.rows]
+
+    expected = [
+        ("minilm", "", "", 2),
+        ("minilm", "2", "float32", 10),
+        ("minilm", "3", "int8", 7),
+        ("minilm", "10", "int8", 1),  # versions in numeric order
+    ]
+    assert by_variant() == expected
+    usage_fold()
+    assert by_variant() == expected

@@ -120,18 +120,20 @@ def test_keys_annotated_with_month_usage_in_one_query(alpha, django_assert_num_q
 def test_csv_rows(alpha):
     key, _ = api_key_create(tenant=alpha, name="=cmd|' /C calc'!A0")
     bucket(alpha, key, datetime(2026, 6, 2, 5, tzinfo=UTC), tokens=60, requests=2, inputs=4, succeeded=2,
-           cached_inputs=1, cached_tokens=15)  # fmt: skip
+           cached_inputs=1, cached_tokens=15, model_version="3", model_dtype="int8")  # fmt: skip
+    # From before the variant was recorded.
     bucket(alpha, None, datetime(2026, 6, 2, 6, tzinfo=UTC), tokens=1, requests=1, failed=1)
 
     header, *rows = usage_csv_rows(UsageBucket.objects.order_by("hour"))
 
     assert header == USAGE_CSV_HEADER
+    assert header[-2:] == ("model_version", "model_dtype")
     assert rows == [
         (
             *("2026-06-02T05:00:00Z", "alpha", key.public_id, "'=cmd|' /C calc'!A0", "m", "embeddings"),
-            *(2, 2, 0, 0, 4, 60, 0, 1, 15),
+            *(2, 2, 0, 0, 4, 60, 0, 1, 15, "3", "int8"),
         ),
-        ("2026-06-02T06:00:00Z", "alpha", "", "", "m", "embeddings", 1, 0, 0, 1, 0, 1, 0, 0, 0),
+        ("2026-06-02T06:00:00Z", "alpha", "", "", "m", "embeddings", 1, 0, 0, 1, 0, 1, 0, 0, 0, "", ""),
     ]
 
 

@@ -33,6 +33,9 @@ USAGE_CSV_HEADER = (
     "latency_ms_total",
     "cached_inputs",
     "cached_tokens",
+    # The variant that served (blank: not recorded); after the older columns, which keep their places.
+    "model_version",
+    "model_dtype",
 )
 
 
@@ -212,4 +215,6 @@ def usage_csv_rows(buckets: Iterable[UsageBucket] | QuerySet[UsageBucket]) -> It
             bucket.latency_ms_total,
             bucket.cached_inputs,
             bucket.cached_tokens,
+            bucket.model_version,
+            spreadsheet_safe(bucket.model_dtype),
         )

@@ -357,7 +357,7 @@ def _prune_fold_records(client: redis.Redis) -> None:
 
 # --- Reading a tenant's usage ---------------------------------------------------------------------
 
-USAGE_GROUPINGS = ("day", "model", "key")
+USAGE_GROUPINGS = ("day", "model", "variant", "key")
 # A fold committing while usage_for_tenant reads could make it count a batch twice or not at all;
 # it then reads again (folds are a minute apart, so once is almost always enough).
 _READ_ATTEMPTS = 3
@@ -367,9 +367,10 @@ _SUM_FIELDS = {metric: Sum(metric) for metric in COUNTER_METRICS}
 
 @dataclass(frozen=True)
 class UsageRow:
-    """One group's counters: `group` is a date (day), a model name (model) or a key id or None (key)."""
+    """One group's counters: `group` is a date (day), a model name (model), (model name, version,
+    dtype) (variant: "" where not recorded) or a key id or None (key)."""
 
-    group: date | str | int | None
+    group: date | str | tuple[str, str, str] | int | None
     counters: dict[str, int]
 
 
@@ -390,16 +391,28 @@ def _unfolded_snapshot(client: redis.Redis) -> tuple[list, dict[str, list]]:
     return operation_run_sync(operations.usage_snapshot(), client)
 
 
-def _group_of(bucket: BucketKey, group_by: str, tenant_key_ids: set[int]) -> date | str | int | None:
+def _group_of(
+    bucket: BucketKey, group_by: str, tenant_key_ids: set[int]
+) -> date | str | tuple[str, str, str] | int | None:
     if group_by == "day":
         return datetime.fromtimestamp(bucket.hour_epoch, UTC).date()
     if group_by == "model":
         return bucket.model
+    if group_by == "variant":
+        return (bucket.model, bucket.model_version, bucket.model_dtype)
     # As the fold will file it: a key that is gone (or not this tenant's) counts as keyless.
     return bucket.api_key_id if bucket.api_key_id in tenant_key_ids else None
 
 
 def _database_rows(buckets, group_by: str) -> dict:
+    if group_by == "variant":
+        rows = buckets.values("model", "model_version", "model_dtype").annotate(**_SUM_FIELDS).order_by()
+        return {
+            (row["model"], row["model_version"], row["model_dtype"]): {
+                metric: row[metric] or 0 for metric in COUNTER_METRICS
+            }
+            for row in rows
+        }
     if group_by == "day":
         grouped = buckets.annotate(group=TruncDate("hour", tzinfo=UTC))
     elif group_by == "model":
@@ -427,7 +440,8 @@ def usage_for_tenant(
     include_unfolded: bool = True,
 ) -> TenantUsage:
     """One tenant's usage in the hours that start in [start, end) (start rounded down to its hour),
-    grouped by UTC day, model or key; only this tenant's rows, whatever api_key_id says.
+    grouped by UTC day, model, model variant (name, version, dtype) or key; only this tenant's rows,
+    whatever api_key_id says.
 
     With include_unfolded, counters still in Redis (not yet folded) are added, so the numbers are
     up to date; when Redis cannot be read they are left out and includes_unfolded is False.
@@ -481,6 +495,9 @@ def usage_for_tenant(
         group, counters = item
         if group_by == "key":
             return (group is None, -counters["tokens"], group or 0)
+        if group_by == "variant":
+            model, version, dtype = group
+            return (model, len(version), version, dtype)  # versions in numeric order, unrecorded first
         return (group,)
 
     rows = [UsageRow(group, counters) for group, counters in sorted(by_group.items(), key=order)]
