@@ -20,12 +20,13 @@ import onnxruntime
 import pytest
 import torch
 
+from embeddings.in_triton.backends.embedsite_torch import encoder as encoder_module
 from embeddings.in_triton.backends.embedsite_torch.encoder import EncoderLoadError, load_encoder
 from embeddings.tokenization import TextTokenizer, TokenizedBatch
 from embeddings.tooling.model_configs import model_config_texts
 from embeddings.tooling.model_export import model_export
 from embeddings.triton.client import AsyncTritonClient
-from embeddings.triton.errors import TritonInvalidInput
+from embeddings.triton.errors import TritonInvalidInput, TritonModelLoadFailed
 from tests.conftest import require_exported_model, start_triton
 from tests.onnx_reference import reference_session, row_cosines, token_ids, vectors_for_ids
 from tests.processes import REPO_ROOT
@@ -133,6 +134,51 @@ def test_an_export_without_its_head_count_asks_for_a_new_export(tmp_path):
     (version_dir / "export.json").write_text(json.dumps(info))
 
     with pytest.raises(EncoderLoadError, match="re-export"):
+        load_encoder(version_dir / "model.onnx", device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def int8_export(tmp_path_factory) -> Path:
+    """A tiny BERT's int8 export (MatMulInteger on int8 weights), version 1 of Triton model
+    `tiny_int8` with the configs export_model writes beside it: its model folder."""
+    root = tmp_path_factory.mktemp("int8")
+    source = build_tiny_bert(root / "source", seed=6)
+    # A random BERT agrees less with its int8 graph than a trained one: the threshold only needs to pass.
+    repository = root / "repository"
+    result = model_export(
+        source_dir=source, repository_dir=repository, name="tiny_int8", dtype="int8", min_int8_cosine=0.5
+    )
+    return result.model_path.parent.parent
+
+
+@pytest.mark.unit
+def test_an_int8_export_is_refused_by_its_dtype_with_the_ways_to_serve_it(int8_export):
+    with pytest.raises(EncoderLoadError) as refused:
+        load_encoder(int8_export / "1" / "model.onnx", device="cpu", dtype=torch.float32)
+    message = str(refused.value)
+    assert "export.json records dtype 'int8'" in message
+    assert "Serve version 1 of tiny_int8 with the CPU config" in message
+    assert "manage.py register_model --triton-model tiny_int8 --dtype float32" in message
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("dtype", "loads"), [(None, True), ("float32", True), ("float16", True), ("int4", False)]
+)
+def test_the_dtype_export_json_records_decides_before_any_weight_is_read(tmp_path, monkeypatch, dtype, loads):
+    """MiniLM's float32 graph under each recorded dtype (absent: an export from before dtypes were
+    recorded, float32): a float export loads, any other is refused without reading the graph."""
+    version_dir = tmp_path / "minilm" / "1"
+    version_dir.mkdir(parents=True)
+    (version_dir / "model.onnx").symlink_to(MINILM_DIR / "1" / "model.onnx")
+    info = json.loads((MINILM_DIR / "1" / "export.json").read_text())
+    info.pop("dtype", None)
+    (version_dir / "export.json").write_text(json.dumps(info if dtype is None else {**info, "dtype": dtype}))
+    if loads:
+        assert load_encoder(version_dir / "model.onnx", device="cpu", dtype=torch.float32).dims == 384
+        return
+    monkeypatch.setattr(encoder_module, "read_onnx_weights", lambda path: pytest.fail("the graph was read"))
+    with pytest.raises(EncoderLoadError, match=r"export\.json records dtype 'int4'"):
         load_encoder(version_dir / "model.onnx", device="cpu", dtype=torch.float32)
 
 
@@ -287,10 +333,12 @@ def add_torch_cpu_model(repository: Path, name: str, model_dir: Path, bundled_gp
 
 
 @pytest.fixture(scope="module")
-def torch_cpu_triton(tmp_path_factory, cross_encoder):
+def torch_cpu_triton(tmp_path_factory, cross_encoder, int8_export):
     """A Triton serving minilm and a tiny BERT cross-encoder (`reranker`) through embedsite_torch on
     the CPU: the shipped bundled-gpu config with KIND_CPU and float32, chosen by --model-config-name
-    like bundled-gpu is; minilm_tokenizer has no such config and keeps its config.pbtxt."""
+    like bundled-gpu is; minilm_tokenizer has no such config and keeps its config.pbtxt. Beside
+    them, not loaded at start (explicit model control, as `make run`), a tiny int8 export
+    (`tiny_int8`) with the same config."""
     require_exported_model(REPO_ROOT / "model_repository")
     repository = tmp_path_factory.mktemp("repository")
     add_torch_cpu_model(
@@ -306,11 +354,22 @@ def torch_cpu_triton(tmp_path_factory, cross_encoder):
         cross_encoder.model_dir,
         (cross_encoder.model_dir / "configs" / "bundled-gpu.pbtxt").read_text(),
     )
+    add_torch_cpu_model(
+        repository,
+        "tiny_int8",
+        int8_export,
+        (int8_export / "configs" / "bundled-gpu.pbtxt").read_text(),
+    )
     (repository / "minilm_tokenizer").symlink_to(REPO_ROOT / "model_repository" / "minilm_tokenizer")
     # Its stop need not wait out a slow unload of the torch model (14 s once in a full run, 2 s
     # alone): after 5 s the launcher SIGKILLs the group and removes its shared memory.
     server = start_triton(
-        tmp_path_factory.mktemp("triton"), [repository], model_config_name=CPU_CONFIG_NAME, stop_timeout_s=5
+        tmp_path_factory.mktemp("triton"),
+        [repository],
+        model_config_name=CPU_CONFIG_NAME,
+        model_control_mode="explicit",
+        startup_models=["minilm", "reranker", "minilm_tokenizer"],
+        stop_timeout_s=5,
     )
     yield server
     server.stop()
@@ -397,3 +456,17 @@ def test_triton_serves_a_bert_cross_encoder_through_the_torch_backend(torch_cpu_
     np.testing.assert_allclose(alone, reference, rtol=0, atol=SCORE_TOLERANCE)
     log = torch_cpu_triton.log_path.read_text()
     assert "reranker/1/model.onnx (rerank) on cpu in float32, sequence buckets [16, 32, 64, 96, 128]" in log
+
+
+def test_triton_refuses_to_load_an_int8_export_through_the_torch_backend_saying_why(torch_cpu_triton):
+    async def load():
+        async with AsyncTritonClient(torch_cpu_triton.grpc_target) as client:
+            await client.model_load("tiny_int8")
+
+    with pytest.raises(TritonModelLoadFailed) as failed:
+        asyncio.run(load())
+
+    # Triton's own load error carries the backend's reason: no log reading needed to learn why.
+    reason = failed.value.reason
+    assert "export.json records dtype 'int8'" in reason, reason
+    assert "register_model --triton-model tiny_int8 --dtype float32" in reason, reason

@@ -37,6 +37,11 @@ import torch.nn.functional as F
 
 EXPORT_INFO_FILENAME = "export.json"
 SUPPORTED_MODEL_TYPES = ("bert",)
+# export.json's "dtype" (absent: float32, exports from before it was recorded) of graphs whose
+# weights are floats, which this encoder reads and casts to its precision. A quantised export
+# (int8: MatMulInteger on int8 initializers) holds no float matrices to rebuild BERT from.
+FLOAT_WEIGHT_DTYPES = ("float32", "float16")
+DEFAULT_EXPORT_DTYPE = "float32"
 POOLINGS = ("mean", "cls", "last")
 # export.json's task (embeddings.model_tasks, not imported: the Triton stub runs this outside Django).
 TASK_EMBED = "embed"
@@ -384,11 +389,29 @@ class Encoder:
         return vectors.cpu().numpy()
 
 
+def check_export_dtype(model_path: Path, export_info: dict) -> None:
+    """Refuse, before reading any weight, an export whose graph holds no float weights (export.json's
+    "dtype"), naming it and how to serve it instead."""
+    dtype = export_info.get("dtype") or DEFAULT_EXPORT_DTYPE
+    if dtype in FLOAT_WEIGHT_DTYPES:
+        return
+    version_dir = model_path.parent
+    name, version = version_dir.parent.name, version_dir.name
+    raise EncoderLoadError(
+        f"{model_path}: export.json records dtype {dtype!r}; the torch encoder (embedsite_torch, the "
+        f"bundled-gpu config) rebuilds BERT from float weights ({', '.join(FLOAT_WEIGHT_DTYPES)}) and "
+        f"cannot run this {dtype} graph. Serve version {version} of {name} with the CPU config "
+        "(config.pbtxt or configs/cpu.pbtxt: ONNX Runtime runs it), or pin a float32 export for the "
+        f"GPU: manage.py register_model --triton-model {name} --dtype float32"
+    )
+
+
 def load_encoder(model_path: Path, *, device: str | torch.device, dtype: torch.dtype) -> Encoder:
     """The encoder of an exported version: its model.onnx and the export.json beside it."""
     model_path = Path(model_path)
     info_path = model_path.parent / EXPORT_INFO_FILENAME
     export_info = json.loads(info_path.read_text(encoding="utf-8")) if info_path.is_file() else {}
+    check_export_dtype(model_path, export_info)
     weights, layer_norm_eps = read_onnx_weights(model_path)
     spec = encoder_spec(export_info, weights, layer_norm_eps)
     return Encoder(BertEncoder(weights, spec), device=torch.device(device), dtype=dtype)
