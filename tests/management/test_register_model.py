@@ -98,3 +98,37 @@ def test_dtype_pins_the_newest_export_of_it_or_is_refused_naming_export_model(tm
     with pytest.raises(CommandError, match="invalid choice: 'int4'"):
         register("--triton-model", "minilm", "--dtype", "int4")
     reset_clients()
+
+
+@pytest.mark.parametrize("config_name", ["bundled-gpu", "", "gpu"])
+def test_pinning_int8_for_the_torch_gpu_config_warns_and_still_registers(tmp_path, settings, config_name):
+    settings.TRITON_MODEL_REPOSITORY = str(tmp_path)
+    settings.TRITON_MODEL_CONFIG_NAME = config_name
+    settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"  # nothing to load into: the warning is the point
+    reset_clients()
+    write_finished_export(tmp_path, version=1, extra={"dtype": "float32"})
+    write_finished_export(tmp_path, version=2, extra={"dtype": "int8"})
+    warnings = io.StringIO()
+
+    call_command(
+        "register_model", "--triton-model", "minilm", "--dtype", "int8", stdout=io.StringIO(), stderr=warnings
+    )
+    call_command(
+        "register_model",
+        "--triton-model",
+        "minilm",
+        "--dtype",
+        "float32",
+        stdout=io.StringIO(),
+        stderr=warnings,
+    )
+
+    expected = (
+        "warning: minilm version 2 is an int8 export and TRITON_MODEL_CONFIG_NAME=bundled-gpu loads it with "
+        "embedsite_torch"
+    )
+    # Only for the int8 pin and the config whose backend cannot run it (the official gpu config's can).
+    assert warnings.getvalue().count(expected) == (config_name == "bundled-gpu")
+    assert "warning" not in warnings.getvalue().replace(expected, "")
+    assert EmbeddingModel.objects.get(name="minilm").triton_version == "1"
+    reset_clients()

@@ -2,6 +2,7 @@
 
 import argparse
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from embeddings.services.inference.catalog import (
@@ -10,9 +11,13 @@ from embeddings.services.inference.catalog import (
     embedding_model_dtype,
     embedding_model_register,
 )
-from embeddings.services.inference.exports import DTYPES
+from embeddings.services.inference.exports import DTYPE_INT8, DTYPES
 from embeddings.services.inference.serving import models_reconcile
 from embeddings.triton import TritonError
+
+# The Triton configuration whose backend (embedsite_torch) rebuilds BERT from float weights: it
+# refuses to load an int8 export (embeddings/in_triton/backends/embedsite_torch/encoder.py).
+GPU_TORCH_CONFIG_NAME = "bundled-gpu"
 
 
 def prompt_pair(value: str) -> tuple[str, str]:
@@ -118,6 +123,15 @@ class Command(BaseCommand):
             f"({model.dimensions}-d, {model.max_tokens} tokens{int8}{ranks})"
             f"{'' if model.enabled else ', disabled'}"
         )
+        if served == DTYPE_INT8 and settings.TRITON_MODEL_CONFIG_NAME == GPU_TORCH_CONFIG_NAME:
+            self.stderr.write(
+                self.style.WARNING(
+                    f"warning: {model.triton_model} version {model.triton_version} is an int8 export and "
+                    f"TRITON_MODEL_CONFIG_NAME={GPU_TORCH_CONFIG_NAME} loads it with embedsite_torch, "
+                    "which runs float weights only: Triton will refuse it. Serve int8 with the CPU "
+                    "config, or pin a float32 export for the GPU (--dtype float32)."
+                )
+            )
         self.load(model)
 
     def load(self, model) -> None:
