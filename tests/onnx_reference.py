@@ -12,6 +12,13 @@ from django.conf import settings
 from tokenizers import Tokenizer
 
 CLS, SEP = 101, 102
+# Texts the GPU backends are checked on: short, ASCII, non-ASCII, and over a hundred tokens.
+MIXED_TEXTS = [
+    "hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "Ünïcödé, 日本語のテキスト, and emoji 🚀 all tokenise.",
+    "a much longer text about embeddings, tenants and quotas " * 12,
+]
 
 
 def served_version_dir() -> Path:
@@ -58,6 +65,17 @@ def vectors_for_ids(rows: list[list[int]]) -> np.ndarray:
         )
         vectors.append(embedding[0])
     return np.stack(vectors)
+
+
+def padded_ids(rows: list[list[int]], length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`rows` right-padded with 0 to `length` (the longest row's by default), and their mask."""
+    length = length or max(len(ids) for ids in rows)
+    input_ids = np.zeros((len(rows), length), dtype=np.int64)
+    attention_mask = np.zeros_like(input_ids)
+    for index, ids in enumerate(rows):
+        input_ids[index, : len(ids)] = ids
+        attention_mask[index, : len(ids)] = 1
+    return input_ids, attention_mask
 
 
 def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -28,35 +28,26 @@ from embeddings.tooling.model_export import model_export
 from embeddings.triton.client import AsyncTritonClient
 from embeddings.triton.errors import TritonInvalidInput, TritonModelLoadFailed
 from tests.conftest import require_exported_model, start_triton
-from tests.onnx_reference import reference_session, row_cosines, token_ids, vectors_for_ids
+from tests.onnx_reference import (
+    MIXED_TEXTS,
+    padded_ids,
+    reference_session,
+    row_cosines,
+    token_ids,
+    vectors_for_ids,
+)
 from tests.processes import REPO_ROOT
 from tests.tiny_models import build_tiny_bert, embed_with_torch, score_with_torch
 
 MINILM_DIR = REPO_ROOT / "model_repository" / "minilm"
-TEXTS = [
-    "hello",
-    "The quick brown fox jumps over the lazy dog.",
-    "Ünïcödé, 日本語のテキスト, and emoji 🚀 all tokenise.",
-    "a much longer text about embeddings, tenants and quotas " * 12,
-]
 FLOAT32_MIN_COSINE = 0.99999
 FLOAT16_MIN_COSINE = 0.999  # the bar for float16 against the CPU model
-
-
-def padded(rows: list[list[int]], length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    length = length or max(len(ids) for ids in rows)
-    input_ids = np.zeros((len(rows), length), dtype=np.int64)
-    attention_mask = np.zeros_like(input_ids)
-    for index, ids in enumerate(rows):
-        input_ids[index, : len(ids)] = ids
-        attention_mask[index, : len(ids)] = 1
-    return input_ids, attention_mask
 
 
 @pytest.fixture(scope="module")
 def minilm_ids() -> list[list[int]]:
     require_exported_model(REPO_ROOT / "model_repository")
-    return [token_ids(text)[:256] for text in TEXTS]
+    return [token_ids(text)[:256] for text in MIXED_TEXTS]
 
 
 @pytest.mark.unit
@@ -68,9 +59,9 @@ def test_the_encoder_agrees_with_onnx_runtime_on_minilm(minilm_ids, dtype, min_c
     reference = vectors_for_ids(minilm_ids)  # each text alone, no padding
 
     # Padded past every row and past the longest: padding must change nothing.
-    vectors = encoder.embed(*padded(minilm_ids, length=max(map(len, minilm_ids)) + 9))
+    vectors = encoder.embed(*padded_ids(minilm_ids, length=max(map(len, minilm_ids)) + 9))
 
-    assert vectors.shape == (len(TEXTS), 384) and vectors.dtype == np.float32
+    assert vectors.shape == (len(MIXED_TEXTS), 384) and vectors.dtype == np.float32
     assert row_cosines(vectors, reference).min() >= min_cosine
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
 
@@ -78,7 +69,7 @@ def test_the_encoder_agrees_with_onnx_runtime_on_minilm(minilm_ids, dtype, min_c
 @pytest.mark.unit
 def test_an_empty_batch_gives_no_rows():
     encoder = load_encoder(MINILM_DIR / "1" / "model.onnx", device="cpu", dtype=torch.float32)
-    assert encoder.embed(*padded([[101, 102]]))[:0].shape == (0, 384)
+    assert encoder.embed(*padded_ids([[101, 102]]))[:0].shape == (0, 384)
 
 
 @pytest.mark.unit
@@ -99,7 +90,7 @@ def test_each_pooling_of_an_exported_bert_matches_pytorch(tmp_path, pooling):
 
     encoder = load_encoder(result.model_path, device="cpu", dtype=torch.float32)
 
-    assert row_cosines(encoder.embed(*padded(rows)), reference).min() >= FLOAT32_MIN_COSINE
+    assert row_cosines(encoder.embed(*padded_ids(rows)), reference).min() >= FLOAT32_MIN_COSINE
 
 
 @pytest.mark.unit
@@ -381,9 +372,9 @@ def test_triton_serves_the_torch_backend_from_the_named_config(torch_cpu_triton,
             spec = await client.model_metadata("minilm")
             # Concurrent requests of different lengths: the batcher hands them over together (ragged).
             alone = await asyncio.gather(
-                *(client.embed_tokens("minilm", *padded([ids])) for ids in minilm_ids)
+                *(client.embed_tokens("minilm", *padded_ids([ids])) for ids in minilm_ids)
             )
-            together = await client.embed_tokens("minilm", *padded(minilm_ids))
+            together = await client.embed_tokens("minilm", *padded_ids(minilm_ids))
             return [row[0] for row in alone], spec, together
 
     alone, spec, together = asyncio.run(run())
@@ -403,7 +394,7 @@ def test_a_bad_request_is_refused_alone_and_the_model_keeps_serving(torch_cpu_tr
             bad = np.array([[101, 10**6, 102]], dtype=np.int64)
             results = await asyncio.gather(
                 client.embed_tokens("minilm", bad, np.ones_like(bad)),
-                client.embed_tokens("minilm", *padded(minilm_ids[:2])),
+                client.embed_tokens("minilm", *padded_ids(minilm_ids[:2])),
                 return_exceptions=True,
             )
             return results

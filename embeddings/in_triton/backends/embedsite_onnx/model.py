@@ -11,10 +11,21 @@ cross-encoder's token_type_ids; the one output is an embedding model's `embeddin
 cross-encoder's `score` [rows, 1], whatever the graph computes. This model pads them to a
 common length, runs ONNX Runtime once per group of similar lengths, and splits the rows back per
 request. A bad request gets its own error response; the rest of the batch is still served.
+
+The config's `execution_provider` picks where ONNX Runtime runs the graph: `cpu` (the default),
+`cuda` or `tensorrt` (onnxruntime-gpu's CUDA and TensorRT execution providers, on the instance's
+GPU; configs/bundled-gpu-onnx.pbtxt and bundled-gpu-tensorrt.pbtxt). With `sequence_buckets` each
+group runs padded up to one of those lengths, every one run once at load, so a GPU sees a few
+shapes prepared in advance (the GPU providers default to buckets; the CPU to none). TensorRT builds
+a float16 engine for one profile spanning every bucket and batch size, cached by engines.py beside
+this file. A provider ONNX Runtime lacks fails the load, naming what to install: never a quiet CPU.
 """
 
 import hashlib
+import importlib.util
 import json
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +33,22 @@ import triton_python_backend_utils as pb_utils
 
 MODEL_FILENAME = "model.onnx"
 EXPORT_INFO_FILENAME = "export.json"
+# export.json's dtype of a graph only ONNX Runtime's CPU provider runs (MatMulInteger).
+CPU_ONLY_DTYPE = "int8"
+# The config's execution_provider -> ONNX Runtime's name for it.
+EXECUTION_PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+GPU_REQUIREMENTS = "pip install -r requirements-gpu.txt (onnxruntime-gpu in place of onnxruntime)"
+MISSING_PROVIDER_HINTS = {
+    "cuda": GPU_REQUIREMENTS,
+    "tensorrt": f"{GPU_REQUIREMENTS}, and TensorRT 10 (its tensorrt-cu13 line, from pypi.nvidia.com)",
+}
+# Steps of 32 up to 256 (MiniLM's maximum) and of 64 past it: a group of ~130-token texts pads to 160.
+DEFAULT_GPU_BUCKETS = "16,32,64,96,128,160,192,224,256,320,384,448,512"
+TENSORRT_PRECISIONS = ("float16", "float32")
 
 
 def _require_numpy_1() -> None:
@@ -40,6 +67,31 @@ def _invalid_argument(message: str):
     return pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)
 
 
+def _load_module(name: str, path: Path):
+    """Import a file by path, once (the stub puts no backend's directory on sys.path)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+engines = _load_module("embedsite_onnx_engines", Path(__file__).resolve().parent / "engines.py")
+
+
+def parse_buckets(text: str, max_tokens: int | None) -> tuple[int, ...]:
+    """Ascending bucket lengths from "16,32,...", none past the model's maximum, which closes the
+    list; () for "" (each group runs at its longest request's length)."""
+    buckets = sorted({int(part) for part in text.split(",") if part.strip()})
+    if any(bucket < 1 for bucket in buckets):
+        raise ValueError(f"sequence_buckets must be positive lengths, not {text!r}")
+    if buckets and max_tokens is not None:
+        buckets = [bucket for bucket in buckets if bucket < max_tokens] + [max_tokens]
+    return tuple(buckets)
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as file:
@@ -48,9 +100,10 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _log_export_check(model_path: Path, export_info: dict) -> None:
-    """Say in Triton's log whether model.onnx is the file export.json describes. A mismatch is
-    logged, not refused: the model still loads (`register_local_model` refuses it at setup)."""
+def _log_export_check(model_path: Path, export_info: dict) -> str:
+    """Say in Triton's log whether model.onnx is the file export.json describes, and return its
+    SHA-256. A mismatch is logged, not refused: the model still loads (`register_local_model`
+    refuses it at setup)."""
     logger = pb_utils.Logger
     recorded = export_info.get("sha256")
     actual = _sha256(model_path)
@@ -68,6 +121,7 @@ def _log_export_check(model_path: Path, export_info: dict) -> None:
             f"{model_path} sha256 {actual} matches export.json "
             f"({export_info.get('pooling')} pooling, {export_info.get('dims')} dims)"
         )
+    return actual
 
 
 def _parameters(model_config: dict) -> dict[str, str]:
@@ -76,6 +130,8 @@ def _parameters(model_config: dict) -> dict[str, str]:
 
 class TritonPythonModel:
     runtime_name = "ONNX Runtime"
+    # Lengths each group is padded up to (see padded_length); () pads to the group's longest.
+    buckets: tuple[int, ...] = ()
 
     def initialize(self, args: dict) -> None:
         _require_numpy_1()
@@ -85,7 +141,9 @@ class TritonPythonModel:
         export_info_path = version_dir / EXPORT_INFO_FILENAME
         export_info = json.loads(export_info_path.read_text()) if export_info_path.is_file() else {}
 
-        _log_export_check(version_dir / MODEL_FILENAME, export_info)
+        self.export_sha256 = _log_export_check(version_dir / MODEL_FILENAME, export_info)
+        self.export_info = export_info
+        self.max_batch_size = int(model_config.get("max_batch_size", 0))
         self.output_name = model_config["output"][0]["name"]
         # input_ids and attention_mask first (read and checked by name), then any others.
         names = [tensor["name"] for tensor in model_config["input"]]
@@ -104,9 +162,15 @@ class TritonPythonModel:
         self.load_runtime(args, version_dir / MODEL_FILENAME, parameters)
 
     def load_runtime(self, args: dict, model_path: Path, parameters: dict[str, str]) -> None:
-        """Load what runs the model (here ONNX Runtime on CPU; the GPU backend overrides it)."""
+        """Load what runs the model: ONNX Runtime on the config's execution provider (the GPU backend
+        overrides it)."""
         import onnxruntime
 
+        provider = parameters.get("execution_provider", "cpu")
+        if provider not in EXECUTION_PROVIDERS:
+            raise ValueError(
+                f"execution_provider must be one of {list(EXECUTION_PROVIDERS)}, not {provider!r}"
+            )
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = int(parameters.get("intra_op_threads", "0"))
         options.inter_op_num_threads = 1
@@ -116,9 +180,134 @@ class TritonPythonModel:
         )
         options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = onnxruntime.InferenceSession(
-            str(model_path), options, providers=["CPUExecutionProvider"]
+        default_buckets = "" if provider == "cpu" else DEFAULT_GPU_BUCKETS
+        self.buckets = parse_buckets(parameters.get("sequence_buckets", default_buckets), self.max_tokens)
+        if provider == "cpu":
+            self.session = onnxruntime.InferenceSession(
+                str(model_path), options, providers=["CPUExecutionProvider"]
+            )
+            if self.buckets:
+                self.warm_up()
+            _log_info(
+                f"embedsite_onnx: {model_path} on CPUExecutionProvider, sequence buckets {list(self.buckets)}"
+            )
+            return
+        self._load_on_gpu(onnxruntime, options, provider, args, model_path, parameters)
+
+    def _load_on_gpu(
+        self, onnxruntime, options, provider: str, args: dict, model_path: Path, parameters
+    ) -> None:
+        """ONNX Runtime's CUDA or TensorRT provider on the instance's GPU, every bucket run once."""
+        dtype = self.export_info.get("dtype") or "float32"
+        if dtype == CPU_ONLY_DTYPE:
+            raise RuntimeError(
+                f"{model_path} is an {dtype} export, which ONNX Runtime runs on CPU only (MatMulInteger): "
+                f"execution_provider {provider} cannot serve it. Serve it with config.pbtxt, or pin a "
+                "float32 or float16 version (register_model --dtype)"
+            )
+        if not self.buckets:
+            raise ValueError(f"execution_provider {provider} needs sequence_buckets (the shapes run at load)")
+        wanted = EXECUTION_PROVIDERS[provider]
+        available = onnxruntime.get_available_providers()
+        if wanted not in available:
+            raise RuntimeError(
+                f"execution_provider {provider} needs ONNX Runtime's {wanted}, which this onnxruntime "
+                f"{onnxruntime.__version__} lacks (it has {available}): {MISSING_PROVIDER_HINTS[provider]}"
+            )
+        if args.get("model_instance_kind") != "GPU":
+            raise RuntimeError(
+                f"execution_provider {provider} runs on a GPU: its instance_group needs kind: KIND_GPU"
+            )
+        if hasattr(onnxruntime, "preload_dlls"):
+            # CUDA and cuDNN from the nvidia-* wheels beside onnxruntime-gpu (requirements-gpu.txt),
+            # when the system's loader path does not have them.
+            onnxruntime.preload_dlls()
+        device_id = int(args.get("model_instance_device_id", 0))
+        cuda_options = {"device_id": device_id}
+        if provider == "cuda":
+            providers = [(wanted, cuda_options)]
+            started = time.monotonic()
+            self.session = self._gpu_session(onnxruntime, model_path, options, providers, wanted)
+            self.warm_up()
+            _log_info(
+                f"embedsite_onnx: {model_path} ({dtype}) on {wanted}, GPU {device_id}, sequence buckets "
+                f"{list(self.buckets)}; loaded and warmed up in {time.monotonic() - started:.1f} s"
+            )
+            return
+        self._load_tensorrt(onnxruntime, options, model_path, parameters, device_id, cuda_options)
+
+    def _load_tensorrt(
+        self, onnxruntime, options, model_path: Path, parameters, device_id: int, cuda_options
+    ) -> None:
+        precision = parameters.get("precision", "float16")
+        if precision not in TENSORRT_PRECISIONS:
+            raise ValueError(f"precision must be one of {TENSORRT_PRECISIONS}, not {precision!r}")
+        tensorrt_version = _tensorrt_version()
+        if tensorrt_version is None:
+            raise RuntimeError(
+                "execution_provider tensorrt needs TensorRT 10, which is not installed: "
+                + MISSING_PROVIDER_HINTS["tensorrt"]
+            )
+        gpu = engines.gpu_identity(device_id)
+        profile = engines.tensorrt_profile(
+            input_names=self.input_names,
+            max_batch_size=self.max_batch_size,
+            buckets=self.buckets,
+            opt_shape=parameters.get("tensorrt_opt_shape", ""),
         )
+        key = engines.EngineKey.for_gpu(
+            gpu,
+            export_sha256=self.export_sha256,
+            tensorrt_version=tensorrt_version,
+            onnxruntime_version=onnxruntime.__version__,
+            precision=precision,
+            profile=profile,
+        )
+        cache_root = Path(parameters.get("engine_cache_dir") or model_path.parent.parent / "engines")
+        directory = engines.engine_directory(cache_root, model_path.parent.name, key)
+        trt_options = {
+            "device_id": device_id,
+            "trt_fp16_enable": precision == "float16",
+            "trt_engine_cache_enable": True,
+            "trt_engine_cache_path": str(directory),
+            "trt_timing_cache_enable": True,
+            "trt_timing_cache_path": str(directory),
+            "trt_profile_min_shapes": profile[0],
+            "trt_profile_opt_shapes": profile[1],
+            "trt_profile_max_shapes": profile[2],
+        }
+        # The few nodes TensorRT cannot take run on CUDA, never on the CPU.
+        providers = [("TensorrtExecutionProvider", trt_options), ("CUDAExecutionProvider", cuda_options)]
+        for removed in engines.prepare_engine_directory(directory, key):
+            _log_info(f"embedsite_onnx: removed {removed}, engines of another export of this version")
+        with engines.engine_lock(directory):
+            cached = engines.engine_files(directory)
+            started = time.monotonic()
+            self.session = self._gpu_session(
+                onnxruntime, model_path, options, providers, "TensorrtExecutionProvider"
+            )
+            self.warm_up()
+            elapsed = time.monotonic() - started
+            built = engines.engine_files(directory) - cached
+        origin = f"built in {elapsed:.1f} s" if built else f"loaded from the cache in {elapsed:.1f} s"
+        _log_info(
+            f"embedsite_onnx: {model_path} on TensorrtExecutionProvider (TensorRT {tensorrt_version}, "
+            f"GPU {device_id}: {gpu.name}, {gpu.architecture}), {precision} engine {origin}: {directory}; "
+            f"profile {profile[0]} .. {profile[2]}, sequence buckets {list(self.buckets)}"
+        )
+
+    @staticmethod
+    def _gpu_session(onnxruntime, model_path: Path, options, providers: list, wanted: str):
+        session = onnxruntime.InferenceSession(str(model_path), options, providers=providers)
+        # ONNX Runtime falls back to the CPU, with a warning only, when a provider's libraries fail to
+        # load (no CUDA, cuDNN or TensorRT found): refuse instead of serving from the CPU.
+        if wanted not in session.get_providers():
+            raise RuntimeError(
+                f"ONNX Runtime could not start {wanted} (running on {session.get_providers()} instead): "
+                f"its libraries did not load; Triton's log holds ONNX Runtime's reason. "
+                f"{MISSING_PROVIDER_HINTS['tensorrt' if wanted.startswith('Tensorrt') else 'cuda']}"
+            )
+        return session
 
     def execute(self, requests: list) -> list:
         responses: list = [None] * len(requests)
@@ -236,13 +425,38 @@ class TritonPythonModel:
         return self.run_padded(inputs)
 
     def padded_length(self, longest: int) -> int:
-        """The sequence length a group runs at (ONNX Runtime: its longest request's)."""
-        return longest
+        """The sequence length a group runs at: the first bucket that holds its longest request, or
+        that request's length past the buckets or without any."""
+        return next((bucket for bucket in self.buckets if bucket >= longest), longest)
+
+    def warm_up(self) -> None:
+        """One run per bucket, so the first requests don't pay for the GPU's start and kernel (or
+        engine) choice; every input the config lists (a cross-encoder's token types all 0), so a config
+        that leaves out one the export needs fails here, at load, and not on the first request."""
+        for length in self.buckets:
+            inputs = {name: np.zeros((1, length), dtype=np.int64) for name in self.input_names}
+            inputs["attention_mask"] = np.ones((1, length), dtype=np.int64)
+            self.run_padded(inputs)
 
     def run_padded(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """Input name -> [rows, length] int64; returns [rows, dims] float32 (a score: dims 1)."""
         (outputs,) = self.session.run([self.output_name], inputs)
         return outputs.astype(np.float32, copy=False)
+
+
+def _log_info(message: str) -> None:
+    pb_utils.Logger.log_info(message)
+
+
+def _tensorrt_version() -> str | None:
+    """The TensorRT that ONNX Runtime's provider will load: the `tensorrt` wheel's (importing it loads
+    its libraries, which the provider then finds), else a libnvinfer.so.10 on the loader's path."""
+    try:
+        import tensorrt
+
+        return tensorrt.__version__
+    except ImportError:
+        return engines.tensorrt_version_from_library()
 
 
 def _pad(array: np.ndarray, length: int) -> np.ndarray:

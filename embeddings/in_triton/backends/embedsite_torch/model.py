@@ -23,32 +23,23 @@ import numpy as np
 
 BACKENDS_DIR = Path(__file__).resolve().parent.parent
 PRECISIONS = ("float16", "bfloat16", "float32")
-DEFAULT_BUCKETS = "16,32,64,96,128,160,192,224,256,320,384,448,512"
 
 
-def _load_module(name: str, path: Path):
-    """Import a file by path (the stub puts neither directory on sys.path)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def _load_onnx_backend():
+    """embedsite_onnx's model.py, imported by path (the stub puts neither directory on sys.path); its
+    loader then imports the rest."""
+    name = "embedsite_onnx_model"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BACKENDS_DIR / "embedsite_onnx" / "model.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
-onnx_backend = _load_module("embedsite_onnx_model", BACKENDS_DIR / "embedsite_onnx" / "model.py")
-encoder_module = _load_module("embedsite_torch_encoder", Path(__file__).resolve().parent / "encoder.py")
-
-
-def parse_buckets(text: str, max_tokens: int | None) -> tuple[int, ...]:
-    """Ascending bucket lengths from "16,32,...", none past the model's maximum."""
-    buckets = sorted({int(part) for part in text.split(",") if part.strip()})
-    if any(bucket < 1 for bucket in buckets):
-        raise ValueError(f"sequence_buckets must be positive lengths, not {text!r}")
-    if max_tokens is not None:
-        buckets = [bucket for bucket in buckets if bucket < max_tokens] + [max_tokens]
-    return tuple(buckets)
+onnx_backend = _load_onnx_backend()
+encoder_module = onnx_backend._load_module(
+    "embedsite_torch_encoder", Path(__file__).resolve().parent / "encoder.py"
+)
 
 
 class TritonPythonModel(onnx_backend.TritonPythonModel):
@@ -69,24 +60,14 @@ class TritonPythonModel(onnx_backend.TritonPythonModel):
             if threads:
                 torch.set_num_threads(threads)
         self.encoder = encoder_module.load_encoder(model_path, device=device, dtype=getattr(torch, precision))
-        self.buckets = parse_buckets(parameters.get("sequence_buckets", DEFAULT_BUCKETS), self.max_tokens)
-        self._warm_up()
+        self.buckets = onnx_backend.parse_buckets(
+            parameters.get("sequence_buckets", onnx_backend.DEFAULT_GPU_BUCKETS), self.max_tokens
+        )
+        self.warm_up()
         onnx_backend.pb_utils.Logger.log_info(
             f"embedsite_torch: {model_path} ({self.encoder.spec.task}) on {device} in {precision}, "
             f"sequence buckets {list(self.buckets)}"
         )
-
-    def _warm_up(self) -> None:
-        """One run per bucket, so the first requests don't pay for CUDA's start and kernel choice;
-        every input the config lists (a cross-encoder's token types all 0), so a config that leaves
-        out one the export needs fails here, at load, and not on the first request."""
-        for length in self.buckets:
-            inputs = {name: np.zeros((1, length), dtype=np.int64) for name in self.input_names}
-            inputs["attention_mask"] = np.ones((1, length), dtype=np.int64)
-            self.run_padded(inputs)
-
-    def padded_length(self, longest: int) -> int:
-        return next((bucket for bucket in self.buckets if bucket >= longest), longest)
 
     def run_padded(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         return self.encoder.embed(inputs["input_ids"], inputs["attention_mask"], inputs.get("token_type_ids"))
