@@ -1,12 +1,14 @@
 """Triton model configurations of an exported model (embedding or cross-encoder), rendered from one
 set of templates.
 
-Every exported model gets the same four files, so a second model is served with MiniLM's tuned
+Every exported model gets the same seven files, so a second model is served with MiniLM's tuned
 settings and the bundled and official-container configurations never drift apart:
-`config.pbtxt` (the bundled CPU Triton, embedsite_onnx backend), `configs/bundled-gpu.pbtxt` (the
-bundled Triton on a GPU, embedsite_torch backend, `--model-config-name bundled-gpu`), and
-`configs/cpu.pbtxt` and `configs/gpu.pbtxt` (the official container, `--model-config-name cpu|gpu`,
-onnxruntime backend).
+`config.pbtxt` (the bundled CPU Triton, embedsite_onnx backend); for the bundled Triton on a GPU,
+`configs/bundled-gpu.pbtxt` (embedsite_torch, PyTorch float16), `configs/bundled-gpu-onnx.pbtxt`
+(embedsite_onnx on ONNX Runtime's CUDA provider) and `configs/bundled-gpu-tensorrt.pbtxt`
+(embedsite_onnx on its TensorRT provider), each chosen by `--model-config-name <name>`; and for
+the official container's onnxruntime backend `configs/cpu.pbtxt`, `configs/gpu.pbtxt` and
+`configs/gpu-tensorrt.pbtxt` (`--model-config-name cpu|gpu|gpu-tensorrt`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ CONFIG_TEMPLATES = {
     "config.pbtxt": "bundled.pbtxt",
     "configs/cpu.pbtxt": "cpu.pbtxt",
     "configs/gpu.pbtxt": "gpu.pbtxt",
+    "configs/gpu-tensorrt.pbtxt": "gpu_tensorrt.pbtxt",
     "configs/bundled-gpu.pbtxt": "bundled_gpu.pbtxt",
+    "configs/bundled-gpu-onnx.pbtxt": "bundled_gpu_onnx.pbtxt",
+    "configs/bundled-gpu-tensorrt.pbtxt": "bundled_gpu_tensorrt.pbtxt",
 }
 
 

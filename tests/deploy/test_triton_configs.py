@@ -1,5 +1,5 @@
-"""The official-container configs (configs/gpu.pbtxt, configs/cpu.pbtxt): read by a real Triton, and
-fitting the exported model.onnx."""
+"""The official-container configs (configs/gpu.pbtxt, configs/cpu.pbtxt, configs/gpu-tensorrt.pbtxt):
+read by a real Triton, and fitting the exported model.onnx."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def triton_reading(config_text: str, config_name: str, tmp_path: Path) -> str:
     return (tmp_path / "triton.log").read_text(errors="replace")
 
 
-@pytest.mark.parametrize("config_name", ["gpu", "cpu"])
+@pytest.mark.parametrize("config_name", ["gpu", "cpu", "gpu-tensorrt"])
 def test_triton_reads_the_official_container_config(config_name: str, tmp_path: Path) -> None:
     log = triton_reading((MODEL_DIR / "configs" / f"{config_name}.pbtxt").read_text(), config_name, tmp_path)
     assert PARSE_FAILED not in log
@@ -89,7 +89,7 @@ def test_both_configs_match_the_exported_model() -> None:
     graph_outputs = {
         tensor.name: (onnx_types[tensor.type], tensor.shape[-1]) for tensor in session.get_outputs()
     }
-    for name in ("cpu", "gpu"):
+    for name in ("cpu", "gpu", "gpu-tensorrt"):
         config = parsed(name)
         assert {tensor.name: tensor.data_type for tensor in config.input} == graph_inputs
         assert {tensor.name: (tensor.data_type, tensor.dims[-1]) for tensor in config.output} == graph_outputs

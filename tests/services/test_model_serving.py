@@ -97,6 +97,18 @@ def test_config_override_pins_versions_in_the_configuration_triton_reads(reposit
         model_config_override(triton_model="minilm", versions=["1"])
 
 
+@pytest.mark.unit
+def test_config_override_keeps_the_tensorrt_accelerator_of_the_official_containers_config(settings):
+    # The shipped folder: the load sends what configs/gpu-tensorrt.pbtxt says, TensorRT included.
+    settings.TRITON_MODEL_CONFIG_NAME = "gpu-tensorrt"
+    config = json_format.Parse(
+        model_config_override(triton_model="minilm", versions=["1"]), model_config_pb2.ModelConfig()
+    )
+    (accelerator,) = config.optimization.execution_accelerators.gpu_execution_accelerator
+    assert accelerator.name == "tensorrt" and accelerator.parameters["precision_mode"] == "FP16"
+    assert accelerator.parameters["trt_engine_cache_path"] == "/engines/minilm"
+
+
 # --- Reconciling with Triton -----------------------------------------------------------------------
 
 

@@ -15,7 +15,16 @@ from tests.processes import REPO_ROOT
 pytestmark = pytest.mark.unit
 
 MINILM_DIR = REPO_ROOT / "model_repository" / "minilm"
-CONFIG_PATHS = ("config.pbtxt", "configs/cpu.pbtxt", "configs/gpu.pbtxt", "configs/bundled-gpu.pbtxt")
+CONFIG_PATHS = (
+    "config.pbtxt",
+    "configs/cpu.pbtxt",
+    "configs/gpu.pbtxt",
+    "configs/gpu-tensorrt.pbtxt",
+    "configs/bundled-gpu.pbtxt",
+    "configs/bundled-gpu-onnx.pbtxt",
+    "configs/bundled-gpu-tensorrt.pbtxt",
+)
+KIND_GPU = model_config_pb2.ModelInstanceGroup.KIND_GPU
 
 
 def parsed(text: str) -> model_config_pb2.ModelConfig:
@@ -41,19 +50,39 @@ def test_another_models_configs_name_it_and_its_width():
             ("input_ids", model_config_pb2.TYPE_INT64),
             ("attention_mask", model_config_pb2.TYPE_INT64),
         ]
-    bundled, cpu, gpu, bundled_gpu = (rendered[path] for path in CONFIG_PATHS)
+    bundled, cpu, gpu = (
+        rendered[path] for path in ("config.pbtxt", "configs/cpu.pbtxt", "configs/gpu.pbtxt")
+    )
     assert bundled.backend == "embedsite_onnx" and not bundled.platform
     assert all(tensor.allow_ragged_batch for tensor in bundled.input)
-    assert bundled_gpu.backend == "embedsite_torch" and not bundled_gpu.platform
-    assert all(tensor.allow_ragged_batch for tensor in bundled_gpu.input)
-    assert [group.kind for group in bundled_gpu.instance_group] == [
-        model_config_pb2.ModelInstanceGroup.KIND_GPU
-    ]
-    # Same priority levels as the CPU model: the client's priorities mean the same on both.
-    assert bundled_gpu.dynamic_batching.priority_levels == bundled.dynamic_batching.priority_levels
-    assert cpu.platform == gpu.platform == "onnxruntime_onnx"
+    # The bundled Triton's three GPU engines: ragged, on the GPU, batched as the CPU model.
+    engines = {
+        "configs/bundled-gpu.pbtxt": ("embedsite_torch", None),
+        "configs/bundled-gpu-onnx.pbtxt": ("embedsite_onnx", "cuda"),
+        "configs/bundled-gpu-tensorrt.pbtxt": ("embedsite_onnx", "tensorrt"),
+    }
+    for path, (backend, provider) in engines.items():
+        config = rendered[path]
+        assert config.backend == backend and not config.platform, path
+        assert all(tensor.allow_ragged_batch for tensor in config.input), path
+        assert [group.kind for group in config.instance_group] == [KIND_GPU], path
+        # Same priority levels as the CPU model: the client's priorities mean the same on all.
+        assert config.dynamic_batching.priority_levels == bundled.dynamic_batching.priority_levels, path
+        parameters = {key: value.string_value for key, value in config.parameters.items()}
+        assert parameters.get("execution_provider") == provider, path
+        # Every one pads to the same buckets and runs them at load.
+        assert parameters["sequence_buckets"] == "16,32,64,96,128,160,192,224,256,320,384,448,512", path
+    tensorrt = rendered["configs/bundled-gpu-tensorrt.pbtxt"].parameters
+    assert tensorrt["precision"].string_value == "float16"
+    assert tensorrt["engine_cache_dir"].string_value == ""  # <model>/engines
+    official_tensorrt = rendered["configs/gpu-tensorrt.pbtxt"]
+    assert cpu.platform == gpu.platform == official_tensorrt.platform == "onnxruntime_onnx"
     assert [group.kind for group in cpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
-    assert [group.kind for group in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
+    assert [group.kind for group in gpu.instance_group] == [KIND_GPU]
+    (accelerator,) = official_tensorrt.optimization.execution_accelerators.gpu_execution_accelerator
+    assert accelerator.name == "tensorrt" and accelerator.parameters["precision_mode"] == "FP16"
+    assert accelerator.parameters["trt_engine_cache_path"] == "/engines/tiny_bert"
+    assert not gpu.HasField("optimization")
     # The tuned settings are MiniLM's, whatever the model.
     minilm = parsed((MINILM_DIR / "config.pbtxt").read_text())
     assert bundled.max_batch_size == minilm.max_batch_size
@@ -73,7 +102,7 @@ def test_dims_must_be_a_positive_integer(dims):
         model_config_texts(name="tiny", dims=dims)
 
 
-def test_writing_creates_the_three_files_and_leaves_equal_ones_alone(tmp_path: Path):
+def test_writing_creates_the_files_and_leaves_equal_ones_alone(tmp_path: Path):
     written = model_configs_write(model_dir=tmp_path / "tiny", name="tiny", dims=64)
     assert written == [tmp_path / "tiny" / path for path in CONFIG_PATHS]
     before = {path: (tmp_path / "tiny" / path).stat().st_mtime_ns for path in CONFIG_PATHS}
