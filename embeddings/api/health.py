@@ -12,7 +12,8 @@ its Redis's state and the process's local entries. It never makes the process un
 cache every row is computed.
 
 It also reports, under "models", what Triton says of every enabled catalog model (its Triton
-model, pinned version, state and reason); only the default model counts for readiness.
+model, pinned version, dtype, the engine answering it, state and reason); only the default model
+counts for readiness.
 
 With several Triton replicas (TRITON_SERVER_URL a list or a `dns:///` name) each replica is asked
 on its own, and "replicas" says per replica whether it is live, serves the default model, and its
@@ -37,7 +38,7 @@ from embeddings.errors import EmbedsiteError
 from embeddings.redis.connections import redis_async, redis_job_store
 from embeddings.services.inference import catalog
 from embeddings.services.inference.clients import triton_async_client
-from embeddings.services.inference.serving import models_serving_states
+from embeddings.services.inference.serving import embedding_model_engine, models_serving_states
 from embeddings.services.inference.vector_cache import vector_cache_state
 from embeddings.triton import TritonError, TritonModelNotLoaded
 
@@ -203,8 +204,9 @@ async def _run_check(name: str, check: Callable[[], Awaitable[None]]) -> str:
 
 
 async def models_report() -> dict[str, dict[str, str]]:
-    """Catalog name -> {triton_model, version, dtype, state, reason} for each enabled model, from one
-    repository index; {} when the catalog or Triton cannot be read (the checks say which)."""
+    """Catalog name -> {triton_model, version, dtype, engine, state, reason} for each enabled model,
+    from one repository index (engine: what runs a READY model and in what precision, null when
+    Triton cannot say); {} when the catalog or Triton cannot be read (the checks say which)."""
     try:
         async with asyncio.timeout(settings.READY_CHECK_TIMEOUT_S):
             models = await catalog.embedding_models_enabled_cached()
@@ -213,6 +215,12 @@ async def models_report() -> dict[str, dict[str, str]]:
         logger.warning("readiness: the models' states could not be read: %s", error)
         return {}
     by_name = {model.name: model for model in models}
+
+    async def engine(state) -> dict | None:
+        model = by_name.get(state.name)
+        return await embedding_model_engine(model=model) if model is not None and state.ready else None
+
+    engines = await asyncio.gather(*(engine(state) for state in states))
     return {
         state.name: {
             "triton_model": state.triton_model,
@@ -220,10 +228,11 @@ async def models_report() -> dict[str, dict[str, str]]:
             "dtype": catalog.embedding_model_dtype(model=by_name[state.name])["dtype"]
             if state.name in by_name
             else None,
+            "engine": engine,
             "state": state.state,
             "reason": state.reason,
         }
-        for state in states
+        for state, engine in zip(states, engines, strict=True)
     }
 
 

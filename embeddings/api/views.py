@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Protocol
 
@@ -43,6 +44,7 @@ from embeddings.services.inference.embedding import (
     model_output_types,
 )
 from embeddings.services.inference.ranking import SIMILARITY_SCORE_RANGE
+from embeddings.services.inference.serving import embedding_model_engine
 from embeddings.services.openai_api.embeddings_body import embeddings_response_body
 from embeddings.services.quotas.limits import RequestQuota
 
@@ -156,6 +158,17 @@ class TeiEmbedResponse(serializers.Serializer):
     timings = TimingsSerializer()
 
 
+class EngineSerializer(serializers.Serializer):
+    name = serializers.CharField(
+        allow_null=True,
+        help_text="What runs it: onnxruntime-cpu, onnxruntime-cuda, tensorrt or pytorch "
+        "(TRITON_MODEL_CONFIG_NAME picks it)",
+    )
+    precision = serializers.CharField(
+        allow_null=True, help_text="What it computes in: float32, float16, int8"
+    )
+
+
 class RerankCapabilitySerializer(serializers.Serializer):
     method = serializers.ChoiceField(choices=["cross_encoder", "cosine_similarity"])
     activation = serializers.ChoiceField(
@@ -193,6 +206,9 @@ class ModelObjectSerializer(serializers.Serializer):
     aliases = serializers.ListField(child=serializers.CharField())
     rerank = RerankCapabilitySerializer(
         allow_null=True, help_text="How it answers rerank requests; null: it does not rank"
+    )
+    engine = EngineSerializer(
+        allow_null=True, help_text="The engine answering it, as Triton serves it; null when Triton cannot say"
     )
     input_types = serializers.DictField(
         child=serializers.CharField(),
@@ -438,6 +454,7 @@ MODEL_EXAMPLE = {
     "max_tokens": 256,
     "aliases": ["minilm", "sentence-transformers/all-MiniLM-L6-v2"],
     "rerank": {"method": "cosine_similarity", "activation": None, "score_range": [-1.0, 1.0]},
+    "engine": {"name": "onnxruntime-cpu", "precision": "float32"},
     "input_types": None,
     "output_types": ["float", "int8", "uint8", "binary", "ubinary"],
     "dtype": "float32",
@@ -445,7 +462,8 @@ MODEL_EXAMPLE = {
 }
 
 
-def model_object(model: EmbeddingModel) -> dict:
+def model_object(model: EmbeddingModel, engine: dict | None) -> dict:
+    """The model as /v1/models lists it; `engine` is embedding_model_engine's."""
     return {
         "id": model.name,
         "object": "model",
@@ -456,6 +474,7 @@ def model_object(model: EmbeddingModel) -> dict:
         "max_tokens": model.max_tokens,
         "aliases": list(model.aliases or []),
         "rerank": rerank_capability(model),
+        "engine": engine,
         "input_types": dict(model.input_types) if model.input_types else None,
         "output_types": model_output_types(model),
         **catalog.embedding_model_dtype(model=model),
@@ -496,7 +515,9 @@ class ModelListView(ApiView):
     )
     async def get(self, request: Request) -> Response:
         models = await catalog.embedding_models_for_caller(caller=request.user)
-        return Response({"object": "list", "data": [model_object(model) for model in models]})
+        engines = await asyncio.gather(*(embedding_model_engine(model=model) for model in models))
+        data = [model_object(model, engine) for model, engine in zip(models, engines, strict=True)]
+        return Response({"object": "list", "data": data})
 
 
 class ModelDetailView(ApiView):
@@ -521,4 +542,4 @@ class ModelDetailView(ApiView):
     )
     async def get(self, request: Request, model_id: str) -> Response:
         model = await model_for_request(self, model_id, embeds=False)
-        return Response(model_object(model))
+        return Response(model_object(model, await embedding_model_engine(model=model)))

@@ -219,6 +219,17 @@ class ModelSpec:
     max_batch_size: int
     # Every version the server serves, oldest first.
     served_versions: tuple[str, ...] = ()
+    # What runs it, from its configuration: the backend ("embedsite_onnx", "embedsite_torch"), its
+    # parameters (key, value), its instance groups' kinds ("KIND_GPU") and GPU execution
+    # accelerators (name, its parameters). Not compared: replicas that run one version on different
+    # engines still answer the same inputs and outputs (a change of engine rolls out replica by replica).
+    backend: str = field(default="", compare=False)
+    parameters: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    instance_kinds: tuple[str, ...] = field(default=(), compare=False)
+    gpu_accelerators: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = field(default=(), compare=False)
+
+    def parameter(self, key: str, default: str = "") -> str:
+        return dict(self.parameters).get(key, default)
 
     def input(self, name: str) -> TensorSpec | None:
         return next((tensor for tensor in self.inputs if tensor.name == name), None)
@@ -291,6 +302,15 @@ def _model_spec(
         outputs=tensors(metadata.outputs),
         max_batch_size=config.max_batch_size,
         served_versions=tuple(served),
+        backend=config.backend,
+        parameters=tuple(sorted((key, value.string_value) for key, value in config.parameters.items())),
+        instance_kinds=tuple(
+            model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind) for group in config.instance_group
+        ),
+        gpu_accelerators=tuple(
+            (accelerator.name, tuple(sorted(accelerator.parameters.items())))
+            for accelerator in config.optimization.execution_accelerators.gpu_execution_accelerator
+        ),
     )
 
 

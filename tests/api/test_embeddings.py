@@ -351,9 +351,22 @@ async def test_models_list_and_detail(client, alpha, beta, model):
     assert body["data"][0]["object"] == "model" and body["data"][0]["dimensions"] == 384
     # Version 1 is the float32 export: no int8 agreement to report.
     assert (body["data"][0]["dtype"], body["data"][0]["int8_agreement"]) == ("float32", None)
+    # What Triton runs it with: config.pbtxt, embedsite_onnx on ONNX Runtime's CPU provider.
+    assert body["data"][0]["engine"] == {"name": "onnxruntime-cpu", "precision": "float32"}
     detail = await client.get("/v1/models/sentence-transformers/all-MiniLM-L6-v2", headers=alpha.headers)
     assert detail.status_code == 200 and detail.json()["id"] == "all-MiniLM-L6-v2"
+    assert detail.json()["engine"] == {"name": "onnxruntime-cpu", "precision": "float32"}
     assert_error(await client.get("/v1/models/nope", headers=alpha.headers), 404)
+
+
+async def test_models_list_says_engine_null_when_triton_cannot_say(client, alpha, settings):
+    settings.TRITON_GRPC_TARGET = f"127.0.0.1:{free_port()}"
+    settings.READY_CHECK_TIMEOUT_S = 1.0
+    reset_clients()
+    listed = await client.get("/v1/models", headers=alpha.headers)
+    assert listed.status_code == 200
+    (model,) = listed.json()["data"]
+    assert model["engine"] is None and model["dtype"] == "float32"
 
 
 async def test_health_needs_no_key(client):

@@ -27,6 +27,7 @@ async def test_ready_when_everything_answers(client):
                 "triton_model": "minilm",
                 "version": "1",
                 "dtype": "float32",
+                "engine": {"name": "onnxruntime-cpu", "precision": "float32"},
                 "state": "READY",
                 "reason": "",
             }

@@ -88,6 +88,7 @@ def test_a_second_model_is_registered_loaded_served_and_503_once_unloaded(servin
         "triton_model": "minilm",
         "version": "1",
         "dtype": "float32",
+        "engine": {"name": "onnxruntime-cpu", "precision": "float32"},
         "state": "READY",
         "reason": "",
     }
@@ -95,3 +96,4 @@ def test_a_second_model_is_registered_loaded_served_and_503_once_unloaded(servin
         "UNLOADING",
         "UNAVAILABLE",
     }
+    assert states["copy"]["engine"] is None  # not served: nothing answers it

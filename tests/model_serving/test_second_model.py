@@ -290,6 +290,9 @@ def test_an_int8_export_serves_beside_float32_under_a_second_name_that_says_its_
         "READY",
     )
     assert states[MINILM]["dtype"] == "float32"
+    # The same backend and provider; the int8 graph computes in int8.
+    assert states[TINY_INT8]["engine"] == {"name": "onnxruntime-cpu", "precision": "int8"}
+    assert states[TINY]["engine"] == {"name": "onnxruntime-cpu", "precision": "float32"}
 
     # Both answer, each from its own version (the embedding cache keys them apart).
     float32, int8 = embed(http, TINY), embed(http, TINY_INT8)

@@ -5,10 +5,14 @@ control, so nothing is served until it is loaded. `models_reconcile` makes Trito
 catalog: each Triton model named by an enabled row is loaded with exactly the pinned versions
 (a config override with `version_policy { specific }`), one no enabled row names is unloaded.
 Triton models the catalog does not name (the tokenizer, the text ensemble) are never touched.
+
+`embedding_model_engine` says which engine answers a served model (ONNX Runtime on CPU or CUDA,
+TensorRT, PyTorch) and in what precision, from the configuration Triton loaded it with.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -21,10 +25,12 @@ from django.db import DatabaseError
 from google.protobuf import json_format, text_format
 
 from embeddings.models import EmbeddingModel
+from embeddings.services.inference.catalog import embedding_model_dtype
 from embeddings.services.inference.clients import triton_async_client, triton_sync_client
 from embeddings.services.inference.exports import model_export_versions
 from embeddings.triton import (
     AsyncTritonClient,
+    ModelSpec,
     RepositoryModel,
     TritonClient,
     TritonError,
@@ -222,6 +228,49 @@ async def models_serving_states(
         models = await sync_to_async(list)(EmbeddingModel.objects.order_by("name"))
     index = await (client or triton_async_client()).repository_index()
     return serving_states(models, index)
+
+
+# embedsite_onnx's execution_provider -> the engine that runs the graph.
+ONNX_RUNTIME_ENGINES = {"cpu": "onnxruntime-cpu", "cuda": "onnxruntime-cuda", "tensorrt": "tensorrt"}
+# The onnxruntime backend's (official container) TensorRT precision_mode -> our precision's name.
+TENSORRT_PRECISION_MODES = {"FP16": "float16", "BF16": "bfloat16", "INT8": "int8"}
+
+
+def model_engine(spec: ModelSpec, *, export_dtype: str | None) -> dict:
+    """{"name", "precision"} of what runs the model Triton describes as `spec`: "onnxruntime-cpu",
+    "onnxruntime-cuda", "tensorrt" or "pytorch" (another backend: its name), and the precision it
+    computes in (a backend's own `precision` parameter, else the export's dtype)."""
+    if spec.backend == "embedsite_torch":
+        return {"name": "pytorch", "precision": spec.parameter("precision", "float16")}
+    if spec.backend == "embedsite_onnx":
+        provider = spec.parameter("execution_provider", "cpu")
+        precision = spec.parameter("precision", "float16") if provider == "tensorrt" else export_dtype
+        return {"name": ONNX_RUNTIME_ENGINES.get(provider, provider), "precision": precision}
+    if spec.backend == "onnxruntime" or spec.platform == "onnxruntime_onnx":
+        on_gpu = "KIND_GPU" in spec.instance_kinds
+        tensorrt = dict(spec.gpu_accelerators).get("tensorrt")
+        if on_gpu and tensorrt is not None:
+            mode = dict(tensorrt).get("precision_mode", "")
+            return {"name": "tensorrt", "precision": TENSORRT_PRECISION_MODES.get(mode, export_dtype)}
+        return {"name": "onnxruntime-cuda" if on_gpu else "onnxruntime-cpu", "precision": export_dtype}
+    return {"name": spec.backend or spec.platform or None, "precision": export_dtype}
+
+
+async def embedding_model_engine(
+    *, model: EmbeddingModel, client: AsyncTritonClient | None = None
+) -> dict | None:
+    """The engine answering `model` (model_engine), from the configuration Triton serves its pinned
+    version with; None when Triton cannot say within READY_CHECK_TIMEOUT_S (down, or the version
+    not loaded). The configuration is read once per process and model (the client keeps it)."""
+    try:
+        async with asyncio.timeout(settings.READY_CHECK_TIMEOUT_S):
+            spec = await (client or triton_async_client()).model_metadata(
+                model.triton_model, model.triton_version
+            )
+    except (TritonError, TimeoutError) as error:
+        logger.info("the engine of model %s is unknown: %s", model.name, type(error).__name__)
+        return None
+    return model_engine(spec, export_dtype=embedding_model_dtype(model=model)["dtype"])
 
 
 def write_serving_states(out: TextIO) -> list[ModelServingState]:
