@@ -28,6 +28,15 @@ The servers run with the shipped settings, and on CUDA with the GPU sizes README
 (GPU_SERVER_ENV: the defaults are CPU-sized; a process refuses past MAX_INFLIGHT_TRITON_CALLS
 requests in flight with 429, counted as errors, by reason, per cell); `--server-env VAR=VALUE` changes them,
 `--shapes 32x1,512x1` measures part of the matrix, `--plan` prints the cells and the time they take.
+
+`--engines` compares the bundled Triton's GPU engines in one run instead (README "The local model on
+a GPU"): float16 PyTorch (`bundled-gpu`), float16 ONNX on ONNX Runtime's CUDA provider
+(`bundled-gpu-onnx`, on the newest float16 export) and TensorRT (`bundled-gpu-tensorrt`), each in
+a Triton of its own over a scratch repository whose minilm/1 is the export that engine serves; per
+engine its start (a TensorRT engine's build included), the agreement with the reference, our client
+straight to Triton and HTTP (`--workers`, default 8) at 32 x 32 and 512 x 1, and the engine the
+service's /v1/models reports. `--engines pytorch,tensorrt` runs some. bench/plot_gpu.py prints the
+engines' table.
 """
 
 from __future__ import annotations
@@ -89,6 +98,31 @@ class LoadShape:
 
 LOAD_SHAPES = (LoadShape(32, 1), LoadShape(128, 1), LoadShape(512, 1), LoadShape(32, 32))
 QUICK_LOAD_SHAPES = (LoadShape(32, 1), LoadShape(32, 32))
+ENGINE_LOAD_SHAPES = (LoadShape(32, 32), LoadShape(512, 1))
+ENGINE_WORKERS = (8,)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One of the bundled Triton's GPU engines: its name as /v1/models reports it, the configuration
+    that runs it, and the export dtypes it serves, preferred first."""
+
+    name: str
+    config_name: str
+    export_dtypes: tuple[str, ...]
+
+
+ENGINES = {
+    engine.name: engine
+    for engine in (
+        # Reads the weights into PyTorch and runs them in float16, whatever the export's dtype.
+        Engine("pytorch", "bundled-gpu", ("float32", "float16")),
+        # Runs the graph as exported: the float16 export is the float16 ONNX measured.
+        Engine("onnxruntime-cuda", "bundled-gpu-onnx", ("float16",)),
+        # Builds float16 kernels from either; the float16 file is the one the device carries.
+        Engine("tensorrt", "bundled-gpu-tensorrt", ("float16", "float32")),
+    )
+}
 # Fixed costs of a run besides its cells (seconds): Triton loading the model, the in-process model,
 # the agreement check, the database and Redis of the HTTP stack, each server start with its warm-up
 # and stop; what `planned_seconds` adds to the cells.
@@ -132,6 +166,46 @@ def parse_shapes(text: str) -> list[LoadShape]:
     if not shapes:
         raise argparse.ArgumentTypeError(f"{text!r}: expected shapes like 32x1,512x1,32x32")
     return shapes
+
+
+def parse_engines(text: str) -> list[Engine]:
+    """'pytorch,tensorrt' -> those engines, in that order; 'all' -> every one."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if names == ["all"]:
+        return list(ENGINES.values())
+    unknown = [name for name in names if name not in ENGINES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected engines among {', '.join(ENGINES)} (or all)")
+    return [ENGINES[name] for name in names]
+
+
+def model_exports(model_dirs: list[Path]) -> dict[Path, dict]:
+    """Each numbered version folder of `model_dirs` -> its export.json (unreadable ones left out)."""
+    exports = {}
+    for model_dir in model_dirs:
+        for version_dir in sorted(model_dir.iterdir()) if model_dir.is_dir() else ():
+            if version_dir.name.isdigit():
+                try:
+                    exports[version_dir] = json.loads((version_dir / "export.json").read_text())
+                except (OSError, ValueError):
+                    continue
+    return exports
+
+
+def engine_export(engine: Engine, exports: dict[Path, dict]) -> Path | None:
+    """The version folder `engine` serves: the newest export of the first of its dtypes that has
+    one. A copy whose weights bench/device/pack.sh turned to float16 (export.json `carried_as`) is
+    no valid ONNX graph any more: only PyTorch, which reads the weights alone, serves it."""
+    for dtype in engine.export_dtypes:
+        found = [
+            version_dir
+            for version_dir, info in exports.items()
+            if (info.get("dtype") or "float32") == dtype
+            and (engine.name == "pytorch" or "carried_as" not in info)
+        ]
+        if found:
+            return max(found, key=lambda version_dir: int(version_dir.name))
+    return None
 
 
 def parse_server_env(text: str) -> tuple[str, str]:
@@ -269,6 +343,13 @@ def min_cosine(ours: np.ndarray, reference: np.ndarray) -> float:
 
 
 def planned_cells(args: argparse.Namespace) -> dict[str, int]:
+    if args.engines:
+        per_engine = len(TEXT_KINDS) * len(args.shapes)
+        return {
+            "in_process": 0,
+            "triton_direct": per_engine * len(args.engines),
+            "http": per_engine * len(args.workers) * len(args.engines),
+        }
     return {
         "in_process": len(TEXT_KINDS) * len(args.batches),
         "triton_direct": len(TEXT_KINDS) * len(args.shapes),
@@ -285,7 +366,8 @@ def planned_seconds(args: argparse.Namespace) -> float:
     cells = planned_cells(args)
     measured = cells["in_process"] * in_process_seconds(args.seconds)
     measured += (cells["triton_direct"] + cells["http"]) * (wrk_seconds(args.seconds) + CELL_OVERHEAD_S)
-    return measured + TRITON_START_S + STACK_START_S + SERVER_START_S * len(args.workers)
+    starts = max(1, len(args.engines))  # each engine its own Triton, stack and servers
+    return measured + starts * (TRITON_START_S + STACK_START_S + SERVER_START_S * len(args.workers))
 
 
 def wrk_seconds(seconds: float) -> int:
@@ -692,6 +774,7 @@ class Run:
                 "shapes": [shape.name for shape in args.shapes],
                 "in_process_batches": args.batches,
                 "budget_s": args.budget_s,
+                "engines": [engine.name for engine in args.engines],
             },
             "planned_s": planned_seconds(args),
             "environment": {},
@@ -700,6 +783,7 @@ class Run:
             "in_process": [],
             "triton_direct": [],
             "http": [],
+            "engines": [],
             "errors": [],
             "finished": False,
         }
@@ -738,7 +822,8 @@ class Run:
 
 
 def format_progress(section: str, entry: dict) -> str:
-    labels = " ".join(f"{key}={entry[key]}" for key in ("texts", "workers", "shape", "batch") if key in entry)
+    keys = ("engine", "texts", "workers", "shape", "batch")
+    labels = " ".join(f"{key}={entry[key]}" for key in keys if key in entry)
     if "error" in entry or "skipped" in entry:
         return f"{section:13} {labels}: {entry.get('error') or entry.get('skipped')}"
     parts = [f"{entry['emb_per_s']:9.0f} emb/s"]
@@ -861,6 +946,21 @@ def measure_all(run: Run, workdir: Path, stack: ExitStack) -> None:
         measure_http(run, workdir, stack, triton, texts, shapes, reference)
 
 
+def measure_engines_run(run: Run, workdir: Path) -> None:
+    """--engines: the texts and reference once, then each engine."""
+    tok = tokenizer()
+    texts = {kind: texts_for(kind) for kind in TEXT_KINDS}
+    for kind, kind_texts in texts.items():
+        counts = tok.encode(kind_texts[:256]).token_counts
+        run.result["texts"][kind] = {"words": TEXT_KINDS[kind], "tokens_mean": float(counts.mean())}
+    reference = None
+    try:
+        reference = load_reference(run.args.reference)
+    except Exception as error:
+        run.error("reference vectors", error)
+    measure_engines(run, workdir, texts, reference)
+
+
 def free_device_memory() -> None:
     try:
         import torch
@@ -871,16 +971,21 @@ def free_device_memory() -> None:
         pass
 
 
-def start_triton(run: Run, workdir: Path, stack: ExitStack):
+def start_triton(run: Run, workdir: Path, stack: ExitStack, *, repository: Path | None = None,
+                 config_name: str | None = None, record: dict | None = None):  # fmt: skip
+    """Triton over `repository` (the checkout's) with `config_name` (--config-name), its start time
+    and log tail recorded in `record` (the run's result)."""
     from embeddings.tooling.triton_server import TritonServer, free_port
 
+    record = run.result if record is None else record
+    config_name = run.args.config_name if config_name is None else config_name
     triton = TritonServer(
-        model_repositories=[ROOT / "model_repository"],
+        model_repositories=[repository or ROOT / "model_repository"],
         run_dir=workdir / "triton",
         grpc_port=free_port(),
         http_port=free_port(),
         metrics_port=free_port(),
-        model_config_name=run.args.config_name,
+        model_config_name=config_name,
         log_path=workdir / "triton.log",
     )
     started = time.monotonic()
@@ -888,22 +993,23 @@ def start_triton(run: Run, workdir: Path, stack: ExitStack):
         triton.start()
         stack.callback(triton.stop)
         # Runs before the stop above (last in, first out): Triton's log ends up in the JSON.
-        stack.callback(lambda: run.result.update(triton_log_tail=triton.log_tail(60)))
+        stack.callback(lambda: record.update(triton_log_tail=triton.log_tail(60)))
         triton.wait_until_ready(run.args.triton_start_timeout_s)
     except Exception as error:
-        run.result["triton_log_tail"] = triton.log_tail(80) if triton.log_path else None
-        run.error("Triton start", error)
+        record["triton_log_tail"] = triton.log_tail(80) if triton.log_path else None
+        run.error(f"Triton start ({config_name or 'config.pbtxt'})", error)
         return None
-    run.result["triton_start_s"] = round(time.monotonic() - started, 1)
-    print(f"Triton ready in {run.result['triton_start_s']} s ({run.args.config_name or 'config.pbtxt'})")
+    record["triton_start_s"] = round(time.monotonic() - started, 1)
+    print(f"Triton ready in {record['triton_start_s']} s ({config_name or 'config.pbtxt'})", flush=True)
     return triton
 
 
-def agreement(run: Run, model, tok, triton, reference: tuple[list[str], np.ndarray, str]) -> None:
+def agreement(run: Run, model, tok, triton, reference: tuple[list[str], np.ndarray, str],
+              record: dict | None = None) -> None:  # fmt: skip
     """Min cosine of the in-process and of Triton's vectors against the reference, each on its own."""
     texts, vectors, source = reference
     found = {"reference": source, "texts": len(texts)}
-    run.result["agreement"] = found
+    (run.result if record is None else record)["agreement"] = found
     if model is not None:
         try:
             found["in_process_min_cosine"] = min_cosine(embed_texts(model, tok, texts), vectors)
@@ -929,7 +1035,9 @@ def triton_vectors(triton, tok, texts: list[str]) -> np.ndarray:
     return np.concatenate(served)
 
 
-def measure_triton_direct(run: Run, triton, texts: dict[str, list[str]], shapes) -> None:
+def measure_triton_direct(
+    run: Run, triton, texts: dict[str, list[str]], shapes, engine: str | None = None
+) -> None:
     args = run.args
     context = multiprocessing.get_context("spawn")
     try:
@@ -948,6 +1056,8 @@ def measure_triton_direct(run: Run, triton, texts: dict[str, list[str]], shapes)
                                               args.seconds)  # fmt: skip
 
                 labels = {"texts": kind, "shape": shape.name, "clients": shape.clients, "batch": shape.batch}
+                if engine is not None:
+                    labels = {"engine": engine, **labels}
                 run.cell("triton_direct", labels, measure, args.seconds + 15)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -983,8 +1093,20 @@ def triton_direct_cell(
 
 
 def measure_http(
-    run: Run, workdir: Path, stack: ExitStack, triton, texts: dict[str, list[str]], shapes, reference
+    run: Run,
+    workdir: Path,
+    stack: ExitStack,
+    triton,
+    texts: dict[str, list[str]],
+    shapes,
+    reference,
+    engine: Engine | None = None,
+    repository: Path | None = None,
+    record: dict | None = None,
 ) -> None:
+    """Each worker count's server started, measured and stopped in turn; with an `engine`, over its
+    `repository` and configuration, its cells labelled with it and the engine /v1/models reports
+    recorded in `record`."""
     from api import RedisPair, prepare_database
 
     from embeddings.tooling.triton_server import free_port
@@ -999,7 +1121,8 @@ def measure_http(
             "DJANGO_SETTINGS_MODULE": "embedsite.settings",
             "DATABASE_URL": f"sqlite:///{workdir / 'db.sqlite3'}",
             "TRITON_SERVER_URL": triton.grpc_target,
-            "TRITON_MODEL_CONFIG_NAME": args.config_name,
+            "TRITON_MODEL_CONFIG_NAME": args.config_name if engine is None else engine.config_name,
+            **({"TRITON_MODEL_REPOSITORY": str(repository)} if repository is not None else {}),
             "QUOTAS_ENABLED": "true",
             "LOG_LEVEL": "WARNING",
             **dict(args.server_env),
@@ -1009,6 +1132,7 @@ def measure_http(
         run.error("HTTP stack (Redis, database)", error)
         return
     headers = {"Authorization": f"Bearer {key}"}
+    engine_label = {} if engine is None else {"engine": engine.name}
     # Each server's first request: the reference texts, its vectors checked (when there is a reference).
     check_texts = reference[0] if reference is not None else agreement_texts()
     WorkersServer = http_server_class()
@@ -1016,7 +1140,7 @@ def measure_http(
         if run.elapsed() + SERVER_START_S + CELL_OVERHEAD_S + args.seconds > args.budget_s:
             for kind in texts:
                 for shape in shapes:
-                    labels = {"texts": kind, "workers": workers, "shape": shape.name,
+                    labels = {**engine_label, "texts": kind, "workers": workers, "shape": shape.name,
                               "clients": shape.clients, "batch": shape.batch}  # fmt: skip
                     run.cell("http", labels, dict, float("inf"))  # recorded as skipped
             continue
@@ -1030,8 +1154,11 @@ def measure_http(
             served = http_probe(url, check, headers)
             cosine = min_cosine(served, reference[1]) if reference is not None else None
             warm_up(url, texts["short"], headers, workers, args, workdir)
+            if record is not None:
+                record["reported_engine"] = reported_engine(server.url, headers)
             run.result.setdefault("servers", []).append(
                 {
+                    **engine_label,
                     "workers": workers,
                     "start_s": round(time.monotonic() - started, 1),
                     "workers_settled_s": round(booted_s, 1),
@@ -1044,7 +1171,7 @@ def measure_http(
             log = workdir / f"serve-{workers}.log"
             tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
             run.result.setdefault("servers", []).append(
-                {"workers": workers, "error": str(error), "log_tail": tail}
+                {**engine_label, "workers": workers, "error": str(error), "log_tail": tail}
             )
             run.error(f"serve --workers {workers}", error)
             if server is not None:
@@ -1057,11 +1184,78 @@ def measure_http(
                     def measure(kind_texts=kind_texts, shape=shape, server=server, url=url):
                         return http_cell(server, url, kind_texts, shape, headers, triton, args, workdir)
 
-                    labels = {"texts": kind, "workers": workers, "shape": shape.name,
+                    labels = {**engine_label, "texts": kind, "workers": workers, "shape": shape.name,
                               "clients": shape.clients, "batch": shape.batch}  # fmt: skip
                     run.cell("http", labels, measure, args.seconds + CELL_OVERHEAD_S + 10)
         finally:
             server.stop()
+
+
+def reported_engine(base_url: str, headers: dict[str, str]) -> dict | None:
+    """The engine the service's /v1/models says answers the default model."""
+    request = urllib.request.Request(f"{base_url}/v1/models/all-MiniLM-L6-v2", headers=headers)
+    with LOOPBACK.open(request, timeout=30) as reply:
+        return json.load(reply).get("engine")
+
+
+# --- the GPU engines, one after the other (--engines) ------------------------------------------------
+
+
+# A backend's load line in Triton's log, without the closing quote Triton puts around messages.
+ENGINE_LOG_LINE = re.compile(r'(embedsite_(?:onnx|torch): [^"\n]*)')
+
+
+def engine_repository(directory: Path, version_dir: Path) -> Path:
+    """A model repository serving `version_dir` as minilm's version 1, with minilm's configurations
+    and the tokenizer models beside it: each engine's Triton serves only the export it runs."""
+    source = MODEL_DIR.parent
+    model = directory / TRITON_MODEL
+    model.mkdir(parents=True)
+    (model / "1").symlink_to(version_dir.resolve())
+    shutil.copyfile(source / "config.pbtxt", model / "config.pbtxt")
+    shutil.copytree(source / "configs", model / "configs")
+    for other in source.parent.iterdir():
+        if other.name != TRITON_MODEL and (other / "config.pbtxt").is_file():
+            (directory / other.name).symlink_to(other.resolve())
+    return directory
+
+
+def measure_engines(run: Run, workdir: Path, texts: dict[str, list[str]], reference) -> None:
+    """Each engine in its own Triton over its own export: agreement, Triton direct, HTTP."""
+    args = run.args
+    tok = tokenizer()
+    exports = model_exports([MODEL_DIR.parent, *args.exports])
+    for engine in args.engines:
+        record: dict = {"engine": engine.name, "config_name": engine.config_name}
+        run.result["engines"].append(record)
+        version_dir = engine_export(engine, exports)
+        if version_dir is None:
+            record["error"] = (
+                f"no {' or '.join(engine.export_dtypes)} export of {TRITON_MODEL} to serve "
+                f"(manage.py export_model --name {TRITON_MODEL} --dtype {engine.export_dtypes[0]})"
+            )
+            run.error(f"engine {engine.name}", RuntimeError(record["error"]))
+            continue
+        info = exports[version_dir]
+        record |= {"version": int(version_dir.name), "export_dir": str(version_dir),
+                   "export_dtype": info.get("dtype") or "float32"}  # fmt: skip
+        if "carried_as" in info:
+            record["carried_as"] = info["carried_as"]
+        directory = workdir / engine.name
+        repository = engine_repository(directory / "repository", version_dir)
+        with ExitStack() as stack:
+            triton = start_triton(run, directory, stack, repository=repository,
+                                  config_name=engine.config_name, record=record)  # fmt: skip
+            if triton is None:
+                continue
+            log = triton.log_path.read_text(errors="replace")
+            record["load_log"] = [match.group(1)[:500] for match in ENGINE_LOG_LINE.finditer(log)][:8]
+            if reference is not None:
+                agreement(run, None, tok, triton, reference, record=record)
+            measure_triton_direct(run, triton, texts, args.shapes, engine=engine.name)
+            measure_http(run, directory, stack, triton, texts, args.shapes, reference,
+                         engine=engine, repository=repository, record=record)  # fmt: skip
+        run.save()
 
 
 def warm_up(url: str, texts: list[str], headers: dict[str, str], workers: int, args, workdir: Path) -> None:
@@ -1117,7 +1311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="in-process model's device")
     parser.add_argument("--seconds", type=float, default=4.0,
                         help="seconds per gRPC and HTTP cell (in-process cells take half)")  # fmt: skip
-    parser.add_argument("--workers", type=parse_workers, default=[1, 4, 8, 12], help="e.g. 1,4,8,12")
+    parser.add_argument("--workers", type=parse_workers,
+                        help="e.g. 1,4,8,12 (default: that; with --engines, 8)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu.json")
     parser.add_argument("--quick", action="store_true", help="fewer shapes and batches: a smoke run")
     parser.add_argument("--reference", type=Path, default=REFERENCE,
@@ -1135,6 +1330,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shapes", type=parse_shapes,
                         help="gRPC and HTTP load shapes, e.g. 32x1,512x1 (default: all)")  # fmt: skip
     parser.add_argument("--plan", action="store_true", help="print the cell count and planned time, and exit")
+    parser.add_argument("--exports", type=Path, action="append", default=[], metavar="DIR",
+                        help="with --engines, more folders of minilm's numbered versions to choose "
+                        "each engine's export from (the device's float16 export)")  # fmt: skip
+    parser.add_argument("--engines", type=parse_engines, nargs="?", const="all", default=[],
+                        help=f"compare the GPU engines ({','.join(ENGINES)}; bare: all) at 32x32 and "
+                        "512x1 instead of one configuration's full matrix")  # fmt: skip
     args = parser.parse_args(argv)
     if args.seconds < 1:
         parser.error("--seconds must be at least 1 (wrk runs whole seconds)")
@@ -1143,9 +1344,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "cuda":
         # First, so that a --server-env of the same name wins.
         args.server_env = [*GPU_SERVER_ENV.items(), *args.server_env]
+    if args.engines and args.device != "cuda":
+        parser.error("--engines runs the GPU engines: it needs --device cuda")
     if args.shapes is None:
-        args.shapes = list(QUICK_LOAD_SHAPES if args.quick else LOAD_SHAPES)
-    args.batches = list(QUICK_IN_PROCESS_BATCHES if args.quick else IN_PROCESS_BATCHES)
+        default_shapes = (
+            ENGINE_LOAD_SHAPES if args.engines else QUICK_LOAD_SHAPES if args.quick else LOAD_SHAPES
+        )
+        args.shapes = list(default_shapes)
+    if args.workers is None:
+        args.workers = list(ENGINE_WORKERS if args.engines else (1, 4, 8, 12))
+    args.batches = (
+        [] if args.engines else list(QUICK_IN_PROCESS_BATCHES if args.quick else IN_PROCESS_BATCHES)
+    )
     return args
 
 
@@ -1174,7 +1384,10 @@ def main(argv: list[str] | None = None) -> None:
             run.error("environment", RuntimeError(f"{tool} is not on PATH: the HTTP cells will fail"))
     with tempfile.TemporaryDirectory(prefix="embedsite-bench-gpu-") as tmp, ExitStack() as stack:
         try:
-            measure_all(run, Path(tmp), stack)
+            if args.engines:
+                measure_engines_run(run, Path(tmp))
+            else:
+                measure_all(run, Path(tmp), stack)
         except BaseException as error:  # a KeyboardInterrupt too leaves its record
             run.error("run", error)
             if not isinstance(error, Exception):

@@ -3,13 +3,16 @@
 Run where matplotlib is installed (not on the GPU machine): `.venv/bin/python bench/plot_gpu.py
 bench/results/gpu.json [--png docs/bench-gpu.png] [--markdown PATH]`. The Markdown goes to stdout
 (and to --markdown): the findings (HTTP against Triton-direct at batch 32, embeddings per web core,
-web cores that feed the GPU, each cell's bottleneck), then one table per stage.
+web cores that feed the GPU, each cell's bottleneck), then one table per stage. A run of
+`bench/gpu.py --engines` gives the engines' tables instead: how each started and agreed, then their
+embeddings/s side by side, Triton direct and HTTP.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -242,13 +245,112 @@ def failures(result: dict) -> list[str]:
         for cell in result.get(section, []):
             if "error" in cell or "skipped" in cell:
                 labels = ", ".join(
-                    str(cell[key]) for key in ("texts", "shape", "workers", "batch") if key in cell
+                    str(cell[key]) for key in ("engine", "texts", "shape", "workers", "batch") if key in cell
                 )
                 lines.append(f"- {section} ({labels}): {cell.get('error') or cell.get('skipped')}")
     return lines
 
 
+LOAD_SECONDS = re.compile(
+    r"(?P<what>engine built|engine loaded from the cache|loaded and warmed up) in (?P<seconds>[\d.]+) s"
+)
+TORCH_DEVICE = re.compile(r" on (cuda:\d+|cpu) in (\w+)")
+
+
+def load_summary(log_lines: list[str]) -> str:
+    """What the backend's load lines (one per instance) say: TensorRT engines built and read from the
+    cache, CUDA sessions warmed up, each with the instances' longest time; PyTorch's device."""
+    longest: dict[str, list[float]] = {}
+    devices = set()
+    for line in log_lines:
+        match = LOAD_SECONDS.search(line)
+        if match:
+            longest.setdefault(match["what"], []).append(float(match["seconds"]))
+        elif TORCH_DEVICE.search(line):
+            devices.add("PyTorch on {} in {}".format(*TORCH_DEVICE.search(line).groups()))
+    parts = [f"{what} x{len(times)}, up to {max(times):.1f} s" for what, times in longest.items()]
+    return "; ".join([*parts, *sorted(devices)])
+
+
+def engines_summary(result: dict) -> str:
+    """Per engine: what served it, how long Triton took to start (a TensorRT build included), how its
+    engine loaded, its agreement with the float32 reference and what /v1/models reported."""
+    lines = [
+        "| engine | configuration | export | Triton start s | loaded | min cosine (Triton) "
+        "| /v1/models says |",
+        "| --- | --- | --- | ---: | --- | ---: | --- |",
+    ]
+    for entry in result.get("engines", []):
+        export = f"version {entry['version']} ({entry['export_dtype']})" if "version" in entry else "-"
+        reported = entry.get("reported_engine")
+        said = f"{reported['name']}, {reported['precision']}" if reported else "-"
+        loaded = load_summary(entry.get("load_log", [])) or entry.get("error", "-")
+        lines.append(
+            f"| {entry['engine']} | `{entry['config_name']}` | {export} | "
+            f"{_number(entry.get('triton_start_s'), 1)} | {loaded} | "
+            f"{_number(entry.get('agreement', {}).get('triton_min_cosine'), 5)} | {said} |"
+        )
+    return "\n".join(lines)
+
+
+def engines_table(result: dict) -> str:
+    """Embeddings/s (p50 ms) of each engine, through our client straight to Triton and through HTTP
+    (its best worker count), per texts and load."""
+    engines = [entry["engine"] for entry in result.get("engines", [])]
+    direct = {
+        (cell["engine"], cell["texts"], cell["shape"]): cell
+        for cell in measured(result.get("triton_direct", []))
+        if "engine" in cell
+    }
+    http: dict[tuple[str, str, str], dict] = {}
+    for cell in measured(result.get("http", [])):
+        key = (cell.get("engine"), cell["texts"], cell["shape"])
+        if key[0] is not None and (key not in http or cell["emb_per_s"] > http[key]["emb_per_s"]):
+            http[key] = cell
+    loads = shapes_in_order(
+        [*result.get("triton_direct", []), *result.get("http", [])]  # in the order they ran
+    )
+    header = "| texts | load | " + " | ".join(f"{name}: Triton | {name}: HTTP" for name in engines) + " |"
+    lines = [
+        "Embeddings/s (p50 ms) per engine, our client straight to Triton and the HTTP service "
+        f"(workers {', '.join(str(n) for n in result.get('options', {}).get('workers', []))}):",
+        "",
+        header,
+        "| --- | --- | " + " | ".join("---: | ---:" for _ in engines) + " |",
+    ]
+
+    def figure(cell: dict | None) -> str:
+        if cell is None:
+            return "-"
+        return f"{_number(cell['emb_per_s'])} ({_number(cell.get('p50_ms'), 1)})"
+
+    for texts, shape in loads:
+        row = [texts, shape]
+        for name in engines:
+            row += [figure(direct.get((name, texts, shape))), figure(http.get((name, texts, shape)))]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def engines_markdown(result: dict) -> str:
+    environment = result.get("environment", {})
+    gpus = ", ".join(environment.get("gpus") or []) or "no GPU"
+    parts = [
+        f"GPU engines measured on {gpus}, {environment.get('cpu_count')} CPUs, onnxruntime "
+        f"{environment.get('onnxruntime')}, torch {environment.get('torch')}, "
+        f"{result.get('options', {}).get('seconds')} s per cell, run {result.get('elapsed_s')} s.",
+        engines_summary(result),
+        engines_table(result),
+    ]
+    missing = failures(result)
+    if missing:
+        parts.append("Cells without figures:\n\n" + "\n".join(missing))
+    return "\n\n".join(parts) + "\n"
+
+
 def markdown(result: dict) -> str:
+    if result.get("options", {}).get("engines"):
+        return engines_markdown(result)
     environment = result.get("environment", {})
     gpus = ", ".join(environment.get("gpus") or []) or "no GPU"
     parts = [
@@ -329,6 +431,8 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.write(text)
     if args.markdown:
         args.markdown.write_text(text)
+    if result.get("options", {}).get("engines"):
+        return  # the engines' figures are the tables; the plot is of worker counts
     plot(result, args.png)
     print(f"\nwritten {args.png}")
 

@@ -8,7 +8,16 @@
 #   .gpu/carry2: model.onnx with float16 weights (45 MB: the float32 file is over the limit with
 #                anything else; embedsite_torch runs float16, so the GPU figures are the same), its
 #                export.json with that file's checksum.
-# Run here after `make setup`; bench/device/setup.sh unpacks both on the device.
+# For `bench/gpu.py --engines` (the GPU engines side by side), unless ENGINES=0:
+#   .gpu/carry3: minilm's float16 export (`export_model --dtype float16`, a float16 ONNX graph that
+#                ONNX Runtime and TensorRT run; the weights-only copy above is no valid graph), made
+#                here into a scratch repository;
+#   .gpu/carry4 and on: onnxruntime-gpu 1.31.1 for CPython 3.12 (its CUDA and TensorRT providers;
+#                the device's image has the CUDA 13 and cuDNN 9 wheels it loads), 60 MiB a folder.
+#   TensorRT is not carried: its libraries (about a gigabyte) come only from pypi.nvidia.com, which
+#   this workplace cannot reach, so the tensorrt engine is refused at load there and its cells say why.
+# Run here after `make setup`; bench/device/setup.sh unpacks them on the device, each folder once it
+# has come (one carry a call: `carry` takes at most 64 MiB).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
@@ -76,5 +85,28 @@ PYTHON
 xz -9 -T0 "$OUT/carry2/model.onnx"
 # The reference vectors bench/gpu.py checks the GPU's against (bench/gpu.py --write-reference).
 if [ -f bench/results/gpu-reference.npz ]; then cp bench/results/gpu-reference.npz "$OUT/carry2/"; fi
+
+if [ "${ENGINES:-1}" = 1 ]; then
+  if $PY manage.py export_model --help | grep -q float16; then
+    $PY manage.py export_model --name minilm --dtype float16 --version 2 --repository "$OUT/work/float16"
+    mkdir -p "$OUT/carry3"
+    tar -C "$OUT/work/float16/minilm/2" -cf "$OUT/carry3/float16-export.tar" --exclude=model.onnx .
+    xz -9 -T0 -c "$OUT/work/float16/minilm/2/model.onnx" > "$OUT/carry3/model.onnx.xz"
+  else
+    echo "no float16 export carried: this checkout's export_model has no --dtype float16" >&2
+  fi
+  $PY -m pip download -q --no-deps "${PLATFORM[@]}" -d "$OUT/work/gpu-wheels" onnxruntime-gpu==1.31.1
+  wheel=$(ls "$OUT"/work/gpu-wheels/onnxruntime_gpu-*.whl)
+  split -b 60M -d -a 2 "$wheel" "$OUT/work/gpu-wheels/part"
+  parts=("$OUT"/work/gpu-wheels/part*)
+  for index in "${!parts[@]}"; do
+    carry="$OUT/carry$((index + 4))"
+    mkdir -p "$carry"
+    mv "${parts[$index]}" "$carry/onnxruntime-gpu.part$(printf %02d "$index")"
+    # Each folder says what the parts make, so setup.sh can tell when they are all there.
+    printf '%s %s %s\n' "$(basename "$wheel")" "${#parts[@]}" "$(sha256sum "$wheel" | cut -d' ' -f1)" \
+      > "$carry/onnxruntime-gpu.manifest"
+  done
+fi
 rm -rf "$OUT/work"
-du -sh "$OUT"/carry1 "$OUT"/carry2
+du -sh "$OUT"/carry*

@@ -230,6 +230,78 @@ def test_server_environment_overrides_are_parsed():
         gpu.parse_args(["--server-env", "NOVALUE"])
 
 
+def test_engines_compare_the_three_gpu_engines_at_two_loads_within_the_budget():
+    args = gpu.parse_args(["--engines"])
+    assert [(engine.name, engine.config_name) for engine in args.engines] == [
+        ("pytorch", "bundled-gpu"),
+        ("onnxruntime-cuda", "bundled-gpu-onnx"),
+        ("tensorrt", "bundled-gpu-tensorrt"),
+    ]
+    assert [shape.name for shape in args.shapes] == ["32 x 32", "512 x 1"]
+    assert (args.workers, args.batches) == ([8], [])
+    # Short and long texts, two loads, each engine: Triton direct and HTTP, nothing in process.
+    assert gpu.planned_cells(args) == {"in_process": 0, "triton_direct": 12, "http": 12}
+    assert gpu.planned_seconds(args) < args.budget_s
+    some = gpu.parse_args(["--engines", "tensorrt, pytorch", "--workers", "4,8", "--shapes", "32x32"])
+    assert [engine.name for engine in some.engines] == ["tensorrt", "pytorch"]
+    assert gpu.planned_cells(some) == {"in_process": 0, "triton_direct": 4, "http": 8}
+    assert gpu.parse_args([]).engines == []  # the full matrix of one configuration, as before
+
+
+@pytest.mark.parametrize("bad", [["--engines", "onnx"], ["--engines", ","], ["--engines", "--device", "cpu"]])
+def test_engines_that_do_not_exist_or_cannot_run_are_refused(bad):
+    with pytest.raises(SystemExit):
+        gpu.parse_args(bad)
+
+
+def test_each_engine_serves_the_export_it_is_measured_on(tmp_path):
+    float32 = {"dtype": "float32"}
+    carried = {"sha256": "x", "carried_as": "float16 weights (bench/device/pack.sh)"}  # no dtype recorded
+    float16 = {"dtype": "float16"}
+    int8 = {"dtype": "int8"}
+    engines = gpu.ENGINES
+
+    def chosen(exports: dict[str, dict]) -> list[str | None]:
+        found = {tmp_path / path: info for path, info in exports.items()}
+        return [
+            str(version_dir.relative_to(tmp_path)) if version_dir else None
+            for version_dir in (gpu.engine_export(engines[name], found) for name in engines)
+        ]
+
+    # Here: the float32 export, and an int8 and a float16 one after it.
+    here = {"minilm/1": float32, "minilm/2": int8, "minilm/3": float16}
+    assert chosen(here) == ["minilm/1", "minilm/3", "minilm/3"]
+    # On the lent GPU: pack.sh's float16-weights copy as 1 (PyTorch reads only its weights), the
+    # float16 export as 2 in the folder --exports names.
+    assert chosen({"minilm/1": carried, "exports/minilm/2": float16}) == [
+        "minilm/1",
+        "exports/minilm/2",
+        "exports/minilm/2",
+    ]
+    # Without a float16 export: no float16 ONNX to run; TensorRT builds from float32.
+    assert chosen({"minilm/1": float32}) == ["minilm/1", None, "minilm/1"]
+    assert chosen({"minilm/1": carried})[2] is None
+
+
+def test_an_engines_repository_serves_its_export_as_version_1_beside_the_tokenizer(tmp_path):
+    version_dir = tmp_path / "exports" / "3"
+    version_dir.mkdir(parents=True)
+    (version_dir / "export.json").write_text(json.dumps({"dtype": "float16"}))
+    (tmp_path / "exports" / "scratch").mkdir()
+    assert gpu.model_exports([tmp_path / "exports", tmp_path / "missing"]) == {
+        version_dir: {"dtype": "float16"}
+    }
+
+    repository = gpu.engine_repository(tmp_path / "repository", version_dir)
+
+    assert (repository / "minilm" / "1").resolve() == version_dir.resolve()
+    configs = sorted(path.name for path in (repository / "minilm" / "configs").iterdir())
+    assert {"bundled-gpu.pbtxt", "bundled-gpu-onnx.pbtxt", "bundled-gpu-tensorrt.pbtxt"} <= set(configs)
+    assert (repository / "minilm" / "config.pbtxt").is_file()
+    assert (repository / "minilm_tokenizer" / "config.pbtxt").is_file()
+    assert sorted(path.name for path in (repository / "minilm").iterdir()) == ["1", "config.pbtxt", "configs"]
+
+
 def test_a_failing_cell_is_recorded_and_the_json_is_written_after_each_cell(tmp_path):
     out = tmp_path / "gpu.json"
     run = gpu.Run(gpu.parse_args(["--out", str(out)]))
@@ -419,6 +491,102 @@ def test_plot_writes_a_png_even_for_a_partial_result(tmp_path):
     empty = tmp_path / "empty.png"
     plot_gpu.plot({"http": [], "errors": []}, empty)
     assert empty.exists()
+
+
+ENGINES_RESULT = {
+    "environment": {
+        "cpu_count": 16,
+        "gpus": ["NVIDIA H200, 580.159.03, 143771 MiB"],
+        "onnxruntime": "1.31.1",
+    },
+    "options": {"engines": ["pytorch", "onnxruntime-cuda", "tensorrt"], "seconds": 3.0, "workers": [8]},
+    "engines": [
+        {
+            "engine": "pytorch",
+            "config_name": "bundled-gpu",
+            "version": 1,
+            "export_dtype": "float32",
+            "triton_start_s": 31.5,
+            "load_log": [
+                "embedsite_torch: /x/minilm/1/model.onnx (embed) on cuda:0 in float16, sequence buckets [16]"
+            ],
+            "agreement": {"triton_min_cosine": 0.999991},
+            "reported_engine": {"name": "pytorch", "precision": "float16"},
+        },
+        {
+            "engine": "onnxruntime-cuda",
+            "config_name": "bundled-gpu-onnx",
+            "error": "no float16 export of minilm to serve (manage.py export_model --dtype float16)",
+        },
+        {
+            "engine": "tensorrt",
+            "config_name": "bundled-gpu-tensorrt",
+            "version": 2,
+            "export_dtype": "float16",
+            "triton_start_s": 140.2,
+            "load_log": [
+                "embedsite_onnx: /x on TensorrtExecutionProvider, float16 engine built in 101.3 s: /e",
+                "embedsite_onnx: /x, float16 engine loaded from the cache in 2.5 s",
+                "embedsite_onnx: /x, float16 engine loaded from the cache in 3.0 s",
+            ],
+            "agreement": {"triton_min_cosine": 0.99951},
+            "reported_engine": {"name": "tensorrt", "precision": "float16"},
+        },
+    ],
+    "triton_direct": [
+        {"engine": "pytorch", "texts": "short", "shape": "32 x 32", "emb_per_s": 95000.0, "p50_ms": 10.5},
+        {"engine": "pytorch", "texts": "short", "shape": "512 x 1", "emb_per_s": 10900.0, "p50_ms": 46.0},
+        {"engine": "tensorrt", "texts": "short", "shape": "32 x 32", "emb_per_s": 120000.0, "p50_ms": 8.0},
+        {"engine": "tensorrt", "texts": "short", "shape": "512 x 1", "error": "TritonTimeout: late"},
+    ],
+    "http": [
+        http_cell(8, "32 x 32", 48000.0, engine="pytorch"),
+        http_cell(8, "512 x 1", 3900.0, engine="pytorch"),
+        http_cell(8, "32 x 32", 51000.0, engine="tensorrt"),
+        http_cell(8, "512 x 1", 4100.0, engine="tensorrt"),
+    ],
+    "errors": [],
+    "elapsed_s": 512.0,
+}
+
+
+def test_the_engines_tables_put_the_engines_side_by_side():
+    text = plot_gpu.markdown(ENGINES_RESULT)
+    assert text.startswith("GPU engines measured on NVIDIA H200")
+    assert "| texts | load | pytorch: Triton | pytorch: HTTP | onnxruntime-cuda: Triton |" in text
+    assert (
+        "| short | 32 x 32 | 95,000 (10.5) | 48,000 (10.0) | - | - | 120,000 (8.0) | 51,000 (10.0) |" in text
+    )
+    assert "| short | 512 x 1 | 10,900 (46.0) | 3,900 (10.0) | - | - | - | 4,100 (10.0) |" in text
+    assert (
+        "| tensorrt | `bundled-gpu-tensorrt` | version 2 (float16) | 140.2 | engine built x1, up to 101.3 s; "
+        "engine loaded from the cache x2, up to 3.0 s | 0.99951 | tensorrt, float16 |" in text
+    )
+    assert "| pytorch | `bundled-gpu` | version 1 (float32) | 31.5 | PyTorch on cuda:0 in float16 |" in text
+    assert "| onnxruntime-cuda | `bundled-gpu-onnx` | - | - | no float16 export of minilm" in text
+    assert "- triton_direct (tensorrt, short, 512 x 1): TritonTimeout: late" in text
+
+
+def test_the_backends_load_lines_are_taken_from_tritons_log_without_its_quotes():
+    log = (
+        'I1128 19:11:38.576648 15934 model.py:448] "embedsite_onnx: /r/minilm/1/model.onnx on '
+        'TensorrtExecutionProvider, float16 engine built in 84.0 s: /r/minilm/engines/1/x"\n'
+        "I1128 19:11:38.581018 15934 model_lifecycle.cc:839] \"successfully loaded 'minilm'\"\n"
+    )
+    (line,) = [match.group(1) for match in gpu.ENGINE_LOG_LINE.finditer(log)]
+    assert line.endswith("engines/1/x") and line.startswith("embedsite_onnx: ")
+    assert plot_gpu.load_summary([line]) == "engine built x1, up to 84.0 s"
+
+
+def test_plotting_an_engines_result_prints_its_tables_and_draws_nothing(tmp_path, capsys):
+    path = tmp_path / "engines.json"
+    path.write_text(json.dumps(ENGINES_RESULT))
+    plot_gpu.main(
+        [str(path), "--png", str(tmp_path / "engines.png"), "--markdown", str(tmp_path / "engines.md")]
+    )
+    assert "pytorch: Triton" in capsys.readouterr().out
+    assert (tmp_path / "engines.md").read_text().startswith("GPU engines measured")
+    assert not (tmp_path / "engines.png").exists()
 
 
 def test_the_device_path_imports_with_the_service_packages_only():
