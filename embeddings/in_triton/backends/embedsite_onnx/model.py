@@ -21,6 +21,7 @@ a float16 engine for one profile spanning every bucket and batch size, cached by
 this file. A provider ONNX Runtime lacks fails the load, naming what to install: never a quiet CPU.
 """
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -449,14 +450,18 @@ def _log_info(message: str) -> None:
 
 
 def _tensorrt_version() -> str | None:
-    """The TensorRT that ONNX Runtime's provider will load: the `tensorrt` wheel's (importing it loads
-    its libraries, which the provider then finds), else a libnvinfer.so.10 on the loader's path."""
+    """The TensorRT that ONNX Runtime's provider will load: the `tensorrt` package's (importing it
+    loads its libraries, which the provider then finds by name), else that of a libnvinfer.so.10
+    loaded from the tensorrt_libs wheel alone or found on the loader's path."""
     try:
         import tensorrt
 
         return tensorrt.__version__
     except ImportError:
-        return engines.tensorrt_version_from_library()
+        pass
+    with contextlib.suppress(ImportError):
+        import tensorrt_libs  # noqa: F401 (its import loads libnvinfer.so.10 from the wheel)
+    return engines.tensorrt_version_from_library()
 
 
 def _pad(array: np.ndarray, length: int) -> np.ndarray:
