@@ -43,6 +43,7 @@ from embeddings.services.inference.embedding import (
     embeddings_create,
     model_output_types,
 )
+from embeddings.services.inference.exports import DTYPE_FLOAT32, DTYPES
 from embeddings.services.inference.ranking import SIMILARITY_SCORE_RANGE
 from embeddings.services.inference.serving import embedding_model_engine
 from embeddings.services.openai_api.embeddings_body import embeddings_response_body
@@ -184,13 +185,16 @@ class RerankCapabilitySerializer(serializers.Serializer):
     )
 
 
-class Int8AgreementSerializer(serializers.Serializer):
+class AgreementSerializer(serializers.Serializer):
+    reference = serializers.ChoiceField(
+        choices=[DTYPE_FLOAT32], help_text="What the variant was measured against: its float32 graph"
+    )
     min_cosine = serializers.FloatField(
-        help_text="The lowest cosine of a text's int8 vector to its float32 one"
+        help_text="The lowest cosine of a text's vector from this graph to its float32 one"
     )
     mean_cosine = serializers.FloatField()
     recall_at_10 = serializers.FloatField(
-        help_text="Each text a query against the others: the share of float32's ten nearest int8's hold"
+        help_text="Each text a query against the others: the share of float32's ten nearest this graph's hold"
     )
     text_count = serializers.IntegerField(help_text="Held-out texts measured")
 
@@ -222,15 +226,15 @@ class ModelObjectSerializer(serializers.Serializer):
         "calibrated for them; binary types a width that is a multiple of 8)",
     )
     dtype = serializers.ChoiceField(
-        choices=["float32", "int8"],
+        choices=list(DTYPES),
         allow_null=True,
         help_text="The weights of the graph that serves it (its pinned export's); null when the export "
         "cannot be read. Not `output_dtype`: an int8 model answers float vectors like any other",
     )
-    int8_agreement = Int8AgreementSerializer(
+    agreement = AgreementSerializer(
         allow_null=True,
-        help_text="An int8 model's agreement with its float32 graph, measured at export on held-out "
-        "texts; null for float32",
+        help_text="A variant's (int8's) agreement with its float32 graph, measured at export on "
+        "held-out texts; null for float32",
     )
 
 
@@ -458,7 +462,7 @@ MODEL_EXAMPLE = {
     "input_types": None,
     "output_types": ["float", "int8", "uint8", "binary", "ubinary"],
     "dtype": "float32",
-    "int8_agreement": None,
+    "agreement": None,
 }
 
 

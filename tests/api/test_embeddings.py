@@ -349,8 +349,8 @@ async def test_models_list_and_detail(client, alpha, beta, model):
     assert body["object"] == "list"
     assert [m["id"] for m in body["data"]] == ["all-MiniLM-L6-v2"]
     assert body["data"][0]["object"] == "model" and body["data"][0]["dimensions"] == 384
-    # Version 1 is the float32 export: no int8 agreement to report.
-    assert (body["data"][0]["dtype"], body["data"][0]["int8_agreement"]) == ("float32", None)
+    # Version 1 is the float32 export: no variant's agreement with float32 to report.
+    assert (body["data"][0]["dtype"], body["data"][0]["agreement"]) == ("float32", None)
     # What Triton runs it with: config.pbtxt, embedsite_onnx on ONNX Runtime's CPU provider.
     assert body["data"][0]["engine"] == {"name": "onnxruntime-cpu", "precision": "float32"}
     detail = await client.get("/v1/models/sentence-transformers/all-MiniLM-L6-v2", headers=alpha.headers)

@@ -346,3 +346,18 @@ async def test_documented_request_examples_are_accepted(client, alpha):
                 assert response.status_code in (200, 202), (path, example, response.text)
                 sent += 1
     assert sent >= 6
+
+
+def test_a_models_dtype_and_its_agreement_with_float32_are_described(schema):
+    components = schema["components"]["schemas"]
+    model = components["ModelObject"]["properties"]
+    assert components["DtypeEnum"]["enum"] == ["float32", "int8"]
+    assert model["agreement"]["nullable"] and "int8_agreement" not in model
+    assert model["agreement"]["allOf"] == [{"$ref": "#/components/schemas/Agreement"}]
+    assert set(components["Agreement"]["required"]) == {
+        "reference",
+        "min_cosine",
+        "mean_cosine",
+        "recall_at_10",
+        "text_count",
+    }

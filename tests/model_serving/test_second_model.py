@@ -273,9 +273,10 @@ def test_an_int8_export_serves_beside_float32_under_a_second_name_that_says_its_
     assert loaded_versions(triton, TINY_TRITON) == {"2", "3"}
 
     listed = {model["id"]: model for model in http.get("/v1/models").json()["data"]}
-    assert (listed[TINY]["dtype"], listed[TINY]["int8_agreement"]) == ("float32", None)
+    assert (listed[TINY]["dtype"], listed[TINY]["agreement"]) == ("float32", None)
     assert listed[TINY_INT8]["dtype"] == "int8"
-    assert listed[TINY_INT8]["int8_agreement"] == {
+    assert listed[TINY_INT8]["agreement"] == {
+        "reference": "float32",
         "min_cosine": info["int8"]["min_cosine"],
         "mean_cosine": info["int8"]["mean_cosine"],
         "recall_at_10": info["int8"]["recall_at_10"],

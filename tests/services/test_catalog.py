@@ -197,15 +197,28 @@ def test_only_an_embedding_model_ranks_by_similarity(db, tmp_path):
         )
 
 
-INT8_RECORD = {"min_cosine": 0.991, "mean_cosine": 0.996, "recall_at_10": 0.921}
+# export.json's records of a variant's agreement with its float32 graph (abridged).
+VARIANT_RECORDS = {
+    "int8": {
+        "method": "dynamic",
+        "min_cosine": 0.991,
+        "mean_cosine": 0.996,
+        "recall_at_10": 0.921,
+        "text_count": 500,
+    },
+}
+
+
+def write_variant_export(repository, *, version: int, dtype: str) -> None:
+    record = {dtype: VARIANT_RECORDS[dtype]} if dtype in VARIANT_RECORDS else {}
+    write_finished_export(repository, version=version, extra={"dtype": dtype, **record})
 
 
 def test_a_dtype_pins_the_newest_export_of_it_and_a_second_name_serves_the_other(db, tmp_path):
     # 1 float32 (no "dtype": made before int8 existed), 2 int8, 3 float32, 4 int8, 5 float32.
     write_finished_export(tmp_path, version=1)
     for version, dtype in ((2, "int8"), (3, "float32"), (4, "int8"), (5, "float32")):
-        extra = {"dtype": dtype, **({"int8": INT8_RECORD} if dtype == "int8" else {})}
-        write_finished_export(tmp_path, version=version, extra=extra)
+        write_variant_export(tmp_path, version=version, dtype=dtype)
     register = catalog.embedding_model_register
 
     model = register(triton_model="minilm", name="mini", version=1, repository=tmp_path)
@@ -224,6 +237,31 @@ def test_a_dtype_pins_the_newest_export_of_it_and_a_second_name_serves_the_other
         register(triton_model="minilm", name="mini", version=3, dtype="int8", repository=tmp_path)
     with pytest.raises(CatalogError, match="dtype must be one of float32, int8, not 'int4'"):
         register(triton_model="minilm", name="mini", dtype="int4", repository=tmp_path)
+
+
+def test_the_served_dtype_and_a_variants_agreement_with_float32_are_reported(db, tmp_path):
+    write_finished_export(tmp_path, version=1)  # no "dtype": made before int8 existed
+    write_variant_export(tmp_path, version=2, dtype="int8")
+    write_finished_export(tmp_path, version=3, extra={"dtype": "int8"})  # its record lost
+    served = {
+        version: catalog.embedding_model_dtype(
+            model=catalog.embedding_model_register(
+                triton_model="minilm", name=f"v{version}", version=version, repository=tmp_path
+            ),
+            repository=tmp_path,
+        )
+        for version in (1, 2, 3)
+    }
+    assert served[1] == {"dtype": "float32", "agreement": None}
+    figures = {key: value for key, value in VARIANT_RECORDS["int8"].items() if key != "method"}
+    assert served[2] == {"dtype": "int8", "agreement": {"reference": "float32", **figures}}
+    assert served[3] == {"dtype": "int8", "agreement": None}
+    (tmp_path / "minilm" / "2" / "export.json").unlink()  # gone: nothing to report
+    model = EmbeddingModel.objects.get(name="v2")
+    assert catalog.embedding_model_dtype(model=model, repository=tmp_path) == {
+        "dtype": None,
+        "agreement": None,
+    }
 
 
 def test_a_dtype_with_no_export_of_it_is_refused_naming_the_export_command(db, tmp_path):

@@ -11,7 +11,7 @@ from embeddings.services.inference.catalog import (
     embedding_model_dtype,
     embedding_model_register,
 )
-from embeddings.services.inference.exports import DTYPE_INT8, DTYPES
+from embeddings.services.inference.exports import DTYPE_FLOAT32, DTYPE_INT8, DTYPES
 from embeddings.services.inference.serving import models_reconcile
 from embeddings.triton import TritonError
 
@@ -117,10 +117,10 @@ class Command(BaseCommand):
             raise CommandError(str(error)) from error
         ranks = ", ranks by similarity" if model.rerank_by_similarity else ""
         served = embedding_model_dtype(model=model)["dtype"]
-        int8 = ", int8" if served == "int8" else ""
+        variant = f", {served}" if served not in (DTYPE_FLOAT32, None) else ""
         self.stdout.write(
             f"registered {model.name} -> Triton model {model.triton_model} version {model.triton_version} "
-            f"({model.dimensions}-d, {model.max_tokens} tokens{int8}{ranks})"
+            f"({model.dimensions}-d, {model.max_tokens} tokens{variant}{ranks})"
             f"{'' if model.enabled else ', disabled'}"
         )
         if served == DTYPE_INT8 and settings.TRITON_MODEL_CONFIG_NAME == GPU_TORCH_CONFIG_NAME:

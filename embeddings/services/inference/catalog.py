@@ -17,7 +17,7 @@ from embeddings.errors import EmbedsiteError
 from embeddings.model_tasks import ACTIVATION_IDENTITY
 from embeddings.models import TASK_EMBED, TASK_RERANK, EmbeddingModel, input_types_problem
 from embeddings.services.inference.exports import (
-    DTYPE_INT8,
+    DTYPE_FLOAT32,
     DTYPES,
     EXPORT_INFO_FILENAME,
     ModelExportError,
@@ -271,21 +271,26 @@ AGREEMENT_FIELDS = ("min_cosine", "mean_cosine", "recall_at_10", "text_count")
 
 def embedding_model_dtype(*, model: EmbeddingModel, repository: Path | None = None) -> dict:
     """What the model's pinned export runs (GET /v1/models, /ready): {"dtype": "float32" | "int8",
-    "int8_agreement": null, or for int8 its recorded agreement with the float32 graph (min and mean
-    cosine, recall@10, over how many held-out texts)}. dtype is null when the export cannot be read
-    (gone, or not the model.onnx its export.json describes). Read through model_export_info, which
-    hashes model.onnx once per file version: a few small reads, never on the embedding path."""
+    "agreement": null for float32, else the variant's recorded agreement with its float32
+    graph ({"reference": "float32", min and mean cosine, recall@10, over how many held-out texts})}.
+    dtype is null when the export cannot be read (gone, or not the model.onnx its export.json
+    describes). Read through model_export_info, which hashes model.onnx once per file version: a few
+    small reads, never on the embedding path."""
     repository = Path(repository or settings.TRITON_MODEL_REPOSITORY)
     try:
         info = model_export_info(
             repository_dir=repository, name=model.triton_model, version=model.triton_version or None
         )
     except (OSError, ValueError, ModelExportError):
-        return {"dtype": None, "int8_agreement": None}
+        return {"dtype": None, "agreement": None}
     dtype = model_export_dtype(info)
-    record = info.get(DTYPE_INT8) if dtype == DTYPE_INT8 else None
-    agreement = {field: record.get(field) for field in AGREEMENT_FIELDS} if isinstance(record, dict) else None
-    return {"dtype": dtype, "int8_agreement": agreement}
+    record = info.get(dtype) if dtype != DTYPE_FLOAT32 else None
+    if not isinstance(record, dict):
+        return {"dtype": dtype, "agreement": None}
+    return {
+        "dtype": dtype,
+        "agreement": {"reference": DTYPE_FLOAT32, **{field: record.get(field) for field in AGREEMENT_FIELDS}},
+    }
 
 
 def _check_names_free(*, name: str, aliases: Sequence[str], exclude: EmbeddingModel | None) -> None:
