@@ -20,7 +20,7 @@ COMPOSE := $(VENV)/bin/docker-compose
 # few thousand; compiling them all cost the setup 100 CPU-seconds. pip still installs --no-compile.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test test-unit test-services setup setup-steps bench bench-api bench-peers bench-rerank bench-cache bench-quantization bench-int8 bench-int8-serve bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
+.PHONY: run test test-unit test-services setup setup-steps bench bench-api bench-peers bench-rerank bench-cache bench-quantization bench-int8 bench-float16 bench-int8-serve bench-quota bench-replicas bench-jobs bench-gpu bench-overload lint \
 	clean-venv
 
 ## run: set everything up, then run Triton and the ASGI server (Ctrl-C stops all)
@@ -95,7 +95,11 @@ bench-quantization: setup
 
 ## bench-int8: MiniLM's int8 graph (export_model --dtype int8) against float32: agreement, speed on long texts (table, JSON)
 bench-int8: setup
-	$(PY) bench/int8.py $(BENCH_ARGS)
+	$(PY) bench/variants.py --dtype int8 $(BENCH_ARGS)
+
+## bench-float16: MiniLM's float16 graph (export_model --dtype float16) against float32 on this CPU: agreement, speed (table, JSON)
+bench-float16: setup
+	$(PY) bench/variants.py --dtype float16 $(BENCH_ARGS)
 
 ## bench-int8-serve: float32 vs int8 MiniLM served side by side, through Triton and through HTTP (table, JSON)
 bench-int8-serve: setup

@@ -19,6 +19,7 @@ import overload  # noqa: E402
 import peers  # noqa: E402
 import quantization  # noqa: E402
 import rerank  # noqa: E402
+import variants  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -149,7 +150,11 @@ def test_scripts_run_as_readme_says(script):
 
 @pytest.mark.parametrize(
     ("script", "options"),
-    [("replicas.py", ("--shape", "--rounds")), ("int8_serve.py", ("--seconds", "--rounds"))],
+    [
+        ("replicas.py", ("--shape", "--rounds")),
+        ("int8_serve.py", ("--seconds", "--rounds")),
+        ("variants.py", ("--dtype", "--rounds", "--threads")),
+    ],
 )
 def test_benches_without_quick_run_as_readme_says(script, options):
     done = subprocess.run(
@@ -157,6 +162,13 @@ def test_benches_without_quick_run_as_readme_says(script, options):
     )
     assert done.returncode == 0, done.stderr
     assert all(option in done.stdout for option in options)
+
+
+def test_the_variants_bench_times_int8_unless_told_and_writes_each_dtype_apart():
+    assert (variants.parse_args([]).dtype, variants.parse_args([]).out.name) == ("int8", "int8.json")
+    float16 = variants.parse_args(["--dtype", "float16", "--threads", "1"])
+    assert (float16.out.name, float16.threads) == ("float16.json", [1])
+    assert variants.parse_args(["--dtype", "float16", "--out", "x.json"]).out == Path("x.json")
 
 
 def test_the_int8_serve_summary_compares_medians_per_shape_and_path():

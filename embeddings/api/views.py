@@ -228,12 +228,13 @@ class ModelObjectSerializer(serializers.Serializer):
     dtype = serializers.ChoiceField(
         choices=list(DTYPES),
         allow_null=True,
-        help_text="The weights of the graph that serves it (its pinned export's); null when the export "
-        "cannot be read. Not `output_dtype`: an int8 model answers float vectors like any other",
+        help_text="The weights of the graph that serves it (its pinned export's): float32, int8 (for "
+        "CPUs) or float16 (for GPUs); null when the export cannot be read. Not `output_dtype`: an int8 "
+        "or float16 model answers float vectors like any other",
     )
     agreement = AgreementSerializer(
         allow_null=True,
-        help_text="A variant's (int8's) agreement with its float32 graph, measured at export on "
+        help_text="An int8 or float16 model's agreement with its float32 graph, measured at export on "
         "held-out texts; null for float32",
     )
 

@@ -36,6 +36,7 @@ from embeddings.model_tasks import (
 )
 from embeddings.services.inference.exports import (
     CALIBRATION_FILENAME,
+    DTYPE_FLOAT32,
     DTYPES,
     EXPORT_INFO_FILENAME,
     MODEL_FILENAME,
@@ -54,7 +55,7 @@ from embeddings.services.inference.exports import (
 from embeddings.services.inference.quantization import CALIBRATION_METHOD, QUANTIZATION_RECORD
 from embeddings.tooling.calibration_corpus import CALIBRATION_CORPUS, read_corpus
 from embeddings.tooling.model_configs import EMBEDDING_OUTPUT, SCORE_OUTPUT, model_configs_write
-from embeddings.tooling.model_int8 import DEFAULT_MIN_COSINE, embed_corpus, int8_quantize, row_cosines
+from embeddings.tooling.model_variants import embed_corpus, row_cosines, variant_min_cosine, variant_replace
 
 CONFIG_FILENAME = "config.pbtxt"
 MIN_COSINE = 0.9999
@@ -110,20 +111,20 @@ class ExportResult:
     activation: str | None = None
     inputs: tuple[str, ...] = ("input_ids", "attention_mask")
     dtype: str = "float32"
-    # An int8 export's agreement with its float32 graph (export.json's "int8" record).
-    int8: dict | None = None
+    # An int8 or float16 export's agreement with its float32 graph (export.json's record under the dtype).
+    agreement: dict | None = None
 
     def verification(self) -> str:
-        """How the exported graph agreed with PyTorch (and an int8 one with float32), for people."""
+        """How the exported graph agreed with PyTorch (and a variant with float32), for people."""
         if self.task == TASK_RERANK:
             return f"max score difference vs PyTorch {self.max_score_difference:.2e}"
         float32 = f"min cosine vs PyTorch {self.min_cosine:.7f}"
-        if self.int8 is None:
+        if self.agreement is None:
             return float32
         return (
-            f"float32 {float32}; int8 vs float32 on {self.int8['text_count']} held-out texts: min cosine "
-            f"{self.int8['min_cosine']:.5f}, mean {self.int8['mean_cosine']:.5f}, "
-            f"recall@10 {self.int8['recall_at_10']:.3f}"
+            f"float32 {float32}; {self.dtype} vs float32 on {self.agreement['text_count']} held-out texts: "
+            f"min cosine {self.agreement['min_cosine']:.8f}, mean {self.agreement['mean_cosine']:.8f}, "
+            f"recall@10 {self.agreement['recall_at_10']:.3f}"
         )
 
 
@@ -139,7 +140,7 @@ def model_export(
     task: str = TASK_EMBED,
     activation: str | None = None,
     dtype: str = "float32",
-    min_int8_cosine: float = DEFAULT_MIN_COSINE,
+    min_variant_cosine: float | None = None,
 ) -> ExportResult:
     """Write version `version` of model `name` (without one: the next version, 1 for a new name):
     `<repository_dir>/<name>/<version>/` with model.onnx, the tokenizer and export.json, and the
@@ -151,11 +152,11 @@ def model_export(
     token types, and returns `score` (FP32, [batch, 1]), the raw logit; `activation` (sigmoid or
     identity; default: what the checkpoint's sentence-transformers config says, else sigmoid, as
     CrossEncoder does) is recorded for the service to apply. Either is checked against PyTorch
-    before anything in place changes. An embedding model's `dtype="int8"` export quantises the
-    verified float32 graph and keeps it only when its vectors of the held-out texts stay within
-    `min_int8_cosine` of float32's (embeddings/tooling/model_int8.py); export.json records how
-    close. A new version appears whole (one rename); a version
-    written again is replaced file by file, export.json last.
+    before anything in place changes. An embedding model's `dtype="int8"` or `"float16"` export
+    converts the verified float32 graph and keeps it only when its vectors of the held-out texts
+    stay within `min_variant_cosine` (default: the dtype's) of float32's
+    (embeddings/tooling/model_variants.py); export.json records how close. A new version appears
+    whole (one rename); a version written again is replaced file by file, export.json last.
     """
     started = time.perf_counter()
     source_dir = Path(source_dir)
@@ -165,9 +166,13 @@ def model_export(
         raise ModelExportError(f"pooling must be one of {POOLINGS}, not {pooling!r}")
     if dtype not in DTYPES:
         raise ModelExportError(f"dtype must be one of {DTYPES}, not {dtype!r}")
-    if dtype != "float32" and task != TASK_EMBED:
+    if dtype != DTYPE_FLOAT32 and task != TASK_EMBED:
         # Its agreement is measured as embeddings' cosines and neighbours; a score's is another test.
         raise ModelExportError(f"only an embedding model exports as {dtype}; a cross-encoder is float32")
+    if dtype != DTYPE_FLOAT32:
+        min_variant_cosine = variant_min_cosine(dtype, min_variant_cosine)
+    elif min_variant_cosine is not None:
+        raise ModelExportError("a min cosine to float32 is an int8 or float16 export's, not float32's")
     if activation is not None and (task != TASK_RERANK or activation not in ACTIVATIONS):
         raise ModelExportError(f"an activation is a rerank model's: one of {ACTIVATIONS}, not {activation!r}")
     model_dir = model_export_dir(repository_dir, name)
@@ -249,10 +254,13 @@ def model_export(
                 "exported ONNX graph disagrees with PyTorch: scores differ by up to "
                 f"{max_score_difference:.2e} (relative above 1) > {MAX_SCORE_DIFFERENCE}"
             )
-        int8 = None
-        if dtype == "int8":
-            int8 = int8_quantize(
-                model_path=staged / MODEL_FILENAME, tokenizer=tokenizer, min_cosine=min_int8_cosine
+        agreement = None
+        if dtype != DTYPE_FLOAT32:
+            agreement = variant_replace(
+                model_path=staged / MODEL_FILENAME,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                min_cosine=min_variant_cosine,
             )
         sha256 = file_sha256(staged / MODEL_FILENAME)
         info = {
@@ -276,14 +284,14 @@ def model_export(
             "source_package": _source_package(source_dir),
             "torch_version": torch.__version__,
             "opset": opset,
-            # The float32 graph's, against PyTorch; an int8 graph's agreement is int8's.
+            # The float32 graph's, against PyTorch; a variant's agreement with it is under its dtype.
             "min_cosine": min_cosine,
             "dtype": dtype,
             "sha256": sha256,
         }
-        if int8 is not None:
-            info["int8"] = int8
-        if task == TASK_EMBED:  # after quantising: the served graph's vectors
+        if agreement is not None:
+            info[dtype] = agreement
+        if task == TASK_EMBED:  # after converting to a variant: the served graph's vectors
             info[QUANTIZATION_RECORD] = _calibrate(tokenizer, staged)
         if task == TASK_RERANK:
             info["activation"] = activation
@@ -326,7 +334,7 @@ def model_export(
         activation=activation,
         inputs=tuple(input_names),
         dtype=dtype,
-        int8=int8,
+        agreement=agreement,
     )
 
 

@@ -351,7 +351,7 @@ async def test_documented_request_examples_are_accepted(client, alpha):
 def test_a_models_dtype_and_its_agreement_with_float32_are_described(schema):
     components = schema["components"]["schemas"]
     model = components["ModelObject"]["properties"]
-    assert components["DtypeEnum"]["enum"] == ["float32", "int8"]
+    assert components["DtypeEnum"]["enum"] == ["float32", "int8", "float16"]
     assert model["agreement"]["nullable"] and "int8_agreement" not in model
     assert model["agreement"]["allOf"] == [{"$ref": "#/components/schemas/Agreement"}]
     assert set(components["Agreement"]["required"]) == {

@@ -95,6 +95,10 @@ def test_dtype_pins_the_newest_export_of_it_or_is_refused_naming_export_model(tm
     assert "registered minilm -> Triton model minilm version 2 (384-d, 256 tokens, int8)" in output
     register("--triton-model", "minilm", "--dtype", "float32")
     assert EmbeddingModel.objects.get(name="minilm").triton_version == "3"
+    write_finished_export(tmp_path, version=4, extra={"dtype": "float16"})
+    output = register("--triton-model", "minilm", "--name", "minilm-gpu", "--dtype", "float16")
+    assert "registered minilm-gpu -> Triton model minilm version 4 (384-d, 256 tokens, float16)" in output
+    assert EmbeddingModel.objects.get(name="minilm").triton_version == "3"
     with pytest.raises(CommandError, match="invalid choice: 'int4'"):
         register("--triton-model", "minilm", "--dtype", "int4")
     reset_clients()

@@ -1,6 +1,7 @@
 """`export_model --dtype int8`: a tiny random BERT's float32 graph quantised, landing as a new
 version beside the float32 one, its agreement with float32 on the held-out texts recorded in
-export.json (and true when re-measured here), and refused below the operator's threshold."""
+export.json (and true when re-measured here), and served by Triton. The refusals it shares with
+float16 are test_variants.py's."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import numpy as np
 import pytest
 from django.core.management import CommandError, call_command
 
-from embeddings.services.inference.exports import ModelExportError, file_sha256, model_export_versions
-from embeddings.tooling.calibration_corpus import HELD_OUT_CORPUS, read_corpus
+from embeddings.services.inference.exports import file_sha256, model_export_versions
 from embeddings.tooling.model_export import model_export
-from embeddings.tooling.model_int8 import float32_matmuls, recall_at_k
+from embeddings.tooling.model_int8 import float32_matmuls
+from embeddings.tooling.model_variants import recall_at_k
 from embeddings.triton.client import TritonClient
 from tests.conftest import start_triton
+from tests.model_export.held_out import held_out_vectors
 from tests.tiny_models import build_tiny_bert
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,25 +41,13 @@ def repository(tiny_bert: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     repository = tmp_path_factory.mktemp("repository")
     model_export(source_dir=tiny_bert, repository_dir=repository, name="tiny")
     model_export(
-        source_dir=tiny_bert, repository_dir=repository, name="tiny", dtype="int8", min_int8_cosine=ACCEPTED
+        source_dir=tiny_bert,
+        repository_dir=repository,
+        name="tiny",
+        dtype="int8",
+        min_variant_cosine=ACCEPTED,
     )
     return repository
-
-
-def held_out_vectors(version_dir: Path) -> np.ndarray:
-    """The exported graph on the held-out texts one at a time (no padding), as its tokenizer reads them."""
-    import onnxruntime
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(version_dir / "tokenizer.json"))
-    session = onnxruntime.InferenceSession(
-        str(version_dir / "model.onnx"), providers=["CPUExecutionProvider"]
-    )
-    rows = []
-    for text in read_corpus(HELD_OUT_CORPUS):
-        ids = np.array([tokenizer.encode(text).ids], dtype=np.int64)
-        rows.append(session.run(["embedding"], {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0][0])
-    return np.stack(rows).astype(np.float64)
 
 
 def operators(model_path: Path) -> set[str]:
@@ -129,33 +119,12 @@ def test_triton_serves_the_int8_version_with_the_cpu_config_as_written(repositor
     assert np.allclose(np.linalg.norm(served, axis=1), 1.0, atol=1e-5)
 
 
-def test_below_the_threshold_the_export_is_refused_naming_the_figure(tiny_bert, tmp_path):
-    with pytest.raises(CommandError, match=r"min cosine 0\.\d{5} < 1\.0 required") as refused:
-        call_command(
-            "export_model",
-            "--source",
-            str(tiny_bert),
-            "--name",
-            "tiny",
-            "--repository",
-            str(tmp_path),
-            "--dtype",
-            "int8",
-            "--min-cosine",
-            "1.0",
-            stdout=io.StringIO(),
-        )
-    assert "--min-cosine" in str(refused.value)
-    assert model_export_versions(repository_dir=tmp_path, name="tiny") == []
-    assert [path.name for path in (tmp_path / "tiny").iterdir()] == []  # no scratch left behind
-
-
 def test_the_command_reports_the_figures_and_if_missing_tells_dtypes_apart(tiny_bert, repository):
     stdout = io.StringIO()
     args = ["--source", str(tiny_bert), "--name", "tiny", "--repository", str(repository), "--if-missing"]
     call_command("export_model", *args, "--dtype", "int8", "--min-cosine", str(ACCEPTED), stdout=stdout)
     assert "already exported" in stdout.getvalue()  # version 2, the latest, is int8
-    with pytest.raises(CommandError, match="--min-cosine is an int8 export's"):
+    with pytest.raises(CommandError, match="--min-cosine is an int8 or float16 export's"):
         call_command("export_model", *args, "--min-cosine", "0.5", stdout=io.StringIO())
 
     stdout = io.StringIO()
@@ -163,34 +132,6 @@ def test_the_command_reports_the_figures_and_if_missing_tells_dtypes_apart(tiny_
     assert "already exported" in stdout.getvalue()  # version 1 is the float32 one
 
 
-def test_a_cross_encoder_is_not_quantised(tmp_path):
-    source = build_tiny_bert(tmp_path / "ce", seed=3, cross_encoder=True)
-    with pytest.raises(ModelExportError, match="only an embedding model exports as int8"):
-        model_export(source_dir=source, repository_dir=tmp_path / "r", name="ce", task="rerank", dtype="int8")
-    with pytest.raises(CommandError, match="cross-encoder exports as float32"):
-        call_command(
-            "export_model",
-            "--source",
-            str(source),
-            "--task",
-            "rerank",
-            "--dtype",
-            "int8",
-            stdout=io.StringIO(),
-        )
-
-
 def test_float32_matmuls_are_the_down_projections(repository):
     kept = float32_matmuls(repository / "tiny" / "1" / "model.onnx")
     assert sorted(kept) == [f"/encoder/encoder/layer.{layer}/output/dense/MatMul" for layer in (0, 1)]
-
-
-@pytest.mark.unit
-def test_recall_at_k_counts_shared_neighbours():
-    rng = np.random.default_rng(0)
-    vectors = rng.normal(size=(50, 8))
-    assert recall_at_k(vectors, vectors, 10) == 1.0
-    assert recall_at_k(vectors, rng.normal(size=(50, 8)), 10) < 0.5  # unrelated neighbours
-    swapped = vectors.copy()
-    swapped[[0, 1]] = swapped[[1, 0]]  # two texts' vectors exchanged: their neighbours change
-    assert 0.8 < recall_at_k(vectors, swapped, 10) < 1.0

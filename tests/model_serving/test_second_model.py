@@ -6,7 +6,8 @@ database. The model is a small random BERT (128 dimensions, CLS pooling, MiniLM'
 offline; its vectors are compared with the same model run in PyTorch.
 
 The tests run in file order and build on each other: register → serve → job → unload → reload →
-new version → switch → disable → an int8 version served beside it under a second name. The stack
+new version → switch → disable → an int8 version served beside it under a second name, and a
+float16 one under a third. The stack
 runs with the embedding cache on (its own Redis database): every comparison below holds with it,
 and a new version is a miss. Then two
 cross-encoders (a BERT with token types, an XLM-R without) are exported as rerank models,
@@ -30,13 +31,14 @@ from embeddings.triton.client import TritonClient
 from tests.api.test_metrics import parse, value
 from tests.conftest import require_exported_model, start_triton
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import REPO_ROOT, manage, tenant_with_key
+from tests.processes import REPO_ROOT, manage, manage_commands, tenant_with_key
 from tests.tiny_models import build_tiny_bert, embed_with_torch, score_with_torch
 
 MINILM = "all-MiniLM-L6-v2"
 TINY = "tiny-bert"
 TINY_TRITON = "tiny_bert"
 TINY_INT8 = "tiny-bert-int8"
+TINY_FLOAT16 = "tiny-bert-float16"
 TEXTS = [
     "hello",
     "The quick brown fox jumps over the lazy dog.",
@@ -299,6 +301,49 @@ def test_an_int8_export_serves_beside_float32_under_a_second_name_that_says_its_
     float32, int8 = embed(http, TINY), embed(http, TINY_INT8)
     assert not np.array_equal(float32, int8)
     assert cosines(int8, float32).min() > 0.5
+
+
+def test_a_float16_export_serves_on_the_cpu_backend_as_close_to_float32_as_it_recorded(
+    http, stack, repository, sources, triton
+):
+    # The same source as the float32 name's version 2, at the default threshold (0.9999); one
+    # process for both commands (Django and torch start once).
+    _, registered = manage_commands(
+        stack.env,
+        [
+            "export_model",
+            "--source",
+            str(sources[2]),
+            "--name",
+            TINY_TRITON,
+            "--pooling",
+            "cls",
+            "--dtype",
+            "float16",
+        ],
+        ["register_model", "--triton-model", TINY_TRITON, "--name", TINY_FLOAT16, "--dtype", "float16"],
+    )
+    info = json.loads((repository / TINY_TRITON / "4" / "export.json").read_text())
+    assert info["dtype"] == "float16"
+    assert "version 4 (128-d, 128 tokens, float16)" in registered
+    # Beside the float32 (2) and int8 (3) names' versions, with the CPU config every version shares.
+    assert loaded_versions(triton, TINY_TRITON) == {"2", "3", "4"}
+
+    listed = {model["id"]: model for model in http.get("/v1/models").json()["data"]}
+    assert listed[TINY_FLOAT16]["dtype"] == "float16"
+    assert listed[TINY_FLOAT16]["agreement"] == {
+        "reference": "float32",
+        **{key: info["float16"][key] for key in ("min_cosine", "mean_cosine", "recall_at_10", "text_count")},
+    }
+    states = http.get("/ready").json()["models"]
+    assert (states[TINY_FLOAT16]["version"], states[TINY_FLOAT16]["dtype"]) == ("4", "float16")
+    assert states[TINY_FLOAT16]["state"] == "READY"
+
+    float32, float16 = embed(http, TINY), embed(http, TINY_FLOAT16)
+    assert not np.array_equal(float32, float16)  # its own graph answered, not version 2's
+    # These texts are not the held-out ones: the bound is the one the export was held to.
+    assert cosines(float16, float32).min() >= info["float16"]["min_cosine_required"] == 0.9999
+    np.testing.assert_allclose(np.linalg.norm(float16, axis=1), 1.0, atol=2e-6)  # normalised in float32
 
 
 FOLDED_ROWS = """

@@ -206,6 +206,13 @@ VARIANT_RECORDS = {
         "recall_at_10": 0.921,
         "text_count": 500,
     },
+    "float16": {
+        "method": "onnxruntime.transformers",
+        "min_cosine": 0.999999,
+        "mean_cosine": 0.9999995,
+        "recall_at_10": 0.999,
+        "text_count": 500,
+    },
 }
 
 
@@ -215,9 +222,9 @@ def write_variant_export(repository, *, version: int, dtype: str) -> None:
 
 
 def test_a_dtype_pins_the_newest_export_of_it_and_a_second_name_serves_the_other(db, tmp_path):
-    # 1 float32 (no "dtype": made before int8 existed), 2 int8, 3 float32, 4 int8, 5 float32.
+    # 1 float32 (no "dtype": made before int8 existed), 2 int8, 3 float32, 4 int8, 5 float32, 6 float16.
     write_finished_export(tmp_path, version=1)
-    for version, dtype in ((2, "int8"), (3, "float32"), (4, "int8"), (5, "float32")):
+    for version, dtype in ((2, "int8"), (3, "float32"), (4, "int8"), (5, "float32"), (6, "float16")):
         write_variant_export(tmp_path, version=version, dtype=dtype)
     register = catalog.embedding_model_register
 
@@ -233,16 +240,25 @@ def test_a_dtype_pins_the_newest_export_of_it_and_a_second_name_serves_the_other
     both = register(triton_model="minilm", name="mini-int8", dtype="int8", repository=tmp_path)
     assert both.triton_version == "4" and EmbeddingModel.objects.get(name="mini").triton_version == "5"
     assert register(triton_model="minilm", name="old", version=2, dtype="int8", repository=tmp_path)
+    # A third name on the float16 version, the newest export, which no other name moved to.
+    assert (
+        register(triton_model="minilm", name="mini-gpu", dtype="float16", repository=tmp_path).triton_version
+        == "6"
+    )
+    assert EmbeddingModel.objects.get(name="mini").triton_version == "5"
     with pytest.raises(CatalogError, match="minilm version 3 is a float32 export, not int8"):
         register(triton_model="minilm", name="mini", version=3, dtype="int8", repository=tmp_path)
-    with pytest.raises(CatalogError, match="dtype must be one of float32, int8, not 'int4'"):
+    with pytest.raises(CatalogError, match="minilm version 4 is a int8 export, not float16"):
+        register(triton_model="minilm", name="mini", version=4, dtype="float16", repository=tmp_path)
+    with pytest.raises(CatalogError, match="dtype must be one of float32, int8, float16, not 'int4'"):
         register(triton_model="minilm", name="mini", dtype="int4", repository=tmp_path)
 
 
 def test_the_served_dtype_and_a_variants_agreement_with_float32_are_reported(db, tmp_path):
     write_finished_export(tmp_path, version=1)  # no "dtype": made before int8 existed
     write_variant_export(tmp_path, version=2, dtype="int8")
-    write_finished_export(tmp_path, version=3, extra={"dtype": "int8"})  # its record lost
+    write_variant_export(tmp_path, version=3, dtype="float16")
+    write_finished_export(tmp_path, version=4, extra={"dtype": "float16"})  # its record lost
     served = {
         version: catalog.embedding_model_dtype(
             model=catalog.embedding_model_register(
@@ -250,14 +266,15 @@ def test_the_served_dtype_and_a_variants_agreement_with_float32_are_reported(db,
             ),
             repository=tmp_path,
         )
-        for version in (1, 2, 3)
+        for version in (1, 2, 3, 4)
     }
     assert served[1] == {"dtype": "float32", "agreement": None}
-    figures = {key: value for key, value in VARIANT_RECORDS["int8"].items() if key != "method"}
-    assert served[2] == {"dtype": "int8", "agreement": {"reference": "float32", **figures}}
-    assert served[3] == {"dtype": "int8", "agreement": None}
-    (tmp_path / "minilm" / "2" / "export.json").unlink()  # gone: nothing to report
-    model = EmbeddingModel.objects.get(name="v2")
+    for version, dtype in ((2, "int8"), (3, "float16")):
+        figures = {key: value for key, value in VARIANT_RECORDS[dtype].items() if key != "method"}
+        assert served[version] == {"dtype": dtype, "agreement": {"reference": "float32", **figures}}
+    assert served[4] == {"dtype": "float16", "agreement": None}
+    (tmp_path / "minilm" / "3" / "export.json").unlink()  # gone: nothing to report
+    model = EmbeddingModel.objects.get(name="v3")
     assert catalog.embedding_model_dtype(model=model, repository=tmp_path) == {
         "dtype": None,
         "agreement": None,

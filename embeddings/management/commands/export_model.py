@@ -15,7 +15,7 @@ from embeddings.services.inference.exports import (
     model_export_versions,
 )
 from embeddings.tooling.model_export import SUPPORTED_MODEL_TYPES, model_export, model_export_outdated
-from embeddings.tooling.model_int8 import DEFAULT_MIN_COSINE
+from embeddings.tooling.model_variants import DEFAULT_MIN_COSINES, VARIANT_DTYPES
 
 
 def default_source_dir() -> Path | None:
@@ -86,16 +86,19 @@ class Command(BaseCommand):
             "--dtype",
             choices=DTYPES,
             default="float32",
-            help="float32 (default) or int8: an embedding model's float32 graph quantised by ONNX "
-            "Runtime (dynamic), kept when it agrees with float32 (--min-cosine); export.json records how "
-            "well (min and mean cosine, recall@10 on the held-out texts).",
+            help="float32 (default), int8 (an embedding model's float32 graph quantised by ONNX Runtime, "
+            "dynamic: for CPUs) or float16 (converted by ONNX Runtime, pooling and normalisation float32: "
+            "for GPUs); a variant is kept when it agrees with float32 (--min-cosine), and export.json "
+            "records how well (min and mean cosine, recall@10 on the held-out texts).",
         )
         parser.add_argument(
             "--min-cosine",
             type=cosine,
             default=None,
-            help="With --dtype int8: refuse the export when any held-out text's int8 vector is further "
-            f"from its float32 one than this cosine (default: {DEFAULT_MIN_COSINE}).",
+            help="With --dtype int8 or float16: refuse the export when any held-out text's vector is "
+            "further from its float32 one than this cosine (default: "
+            + ", ".join(f"{dtype} {value}" for dtype, value in DEFAULT_MIN_COSINES.items())
+            + ").",
         )
         parser.add_argument(
             "--max-tokens", type=int, default=None, help="Truncation length (default: the model's)."
@@ -128,10 +131,10 @@ class Command(BaseCommand):
             raise CommandError("--activation is a rerank model's (--task rerank)")
         pooling = None if task == TASK_RERANK else options["pooling"] or "mean"
         dtype = options["dtype"]
-        if options["min_cosine"] is not None and dtype != "int8":
-            raise CommandError("--min-cosine is an int8 export's threshold (--dtype int8)")
-        if dtype == "int8" and task == TASK_RERANK:
-            raise CommandError("--dtype int8 is an embedding model's; a cross-encoder exports as float32")
+        if options["min_cosine"] is not None and dtype not in VARIANT_DTYPES:
+            raise CommandError("--min-cosine is an int8 or float16 export's threshold (--dtype int8|float16)")
+        if dtype in VARIANT_DTYPES and task == TASK_RERANK:
+            raise CommandError(f"--dtype {dtype} is an embedding model's; a cross-encoder exports as float32")
         repository_dir = options["repository"] or Path(settings.TRITON_MODEL_REPOSITORY)
         name = options["name"]
         version = options["version"]
@@ -168,7 +171,7 @@ class Command(BaseCommand):
                 task=task,
                 activation=options["activation"],
                 dtype=dtype,
-                min_int8_cosine=options["min_cosine"] or DEFAULT_MIN_COSINE,
+                min_variant_cosine=options["min_cosine"],
             )
         except ModelExportError as error:
             raise CommandError(str(error)) from error

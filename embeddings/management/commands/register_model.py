@@ -51,8 +51,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--dtype",
             choices=DTYPES,
-            help="Serve the newest export of this dtype (export_model --dtype int8 writes int8 ones); "
-            "with --version, that version must be of it",
+            help="Serve the newest export of this dtype (export_model --dtype int8 or float16 writes "
+            "those); with --version, that version must be of it",
         )
         parser.add_argument(
             "--name",

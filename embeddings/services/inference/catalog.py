@@ -176,10 +176,10 @@ def embedding_model_register(
     """Create or update the catalog row `name` for a finished export of `triton_model` (`version`):
     its dimensions and maximum tokens come from that version's export.json. Without a name: the one
     row serving `triton_model`, else the Triton model's name. Without a version: the row's pinned
-    one, else the latest export. With a `dtype` (float32, int8) and no version: the newest export
-    of that dtype (an int8 export is a new version of the same Triton model); with both, the
-    version must be of that dtype. Aliases, prompts, `enabled` and `rerank_by_similarity` given
-    replace the row's; omitted, they are kept (a new row is enabled, and ranks only if it is a
+    one, else the latest export. With a `dtype` (float32, int8, float16) and no version: the newest
+    export of that dtype (an int8 or float16 export is a new version of the same Triton model); with
+    both, the version must be of that dtype. Aliases, prompts, `enabled` and `rerank_by_similarity`
+    given replace the row's; omitted, they are kept (a new row is enabled, and ranks only if it is a
     rerank model). Its task (embed or rerank) is the export's. Loading it into Triton is
     `models_reconcile`'s (services/inference/serving.py)."""
     repository = Path(repository or settings.TRITON_MODEL_REPOSITORY)
@@ -270,8 +270,8 @@ AGREEMENT_FIELDS = ("min_cosine", "mean_cosine", "recall_at_10", "text_count")
 
 
 def embedding_model_dtype(*, model: EmbeddingModel, repository: Path | None = None) -> dict:
-    """What the model's pinned export runs (GET /v1/models, /ready): {"dtype": "float32" | "int8",
-    "agreement": null for float32, else the variant's recorded agreement with its float32
+    """What the model's pinned export runs (GET /v1/models, /ready): {"dtype": "float32" | "int8" |
+    "float16", "agreement": null for float32, else the variant's recorded agreement with its float32
     graph ({"reference": "float32", min and mean cosine, recall@10, over how many held-out texts})}.
     dtype is null when the export cannot be read (gone, or not the model.onnx its export.json
     describes). Read through model_export_info, which hashes model.onnx once per file version: a few

@@ -23,10 +23,13 @@ EXPORT_INFO_FILENAME = "export.json"
 CALIBRATION_FILENAME = "calibration.npy"
 # A Triton model name is a directory name and a quoted string in the config: keep it plain.
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-# The graph's weights: export.json's "dtype" (absent in exports made before int8: float32).
+# The graph's weights: export.json's "dtype" (absent in exports made before int8: float32). The
+# others are variants of an export's float32 graph, export.json's record under their name saying
+# how well they agree with it.
 DTYPE_FLOAT32 = "float32"
 DTYPE_INT8 = "int8"
-DTYPES: tuple[str, ...] = (DTYPE_FLOAT32, DTYPE_INT8)
+DTYPE_FLOAT16 = "float16"
+DTYPES: tuple[str, ...] = (DTYPE_FLOAT32, DTYPE_INT8, DTYPE_FLOAT16)
 
 
 def model_name_is_valid(name: str) -> bool:
