@@ -137,7 +137,7 @@ def int8_export(tmp_path_factory) -> Path:
     # A random BERT agrees less with its int8 graph than a trained one: the threshold only needs to pass.
     repository = root / "repository"
     result = model_export(
-        source_dir=source, repository_dir=repository, name="tiny_int8", dtype="int8", min_int8_cosine=0.5
+        source_dir=source, repository_dir=repository, name="tiny_int8", dtype="int8", min_variant_cosine=0.5
     )
     return result.model_path.parent.parent
 
