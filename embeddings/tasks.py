@@ -92,7 +92,11 @@ def job_chunk_task(self, job_id: int, chunk: int) -> None:
             job_chunk_give_up(job_id=job_id, chunk=chunk, code=code, message=message)
             return
         countdown = chunk_retry_countdown(self.request.retries)
-        job_chunk_retry_scheduled(job_id=job_id, chunk=chunk, delay_s=countdown)
+        attempt = f"attempt {self.request.retries + 1} failed, retry in {countdown:g} s"
+        error_name = type(error).__name__
+        job_chunk_retry_scheduled(
+            job_id=job_id, chunk=chunk, delay_s=countdown, error=f"{error_name}: {error} ({attempt})"
+        )
         raise self.retry(exc=error, countdown=countdown) from error
 
 

@@ -47,6 +47,9 @@ Job store (JOB_STORE_URL); the job's TTL is JOB_RESULT_TTL_S + 1 day (expiry del
     job:{<id>}:lease             hash     job's TTL    chunk -> "<deadline ms> <host>:<pid>"
     job:{<id>}:runs              hash     job's TTL    chunk -> how often its embedding started
     job:{<id>}:started           hash     job's TTL    chunk -> when it last started (ms)
+    job:{<id>}:failed            set      job's TTL    chunks counted failed
+    job:{<id>}:errors            hash     job's TTL    chunk -> its last error (a failure, or a
+                                                       retry's cause), for operators
 
 `job_keys` lists every job store key of a job, so deleting a job forgets none of them.
 """
@@ -119,6 +122,8 @@ JobKind = Literal[
     "lease",
     "runs",
     "started",
+    "failed",
+    "errors",
 ]
 ChunkKind = Literal["in", "ids", "out"]
 JOB_KINDS: tuple[JobKind, ...] = get_args(JobKind)

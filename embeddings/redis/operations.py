@@ -161,16 +161,19 @@ def job_chunk_finish(
     counter: str,
     increments: bytes,
     cached_tokens: int = 0,
+    error: str = "",
 ) -> Operation[bool]:
     """Write a chunk's result, progress (its tokens, and of them those the embedding cache answered)
-    and usage increments once; False if it was finished before."""
+    and usage increments once, and a failed chunk's error; False if it was finished before."""
     chunk_keys = [
         keys.job_key(job_id, "done"),
         keys.job_chunk_key(job_id, "out", chunk),
         keys.job_key(job_id, "progress"),
         keys.job_key(job_id, "uncounted"),
+        keys.job_key(job_id, "failed"),
+        keys.job_key(job_id, "errors"),
     ]
-    arguments = [chunk, payload, ttl_s, rows, tokens, counter, increments, cached_tokens]
+    arguments = [chunk, payload, ttl_s, rows, tokens, counter, increments, cached_tokens, error]
     return (yield ScriptCall(scripts.JOB_CHUNK_FINISH, chunk_keys, arguments)) == 1
 
 

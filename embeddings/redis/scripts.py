@@ -208,10 +208,12 @@ return out
 
 # --- Jobs (embeddings.services.jobs.store, jobs) --------------------------------------------------
 
-# KEYS: done set, result key, progress hash, uncounted usage hash.
+# KEYS: done set, result key, progress hash, uncounted usage hash, failed set, errors hash.
 # ARGV: chunk number, payload, ttl seconds, rows, tokens, counter ("completed" or "failed"), the
 # chunk's usage increments (orjson; empty: none), kept until the critical Redis has counted them,
-# and of its tokens those the embedding cache answered.
+# of its tokens those the embedding cache answered, and a failed chunk's error (empty: none).
+# A failed chunk is recorded in the failed set, and its error beside it, by the same call that
+# counts it, so what operators read of it is never out of step with the counts.
 JOB_CHUNK_FINISH = Script(
     "job_chunk_finish",
     """
@@ -220,6 +222,13 @@ if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
 end
 if ARGV[6] == 'completed' then
     redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+else
+    redis.call('SADD', KEYS[5], ARGV[1])
+    redis.call('EXPIRE', KEYS[5], ARGV[3])
+    if ARGV[9] and ARGV[9] ~= '' then
+        redis.call('HSET', KEYS[6], ARGV[1], ARGV[9])
+        redis.call('EXPIRE', KEYS[6], ARGV[3])
+    end
 end
 redis.call('HINCRBY', KEYS[3], ARGV[6], ARGV[4])
 redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[5])
@@ -292,8 +301,9 @@ return take_next(KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[3]), now_ms())
     ),
 )
 
-# Marks a chunk handed out again, due in ARGV[2] ms (a watchdog re-send, or a retry's countdown).
-# KEYS: sent. ARGV: chunk, delay ms, ttl.
+# Marks a chunk handed out again, due in ARGV[2] ms (a watchdog re-send, or a retry's countdown),
+# and records why it is retried (ARGV[4]; empty: nothing to record). KEYS: sent, errors.
+# ARGV: chunk, delay ms, ttl, error.
 JOB_CHUNK_MARK_SENT = Script(
     "job_chunk_mark_sent",
     (
@@ -301,6 +311,10 @@ JOB_CHUNK_MARK_SENT = Script(
         + """
 redis.call('HSET', KEYS[1], ARGV[1], now_ms() + tonumber(ARGV[2]))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+if ARGV[4] and ARGV[4] ~= '' then
+    redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
+    redis.call('EXPIRE', KEYS[2], ARGV[3])
+end
 return 1
 """
     ),

@@ -49,6 +49,22 @@ def test_failed_chunks_are_counted_without_results(store):
     assert store.progress() == JobProgress(failed=5, chunks_done=1)
 
 
+def test_a_failed_chunk_keeps_its_error_beside_its_count(store):
+    assert store.fail_chunk(2, rows=5, error="embedding_failed: the model\nanswered 1024-d vectors") is True
+    assert store.finish_chunk(0, vectors(2), tokens=7) is True
+    # Counted once: a second failure (a redelivery, a give-up) leaves the first error.
+    assert store.fail_chunk(2, rows=5, error="model_unavailable: later") is False
+    assert store.fail_chunk(0, rows=2, error="too late: chunk 0 was written") is False
+    assert store.failed_chunks() == {2}
+    assert store.chunk_errors() == {2: "embedding_failed: the model answered 1024-d vectors"}
+    assert 590 < redis_job_store().ttl(store.key("errors")) <= 600
+    assert 590 < redis_job_store().ttl(store.key("failed")) <= 600
+    store.fail_chunk(4, rows=1, error="x" * 1000)
+    assert len(store.chunk_errors()[4]) == 300 and store.chunk_errors()[4].endswith("…")
+    store.delete(5)
+    assert store.failed_chunks() == set() and store.chunk_errors() == {}
+
+
 def test_concurrent_finishers_count_once(store):
     results: list[bool] = []
 

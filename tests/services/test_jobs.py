@@ -22,6 +22,7 @@ from embeddings.services.jobs import engine, kinds, submission
 from embeddings.services.jobs.engine import (
     job_cancel,
     job_chunk_fail,
+    job_chunk_give_up,
     job_chunk_retry_scheduled,
     job_chunk_run,
     job_delete,
@@ -471,7 +472,8 @@ def test_the_watchdog_counts_a_dead_workers_chunk_while_the_job_runs(
 
 def test_a_retry_waiting_out_its_backoff_is_not_stalled(api_setup, small_chunks, sent_chunks):
     job = _submit(api_setup)
-    job_chunk_retry_scheduled(job_id=job.pk, chunk=0, delay_s=60)
+    job_chunk_retry_scheduled(job_id=job.pk, chunk=0, delay_s=60, error="TritonUnavailable: refused")
+    assert job_store(job).chunk_errors() == {0: "TritonUnavailable: refused"}
     # Chunk 1 was handed out a moment ago (30 s is a wide margin for "a moment"), chunk 0 is due later.
     assert job_watchdog(stall_s=30) == 0
     assert job_watchdog(stall_s=0) == 1 and sent_chunks[2:] == [(job.pk, 1)]  # chunk 0's is not due
@@ -486,6 +488,23 @@ def test_a_chunk_that_cannot_be_embedded_fails_alone(api_setup, small_chunks, se
     job.refresh_from_db()
     assert (job.status, job.completed, job.failed, job.error_code) == ("failed", 18, 5, "embedding_failed")
     assert "answered wrongly" in job.error_message
+    # The chunk's own error, kept beside its failure for the admin's chunk table.
+    assert job_store(job).failed_chunks() == {1}
+    assert job_store(job).chunk_errors() == {1: "embedding_failed: the model answered wrongly"}
+
+
+def test_a_chunk_given_up_fails_the_rest_each_with_its_reason(api_setup, small_chunks, sent_chunks):
+    job = _submit(api_setup)
+    job_chunk_run(job_id=job.pk, chunk=0)
+    job_chunk_give_up(job_id=job.pk, chunk=1, code="model_unavailable", message="Triton down")
+    job.refresh_from_db()
+    assert (job.status, job.completed, job.failed) == ("failed", 5, 18)
+    store = job_store(job)
+    assert store.failed_chunks() == {1, 2, 3, 4}
+    errors = store.chunk_errors()
+    assert errors[1] == "model_unavailable: Triton down"
+    assert errors[3] == "not run: the job stopped when chunk 1 failed for good (model_unavailable)"
+    assert 0 not in errors
 
 
 def test_the_same_idempotency_key_submitted_concurrently_makes_one_job(api_setup, postgresql_only):

@@ -214,12 +214,12 @@ def job_chunk_run(*, job_id: int, chunk: int) -> None:
         _after_chunk(job, store, chunk)
 
 
-def job_chunk_retry_scheduled(*, job_id: int, chunk: int, delay_s: float) -> None:
+def job_chunk_retry_scheduled(*, job_id: int, chunk: int, delay_s: float, error: str = "") -> None:
     """A chunk's Celery retry is due in `delay_s`: the stall timer counts from then, so the watchdog
-    does not re-send a chunk that is waiting out its backoff."""
+    does not re-send a chunk that is waiting out its backoff; `error` (why) is its last error."""
     job = EmbeddingJob.objects.filter(pk=job_id).first()
     if job is not None and job.status in ACTIVE:
-        chunk_mark_sent(job_store(job), chunk=chunk, delay_s=delay_s)
+        chunk_mark_sent(job_store(job), chunk=chunk, delay_s=delay_s, error=error)
 
 
 def _after_chunk(job: EmbeddingJob, store: JobStore, chunk: int) -> None:
@@ -244,7 +244,7 @@ def job_chunk_fail(*, job_id: int, chunk: int, code: str, message: str) -> None:
     store = job_store(job)
     rows = chunk_rows(job)[chunk]
     usage = job_kind(job.kind).chunk_usage(job, "failed", started=time.perf_counter())
-    store.fail_chunk(chunk, rows=rows, usage=usage)
+    store.fail_chunk(chunk, rows=rows, usage=usage, error=f"{code}: {message}")
     _count_usage(store, chunk)
     _after_chunk(job, store, chunk)
 
@@ -264,9 +264,11 @@ def job_chunk_give_up(*, job_id: int, chunk: int, code: str, message: str) -> No
     store.cancel()  # chunks still queued or running stop at their next check
     rows_in = chunk_rows(job)
     kind = job_kind(job.kind)
+    stopped = f"not run: the job stopped when chunk {chunk} failed for good ({code})"
     for number in range(job.chunks):
         usage = kind.chunk_usage(job, "failed", started=time.perf_counter())
-        store.fail_chunk(number, rows=rows_in[number], usage=usage)
+        error = f"{code}: {message}" if number == chunk else stopped
+        store.fail_chunk(number, rows=rows_in[number], usage=usage, error=error)
     job_finalize(job_id=job.pk, status=Status.FAILED)
 
 

@@ -11,6 +11,8 @@ the scripts in embeddings.redis.scripts), every time in milliseconds of the job 
                          moves the deadline on every JOB_CHUNK_LEASE_S / 3 (a heartbeat thread)
     job:{<id>}:runs      hash chunk -> how many times its embedding started (1 unless re-run)
     job:{<id>}:started   hash chunk -> when its embedding last started
+    job:{<id>}:errors    hash chunk -> its last error: why it failed (written with its failure,
+                         JobStore.fail_chunk), or why its Celery retry is due (chunk_mark_sent)
 
 What the watchdog concludes for a chunk handed out and not finished (one script per job, so two
 watchdogs at once cannot both re-send a chunk):
@@ -41,7 +43,7 @@ from django.conf import settings
 from embeddings.redis import scripts
 from embeddings.redis.scripts import Script
 from embeddings.redis.transport import ScriptCall, operation_run_sync, single
-from embeddings.services.jobs.store import JobStore
+from embeddings.services.jobs.store import JobStore, error_text
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +65,11 @@ def chunk_hand_off(store: JobStore, *, chunk: int, chunks: int) -> int:
     return int(_run(store, scripts.JOB_CHUNK_HANDOFF, kinds, [chunk, store.ttl_s, chunks]))
 
 
-def chunk_mark_sent(store: JobStore, *, chunk: int, delay_s: float = 0.0) -> None:
+def chunk_mark_sent(store: JobStore, *, chunk: int, delay_s: float = 0.0, error: str = "") -> None:
     """Record the chunk handed out again now, or due after `delay_s` (a retry's countdown), so the
-    stall timer counts from then."""
-    _run(store, scripts.JOB_CHUNK_MARK_SENT, ("sent",), [chunk, round(delay_s * 1000), store.ttl_s])
+    stall timer counts from then; `error`, why it is retried, becomes its last error."""
+    arguments = [chunk, round(delay_s * 1000), store.ttl_s, error_text(error)]
+    _run(store, scripts.JOB_CHUNK_MARK_SENT, ("sent", "errors"), arguments)
 
 
 def live_leases(store: JobStore) -> int:

@@ -69,6 +69,17 @@ def inputs_encode(
     )
 
 
+# A chunk's error as kept for operators: enough to say what failed, bounded so that a job of many
+# failed chunks holds little more than its bookkeeping allowance (budget.py).
+CHUNK_ERROR_MAX_CHARS = 300
+
+
+def error_text(error: str) -> str:
+    """`error` as a chunk's error is kept: one line, at most CHUNK_ERROR_MAX_CHARS."""
+    line = " ".join(error.split())
+    return line if len(line) <= CHUNK_ERROR_MAX_CHARS else line[: CHUNK_ERROR_MAX_CHARS - 1] + "…"
+
+
 @dataclass(frozen=True)
 class JobProgress:
     completed: int = 0
@@ -206,10 +217,25 @@ class JobStore:
         raw = self.client.get(self.key("out", chunk))
         return raw or None
 
-    def fail_chunk(self, chunk: int, *, rows: int, usage: dict[str, int] | None = None) -> bool:
-        """Count a chunk's inputs as failed (and keep its usage increments), once; False if the
-        chunk was already finished."""
-        return self._finish(chunk, b"", rows=rows, tokens=0, counter="failed", usage=usage)
+    def fail_chunk(
+        self, chunk: int, *, rows: int, usage: dict[str, int] | None = None, error: str = ""
+    ) -> bool:
+        """Count a chunk's inputs as failed (and keep its usage increments), and record it failed
+        with `error`, once; False if the chunk was already finished."""
+        return self._finish(
+            chunk, b"", rows=rows, tokens=0, counter="failed", usage=usage, error=error_text(error)
+        )
+
+    def failed_chunks(self) -> set[int]:
+        """The chunks counted failed."""
+        return {int(chunk) for chunk in self.client.smembers(self.key("failed"))}
+
+    def chunk_errors(self) -> dict[int, str]:
+        """Each chunk's last error: why it failed, or why it was last retried."""
+        return {
+            int(chunk): error.decode(errors="replace")
+            for chunk, error in self.client.hgetall(self.key("errors")).items()
+        }
 
     def _finish(
         self,
@@ -221,6 +247,7 @@ class JobStore:
         counter: str,
         usage: dict[str, int] | None,
         cached_tokens: int = 0,
+        error: str = "",
     ) -> bool:
         finish = operations.job_chunk_finish(
             job_id=self.job_id,
@@ -232,6 +259,7 @@ class JobStore:
             counter=counter,
             increments=orjson.dumps(usage) if usage else b"",
             cached_tokens=cached_tokens,
+            error=error,
         )
         return operation_run_sync(finish, self.client)
 
