@@ -50,6 +50,9 @@ Job store (JOB_STORE_URL); the job's TTL is JOB_RESULT_TTL_S + 1 day (expiry del
     job:{<id>}:failed            set      job's TTL    chunks counted failed
     job:{<id>}:errors            hash     job's TTL    chunk -> its last error (a failure, or a
                                                        retry's cause), for operators
+    job:{<id>}:events            list     job's TTL    its last JOB_EVENTS_KEPT events, oldest first
+                                                       (orjson {at, event, detail}: state changes,
+                                                       chunk failures, re-sends, operators' acts)
 
 `job_keys` lists every job store key of a job, so deleting a job forgets none of them.
 """
@@ -124,6 +127,7 @@ JobKind = Literal[
     "started",
     "failed",
     "errors",
+    "events",
 ]
 ChunkKind = Literal["in", "ids", "out"]
 JOB_KINDS: tuple[JobKind, ...] = get_args(JobKind)

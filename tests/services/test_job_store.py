@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from embeddings.redis.connections import redis_job_store
 from embeddings.result_dtypes import ResultOutOfRange
-from embeddings.services.jobs.store import JobProgress, JobStore
+from embeddings.services.jobs.store import JOB_EVENTS_KEPT, JobProgress, JobStore
 
 DIMS = 4
 
@@ -63,6 +64,24 @@ def test_a_failed_chunk_keeps_its_error_beside_its_count(store):
     assert len(store.chunk_errors()[4]) == 300 and store.chunk_errors()[4].endswith("…")
     store.delete(5)
     assert store.failed_chunks() == set() and store.chunk_errors() == {}
+
+
+def test_a_job_keeps_its_latest_events_oldest_first(store):
+    store.event_append("running")
+    for number in range(JOB_EVENTS_KEPT + 5):
+        store.event_append("chunk_failed", f"chunk {number}: embedding_failed: wrong\nanswer")
+    events = store.events()
+    assert len(events) == JOB_EVENTS_KEPT
+    # The oldest six went: the running event and chunks 0-4's failures.
+    assert [event.detail for event in events[:2]] == [
+        "chunk 5: embedding_failed: wrong answer",
+        "chunk 6: embedding_failed: wrong answer",
+    ]
+    assert events[-1].event == "chunk_failed" and events[-1].detail.startswith("chunk 54:")
+    assert all(abs(event.at_ms / 1000 - time.time()) < 60 for event in events)
+    assert 590 < redis_job_store().ttl(store.key("events")) <= 600
+    store.delete(1)
+    assert store.events() == []
 
 
 def test_concurrent_finishers_count_once(store):

@@ -314,6 +314,9 @@ def test_watchdog_resends_a_chunk_whose_worker_died_and_never_a_live_one(
         assert job_watchdog(stall_s=0) == 1
     assert sent_chunks[2:] == [(job.pk, 0)]  # chunk 1's lease was live: not re-sent, even at stall 0
     assert live_leases(store) == 0 and job_watchdog() == 0  # chunk 0 is queued again, not lost
+    assert [(event.event, event.detail) for event in store.events()] == [
+        ("watchdog", "chunks re-sent (worker lost mid-chunk): [0]")
+    ]
     # The re-sent chunk runs (a late redelivery of the original too): written and counted once.
     job_chunk_run(job_id=job.pk, chunk=0)
     job_chunk_run(job_id=job.pk, chunk=0)
@@ -491,6 +494,13 @@ def test_a_chunk_that_cannot_be_embedded_fails_alone(api_setup, small_chunks, se
     # The chunk's own error, kept beside its failure for the admin's chunk table.
     assert job_store(job).failed_chunks() == {1}
     assert job_store(job).chunk_errors() == {1: "embedding_failed: the model answered wrongly"}
+    # Its history: the failure, then the state changes (progress events are not kept).
+    kept = [(event.event, event.detail) for event in job_store(job).events()]
+    assert kept == [
+        ("chunk_failed", "chunk 1: embedding_failed: the model answered wrongly"),
+        ("running", ""),
+        ("failed", "18 of 23 inputs embedded, 5 failed"),
+    ]
 
 
 def test_a_chunk_given_up_fails_the_rest_each_with_its_reason(api_setup, small_chunks, sent_chunks):
@@ -505,6 +515,7 @@ def test_a_chunk_given_up_fails_the_rest_each_with_its_reason(api_setup, small_c
     assert errors[1] == "model_unavailable: Triton down"
     assert errors[3] == "not run: the job stopped when chunk 1 failed for good (model_unavailable)"
     assert 0 not in errors
+    assert [event.event for event in store.events()] == ["running", "chunk_given_up", "failed"]
 
 
 def test_the_same_idempotency_key_submitted_concurrently_makes_one_job(api_setup, postgresql_only):

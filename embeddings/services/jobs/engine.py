@@ -51,7 +51,7 @@ from django.utils import timezone
 
 from embeddings.models import EmbeddingJob
 from embeddings.services.jobs.budget import job_storage_release, job_storage_settle
-from embeddings.services.jobs.events import job_event_publish
+from embeddings.services.jobs.events import job_event_keep, job_event_publish
 from embeddings.services.jobs.kinds import job_kind
 from embeddings.services.jobs.leases import (
     ChunkLease,
@@ -161,9 +161,12 @@ def job_expire_due(*, now: datetime | None = None) -> int:
 # --- The engine: one chunk -------------------------------------------------------------------------
 
 
-def _publish(job: EmbeddingJob, *, force: bool = False) -> None:
-    """Publish the job's state, at most every EVENT_INTERVAL_S per job unless forced (start, end)."""
-    if not force and not job_store(job).event_due(EVENT_INTERVAL_S):
+def _publish(job: EmbeddingJob, *, force: bool = False, detail: str = "") -> None:
+    """Publish the job's state, at most every EVENT_INTERVAL_S per job unless forced (a change of
+    status: start, cancel, end), which its history keeps too."""
+    if force:
+        job_event_keep(job_store(job), event=job.status, detail=detail)
+    elif not job_store(job).event_due(EVENT_INTERVAL_S):
         return
     job_event_publish(public_id=job.public_id, job=job_object(job))
 
@@ -244,7 +247,8 @@ def job_chunk_fail(*, job_id: int, chunk: int, code: str, message: str) -> None:
     store = job_store(job)
     rows = chunk_rows(job)[chunk]
     usage = job_kind(job.kind).chunk_usage(job, "failed", started=time.perf_counter())
-    store.fail_chunk(chunk, rows=rows, usage=usage, error=f"{code}: {message}")
+    if store.fail_chunk(chunk, rows=rows, usage=usage, error=f"{code}: {message}"):
+        job_event_keep(store, event="chunk_failed", detail=f"chunk {chunk}: {code}: {message}")
     _count_usage(store, chunk)
     _after_chunk(job, store, chunk)
 
@@ -265,6 +269,7 @@ def job_chunk_give_up(*, job_id: int, chunk: int, code: str, message: str) -> No
     rows_in = chunk_rows(job)
     kind = job_kind(job.kind)
     stopped = f"not run: the job stopped when chunk {chunk} failed for good ({code})"
+    job_event_keep(store, event="chunk_given_up", detail=f"chunk {chunk}: {code}: {message}")
     for number in range(job.chunks):
         usage = kind.chunk_usage(job, "failed", started=time.perf_counter())
         error = f"{code}: {message}" if number == chunk else stopped
@@ -306,7 +311,11 @@ def job_finalize(*, job_id: int, status: str, publish: bool = True) -> bool:
         job.error_code, job.error_message = "embedding_failed", "Some inputs could not be embedded"
         job.save(update_fields=["error_code", "error_message"])
     if publish:
-        _publish(job, force=True)
+        _publish(
+            job,
+            force=True,
+            detail=f"{job.completed:,} of {job.total:,} inputs embedded, {job.failed:,} failed",
+        )
     job_kind(job.kind).ended(job)
     if job.callback_url:
         try:
@@ -388,4 +397,5 @@ def _watch(job: EmbeddingJob, stall_s: float) -> bool:
     done = "; ".join(f"{action}: {chunks}" for action, chunks in actions.items() if chunks)
     if done:
         logger.warning("watchdog: job %s: chunks %s", job.public_id, done)
+        job_event_keep(store, event="watchdog", detail=f"chunks {done}")
     return bool(done)

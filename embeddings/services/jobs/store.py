@@ -16,6 +16,7 @@ watchdog or the job's end (embeddings.services.jobs.engine), never lost and neve
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -78,6 +79,20 @@ def error_text(error: str) -> str:
     """`error` as a chunk's error is kept: one line, at most CHUNK_ERROR_MAX_CHARS."""
     line = " ".join(error.split())
     return line if len(line) <= CHUNK_ERROR_MAX_CHARS else line[: CHUNK_ERROR_MAX_CHARS - 1] + "…"
+
+
+# Events a job keeps (state changes, chunk failures, re-sends, operators' actions), its latest:
+# a short history for the admin, bounded whatever the job's size (a few KiB at most).
+JOB_EVENTS_KEPT = 50
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One event in a job's history: when (unix ms), what (a status, or what happened), details."""
+
+    at_ms: int
+    event: str
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -289,6 +304,20 @@ class JobStore:
 
     def is_cancelled(self) -> bool:
         return bool(self.client.exists(self.key("cancel")))
+
+    def event_append(self, event: str, detail: str = "") -> None:
+        """Add an event to the job's history (the latest JOB_EVENTS_KEPT are kept)."""
+        record = {"at": round(time.time() * 1000), "event": event, "detail": error_text(detail)}
+        pipeline = self.client.pipeline(transaction=False)
+        pipeline.rpush(self.key("events"), orjson.dumps(record))
+        pipeline.ltrim(self.key("events"), -JOB_EVENTS_KEPT, -1)
+        pipeline.expire(self.key("events"), self.ttl_s)
+        pipeline.execute()
+
+    def events(self) -> list[JobEvent]:
+        """The job's kept events, oldest first."""
+        records = [orjson.loads(raw) for raw in self.client.lrange(self.key("events"), 0, -1)]
+        return [JobEvent(record["at"], record["event"], record.get("detail", "")) for record in records]
 
     def event_due(self, interval_s: float) -> bool:
         """True at most once every `interval_s` (progress events' rate limit, across workers)."""
