@@ -32,7 +32,8 @@ Job store (JOB_STORE_URL); the job's TTL is JOB_RESULT_TTL_S + 1 day (expiry del
 
     key                          type     TTL          holds
     job:{<id>}:in:<chunk>        string   job's TTL    orjson list of the chunk's texts (deleted
-                                                       when the job ends)
+                                                       when the job ends; a failed job's failed
+                                                       chunks' stay, for a retry)
     job:{<id>}:ids:<chunk>       string   job's TTL    orjson list of the client's ids (JSONL)
     job:{<id>}:out:<chunk>       string   job's TTL    the chunk's vectors (float32 or float16 bytes)
     job:{<id>}:done              set      job's TTL    finished chunk numbers

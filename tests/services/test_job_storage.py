@@ -26,7 +26,13 @@ from embeddings.services.jobs.budget import (
     job_storage_sweep,
     job_storage_used,
 )
-from embeddings.services.jobs.engine import job_cancel, job_chunk_run, job_delete, job_expire_due
+from embeddings.services.jobs.engine import (
+    job_cancel,
+    job_chunk_fail,
+    job_chunk_run,
+    job_delete,
+    job_expire_due,
+)
 from embeddings.services.jobs.store import inputs_encode, job_store
 from embeddings.services.jobs.submission import JobSpec, job_create
 from embeddings.services.quotas.limits import quota_status_sync
@@ -176,14 +182,16 @@ def test_the_bytes_held_for_a_finished_job_match_redis_memory_usage(api_setup, s
 def test_cancel_delete_and_expiry_give_the_bytes_back(api_setup, small_chunks):
     alpha, model = api_setup["alpha"], api_setup["model"]
     need = need_of(TEXTS, model.dimensions)
-    # Cancelled after two of five chunks: it keeps those chunks' results, nothing else.
+    # Cancelled after two of five chunks (a third failed): it keeps those chunks' results, nothing
+    # else (a cancelled job is not retried: no texts are kept).
     cancelled = submit(alpha, model)
     for chunk in range(2):
         job_chunk_run(job_id=cancelled.pk, chunk=chunk)
+    job_chunk_fail(job_id=cancelled.pk, chunk=4, code="embedding_failed", message="wrong answer")
     job_cancel(job=cancelled)
     job_chunk_run(job_id=cancelled.pk, chunk=2)  # sees the cancel and ends the job
     cancelled.refresh_from_db()
-    assert (cancelled.status, cancelled.completed) == ("cancelled", 10)
+    assert (cancelled.status, cancelled.completed, cancelled.failed) == ("cancelled", 10, 3)
     held = JobStorageHold.objects.get(public_id=cancelled.public_id).stored_bytes
     assert held == need.kept_bytes + need.result_bytes * 10 // 23
     assert [key for key in job_keys(cancelled) if ":in:" in key] == []
@@ -192,6 +200,31 @@ def test_cancel_delete_and_expiry_give_the_bytes_back(api_setup, small_chunks):
     job_delete(job=deleted)
     assert not JobStorageHold.objects.filter(public_id=deleted.public_id).exists()
 
+    assert job_expire_due(now=timezone.now() + timedelta(days=8)) == 1
+    assert job_storage_used() == 0 and job_keys() == []
+
+
+def test_a_failed_job_keeps_its_failed_chunks_inputs_held_until_expiry(api_setup, small_chunks):
+    """For an operator's retry (the admin): a failed chunk's texts stay, and stay counted, while
+    the rest of the job's texts go as before."""
+    alpha, model = api_setup["alpha"], api_setup["model"]
+    need = need_of(TEXTS, model.dimensions)
+    job = submit(alpha, model)  # 23 inputs: chunks of 5, 5, 5, 5, 3
+    for chunk in (0, 2, 3):
+        job_chunk_run(job_id=job.pk, chunk=chunk)
+    job_chunk_fail(job_id=job.pk, chunk=1, code="embedding_failed", message="wrong answer")
+    job_chunk_fail(job_id=job.pk, chunk=4, code="embedding_failed", message="wrong answer")
+    job.refresh_from_db()
+    assert (job.status, job.completed, job.failed) == ("failed", 15, 8)
+    assert [key for key in job_keys(job) if ":in:" in key] == [
+        f"job:{{{job.public_id}}}:in:1",
+        f"job:{{{job.public_id}}}:in:4",
+    ]
+    store = job_store(job)
+    assert store.chunk_inputs(1) == TEXTS[5:10] and store.chunk_inputs(4) == TEXTS[20:]
+    kept_texts = len(orjson.dumps(TEXTS[5:10])) + len(orjson.dumps(TEXTS[20:]))
+    held = JobStorageHold.objects.get(public_id=job.public_id).stored_bytes
+    assert held == need.kept_bytes + kept_texts + 2 * KEY_OVERHEAD_BYTES + need.result_bytes * 15 // 23
     assert job_expire_due(now=timezone.now() + timedelta(days=8)) == 1
     assert job_storage_used() == 0 and job_keys() == []
 

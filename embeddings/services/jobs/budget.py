@@ -4,6 +4,8 @@ when it would not fit its tenant's or the global budget, and given back as its d
 A job's need, computed at submission (job_storage_need):
 
     inputs   its texts exactly as stored (orjson per chunk), one key per chunk   freed when it ends
+                                                                                 (a failed chunk's
+                                                                                 at expiry)
     kept     its ids as stored (results name them) and its bookkeeping keys      kept until expiry
     results  inputs x bytes per stored vector (result_row_bytes),                kept until expiry
              one key per chunk
@@ -19,7 +21,8 @@ fit. Giving bytes back is one conditional UPDATE or DELETE of the job's row (exa
 
     job_storage_admit      at submission, before the inputs are stored
     job_storage_settle     the job ended (services/jobs/engine.py job_finalize): its inputs were deleted,
-                           it holds its ids and the results it wrote
+                           it holds its ids and the results it wrote (and a failed job the inputs
+                           of its failed chunks, kept for a retry)
     job_storage_release    its data deleted (the job deleted or expired, a submission undone):
                            nothing held
     job_storage_sweep      (beat, with the expiry) holds of submissions that died before their
@@ -187,14 +190,18 @@ def job_storage_admit(*, tenant: Tenant, public_id: str, need: StorageNeed) -> J
         )
 
 
-def job_storage_settle(*, public_id: str, completed: int, total: int) -> int:
-    """The job ended and its inputs are deleted: it holds its kept bytes and the results it wrote
-    (`completed` of `total` inputs). Only ever lowers the hold, so running twice is harmless.
-    Returns the bytes given back."""
+def job_storage_settle(
+    *, public_id: str, completed: int, total: int, kept_input_bytes: int = 0, kept_input_keys: int = 0
+) -> int:
+    """The job ended and its inputs are deleted but for `kept_input_keys` chunks' (a failed job's
+    failed chunks, kept for a retry: `kept_input_bytes` of texts): it holds its kept bytes, those
+    inputs and the results it wrote (`completed` of `total` inputs). Only ever lowers the hold, so
+    running twice is harmless. Returns the bytes given back."""
     hold = JobStorageHold.objects.filter(public_id=public_id).first()
     if hold is None:
         return 0
-    held = hold.kept_bytes + (hold.result_bytes * completed // total if total else 0)
+    inputs_kept = min(hold.input_bytes, kept_input_bytes + kept_input_keys * KEY_OVERHEAD_BYTES)
+    held = hold.kept_bytes + inputs_kept + (hold.result_bytes * completed // total if total else 0)
     lowered = JobStorageHold.objects.filter(pk=hold.pk, stored_bytes__gt=held).update(stored_bytes=held)
     return hold.stored_bytes - held if lowered else 0
 

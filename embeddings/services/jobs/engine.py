@@ -305,7 +305,7 @@ def job_finalize(*, job_id: int, status: str, publish: bool = True) -> bool:
     )
     if not won:
         return False
-    _free_inputs(job, store, progress.completed)
+    _free_inputs(job, store, progress.completed, failed_chunks_kept=status == Status.FAILED)
     job.refresh_from_db()
     if status == Status.FAILED and not job.error_code:
         job.error_code, job.error_message = "embedding_failed", "Some inputs could not be embedded"
@@ -325,15 +325,27 @@ def job_finalize(*, job_id: int, status: str, publish: bool = True) -> bool:
     return True
 
 
-def _free_inputs(job: EmbeddingJob, store: JobStore, completed: int) -> None:
-    """No chunk of an ended job runs again: its texts go now (ids and results stay until expiry) and
-    it holds only what it keeps. A failure here leaves them stored and counted until expiry."""
+def _free_inputs(job: EmbeddingJob, store: JobStore, completed: int, *, failed_chunks_kept: bool) -> None:
+    """An ended job's texts go now (ids and results stay until expiry) and it holds only what it
+    keeps; those of its failed chunks stay, held, where `failed_chunks_kept` and its kind allows an
+    operator to run them again (operator.py job_retry_failed_chunks). A failure here leaves them
+    stored and counted until expiry."""
+    kept: set[int] = set()
     try:
-        store.delete_inputs(job.chunks)
+        if failed_chunks_kept and job_kind(job.kind).chunks_retryable:
+            kept = store.failed_chunks()
+        store.delete_inputs(chunk for chunk in range(job.chunks) if chunk not in kept)
+        kept_bytes = store.input_bytes(kept)
     except redis.RedisError as error:
         logger.warning("job %s: inputs not freed (they expire with the job): %s", job.public_id, error)
         return
-    job_storage_settle(public_id=job.public_id, completed=completed, total=job.total)
+    job_storage_settle(
+        public_id=job.public_id,
+        completed=completed,
+        total=job.total,
+        kept_input_bytes=kept_bytes,
+        kept_input_keys=len(kept),
+    )
 
 
 def _settle(job: EmbeddingJob, store: JobStore, progress: JobProgress) -> None:

@@ -43,6 +43,9 @@ class JobKind:
     name = "embeddings"
     # The endpoint a job's usage counts under.
     usage_endpoint = "jobs"
+    # Whether an operator may run a failed job's failed chunks again: their inputs are then kept
+    # when the job ends (engine.py _free_inputs), until it expires.
+    chunks_retryable = True
 
     def chunk_embed(self, job: EmbeddingJob, texts: list[str]) -> ChunkWrite:
         """Embed one chunk's inputs; returns what writes them to the job store, which the engine

@@ -17,7 +17,7 @@ watchdog or the job's end (embeddings.services.jobs.engine), never lost and neve
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -149,11 +149,19 @@ class JobStore:
             ) from error
         return len(inputs.texts)
 
-    def delete_inputs(self, chunks: int) -> None:
-        """Remove the chunks' texts once none will run again (the ids stay: results name them)."""
-        names = [self.key("in", chunk) for chunk in range(chunks)]
+    def delete_inputs(self, chunks: Iterable[int]) -> None:
+        """Remove these chunks' texts once they will not run again (the ids stay: results name
+        them)."""
+        names = [self.key("in", chunk) for chunk in chunks]
         for start in range(0, len(names), 1000):
             self.client.delete(*names[start : start + 1000])
+
+    def input_bytes(self, chunks: Iterable[int]) -> int:
+        """The stored bytes of these chunks' texts (0 for a chunk whose texts are gone)."""
+        pipeline = self.client.pipeline(transaction=False)
+        for chunk in chunks:
+            pipeline.strlen(self.key("in", chunk))
+        return sum(pipeline.execute())
 
     def put_reservation(self, counter_keys: Sequence[str]) -> None:
         """Remember which quota counters (in the critical Redis) the job's tokens were reserved on,

@@ -560,6 +560,8 @@ class BatchJobKind(JobKind):
     name = "batch"
     # A batch's lines count under its own endpoint, failed chunks included.
     usage_endpoint = "batches"
+    # A batch ends with its output and error files written: its lines are not run again.
+    chunks_retryable = False
 
     def chunk_embed(self, job: EmbeddingJob, texts: list[str]) -> ChunkWrite:
         lines = [LineRequest.decode(text) for text in texts]
