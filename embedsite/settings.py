@@ -638,6 +638,14 @@ JOB_KINDS = {
 }
 # Results (and inputs) stay in Redis this long after submission; the job says when (expires_at).
 JOB_RESULT_TTL_S = env_int("JOB_RESULT_TTL_S", 7 * 24 * 3600, minimum=60)
+# An operator may extend a job's expiry (the admin) up to this long after its submission, no more:
+# its data stays held against its tenant's job storage budget meanwhile.
+JOB_MAX_RETENTION_S = env_int("JOB_MAX_RETENTION_S", 30 * 24 * 3600, minimum=60)
+if JOB_MAX_RETENTION_S < JOB_RESULT_TTL_S:
+    raise ImproperlyConfigured(
+        f"JOB_MAX_RETENTION_S ({JOB_MAX_RETENTION_S}) is shorter than JOB_RESULT_TTL_S ({JOB_RESULT_TTL_S}): "
+        "no job could be kept as long as it is by default"
+    )
 # Inputs per chunk: the unit a worker embeds, stores and counts at once.
 JOB_CHUNK_SIZE = env_int("JOB_CHUNK_SIZE", 256, minimum=1)
 # Inputs per job when the tenant sets no max_inputs_per_job.

@@ -17,7 +17,8 @@ ApiError (500 server_error)
 ├── MethodNotAllowed (405 method_not_allowed)
 ├── RequestTimeout (408 request_timeout)              the body stalled or arrived too slowly
 ├── Conflict (409 conflict)                           code job_not_finished: results asked for before
-│   │                                                 the job finished
+│   │                                                 the job finished; job_action_refused: an
+│   │                                                 operator's action that does not apply now
 │   └── IdempotencyKeyReused (409 idempotency_key_reused)  an Idempotency-Key sent with another request
 ├── Gone (410 gone)                                   code job_expired: a job's results, expired or deleted
 ├── PayloadTooLarge (413 payload_too_large)           body, inputs or tokens over a limit
@@ -65,6 +66,7 @@ from embeddings.errors.service import (
     EmptyFile,
     InferenceTimeout,
     InvalidRequest,
+    JobActionRefused,
     JobConflict,
     JobExpired,
     JobNotFinished,
@@ -396,6 +398,7 @@ ANSWERS: dict[type[Exception], Answer] = {
     JobConflict: Answer(_service_answer(IdempotencyKeyReused), Retry.NEVER),
     JobNotFinished: Answer(_service_answer(partial(Conflict, code="job_not_finished")), Retry.NEVER),
     JobExpired: Answer(_service_answer(partial(Gone, code="job_expired")), Retry.NEVER),
+    JobActionRefused: Answer(_service_answer(partial(Conflict, code="job_action_refused")), Retry.NEVER),
     JobQueueUnavailable: Answer(
         _service_answer(partial(ServiceUnavailable, code="queue_unavailable")), Retry.LATER
     ),

@@ -15,6 +15,8 @@ ServiceError
 ├── JobConflict         (409) an Idempotency-Key reused for a different job request
 ├── JobNotFinished      (409) a job's results asked for before the job finished
 ├── JobExpired          (410) a job's results asked for after they expired or were deleted
+├── JobActionRefused    (409) an operator's action on a job it does not apply to now (a retry of a
+│                             job that did not fail, an expiry past the longest retention, ...)
 ├── JobQueueUnavailable (503) the job queue (broker) refused a submission, which was undone
 └── JobStoreUnavailable (503) the job store (JOB_STORE_URL) refused a job's inputs, or is down
 Each class is defined here only: one table (ANSWERS in errors/answers.py) says how the API answers
@@ -130,6 +132,11 @@ class JobNotFinished(ServiceError):
 
 class JobExpired(ServiceError):
     """A job's results asked for after they expired or the job was deleted (410 job_expired)."""
+
+
+class JobActionRefused(ServiceError):
+    """What an operator asked of a job (services/jobs/operator.py) does not apply to it now; the
+    message says why, for the person who asked."""
 
 
 class JobQueueUnavailable(ServiceError):

@@ -28,7 +28,8 @@ The usage hash's fields are
 "<tenant>|<key or empty>|<hour epoch>|<endpoint>|<version>|<dtype>|<metric>|<model>"
 (embeddings.services.quotas.usage). Celery's broker and the channel layer keep their own keys there.
 
-Job store (JOB_STORE_URL); the job's TTL is JOB_RESULT_TTL_S + 1 day (expiry deletes it first)
+Job store (JOB_STORE_URL); the job's TTL is JOB_RESULT_TTL_S + 1 day, or a day past an expires_at
+an operator moved later (expiry deletes it first)
 
     key                          type     TTL          holds
     job:{<id>}:in:<chunk>        string   job's TTL    orjson list of the chunk's texts (deleted

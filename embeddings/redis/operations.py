@@ -177,6 +177,26 @@ def job_chunk_finish(
     return (yield ScriptCall(scripts.JOB_CHUNK_FINISH, chunk_keys, arguments)) == 1
 
 
+# Keys whose life is their own, not the job's: the progress events' rate limit lives half a second.
+_SHORT_LIVED_JOB_KEYS = frozenset({"event"})
+
+
+def job_extend(job_id: str, chunks: int, ttl_s: int) -> Operation[None]:
+    """Make every job store key of the job (keys.job_keys) live at least `ttl_s` from now: EXPIRE GT
+    only lengthens, and a missing key stays missing. A thousand keys per round trip."""
+    names = [keys.job_key(job_id, kind) for kind in keys.JOB_KINDS if kind not in _SHORT_LIVED_JOB_KEYS]
+    names += [keys.job_chunk_key(job_id, kind, chunk) for chunk in range(chunks) for kind in keys.CHUNK_KINDS]
+    for start in range(0, len(names), 1000):
+        yield [Command.of("EXPIRE", name, int(ttl_s), "GT") for name in names[start : start + 1000]]
+
+
+def job_markers_extend(job_id: str, ttl_s: int) -> Operation[None]:
+    """The job's markers in the critical Redis (usage counted once, reservation settled) live at
+    least `ttl_s` from now, as long as the job's data they guard."""
+    markers = [keys.usage_counted(job_id), keys.job_settled(job_id)]
+    yield [Command.of("EXPIRE", name, int(ttl_s), "GT") for name in markers]
+
+
 def job_delete(job_id: str, chunks: int) -> Operation[None]:
     """Delete every job store key of the job (keys.job_keys), a thousand per command."""
     names = keys.job_keys(job_id, chunks)

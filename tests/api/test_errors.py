@@ -145,6 +145,16 @@ SERVICE_ANSWERS = [
         {},
     ),
     (
+        service.JobActionRefused("Job job_1 is completed: only a failed job's chunks can be retried."),
+        409,
+        body(
+            "Job job_1 is completed: only a failed job's chunks can be retried.",
+            "invalid_request_error",
+            "job_action_refused",
+        ),
+        {},
+    ),
+    (
         service.JobQueueUnavailable("broker down"),
         503,
         body("broker down", "server_error", "queue_unavailable"),

@@ -114,9 +114,10 @@ def chunk_send(job_id: int, chunk: int, priority: int = CHUNK_PRIORITY) -> None:
 # --- Cancel, delete, expire ------------------------------------------------------------------------
 
 
-def job_cancel(*, job: EmbeddingJob) -> EmbeddingJob:
+def job_cancel(*, job: EmbeddingJob, actor: str = "") -> EmbeddingJob:
     """Ask a queued or running job to stop: cancelling now, cancelled once its chunks stop (each
-    checks the flag before and after embedding). A finished job is returned unchanged."""
+    checks the flag before and after embedding). A finished job is returned unchanged. `actor`: who
+    asked, when not the job's client (an operator), for its history."""
     if job.status not in (Status.QUEUED, Status.RUNNING):
         return job
     job_store(job).cancel()
@@ -124,7 +125,7 @@ def job_cancel(*, job: EmbeddingJob) -> EmbeddingJob:
         status=Status.CANCELLING
     )
     job.refresh_from_db()
-    _publish(job, force=True)
+    _publish(job, force=True, detail=f"asked by {actor}" if actor else "")
     return job
 
 

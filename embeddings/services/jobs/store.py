@@ -16,15 +16,18 @@ watchdog or the job's end (embeddings.services.jobs.engine), never lost and neve
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 import numpy as np
 import orjson
 import redis
 from django.conf import settings
+from django.utils import timezone
 
 from embeddings.errors.service import JobStoreUnavailable
 from embeddings.redis import keys, operations
@@ -343,10 +346,38 @@ class JobStore:
         raw = self.client.get(self.key("out", chunk))
         return None if raw is None else result_decode(raw, self.result_dtype, dims)
 
+    def extend(self, chunks: int, ttl_s: int) -> None:
+        """Make every key of the job live at least `ttl_s` from now (never shorter than it does)."""
+        operation_run_sync(operations.job_extend(self.job_id, chunks, ttl_s), self.client)
+        self.ttl_s = max(self.ttl_s, ttl_s)
+
+    def ttls(self, chunks: int) -> dict[str, int]:
+        """Each existing key of the job and the seconds it has left (for operators and tests)."""
+        names = keys.job_keys(self.job_id, chunks)
+        pipeline = self.client.pipeline(transaction=False)
+        for name in names:
+            pipeline.ttl(name)
+        return {name: ttl for name, ttl in zip(names, pipeline.execute(), strict=True) if ttl != -2}
+
     def delete(self, chunks: int) -> None:
         """Remove every key of the job in the job store (inputs, ids, results, counters, the
         engine's and the leases'): keys.job_keys lists them all."""
         operation_run_sync(operations.job_delete(self.job_id, chunks), self.client)
+
+
+# A job's keys outlive its expires_at by this much: the expiry sweep deletes them first, and a key
+# written late (a redelivered chunk) cannot vanish before the job it belongs to.
+STORE_GRACE_S = 86400
+
+
+def job_store_ttl_s(expires_at: datetime | None) -> int:
+    """What a job's keys are written to live: JOB_RESULT_TTL_S and a day, or a day past expires_at
+    where an operator moved it later (operator.py job_extend_expiry), so that no write shortens
+    the life an extension gave the job's data."""
+    ttl_s = settings.JOB_RESULT_TTL_S
+    if expires_at is not None:
+        ttl_s = max(ttl_s, math.ceil((expires_at - timezone.now()).total_seconds()))
+    return ttl_s + STORE_GRACE_S
 
 
 def job_store(job: EmbeddingJob) -> JobStore:
@@ -354,7 +385,7 @@ def job_store(job: EmbeddingJob) -> JobStore:
     return JobStore(
         redis_job_store(),
         job.public_id,
-        ttl_s=settings.JOB_RESULT_TTL_S + 86400,
+        ttl_s=job_store_ttl_s(job.expires_at),
         result_dtype=result_storage_name(result_dtype=job.result_dtype, output_type=job.output_type),
     )
 
