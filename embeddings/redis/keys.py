@@ -21,7 +21,8 @@ Critical Redis (REDIS_URL)
     usage:folding-batches                 set      none                      usage fold
     usage:counted:{<job id>}              bitmap   the job's TTL             usage count once (a bit
                                                                              per chunk)
-    job:{<job id>}:settled                string   the job's TTL             job refund (once marker)
+    job:{<job id>}:settled                string   the job's TTL             job refund (once marker;
+    job:{<job id>:retry<n>}:settled                                          a retry round's own)
     jobs:{t<tenant>}:submit               string   30 s (a redis-py Lock)    job submission lock
 
 The usage hash's fields are
@@ -55,6 +56,10 @@ an operator moved later (expiry deletes it first)
     job:{<id>}:events            list     job's TTL    its last JOB_EVENTS_KEPT events, oldest first
                                                        (orjson {at, event, detail}: state changes,
                                                        chunk failures, re-sends, operators' acts)
+    job:{<id>}:requeue           list     job's TTL    failed chunks an operator re-opened: handed
+                                                       out, as successors, once `next` is spent
+    job:{<id>}:retry             hash     job's TTL    retry round (1, 2, ...) -> orjson of what it
+                                                       reserved, settled once at the job's next end
 
 `job_keys` lists every job store key of a job, so deleting a job forgets none of them.
 """
@@ -108,6 +113,11 @@ def job_settled(job_id: str) -> str:
     return f"job:{{{job_id}}}:settled"
 
 
+def job_retry_settlement(job_id: str, round_number: int) -> str:
+    """Who settles a job's retry round: its own once-marker (job_settled) beside the job's."""
+    return f"{job_id}:retry{int(round_number)}"
+
+
 def job_submit_lock(tenant_id: int) -> str:
     return f"jobs:{{t{tenant_id}}}:submit"
 
@@ -130,6 +140,8 @@ JobKind = Literal[
     "failed",
     "errors",
     "events",
+    "requeue",
+    "retry",
 ]
 ChunkKind = Literal["in", "ids", "out"]
 JOB_KINDS: tuple[JobKind, ...] = get_args(JobKind)

@@ -114,6 +114,12 @@ def usage_count_once(*, owner: str, unit: int, increments: Mapping[str, int], tt
     return reply == 1
 
 
+def usage_count_forget(*, owner: str, units: Sequence[int]) -> Operation[None]:
+    """Forget that `units` of `owner` were counted: each counts once more, once."""
+    if units:
+        yield ScriptCall(scripts.USAGE_COUNT_FORGET, [keys.usage_counted(owner)], list(units))
+
+
 def usage_fold_batches() -> Operation[list[str]]:
     """The ids of batches claimed and not yet forgotten, sorted."""
     members = yield Command.of("SMEMBERS", keys.FOLDING_BATCHES)
@@ -190,10 +196,11 @@ def job_extend(job_id: str, chunks: int, ttl_s: int) -> Operation[None]:
         yield [Command.of("EXPIRE", name, int(ttl_s), "GT") for name in names[start : start + 1000]]
 
 
-def job_markers_extend(job_id: str, ttl_s: int) -> Operation[None]:
-    """The job's markers in the critical Redis (usage counted once, reservation settled) live at
-    least `ttl_s` from now, as long as the job's data they guard."""
+def job_markers_extend(job_id: str, ttl_s: int, *, retry_rounds: int = 0) -> Operation[None]:
+    """The job's markers in the critical Redis (usage counted once, its reservation and its retry
+    rounds' settled) live at least `ttl_s` from now, as long as the job's data they guard."""
     markers = [keys.usage_counted(job_id), keys.job_settled(job_id)]
+    markers += [keys.job_settled(keys.job_retry_settlement(job_id, n)) for n in range(1, retry_rounds + 1)]
     yield [Command.of("EXPIRE", name, int(ttl_s), "GT") for name in markers]
 
 

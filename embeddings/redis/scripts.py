@@ -179,6 +179,18 @@ return 1
 """,
 )
 
+# Forgets that units (a failed job's chunks, about to run again) were counted, so that each counts
+# once more, once. KEYS: the owner's marker bitmap. ARGV: the units' bits.
+USAGE_COUNT_FORGET = Script(
+    "usage_count_forget",
+    """
+for i = 1, #ARGV do
+    redis.call('SETBIT', KEYS[1], ARGV[i], 0)
+end
+return #ARGV
+""",
+)
+
 # Renames the live hash to a batch and records the batch (atomic: a HINCRBY lands either in the
 # batch or in a fresh live hash). KEYS: live hash, batch hash, batches set. ARGV: batch id.
 USAGE_CLAIM = Script(
@@ -259,16 +271,21 @@ local function deadline(lease)
 end
 """
 
-# Takes the next chunk number from the job's counter and records it handed out.
-# KEYS: next, sent. ARGV: ttl, chunks. Returns the number (>= chunks: none left).
+# Takes the next chunk number from the job's counter, or once every chunk was handed out, the first
+# chunk an operator re-opened (the requeue list: a failed job's failed chunks run again), and
+# records it handed out. KEYS: next, sent, requeue. ARGV: ttl, chunks. Returns the number (>=
+# chunks: none left).
 _TAKE_NEXT_BODY = """
-local function take_next(next_key, sent_key, ttl, chunks, now)
+local function take_next(next_key, sent_key, requeue_key, ttl, chunks, now)
     local chunk = redis.call('INCR', next_key) - 1
     redis.call('EXPIRE', next_key, ttl)
-    if chunk < chunks then
-        redis.call('HSET', sent_key, chunk, now)
-        redis.call('EXPIRE', sent_key, ttl)
+    if chunk >= chunks then
+        local requeued = redis.call('LPOP', requeue_key)
+        if not requeued then return chunk end
+        chunk = tonumber(requeued)
     end
+    redis.call('HSET', sent_key, chunk, now)
+    redis.call('EXPIRE', sent_key, ttl)
     return chunk
 end
 """
@@ -279,13 +296,13 @@ JOB_CHUNK_TAKE_NEXT = Script(
         _NOW
         + _TAKE_NEXT_BODY
         + """
-return take_next(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), now_ms())
+return take_next(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), now_ms())
 """
     ),
 )
 
 # One successor per finished chunk (a redelivered chunk hands out none).
-# KEYS: handoff, next, sent. ARGV: chunk, ttl, chunks. Returns the successor, or -1.
+# KEYS: handoff, next, sent, requeue. ARGV: chunk, ttl, chunks. Returns the successor, or -1.
 JOB_CHUNK_HANDOFF = Script(
     "job_chunk_handoff",
     (
@@ -296,7 +313,53 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 0 then
     return -1
 end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-return take_next(KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[3]), now_ms())
+return take_next(KEYS[2], KEYS[3], KEYS[4], ARGV[2], tonumber(ARGV[3]), now_ms())
+"""
+    ),
+)
+
+# Re-opens a failed job's failed chunks for a retry (embeddings.services.jobs.operator): each one
+# still counted failed leaves the failed and done sets, its rows and its place leave the progress
+# counters, its lease and handed-out time go, and it joins the requeue list with its successor
+# hand-off undone (so it hands out one when it finishes: the job keeps its fair share); the job's
+# cancel flag (a give-up sets it) goes; `next` moves past the last chunk, so only the requeue list
+# hands out chunks; then the first `window` chunks are taken. One script: two retries at once
+# re-open each chunk once. KEYS: done, failed, progress, handoff, requeue, cancel, next, sent, lease.
+# ARGV: ttl, chunks, window, then chunk/rows pairs. Returns {re-opened chunks, chunks to send}.
+JOB_CHUNKS_REOPEN = Script(
+    "job_chunks_reopen",
+    (
+        _NOW
+        + _TAKE_NEXT_BODY
+        + """
+local ttl, chunks, window = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local reopened = {}
+for i = 4, #ARGV, 2 do
+    local chunk = ARGV[i]
+    if redis.call('SREM', KEYS[2], chunk) == 1 then
+        redis.call('SREM', KEYS[1], chunk)
+        redis.call('HINCRBY', KEYS[3], 'failed', -tonumber(ARGV[i + 1]))
+        redis.call('HINCRBY', KEYS[3], 'chunks_done', -1)
+        redis.call('HDEL', KEYS[4], chunk)
+        redis.call('HDEL', KEYS[8], chunk)
+        redis.call('HDEL', KEYS[9], chunk)
+        redis.call('RPUSH', KEYS[5], chunk)
+        table.insert(reopened, tonumber(chunk))
+    end
+end
+if #reopened == 0 then return {{}, {}} end
+redis.call('EXPIRE', KEYS[5], ttl)
+redis.call('DEL', KEYS[6])
+if tonumber(redis.call('GET', KEYS[7]) or 0) < chunks then
+    redis.call('SET', KEYS[7], chunks, 'EX', ttl)
+end
+local now, sent = now_ms(), {}
+for _ = 1, window do
+    local chunk = take_next(KEYS[7], KEYS[8], KEYS[5], ttl, chunks, now)
+    if chunk >= chunks then break end
+    table.insert(sent, chunk)
+end
+return {reopened, sent}
 """
     ),
 )
@@ -384,8 +447,8 @@ return live
 )
 
 # The watchdog's pass over one job (embeddings.services.jobs.leases explains it). KEYS: sent, lease,
-# done, handoff, next. ARGV: stall ms, ttl, chunks. Returns {lost running, never started, successors handed
-# out, chunks still in flight}; the first three are marked handed out now.
+# done, handoff, next, requeue. ARGV: stall ms, ttl, chunks. Returns {lost running, never started,
+# successors handed out, chunks still in flight}; the first three are marked handed out now.
 JOB_CHUNKS_SCAN = Script(
     "job_chunks_scan",
     (
@@ -403,7 +466,7 @@ for i = 1, #sent, 2 do
         if not alive then
             if redis.call('HSETNX', KEYS[4], chunk, 1) == 1 then
                 redis.call('EXPIRE', KEYS[4], ttl)
-                local successor = take_next(KEYS[5], KEYS[1], ttl, chunks, now)
+                local successor = take_next(KEYS[5], KEYS[1], KEYS[6], ttl, chunks, now)
                 if successor < chunks then table.insert(successors, successor) end
             end
             redis.call('HDEL', KEYS[1], chunk)

@@ -23,6 +23,8 @@ fit. Giving bytes back is one conditional UPDATE or DELETE of the job's row (exa
     job_storage_settle     the job ended (services/jobs/engine.py job_finalize): its inputs were deleted,
                            it holds its ids and the results it wrote (and a failed job the inputs
                            of its failed chunks, kept for a retry)
+    job_storage_grow       an operator runs a failed job's failed chunks again: the results they
+                           will write, admitted as a submission's are (operator.py)
     job_storage_release    its data deleted (the job deleted or expired, a submission undone):
                            nothing held
     job_storage_sweep      (beat, with the expiry) holds of submissions that died before their
@@ -36,7 +38,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Sum
+from django.db.models import F, Sum
 from django.utils import timezone
 
 from embeddings.errors.service import StorageBudgetExceeded
@@ -151,35 +153,41 @@ def _lock_admissions() -> None:
             cursor.execute(f"UPDATE {table} SET stored_bytes = stored_bytes WHERE 1 = 0")
 
 
+def _refuse_unless_it_fits(tenant: Tenant, needed: int, *, what_needs: str) -> None:
+    """Raise StorageBudgetExceeded unless `needed` more bytes fit the tenant's budget and the
+    global one (the tenant's named first). Called under _lock_admissions."""
+    budget = tenant_job_storage_budget(tenant)
+    global_budget = settings.JOB_STORAGE_GLOBAL_BUDGET_BYTES
+    used = job_storage_used(tenant_id=tenant.pk)
+    if used + needed > budget:
+        raise StorageBudgetExceeded(
+            f"{what_needs} {size_text(needed)} of job storage; this tenant's job storage budget "
+            f"is {size_text(budget)}, of which {size_text(used)} is in use. "
+            + (
+                "Delete finished jobs you no longer need (or wait for them to expire) and submit again."
+                if needed <= budget
+                else "Split the inputs into smaller jobs."
+            ),
+            budget="tenant",
+            fits_when_empty=needed <= budget,
+        )
+    if job_storage_used() + needed > global_budget:
+        # Other tenants' usage is theirs: only this job's size is named.
+        raise StorageBudgetExceeded(
+            f"{what_needs} {size_text(needed)} of job storage, more than the service's global "
+            "job storage budget has free now; submit again later, or a smaller job.",
+            budget="global",
+            fits_when_empty=needed <= global_budget,
+        )
+
+
 def job_storage_admit(*, tenant: Tenant, public_id: str, need: StorageNeed) -> JobStorageHold:
     """Hold `need` for the job `public_id` of `tenant`, or raise StorageBudgetExceeded naming the
     budget it does not fit (the tenant's first). Exact under concurrent submissions."""
-    budget = tenant_job_storage_budget(tenant)
-    global_budget = settings.JOB_STORAGE_GLOBAL_BUDGET_BYTES
     needed = need.total
     with transaction.atomic():
         _lock_admissions()
-        used = job_storage_used(tenant_id=tenant.pk)
-        if used + needed > budget:
-            raise StorageBudgetExceeded(
-                f"This job needs {size_text(needed)} of job storage; this tenant's job storage budget "
-                f"is {size_text(budget)}, of which {size_text(used)} is in use. "
-                + (
-                    "Delete finished jobs you no longer need (or wait for them to expire) and submit again."
-                    if needed <= budget
-                    else "Split the inputs into smaller jobs."
-                ),
-                budget="tenant",
-                fits_when_empty=needed <= budget,
-            )
-        if job_storage_used() + needed > global_budget:
-            # Other tenants' usage is theirs: only this job's size is named.
-            raise StorageBudgetExceeded(
-                f"This job needs {size_text(needed)} of job storage, more than the service's global "
-                "job storage budget has free now; submit again later, or a smaller job.",
-                budget="global",
-                fits_when_empty=needed <= global_budget,
-            )
+        _refuse_unless_it_fits(tenant, needed, what_needs="This job needs")
         return JobStorageHold.objects.create(
             public_id=public_id,
             tenant=tenant,
@@ -188,6 +196,28 @@ def job_storage_admit(*, tenant: Tenant, public_id: str, need: StorageNeed) -> J
             kept_bytes=need.kept_bytes,
             result_bytes=need.result_bytes,
         )
+
+
+def job_storage_grow(*, tenant: Tenant, public_id: str, extra_bytes: int) -> bool:
+    """Hold `extra_bytes` more for the job (a retry of its failed chunks: the results they will
+    write), admitted as a submission is: StorageBudgetExceeded when they do not fit. False when the
+    job holds nothing (its data is gone)."""
+    with transaction.atomic():
+        _lock_admissions()
+        if not JobStorageHold.objects.filter(public_id=public_id).exists():
+            return False
+        _refuse_unless_it_fits(tenant, extra_bytes, what_needs="Running this job's failed chunks again needs")
+        JobStorageHold.objects.filter(public_id=public_id).update(
+            stored_bytes=F("stored_bytes") + extra_bytes
+        )
+    return True
+
+
+def job_storage_shrink(*, public_id: str, bytes_given_back: int) -> None:
+    """Give back what job_storage_grow held (a retry undone before it started)."""
+    JobStorageHold.objects.filter(public_id=public_id, stored_bytes__gte=bytes_given_back).update(
+        stored_bytes=F("stored_bytes") - bytes_given_back
+    )
 
 
 def job_storage_settle(

@@ -50,6 +50,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from embeddings.models import EmbeddingJob
+from embeddings.redis.keys import job_retry_settlement
 from embeddings.services.jobs.budget import job_storage_release, job_storage_settle
 from embeddings.services.jobs.events import job_event_keep, job_event_publish
 from embeddings.services.jobs.kinds import job_kind
@@ -90,9 +91,18 @@ def job_data_delete(job: EmbeddingJob) -> None:
     them held: counted too much until the sweep, never too little)."""
     store = job_store(job)
     _count_usage(store)
+    rounds = store.retry_rounds()
     store.delete(job.chunks)
     quota_refund_forget(job_id=store.job_id)
+    for number in rounds:
+        quota_refund_forget(job_id=job_retry_settlement(store.job_id, number))
     job_storage_release(public_id=job.public_id)
+
+
+def job_usage_count_pending(*, job: EmbeddingJob) -> None:
+    """Count now whatever usage of the job's finished chunks still waits to be (a worker died
+    between writing a chunk and counting it): before an operator runs failed chunks again."""
+    _count_usage(job_store(job))
 
 
 def _count_usage(store: JobStore, chunk: int | None = None) -> None:
@@ -352,14 +362,32 @@ def _free_inputs(job: EmbeddingJob, store: JobStore, completed: int, *, failed_c
 def _settle(job: EmbeddingJob, store: JobStore, progress: JobProgress) -> None:
     """Give back what the reservation held beyond the tokens used, once (a marker in the script,
     run on the critical Redis that holds the token counters). With EMBEDDING_CACHE_COUNT_HITS off,
-    the tokens the embedding cache answered were not used: given back too."""
+    the tokens the embedding cache answered were not used: given back too.
+
+    Each retry round an operator started (operator.py job_retry_failed_chunks) reserved its own
+    tokens and is settled the same way, once, under its own marker: it used the tokens counted
+    between its start and the next round's (or now). The submission's reservation used those
+    counted before the first round; settled at the job's first end, its marker makes it a no-op at
+    a retried job's next one."""
+    rounds = store.retry_rounds()
+    # Where the job's token counts stood at each round's start, and now.
+    marks = [(retry.tokens_before, retry.cached_before) for retry in rounds.values()]
+    marks.append((progress.tokens, progress.cached_tokens))
+
+    def used(start: tuple[int, int], end: tuple[int, int]) -> int:
+        tokens, cached = end[0] - start[0], end[1] - start[1]
+        return tokens if settings.EMBEDDING_CACHE_COUNT_HITS else tokens - cached
+
+    submitted = job.reserved_tokens - sum(retry.reserved for retry in rounds.values())
+    refund = max(0, submitted - used((0, 0), marks[0]))
     keys = store.reservation()
-    used_tokens = progress.tokens
-    if not settings.EMBEDDING_CACHE_COUNT_HITS:
-        used_tokens -= progress.cached_tokens
-    refund = max(0, job.reserved_tokens - used_tokens)
     if keys and refund:
         quota_refund_once(job_id=store.job_id, counters=keys, tokens=refund, ttl_s=store.ttl_s)
+    for index, (number, retry) in enumerate(rounds.items()):
+        refund = max(0, retry.reserved - used(marks[index], marks[index + 1]))
+        if retry.counters and refund:
+            owner = job_retry_settlement(store.job_id, number)
+            quota_refund_once(job_id=owner, counters=retry.counters, tokens=refund, ttl_s=store.ttl_s)
 
 
 # --- Watchdog ------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ the scripts in embeddings.redis.scripts), every time in milliseconds of the job 
                          moves the deadline on every JOB_CHUNK_LEASE_S / 3 (a heartbeat thread)
     job:{<id>}:runs      hash chunk -> how many times its embedding started (1 unless re-run)
     job:{<id>}:started   hash chunk -> when its embedding last started
+    job:{<id>}:requeue   list of chunks re-opened for a retry: handed out (as successors, and by
+                         the watchdog's fresh window) once every chunk number was
     job:{<id>}:errors    hash chunk -> its last error: why it failed (written with its failure,
                          JobStore.fail_chunk), or why its Celery retry is due (chunk_mark_sent)
 
@@ -56,12 +58,12 @@ def _run(store: JobStore, script: Script, kinds: tuple[str, ...], args: list):
 
 def chunk_take_next(store: JobStore, *, chunks: int) -> int:
     """The next chunk to hand out, recorded as handed out; >= chunks when none is left."""
-    return int(_run(store, scripts.JOB_CHUNK_TAKE_NEXT, ("next", "sent"), [store.ttl_s, chunks]))
+    return int(_run(store, scripts.JOB_CHUNK_TAKE_NEXT, ("next", "sent", "requeue"), [store.ttl_s, chunks]))
 
 
 def chunk_hand_off(store: JobStore, *, chunk: int, chunks: int) -> int:
     """The successor of a finished chunk, once per chunk; -1 (or >= chunks) when none is due."""
-    kinds = ("handoff", "next", "sent")
+    kinds = ("handoff", "next", "sent", "requeue")
     return int(_run(store, scripts.JOB_CHUNK_HANDOFF, kinds, [chunk, store.ttl_s, chunks]))
 
 
@@ -86,12 +88,35 @@ class ScanResult:
 
 def chunks_scan(store: JobStore, *, chunks: int, stall_s: float) -> ScanResult:
     """Classify the job's handed-out chunks (module docstring); the ones to send are marked sent."""
-    kinds = ("sent", "lease", "done", "handoff", "next")
+    kinds = ("sent", "lease", "done", "handoff", "next", "requeue")
     args = [round(stall_s * 1000), store.ttl_s, chunks]
     lost, stalled, successors, in_flight = _run(store, scripts.JOB_CHUNKS_SCAN, kinds, args)
     return ScanResult(
         [int(c) for c in lost], [int(c) for c in stalled], [int(c) for c in successors], int(in_flight)
     )
+
+
+@dataclass(frozen=True)
+class ChunksReopened:
+    reopened: list[int]  # chunks counted failed until now, to run again
+    to_send: list[int]  # of them, those handed out now (the job's first window); the rest follow
+
+
+def chunks_reopen(store: JobStore, *, rows: dict[int, int], chunks: int, window: int) -> ChunksReopened:
+    """Re-open a failed job's failed chunks (`rows`: chunk -> its inputs) to run again, and take the
+    first `window` of them to hand out (scripts.JOB_CHUNKS_REOPEN says how): a chunk no longer
+    counted failed (re-opened by a retry at the same time) is left out."""
+    kinds = ("done", "failed", "progress", "handoff", "requeue", "cancel", "next", "sent", "lease")
+    args: list = [store.ttl_s, chunks, window]
+    for chunk, count in rows.items():
+        args += [chunk, count]
+    reopened, to_send = _run(store, scripts.JOB_CHUNKS_REOPEN, kinds, args)
+    return ChunksReopened([int(chunk) for chunk in reopened], [int(chunk) for chunk in to_send])
+
+
+def chunks_requeued(store: JobStore) -> list[int]:
+    """Re-opened chunks not handed out yet, in the order they will be."""
+    return [int(chunk) for chunk in store.client.lrange(store.key("requeue"), 0, -1)]
 
 
 @dataclass(frozen=True)

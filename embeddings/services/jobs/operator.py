@@ -8,6 +8,12 @@ the engine): cancel it, keep it longer, run its failed chunks again, send its ca
                               storage budget (the job's bytes stay held against that budget until
                               the new expiry); every key of the job in the job store, and its
                               once-markers in the critical Redis, made to outlive it by a day
+    job_retry_failed_chunks   run a failed job's failed chunks again (their inputs are kept for
+                              this when it ends): it runs again and ends once they have, each
+                              input counted once (the retried chunks' failures leave the counts)
+                              and each chunk's usage once more, once; their tokens reserved against
+                              the tenant's quota and their results' bytes against its job storage
+                              budget first, or the retry is refused saying which does not fit
     job_callback_resend       deliver a finished job's callback once more (the Celery task, as at
                               the job's end)
 
@@ -17,21 +23,39 @@ kind "embeddings" are acted on here: a batch's job belongs to its batch (its fil
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from celery import current_app
 from django.conf import settings
+from django.db.models import F
 from django.utils import timezone
 
-from embeddings.errors.service import JobActionRefused
-from embeddings.models import EmbeddingJob
-from embeddings.services.jobs.budget import size_text, tenant_job_storage
-from embeddings.services.jobs.engine import CALLBACK_TASK, job_cancel
-from embeddings.services.jobs.events import job_event_keep
+from embeddings.errors.service import JobActionRefused, QuotaExceeded, StorageBudgetExceeded
+from embeddings.models import EmbeddingJob, JobStorageHold
+from embeddings.services.jobs import engine
+from embeddings.services.jobs.budget import (
+    job_storage_grow,
+    job_storage_shrink,
+    size_text,
+    tenant_job_storage,
+)
+from embeddings.services.jobs.engine import CALLBACK_TASK, job_cancel, job_usage_count_pending
+from embeddings.services.jobs.events import job_event_keep, job_event_publish
 from embeddings.services.jobs.kinds import EMBEDDINGS
-from embeddings.services.jobs.store import job_store, job_store_ttl_s
+from embeddings.services.jobs.leases import chunks_reopen
+from embeddings.services.jobs.reads import job_object
+from embeddings.services.jobs.store import RetryRound, chunk_rows, job_store, job_store_ttl_s
+from embeddings.services.jobs.submission import (
+    job_quota_caller,
+    job_token_estimate,
+    job_tokens_release,
+    job_tokens_reserve,
+    reserved_token_counters,
+)
 from embeddings.services.quotas.limits import quota_job_markers_extend
+from embeddings.services.quotas.usage import usage_count_forget
 
 Status = EmbeddingJob.Status
 
@@ -113,7 +137,7 @@ def job_extend_expiry(*, job: EmbeddingJob, by: timedelta, actor: str = "") -> E
     store = job_store(job)
     ttl_s = job_store_ttl_s(target)
     store.extend(job.chunks, ttl_s)
-    quota_job_markers_extend(job_id=store.job_id, ttl_s=ttl_s)
+    quota_job_markers_extend(job_id=store.job_id, ttl_s=ttl_s, retry_rounds=len(store.retry_rounds()))
     moved = (
         EmbeddingJob.objects.filter(pk=job.pk, expires_at=job.expires_at)
         .exclude(status=Status.EXPIRED)
@@ -124,6 +148,124 @@ def job_extend_expiry(*, job: EmbeddingJob, by: timedelta, actor: str = "") -> E
     detail = f"from {_when(job.expires_at)} to {_when(target)}{_by(actor)}"
     job_event_keep(store, event="expiry_extended", detail=detail)
     return ExpiryExtension(previous=job.expires_at, expires_at=target, bound=bound, capped=target == bound)
+
+
+@dataclass(frozen=True)
+class RetryStarted:
+    chunks: list[int]  # the chunks that run again
+    inputs: int
+    reserved_tokens: int  # 0 where QUOTAS_ENABLED is off
+    held_bytes: int  # what their results may hold, added to the job's hold
+
+
+def job_retry_failed_chunks(*, job: EmbeddingJob, actor: str = "") -> RetryStarted:
+    """Run a failed job's failed chunks again: the job is running again, as if they had not run,
+    and ends (completed, or failed if some fail again) when they have, its callback sent again.
+
+    In order, each step undone if a later one refuses: the usage still waiting to be counted is
+    counted (none may wait when the chunks' once-markers are cleared below, or it would count
+    twice); their results' bytes are held (job_storage_grow) and their tokens reserved (an upper
+    bound, as at submission) as a new round the job's end settles; the job store re-opens the
+    chunks (leases.chunks_reopen, one script: they leave the failed counts and join the requeue
+    list) and their usage markers are cleared (usage_count_forget: each run counts once); then the
+    row goes from failed to running (a conditional UPDATE) and the first JOB_CHUNKS_IN_FLIGHT
+    chunks go to the broker; the rest are handed out as successors, the job's fair share as before.
+    Between the re-opening and the row's change the job is still failed in the database, so no
+    worker or watchdog runs or ends it meanwhile. A crash in that gap leaves the job failed with
+    its chunks re-opened (no longer retryable) until it expires."""
+    job = _fresh(job)
+    if job.status != Status.FAILED:
+        raise JobActionRefused(
+            f"Job {job.public_id} is {job.status}: only a failed job's failed chunks can be run again."
+        )
+    if job.expires_at is not None and job.expires_at <= timezone.now():
+        raise JobActionRefused(f"Job {job.public_id} has expired: its inputs are gone.")
+    job_usage_count_pending(job=job)
+    store = job_store(job)
+    failed = sorted(store.failed_chunks())
+    if not failed:
+        raise JobActionRefused(
+            f"Job {job.public_id} has no chunk recorded as failed (it failed before failed chunks "
+            "were recorded, or they are being run again): nothing to run again."
+        )
+    if pending := sorted(set(store.uncounted_usage()) & set(failed)):
+        raise JobActionRefused(
+            f"The usage of job {job.public_id}'s chunks {pending} is not counted yet (is the critical "
+            "Redis reachable?): try again shortly."
+        )
+    rows_of = chunk_rows(job)
+    tokens = 0
+    for chunk in failed:
+        texts = store.chunk_inputs(chunk)
+        if texts is None:
+            raise JobActionRefused(
+                f"The inputs of job {job.public_id}'s chunk {chunk} are gone (deleted when it ended, "
+                "before failed chunks' inputs were kept): its failed chunks cannot be run again."
+            )
+        tokens += job_token_estimate(job.model, texts, job.input_type or None)
+    inputs = sum(rows_of[chunk] for chunk in failed)
+    hold = JobStorageHold.objects.filter(public_id=job.public_id).first()
+    extra_bytes = 0 if hold is None else math.ceil(hold.result_bytes * inputs / job.total)
+    try:
+        if not job_storage_grow(tenant=job.tenant, public_id=job.public_id, extra_bytes=extra_bytes):
+            raise JobActionRefused(f"Job {job.public_id} holds no data any more: nothing to run again.")
+    except StorageBudgetExceeded as refusal:
+        raise JobActionRefused(refusal.message) from refusal
+    try:
+        reservation = job_tokens_reserve(job_quota_caller(job.tenant, job.api_key), tokens)
+    except QuotaExceeded as refusal:
+        job_storage_shrink(public_id=job.public_id, bytes_given_back=extra_bytes)
+        raise JobActionRefused(
+            f"Tenant {job.tenant.slug}'s quota cannot take the {tokens:,} tokens that job "
+            f"{job.public_id}'s {len(failed)} failed chunks may need: {refusal.message}"
+        ) from refusal
+    reserved = tokens if reservation is not None else 0
+    progress = store.progress()
+    number = max(store.retry_rounds(), default=0) + 1
+    counters = reserved_token_counters(reservation)
+    retry = RetryRound(reserved, progress.tokens, progress.cached_tokens, counters)
+
+    def undo(why: str) -> JobActionRefused:
+        store.retry_round_drop(number)
+        job_tokens_release(reservation)
+        job_storage_shrink(public_id=job.public_id, bytes_given_back=extra_bytes)
+        return JobActionRefused(why)
+
+    store.retry_round_save(number, retry)
+    reopened = chunks_reopen(
+        store,
+        rows={chunk: rows_of[chunk] for chunk in failed},
+        chunks=job.chunks,
+        window=settings.JOB_CHUNKS_IN_FLIGHT,
+    )
+    if not reopened.reopened:
+        raise undo(f"Job {job.public_id}'s failed chunks are being run again already.")
+    # Their runs so far are counted (checked above); each run again counts once more, once.
+    usage_count_forget(owner=store.job_id, units=reopened.reopened)
+    counts = store.progress()
+    restarted = EmbeddingJob.objects.filter(pk=job.pk, status=Status.FAILED).update(
+        status=Status.RUNNING,
+        finished_at=None,
+        error_code="",
+        error_message="",
+        completed=counts.completed,
+        failed=counts.failed,
+        reserved_tokens=F("reserved_tokens") + reserved,
+        callback_delivered_at=None,
+        callback_error="",
+    )
+    if not restarted:
+        raise undo(f"Job {job.public_id} changed meanwhile (deleted or expired): look again.")
+    for chunk in reopened.to_send:
+        engine.chunk_send(job.pk, chunk)
+    job.refresh_from_db()
+    detail = (
+        f"round {number}: chunks {reopened.reopened} ({inputs:,} inputs) run again{_by(actor)}; "
+        f"{reserved:,} tokens reserved"
+    )
+    job_event_keep(store, event="retrying", detail=detail)
+    job_event_publish(public_id=job.public_id, job=job_object(job))
+    return RetryStarted(reopened.reopened, inputs, reserved, extra_bytes)
 
 
 def job_callback_resend(*, job: EmbeddingJob, actor: str = "") -> EmbeddingJob:

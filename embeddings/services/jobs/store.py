@@ -16,6 +16,7 @@ watchdog or the job's end (embeddings.services.jobs.engine), never lost and neve
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -99,6 +100,18 @@ class JobEvent:
 
 
 @dataclass(frozen=True)
+class RetryRound:
+    """An operator's retry of a failed job's failed chunks: the tokens it reserved (on `counters`,
+    the critical Redis's token budget counters) and the job's token counts when it began, so that
+    its end refunds what the round did not use, once (engine.py _settle)."""
+
+    reserved: int
+    tokens_before: int
+    cached_before: int
+    counters: list[str]
+
+
+@dataclass(frozen=True)
 class JobProgress:
     completed: int = 0
     failed: int = 0
@@ -177,6 +190,22 @@ class JobStore:
     def reservation(self) -> list[str]:
         raw = self.client.get(self.key("reservation"))
         return orjson.loads(raw) if raw else []
+
+    def retry_round_save(self, number: int, retry: RetryRound) -> None:
+        self.client.hset(self.key("retry"), number, orjson.dumps(dataclasses.asdict(retry)))
+        self.client.expire(self.key("retry"), self.ttl_s)
+
+    def retry_round_drop(self, number: int) -> None:
+        """Forget a round that did not start (it reserved nothing that is still held)."""
+        self.client.hdel(self.key("retry"), number)
+
+    def retry_rounds(self) -> dict[int, RetryRound]:
+        """The job's retry rounds by number (1, 2, ...), in order."""
+        raw = self.client.hgetall(self.key("retry"))
+        return {
+            int(number): RetryRound(**orjson.loads(value))
+            for number, value in sorted(raw.items(), key=lambda item: int(item[0]))
+        }
 
     def chunk_inputs(self, chunk: int) -> list[str] | None:
         """The chunk's texts; None once they are gone (expired or deleted)."""

@@ -142,7 +142,10 @@ def job_token_estimate(model: EmbeddingModel, texts: list[str], input_type: str 
     return sum(min(cap, len(text.encode()) + prompt + 2) for text in texts)
 
 
-def _job_quota_caller(tenant: Tenant, api_key: ApiKey | None) -> Caller:
+def job_quota_caller(tenant: Tenant, api_key: ApiKey | None) -> Caller:
+    """Whom a job's tokens are reserved for: its tenant and key, without the limits a job does not
+    meet (tokens per minute, concurrent requests; module docstring)."""
+
     def job_limits(owner) -> QuotaLimitValues:
         values = QuotaLimitValues.of(owner)
         return dataclasses.replace(values, tokens_per_minute=None, max_concurrent_requests=None)
@@ -151,16 +154,26 @@ def _job_quota_caller(tenant: Tenant, api_key: ApiKey | None) -> Caller:
     return Caller(tenant.pk, None if api_key is None else api_key.pk, job_limits(tenant), key_limits)
 
 
-def _reserve(caller: Caller, tokens: int) -> Reservation | None:
+def job_tokens_reserve(caller: Caller, tokens: int) -> Reservation | None:
+    """Reserve a job's tokens (and count one request) against the caller's limits; None where
+    QUOTAS_ENABLED is off. Raises QuotaExceeded."""
     if not settings.QUOTAS_ENABLED:
         return None
     # inputs=0: a job's size is checked against max_inputs_per_job, not the per-request limit.
     return quota_reserve_sync(caller=caller, inputs=0, tokens=tokens)
 
 
-def _refund(reservation: Reservation | None) -> None:
+def job_tokens_release(reservation: Reservation | None) -> None:
+    """Give back a reservation that will not be used (a submission or a retry undone)."""
     if reservation is not None and reservation.holds_anything:
         quota_release_sync(reservation=reservation, refund=True)
+
+
+def reserved_token_counters(reservation: Reservation | None) -> list[str]:
+    """The token budget counters a reservation holds tokens on: what the job's end refunds."""
+    if reservation is None:
+        return []
+    return [counter.key for counter in reservation.counters if counter.window.kind == "tokens"]
 
 
 def _find_existing(tenant_id: int, idempotency_key: str, fingerprint: str) -> EmbeddingJob | None:
@@ -239,7 +252,7 @@ def job_create(
     tenant, api_key = _limits(tenant_id, api_key_id)
     _validate(spec, tenant, api_key)
     model = spec.model
-    caller = _job_quota_caller(tenant, api_key)
+    caller = job_quota_caller(tenant, api_key)
     estimate = spec.token_estimate
     if estimate is None:
         estimate = job_token_estimate(model, spec.texts, spec.input_type)
@@ -294,11 +307,10 @@ def job_create(
         # StorageBudgetExceeded here leaves nothing behind: no bytes held, no tokens reserved.
         job_storage_admit(tenant=tenant, public_id=job.public_id, need=need)
         try:
-            reservation = _reserve(caller, estimate)
+            reservation = job_tokens_reserve(caller, estimate)
             store.put_encoded_inputs(inputs)
             if reservation is not None and reservation.counters:
-                keys = [c.key for c in reservation.counters if c.window.kind == "tokens"]
-                store.put_reservation(keys)
+                store.put_reservation(reserved_token_counters(reservation))
             with transaction.atomic():
                 job.save(force_insert=True)
                 transaction.on_commit(lambda: _dispatch(job))
@@ -332,7 +344,7 @@ def _undo(job: EmbeddingJob, reservation: Reservation | None) -> None:
             # so, and whatever got in expires with the job's TTL.
             logger.warning("job %s: data not deleted after a failed submission: %s", job.public_id, error)
     finally:
-        _refund(reservation)
+        job_tokens_release(reservation)
 
 
 def _dispatch(job: EmbeddingJob) -> None:

@@ -565,10 +565,11 @@ def quota_refund_forget(*, job_id: str) -> None:
     operation_run_sync(operations.quota_forget_settled(job_id), redis_sync())
 
 
-def quota_job_markers_extend(*, job_id: str, ttl_s: int) -> None:
-    """Keep the job's once-markers (its usage counted, its reservation settled) at least `ttl_s`
-    more: as long as the job's data they guard, whose expiry an operator moved later."""
-    operation_run_sync(operations.job_markers_extend(job_id, ttl_s), redis_sync())
+def quota_job_markers_extend(*, job_id: str, ttl_s: int, retry_rounds: int = 0) -> None:
+    """Keep the job's once-markers (its usage counted, its reservation and its `retry_rounds`
+    rounds' settled) at least `ttl_s` more: as long as the job's data they guard, whose expiry an
+    operator moved later."""
+    operation_run_sync(operations.job_markers_extend(job_id, ttl_s, retry_rounds=retry_rounds), redis_sync())
 
 
 # --- One API request's bookkeeping ----------------------------------------------------------------

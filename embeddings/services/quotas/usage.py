@@ -120,6 +120,13 @@ def usage_count_once(*, owner: str, unit: int, increments: dict[str, int], ttl_s
     return operation_run_sync(operation, redis_sync())
 
 
+def usage_count_forget(*, owner: str, units: list[int]) -> None:
+    """Forget that these units of `owner` were counted, so that each counts once more: a failed
+    job's failed chunks run again (their first run's usage was counted and stays counted; the
+    caller makes sure none of it is still waiting to be)."""
+    operation_run_sync(operations.usage_count_forget(owner=owner, units=units), redis_sync())
+
+
 # --- The fold: Redis counters -> UsageBucket rows -------------------------------------------------
 #
 # 1. Claim: one Lua script renames the live hash to the batch's hash and adds the id to the
