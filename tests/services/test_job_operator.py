@@ -25,10 +25,12 @@ from embeddings.services.jobs.callbacks import (
     job_callback_deliver,
 )
 from embeddings.services.jobs.engine import job_chunk_fail, job_chunk_give_up, job_chunk_run, job_expire_due
+from embeddings.services.jobs.leases import ChunkLease
 from embeddings.services.jobs.operator import (
     job_callback_resend,
     job_cancel_by_operator,
     job_extend_expiry,
+    job_inspect,
     job_retry_failed_chunks,
 )
 from embeddings.services.jobs.store import STORE_GRACE_S, job_store
@@ -358,3 +360,32 @@ def test_only_a_failed_jobs_failed_chunks_run_again(api_setup, small_chunks, sen
     job_retry_failed_chunks(job=job)
     with pytest.raises(JobActionRefused, match="is running: only a failed job's"):
         job_retry_failed_chunks(job=job)
+
+
+# --- What an operator reads ------------------------------------------------------------------------
+
+
+def test_inspecting_a_job_reads_each_chunks_state_and_what_applies(api_setup, small_chunks, sent_chunks):
+    job = run_chunks(submit(api_setup), [0])
+    job_chunk_fail(job_id=job.pk, chunk=3, code="embedding_failed", message="wrong answer")
+    with ChunkLease(job_store(job), 1, lease_s=30):
+        inspection = job_inspect(job=job)
+    states = {state.chunk: state.state for state in inspection.chunks}
+    assert states == {0: "done", 1: "running", 2: "sent", 3: "failed", 4: "queued"}
+    assert [state.chunk for state in inspection.chunks] == [1, 2, 3, 4, 0]  # the most telling first
+    assert inspection.chunks_by_state == {"running": 1, "sent": 1, "failed": 1, "queued": 1, "done": 1}
+    running = inspection.chunks[0]
+    assert running.attempts == 1 and running.lease_owner and running.lease_deadline_ms > inspection.clock_ms
+    assert inspection.chunks[2].error == "embedding_failed: wrong answer"
+    assert inspection.download_bytes == 128 + 23 * 384 * 4
+    assert inspection.actions == {
+        "cancel": None,
+        "extend": None,
+        "retry": "only a failed job's failed chunks run again",
+        "resend_callback": "it has no callback_url",
+    }
+    # Ended failed: the retry applies, the cancel no longer.
+    job = run_chunks(job, [1, 2, 4])
+    inspection = job_inspect(job=job)
+    assert job.status == "failed" and inspection.actions["retry"] is None
+    assert inspection.actions["cancel"] == "it is failed"

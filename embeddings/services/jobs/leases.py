@@ -120,6 +120,70 @@ def chunks_requeued(store: JobStore) -> list[int]:
 
 
 @dataclass(frozen=True)
+class ChunkState:
+    """Where one chunk of a job is, as an operator reads it (the admin's job page)."""
+
+    chunk: int
+    # running (leased), lease lapsed (its worker died; the watchdog re-sends it), sent (in the
+    # broker), requeued (re-opened for a retry, not handed out yet), queued (not handed out yet),
+    # not run (its job ended first), done, failed.
+    state: str
+    attempts: int  # how often its embedding started
+    lease_owner: str  # "<host>:<pid>" of the worker holding its lease (running, or lapsed)
+    lease_deadline_ms: int | None  # the job store's clock
+    started_ms: int | None  # when its embedding last started
+    error: str  # its last error: why it failed, or why it was last retried
+
+
+def chunk_states(store: JobStore, *, chunks: int, ended: bool) -> tuple[list[ChunkState], int]:
+    """Every chunk's state (`ended`: the job has finished, so a chunk never handed out was not
+    run), and the job store's clock (ms), read in one round trip."""
+    pipeline = store.client.pipeline(transaction=False)
+    pipeline.smembers(store.key("done"))
+    pipeline.smembers(store.key("failed"))
+    for kind in ("sent", "lease", "runs", "started", "errors"):
+        pipeline.hgetall(store.key(kind))
+    pipeline.lrange(store.key("requeue"), 0, -1)
+    pipeline.time()
+    done, failed, sent, leases, runs, started, errors, requeue, (seconds, microseconds) = pipeline.execute()
+    now_ms = seconds * 1000 + microseconds // 1000
+    done, failed, requeued = {int(c) for c in done}, {int(c) for c in failed}, {int(c) for c in requeue}
+    sent = {int(c) for c in sent}
+    leases = {int(c): lease.decode().split(" ", 1) for c, lease in leases.items()}
+    runs = {int(c): int(count) for c, count in runs.items()}
+    started = {int(c): int(at) for c, at in started.items()}
+    errors = {int(c): error.decode(errors="replace") for c, error in errors.items()}
+    states = []
+    for chunk in range(chunks):
+        deadline, owner = leases.get(chunk, (None, ""))
+        deadline_ms = None if deadline is None else int(deadline)
+        if chunk in failed:
+            state = "failed"
+        elif chunk in done:
+            state = "done"
+        elif deadline_ms is not None:
+            state = "running" if deadline_ms > now_ms else "lease lapsed"
+        elif chunk in sent:
+            state = "sent"
+        elif chunk in requeued:
+            state = "requeued"
+        else:
+            state = "not run" if ended else "queued"
+        states.append(
+            ChunkState(
+                chunk,
+                state,
+                runs.get(chunk, 0),
+                owner,
+                deadline_ms,
+                started.get(chunk),
+                errors.get(chunk, ""),
+            )
+        )
+    return states, now_ms
+
+
+@dataclass(frozen=True)
 class ChunkRuns:
     """How often each chunk's embedding started, and when last (Redis ms): for operators and tests."""
 

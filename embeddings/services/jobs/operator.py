@@ -19,6 +19,10 @@ the engine): cancel it, keep it longer, run its failed chunks again, send its ca
 
 Each refuses what does not apply with JobActionRefused, whose message says why. Only jobs of the
 kind "embeddings" are acted on here: a batch's job belongs to its batch (its files, its expiry).
+
+    job_inspect               what the job's page shows beyond its row, read from the job store:
+                              each chunk's state, attempts, lease and last error, the job's kept
+                              events, its download's size, what it holds, and which actions apply
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+import redis
 from celery import current_app
 from django.conf import settings
 from django.db.models import F
@@ -44,9 +49,10 @@ from embeddings.services.jobs.budget import (
 from embeddings.services.jobs.engine import CALLBACK_TASK, job_cancel, job_usage_count_pending
 from embeddings.services.jobs.events import job_event_keep, job_event_publish
 from embeddings.services.jobs.kinds import EMBEDDINGS
-from embeddings.services.jobs.leases import chunks_reopen
+from embeddings.services.jobs.leases import ChunkState, chunk_states, chunks_reopen
 from embeddings.services.jobs.reads import job_object
-from embeddings.services.jobs.store import RetryRound, chunk_rows, job_store, job_store_ttl_s
+from embeddings.services.jobs.results import npy_size
+from embeddings.services.jobs.store import JobEvent, RetryRound, chunk_rows, job_store, job_store_ttl_s
 from embeddings.services.jobs.submission import (
     job_quota_caller,
     job_token_estimate,
@@ -283,3 +289,85 @@ def job_callback_resend(*, job: EmbeddingJob, actor: str = "") -> EmbeddingJob:
         job_event_keep(job_store(job), event="callback_resent", detail=f"to {job.callback_url}{_by(actor)}")
     job.refresh_from_db()
     return job
+
+
+# The job page's chunk table shows this many chunks at most (a million-input job has 3,907), the
+# ones an operator looks for first: running, lapsed, sent, failed, waiting, then done.
+CHUNKS_SHOWN = 200
+STATE_ORDER = ("running", "lease lapsed", "sent", "failed", "requeued", "queued", "not run", "done")
+
+
+@dataclass(frozen=True)
+class JobInspection:
+    chunks: list[ChunkState]  # at most CHUNKS_SHOWN, most telling first
+    chunks_by_state: dict[str, int]  # every chunk counted, in STATE_ORDER
+    clock_ms: int  # the job store's clock, for lease deadlines
+    events: list[JobEvent]
+    download_bytes: int | None  # the .npy download's size (None: a kind without vectors)
+    hold: JobStorageHold | None
+    # Each action ("cancel", "extend", "retry", "resend_callback") and None where it applies now,
+    # else why not.
+    actions: dict[str, str | None]
+    unavailable: str = ""  # why the job store's part is missing (it did not answer)
+
+
+def _actions(job: EmbeddingJob, failed_inputs_kept: int | None, now: datetime) -> dict[str, str | None]:
+    if job.kind != EMBEDDINGS.name:
+        reason = f"a {job.kind}'s job: act on its {job.kind}"
+        return dict.fromkeys(("cancel", "extend", "retry", "resend_callback"), reason)
+    expired = job.status == Status.EXPIRED or (job.expires_at is not None and job.expires_at <= now)
+    cancel = None if job.status in (Status.QUEUED, Status.RUNNING) else f"it is {job.status}"
+    if expired:
+        extend = "it has expired"
+    elif job.expires_at is not None and job.expires_at >= job_expiry_bound(job):
+        extend = "it expires at the latest allowed already (JOB_MAX_RETENTION_S)"
+    else:
+        extend = None
+    if job.status != Status.FAILED:
+        retry = "only a failed job's failed chunks run again"
+    elif expired:
+        retry = "it has expired"
+    elif failed_inputs_kept is None:
+        retry = "the job store did not answer"
+    elif failed_inputs_kept == 0:
+        retry = "no failed chunk's inputs are kept"
+    else:
+        retry = None
+    if not job.callback_url:
+        resend = "it has no callback_url"
+    elif not job.is_finished:
+        resend = "its callback is sent when it finishes"
+    else:
+        resend = None
+    return {"cancel": cancel, "extend": extend, "retry": retry, "resend_callback": resend}
+
+
+def job_inspect(*, job: EmbeddingJob) -> JobInspection:
+    """The job's chunks, events, sizes and applicable actions (JobInspection); the job store's part
+    empty, and `unavailable` saying why, when it does not answer: the page still shows the row."""
+    hold = JobStorageHold.objects.filter(public_id=job.public_id).first()
+    now = timezone.now()
+    store = job_store(job)
+    try:
+        states, clock_ms = chunk_states(store, chunks=job.chunks, ended=job.is_finished)
+        events = store.events()
+        failed = [state.chunk for state in states if state.state == "failed"]
+        failed_inputs_kept = store.inputs_kept(failed)
+    except redis.RedisError as error:
+        return JobInspection(
+            [], {}, 0, [], None, hold, _actions(job, None, now), f"The job store did not answer: {error}"
+        )
+    by_state = {state: 0 for state in STATE_ORDER}
+    for state in states:
+        by_state[state.state] += 1
+    shown = sorted(states, key=lambda state: (STATE_ORDER.index(state.state), state.chunk))[:CHUNKS_SHOWN]
+    download = npy_size(store, job.total, job.dims) if job.kind == EMBEDDINGS.name else None
+    return JobInspection(
+        chunks=shown,
+        chunks_by_state={state: count for state, count in by_state.items() if count},
+        clock_ms=clock_ms,
+        events=events,
+        download_bytes=download,
+        hold=hold,
+        actions=_actions(job, failed_inputs_kept, now),
+    )

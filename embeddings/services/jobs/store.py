@@ -172,6 +172,13 @@ class JobStore:
         for start in range(0, len(names), 1000):
             self.client.delete(*names[start : start + 1000])
 
+    def inputs_kept(self, chunks: Iterable[int]) -> int:
+        """How many of these chunks still have their texts."""
+        pipeline = self.client.pipeline(transaction=False)
+        for chunk in chunks:
+            pipeline.exists(self.key("in", chunk))
+        return sum(pipeline.execute())
+
     def input_bytes(self, chunks: Iterable[int]) -> int:
         """The stored bytes of these chunks' texts (0 for a chunk whose texts are gone)."""
         pipeline = self.client.pipeline(transaction=False)
