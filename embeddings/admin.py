@@ -727,3 +727,6 @@ class UsageBucketAdmin(admin.ModelAdmin):
 
     def csv_filename(self) -> str:
         return f"usage-{timezone.now():%Y%m%dT%H%M%SZ}.csv"
+
+
+import embeddings.admin_jobs  # noqa: E402, F401 -- the jobs pages register themselves

@@ -323,6 +323,10 @@ class UsageFold(models.Model):
     rows = models.PositiveIntegerField(default=0)
 
 
+# Every id job submission draws (services/jobs/submission.py _new_public_id).
+JOB_ID_PATTERN = r"job_[a-z0-9]{24}"
+
+
 class EmbeddingJob(models.Model):
     """An asynchronous embedding job: its inputs and results live in Redis (services/jobs/store.py),
     its state here. Status moves queued -> running -> completed | failed | cancelled, with
@@ -410,7 +414,12 @@ class EmbeddingJob(models.Model):
                 name="job_idempotency_key_unique_per_tenant",
             )
         ]
-        indexes = [models.Index(fields=["tenant", "-created_at"]), models.Index(fields=["status"])]
+        indexes = [
+            models.Index(fields=["tenant", "-created_at"]),
+            models.Index(fields=["status"]),
+            # The admin's jobs list, newest first across tenants: read from the index, not sorted.
+            models.Index(fields=["-created_at", "-id"], name="job_newest_first"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.public_id} ({self.status})"

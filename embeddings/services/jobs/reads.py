@@ -8,16 +8,15 @@ from datetime import datetime
 from django.utils import timezone
 
 from embeddings.errors.service import JobExpired, JobNotFinished
-from embeddings.models import EmbeddingJob
+from embeddings.models import JOB_ID_PATTERN, EmbeddingJob
 from embeddings.services.jobs.kinds import EMBEDDINGS
 from embeddings.services.jobs.store import JobProgress, JobStore, chunk_rows, job_store
 from embeddings.services.pages import creation_page
 
 Status = EmbeddingJob.Status
 ACTIVE = EmbeddingJob.ACTIVE
-# Every id job submission draws (submission.py _new_public_id): any other string names no job, and
-# is not looked up (PostgreSQL refuses a query with a NUL in it).
-JOB_ID_PATTERN = r"job_[a-z0-9]{24}"
+# Any string but a job id (models.JOB_ID_PATTERN) names no job, and is not looked up (PostgreSQL
+# refuses a query with a NUL in it).
 
 
 def job_for_tenant(*, tenant_id: int, public_id: str) -> EmbeddingJob | None:

@@ -90,7 +90,7 @@ class JobSpec:
 
 
 def _new_public_id() -> str:
-    """A job id, of reads.JOB_ID_PATTERN's form."""
+    """A job id, of models.JOB_ID_PATTERN's form."""
     return "job_" + "".join(secrets.choice(PUBLIC_ID_ALPHABET) for _ in range(24))
 
 
