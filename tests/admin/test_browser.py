@@ -9,6 +9,7 @@ and says why: it is never skipped.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -25,7 +26,7 @@ from embeddings.services.accounts.api_keys import api_key_create
 from embeddings.services.accounts.tenants import tenant_create
 from embeddings.services.quotas.reports import utc_day_start
 from tests.api.conftest import LiveServer, live_uvicorn
-from tests.processes import REPO_ROOT, tenant_with_key
+from tests.processes import REPO_ROOT, DjangoShell, tenant_with_key
 
 BROWSER_TIMEOUT_MS = 20_000
 FULL_KEY = re.compile(r"emb_[a-z0-9]{12}_[A-Za-z0-9_-]{20,100}")
@@ -259,7 +260,8 @@ def docs_server(triton_server, redis_server, tmp_path_factory) -> Iterator[LiveS
         triton_target=triton_server.grpc_target,
         redis_url=redis_server.url,
         workers=1,
-        env={"DJANGO_DEBUG": "0"},
+        # Its jobs' chunks go to a Redis database no test's worker reads: the jobs test runs them.
+        env={"DJANGO_DEBUG": "0", "CELERY_BROKER_URL": redis_server.url.rsplit("/", 1)[0] + "/14"},
         setup=[("createsuperuser", "--noinput", "--username", "root", "--email", "root@example.com")],
         setup_env={"DJANGO_SUPERUSER_PASSWORD": "a-long-password"},
     ) as server:
@@ -412,3 +414,95 @@ def test_an_admin_sets_a_burst_and_sees_the_bucket_drain(docs_server, docs_page)
     assert row.locator("th").inner_text() == "requests per minute"
     page.locator("#usage-live").scroll_into_view_if_needed()
     save_screenshot(page, "admin-tenant-rates")
+
+
+# A running job as an operator finds it: 20 inputs in chunks of 4; chunks 0 and 1 embedded, chunk 2
+# failed, chunk 3 running (its lease held by this shell, renewed until it closes), chunk 4 handed
+# out; and a finished job beside it. Run by a DjangoShell in the server's settings.
+JOB_SCENE = """
+import json
+from django.test import override_settings
+from embeddings.models import EmbeddingModel, Tenant
+from embeddings.services.jobs.engine import job_chunk_fail, job_chunk_run
+from embeddings.services.jobs.leases import ChunkLease
+from embeddings.services.jobs.store import job_store
+from embeddings.services.jobs.submission import JobSpec, job_create
+model = EmbeddingModel.objects.get(name="all-MiniLM-L6-v2")
+tenant = Tenant.objects.get(slug="live")
+with override_settings(JOB_CHUNK_SIZE=4):
+    spec = JobSpec(model=model, texts=[f"finished sentence {i}" for i in range(6)])
+    finished, _ = job_create(tenant_id=tenant.pk, api_key_id=None, spec=spec)
+    spec = JobSpec(model=model, texts=[f"browser sentence {i}" for i in range(20)])
+    running, _ = job_create(tenant_id=tenant.pk, api_key_id=None, spec=spec)
+for chunk in (0, 1):
+    job_chunk_run(job_id=finished.pk, chunk=chunk)
+    job_chunk_run(job_id=running.pk, chunk=chunk)
+failure = "the model answered 1024-d vectors, 384 expected"
+job_chunk_fail(job_id=running.pk, chunk=2, code="embedding_failed", message=failure)
+held_lease = ChunkLease(job_store(running), 3, lease_s=600)
+held_lease.__enter__()
+print(json.dumps([running.public_id, finished.public_id]))
+"""
+
+
+def test_an_operator_sees_a_jobs_progress_and_chunks_and_cancels_it(docs_server, docs_page, tmp_path):
+    """Through uvicorn as `make run` serves it: the jobs list's rows and the bar the browser drew
+    for each, a job's chunk table and events, and the cancel button's effect and message."""
+    env = {name: value for name, value in docs_server.env.items() if name != "PROMETHEUS_MULTIPROC_DIR"}
+    shell = DjangoShell(env, tmp_path / "shell.log")
+    try:
+        public_id, finished_id = json.loads(shell.run(JOB_SCENE).splitlines()[-1])
+        page = docs_page
+        # An operator's desktop screen: the list's columns beside the admin's menu and filters.
+        page.set_viewport_size({"width": 1920, "height": 1000})
+        page.goto(f"{docs_server.base_url}/admin/embeddings/embeddingjob/")
+        page.fill("#id_username", "root")
+        page.fill("#id_password", "a-long-password")
+        _click_and_load(page, "input[type=submit]")
+
+        rows = page.locator("#result_list tbody tr")
+        assert rows.count() == 2
+        assert rows.locator("th.field-public_id").all_inner_texts() == [public_id, finished_id]
+        running = rows.filter(has_text=public_id)
+        assert running.locator("td.field-status").inner_text() == "Running"
+        assert running.locator("td.field-progress .job-rows").inner_text() == "12 / 20 (4 failed)"
+        # The bar as laid out: 8 of 20 completed (40 %), then 4 failed (20 %) of its width.
+        bar = running.locator(".job-progress")
+        width = bar.evaluate("element => element.clientWidth")
+        completed = running.locator(".job-progress-completed").bounding_box()["width"]
+        failed = running.locator(".job-progress-failed").bounding_box()["width"]
+        assert width > 100 and abs(completed / width - 0.4) < 0.02 and abs(failed / width - 0.2) < 0.02
+        finished = rows.filter(has_text=finished_id)
+        assert finished.locator("td.field-status").inner_text() == "Completed"
+        assert finished.locator(".job-progress-completed").bounding_box()["width"] >= width - 1
+        assert "KiB" in running.locator("td.field-storage_held").inner_text()
+        save_screenshot(page, "jobs-list")
+
+        _click_and_load(page, f"text={public_id}")
+        chunks = page.locator("#job-chunks tbody tr")
+        assert chunks.locator("td.chunk-state").all_inner_texts() == [
+            "running",
+            "sent",
+            "failed",
+            "done",
+            "done",
+        ]
+        assert page.locator("#job-chunk-summary").inner_text() == "1 running, 1 sent, 1 failed, 2 done"
+        leased = chunks.nth(0).locator("td").all_inner_texts()
+        assert leased[0] == "3" and re.fullmatch(r".+:\d+", leased[4]) and leased[5].startswith("until")
+        assert "1024-d vectors, 384 expected" in chunks.nth(2).locator("td.chunk-error").inner_text()
+        events = page.locator("#job-events td.event-name").all_inner_texts()
+        assert events == ["chunk_failed", "running"]  # latest first
+        assert page.locator('#job-actions form[data-action="retry"] input[type=submit]').is_disabled()
+        page.screenshot(path=str(SCREENSHOTS_DIR / "job-detail.png"), full_page=True)
+
+        _click_and_load(page, '#job-actions form[data-action="cancel"] input[type=submit]')
+        assert page.locator(".messagelist").inner_text().strip() == (
+            f"Job {public_id} is cancelling: it stops once its running chunks have."
+        )
+        assert page.locator(".field-status .readonly").inner_text() == "Cancelling"
+        assert page.locator('#job-actions form[data-action="cancel"] input[type=submit]').is_disabled()
+        assert page.locator("#job-events td.event-name").first.inner_text() == "cancelling"
+        page.screenshot(path=str(SCREENSHOTS_DIR / "job-cancelled.png"), full_page=True)
+    finally:
+        shell.close()
