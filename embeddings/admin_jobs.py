@@ -404,8 +404,9 @@ class EmbeddingJobAdmin(admin.ModelAdmin):
     ) -> ActionOutcome:
         """Run one action on one job; what it did (logged to the admin's history) or why not."""
         import redis
+        from kombu.exceptions import OperationalError
 
-        from embeddings.errors.service import JobActionRefused
+        from embeddings.errors.service import JobActionRefused, ServiceError
         from embeddings.services.jobs import operator
 
         actor = request.user.get_username()
@@ -431,9 +432,13 @@ class EmbeddingJobAdmin(admin.ModelAdmin):
                 text = f"Job {job.public_id}'s callback is sent again to {job.callback_url}."
         except JobActionRefused as refusal:
             return ActionOutcome(False, refusal.message)
-        except redis.RedisError as error:
+        except (ServiceError, redis.RedisError, OperationalError) as error:
+            # A store or the broker failed part way (each service undoes what it can): say so, and
+            # that the job's page shows where it stands.
             return ActionOutcome(
-                False, f"Job {job.public_id}: the job store did not answer ({error}); nothing done."
+                False,
+                f"Job {job.public_id}: Redis, the job store or the broker did not answer ({error}); "
+                "look at the job before trying again.",
             )
         self.log_change(request, job, text)
         return ActionOutcome(True, text)

@@ -303,6 +303,17 @@ def test_resend_the_callback_from_the_jobs_page(admin_client, jobs):
     assert (job.callback_error, job.callback_delivered_at) == ("", None)
 
 
+def test_an_action_the_job_store_cannot_take_says_so_and_is_not_logged(admin_client, jobs, settings):
+    settings.JOB_STORE_URL = f"redis://127.0.0.1:{free_port()}/0"
+    settings.JOB_STORE_TIMEOUT_S = 0.5
+    reset_redis_clients()
+    job = jobs["running"]
+    (said,) = messages_of(admin_client.post(act_url(job, "cancel"), follow=True))
+    assert said.startswith(f"Job {job.public_id}: Redis, the job store or the broker did not answer (")
+    job.refresh_from_db()
+    assert job.status == "running" and not LogEntry.objects.exists()
+
+
 def test_bulk_actions_act_on_each_job_and_say_which_were_refused(admin_client, jobs):
     selected = [jobs[name].pk for name in ("running", "queued", "completed")]
     response = admin_client.post(
