@@ -44,6 +44,7 @@ from embeddings.services.inference.exports import (
     TOKENIZER_FILENAME,
     ModelExportError,
     Pooling,
+    dtype_with_article,
     file_sha256,
     model_export_dir,
     model_export_info,
@@ -465,7 +466,7 @@ def model_export_outdated(
     if embeds and info.get("pooling") != pooling:
         return f"it was exported with {info.get('pooling')} pooling, not {pooling}"
     if info.get("dtype", "float32") != dtype:  # exports before int8 were all float32
-        return f"it is a {info.get('dtype', 'float32')} export, not {dtype}"
+        return f"it is {dtype_with_article(info.get('dtype', 'float32'))} export, not {dtype}"
     if max_tokens is not None and info.get("max_tokens") != max_tokens:
         return f"it truncates at {info.get('max_tokens')} tokens, not {max_tokens}"
     recorded, installed = info.get("source_package"), _source_package(Path(source_dir))

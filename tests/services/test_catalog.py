@@ -248,7 +248,7 @@ def test_a_dtype_pins_the_newest_export_of_it_and_a_second_name_serves_the_other
     assert EmbeddingModel.objects.get(name="mini").triton_version == "5"
     with pytest.raises(CatalogError, match="minilm version 3 is a float32 export, not int8"):
         register(triton_model="minilm", name="mini", version=3, dtype="int8", repository=tmp_path)
-    with pytest.raises(CatalogError, match="minilm version 4 is a int8 export, not float16"):
+    with pytest.raises(CatalogError, match="minilm version 4 is an int8 export, not float16"):
         register(triton_model="minilm", name="mini", version=4, dtype="float16", repository=tmp_path)
     with pytest.raises(CatalogError, match="dtype must be one of float32, int8, float16, not 'int4'"):
         register(triton_model="minilm", name="mini", dtype="int4", repository=tmp_path)

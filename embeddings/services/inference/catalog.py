@@ -21,6 +21,7 @@ from embeddings.services.inference.exports import (
     DTYPES,
     EXPORT_INFO_FILENAME,
     ModelExportError,
+    dtype_with_article,
     model_export_dtype,
     model_export_info,
     model_export_latest_of_dtype,
@@ -222,7 +223,8 @@ def embedding_model_register(
         raise CatalogError(str(error)) from error
     if dtype is not None and model_export_dtype(info) != dtype:
         raise CatalogError(
-            f"{triton_model} version {version} is a {model_export_dtype(info)} export, not {dtype}"
+            f"{triton_model} version {version} is "
+            f"{dtype_with_article(model_export_dtype(info))} export, not {dtype}"
         )
     aliases = list(aliases) if aliases is not None else (existing.aliases if existing else [])
     prompts = dict(prompts) if prompts is not None else (existing.prompts if existing else {})

@@ -95,6 +95,11 @@ def model_export_dtype(info: dict) -> str:
     return info.get("dtype") or DTYPE_FLOAT32
 
 
+def dtype_with_article(dtype: str) -> str:
+    """"a float32", "an int8": for messages naming an export's dtype."""
+    return f"{'an' if dtype[:1].lower() in 'aeiou' else 'a'} {dtype}"
+
+
 def model_export_dtypes(*, repository_dir: Path, name: str) -> dict[int, str]:
     """Each finished version of model `name` -> its dtype, oldest first (an unreadable export.json
     left out). export.json only: the model.onnx checks are model_export_info's, for the one served."""
