@@ -17,8 +17,9 @@ ApiError (500 server_error)
 ├── MethodNotAllowed (405 method_not_allowed)
 ├── RequestTimeout (408 request_timeout)              the body stalled or arrived too slowly
 ├── Conflict (409 conflict)                           code job_not_finished: results asked for before
-│   │                                                 the job finished; job_action_refused: an
-│   │                                                 operator's action that does not apply now
+│   │                                                 the job finished; job_action_refused,
+│   │                                                 batch_action_refused: an operator's action
+│   │                                                 that does not apply now
 │   └── IdempotencyKeyReused (409 idempotency_key_reused)  an Idempotency-Key sent with another request
 ├── Gone (410 gone)                                   code job_expired: a job's results, expired or deleted
 ├── PayloadTooLarge (413 payload_too_large)           body, inputs or tokens over a limit
@@ -63,6 +64,7 @@ from rest_framework import exceptions as drf
 
 from embeddings.errors import EmbedsiteError
 from embeddings.errors.service import (
+    BatchActionRefused,
     EmptyFile,
     InferenceTimeout,
     InvalidRequest,
@@ -399,6 +401,7 @@ ANSWERS: dict[type[Exception], Answer] = {
     JobNotFinished: Answer(_service_answer(partial(Conflict, code="job_not_finished")), Retry.NEVER),
     JobExpired: Answer(_service_answer(partial(Gone, code="job_expired")), Retry.NEVER),
     JobActionRefused: Answer(_service_answer(partial(Conflict, code="job_action_refused")), Retry.NEVER),
+    BatchActionRefused: Answer(_service_answer(partial(Conflict, code="batch_action_refused")), Retry.NEVER),
     JobQueueUnavailable: Answer(
         _service_answer(partial(ServiceUnavailable, code="queue_unavailable")), Retry.LATER
     ),

@@ -17,6 +17,8 @@ ServiceError
 ├── JobExpired          (410) a job's results asked for after they expired or were deleted
 ├── JobActionRefused    (409) an operator's action on a job it does not apply to now (a retry of a
 │                             job that did not fail, an expiry past the longest retention, ...)
+├── BatchActionRefused  (409) an operator's action on a batch it does not apply to now (a cancel of a
+│                             batch that has finished)
 ├── JobQueueUnavailable (503) the job queue (broker) refused a submission, which was undone
 └── JobStoreUnavailable (503) the job store (JOB_STORE_URL) refused a job's inputs, or is down
 Each class is defined here only: one table (ANSWERS in errors/answers.py) says how the API answers
@@ -137,6 +139,11 @@ class JobExpired(ServiceError):
 class JobActionRefused(ServiceError):
     """What an operator asked of a job (services/jobs/operator.py) does not apply to it now; the
     message says why, for the person who asked."""
+
+
+class BatchActionRefused(ServiceError):
+    """What an operator asked of a batch (services/openai_api/operator.py) does not apply to it now;
+    the message says why, for the person who asked."""
 
 
 class JobQueueUnavailable(ServiceError):

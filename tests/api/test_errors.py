@@ -155,6 +155,16 @@ SERVICE_ANSWERS = [
         {},
     ),
     (
+        service.BatchActionRefused("Batch batch_1 is completed: there is nothing to cancel."),
+        409,
+        body(
+            "Batch batch_1 is completed: there is nothing to cancel.",
+            "invalid_request_error",
+            "batch_action_refused",
+        ),
+        {},
+    ),
+    (
         service.JobQueueUnavailable("broker down"),
         503,
         body("broker down", "server_error", "queue_unavailable"),

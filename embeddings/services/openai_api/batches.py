@@ -36,6 +36,7 @@ import secrets
 import string
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import IO
 
@@ -100,6 +101,8 @@ BATCH_ID_PATTERN = r"batch_[a-z0-9]{24}"
 # errors.data keeps the first this many problems (every one is in the error file).
 BATCH_MAX_ERRORS_KEPT = 1000
 FINAL = (Status.FAILED, Status.COMPLETED, Status.EXPIRED, Status.CANCELLED)
+# What batch_cancel stops; a cancelling, finalising or final batch it returns as it is.
+CANCELLABLE = (Status.VALIDATING, Status.IN_PROGRESS)
 
 
 def _new_public_id() -> str:
@@ -187,17 +190,37 @@ def batches_for_tenant(*, tenant_id: int, limit: int, after: str | None) -> tupl
     return creation_page(batches, tenant_id=tenant_id, limit=limit, after=after, what="batch")
 
 
-def batch_cancel(*, batch: Batch) -> Batch:
+def batch_cancel(*, batch: Batch, actor: str = "") -> Batch:
     """Stop a batch: cancelling until the chunks in progress end, then cancelled with what finished
-    in its output file. A batch that has finished (or is finalising) is returned unchanged."""
+    in its output file. A batch that has finished (or is finalising) is returned unchanged. `actor`:
+    who asked, when not the batch's client (an operator), for its job's history."""
     now = timezone.now()
-    if Batch.objects.filter(pk=batch.pk, status__in=(Status.VALIDATING, Status.IN_PROGRESS)).update(
+    if Batch.objects.filter(pk=batch.pk, status__in=CANCELLABLE).update(
         status=Status.CANCELLING, cancelling_at=now
     ):
         batch.refresh_from_db()
         if batch.job is not None:
-            job_cancel(job=batch.job)
+            job_cancel(job=batch.job, actor=actor)
     return batch
+
+
+@dataclass(frozen=True)
+class BatchCounts:
+    """OpenAI's request_counts (total, completed, failed) and the batch's tokens so far."""
+
+    total: int
+    completed: int
+    failed: int
+    tokens: int
+
+
+def batch_counts(batch: Batch) -> BatchCounts:
+    """The batch's own counts once it is final; before, its job's as its row holds them (the lines
+    refused while validating counted failed). Reads no Redis: batch_object refreshes the job first."""
+    if batch.status in FINAL or batch.job is None:
+        return BatchCounts(batch.total, batch.completed, batch.failed, batch.prompt_tokens)
+    job = batch.job
+    return BatchCounts(batch.total, job.completed, batch.invalid_lines + job.failed, job.prompt_tokens)
 
 
 def _timestamp(moment: datetime | None) -> int | None:
@@ -206,10 +229,9 @@ def _timestamp(moment: datetime | None) -> int | None:
 
 def batch_object(batch: Batch) -> dict:
     """The API representation of a batch (OpenAI's Batch), with live counts while its job runs."""
-    completed, failed, tokens = batch.completed, batch.failed, batch.prompt_tokens
     if batch.status not in FINAL and batch.job is not None:
-        job = job_refreshed(batch.job)
-        completed, failed, tokens = job.completed, batch.invalid_lines + job.failed, job.prompt_tokens
+        job_refreshed(batch.job)  # its counters from the job store, onto batch.job
+    counts = batch_counts(batch)
     errors = None
     if batch.errors:
         errors = {"object": "list", "data": batch.errors}
@@ -233,13 +255,13 @@ def batch_object(batch: Batch) -> dict:
         "expired_at": _timestamp(batch.expired_at) if batch.status == Status.EXPIRED else None,
         "cancelling_at": _timestamp(batch.cancelling_at),
         "cancelled_at": _timestamp(batch.cancelled_at),
-        "request_counts": {"total": batch.total, "completed": completed, "failed": failed},
+        "request_counts": {"total": counts.total, "completed": counts.completed, "failed": counts.failed},
         "usage": {
-            "input_tokens": tokens,
+            "input_tokens": counts.tokens,
             "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": 0,
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": tokens,
+            "total_tokens": counts.tokens,
         },
         "metadata": batch.metadata,
     }

@@ -4,7 +4,8 @@ The bytes go through Django's storage API, so they live wherever FILES_STORAGE_B
 directory every web and worker process shares by default, object storage a setting away) and
 survive any process's restart. A file is written under a fresh random name and its row saved only
 once it is whole, so a reader never sees half a file; deleting removes the row first, then the
-bytes (a failure in between leaves bytes nobody can name, never a row without bytes).
+bytes once that is committed (a failure in between leaves bytes nobody can name, never a row
+without bytes).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import IO
 
 from django.core.files import File
 from django.core.files.storage import Storage, storages
+from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -136,7 +138,14 @@ def file_pieces(stored: StoredFile) -> Iterator[bytes]:
 
 
 def file_delete(*, stored: StoredFile) -> None:
+    """Delete the row, then the bytes: once the row's deletion is committed (at once outside a
+    transaction; after the admin's delete view commits inside one), so a rollback never leaves a
+    row without bytes."""
     StoredFile.objects.filter(pk=stored.pk).delete()
+    transaction.on_commit(lambda: _bytes_delete(stored))
+
+
+def _bytes_delete(stored: StoredFile) -> None:
     try:
         files_storage().delete(stored.storage_name)
     except OSError as error:  # the row is gone: nobody can reach the bytes any more
