@@ -468,7 +468,13 @@ class StoredFile(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        indexes = [models.Index(fields=["tenant", "created_at"]), models.Index(fields=["expires_at"])]
+        verbose_name = "file"  # what the API and an operator call it
+        indexes = [
+            models.Index(fields=["tenant", "created_at"]),
+            models.Index(fields=["expires_at"]),
+            # The admin's files list, newest first across tenants.
+            models.Index(fields=["-created_at", "-id"], name="file_newest_first"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.public_id} ({self.filename})"
@@ -530,7 +536,13 @@ class Batch(models.Model):
     handed_out_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        indexes = [models.Index(fields=["tenant", "-created_at"]), models.Index(fields=["status"])]
+        verbose_name_plural = "batches"
+        indexes = [
+            models.Index(fields=["tenant", "-created_at"]),
+            models.Index(fields=["status"]),
+            # The admin's batches list, newest first across tenants.
+            models.Index(fields=["-created_at", "-id"], name="batch_newest_first"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.public_id}: {self.status}"
