@@ -729,4 +729,5 @@ class UsageBucketAdmin(admin.ModelAdmin):
         return f"usage-{timezone.now():%Y%m%dT%H%M%SZ}.csv"
 
 
+import embeddings.admin_batches  # noqa: E402 -- the batches and files pages register themselves
 import embeddings.admin_jobs  # noqa: E402, F401 -- the jobs pages register themselves
