@@ -58,10 +58,11 @@ test-services: setup
 # tests that use one (not `unit`: those touch no database), in process (services, admin pages) and
 # the stacks shaped as `make run` runs them, uvicorn and a Celery worker sharing one SQLite file
 # (tests/management/test_runstack.py is on SQLite in both runs). Left out: services/test_embedding.py
-# (Triton only) and admin/test_browser.py (what Chromium draws; the admin's queries behind those
+# (Triton only) and admin/test_browser*.py (what Chromium draws; the admin's queries behind those
 # pages are the in-process admin tests here).
 SQLITE_TESTS ?= -m "not unit" tests/services tests/admin tests/test_tasks.py tests/api/test_jobs_end_to_end.py \
-	tests/test_stack_databases.py --ignore=tests/services/test_embedding.py --ignore=tests/admin/test_browser.py
+	tests/test_stack_databases.py --ignore=tests/services/test_embedding.py --ignore=tests/admin/test_browser.py \
+	--ignore=tests/admin/test_browser_batches.py
 
 ## bench: client vs raw ONNX Runtime benchmark (table on stdout, JSON in bench/results/)
 bench: setup
