@@ -42,7 +42,8 @@ from django.utils.http import content_disposition_header
 from django.utils.safestring import mark_safe
 from django.utils.timesince import timesince, timeuntil
 
-from embeddings.admin_jobs import ActionOutcome, progress_bar, rows_done
+from embeddings.admin_jobs import progress_bar, rows_done
+from embeddings.admin_operator import REFUSALS_LISTED, ActionOutcome, OperatorPagesAdmin
 from embeddings.models import Batch, EmbeddingModel, StoredFile
 
 # The Batch and Files services (Celery, the job engine) are imported by the views that use them,
@@ -57,9 +58,6 @@ ACTIVE = (Status.VALIDATING, Status.IN_PROGRESS, Status.FINALIZING, Status.CANCE
 ERRORS_SHOWN = 200
 # A file's row in the list names this many of the batches using it, then counts the rest.
 USES_LISTED = 3
-# A bulk action's refusals (a deletion's effects on batches) listed one by one up to this many, then
-# counted.
-REFUSALS_LISTED = 10
 TIMELINE = (
     ("created_at", "created (validating)"),
     ("in_progress_at", "in progress (validated, its job started)"),
@@ -168,7 +166,7 @@ class BatchModelFilter(admin.SimpleListFilter):
 
 
 @admin.register(Batch)
-class BatchAdmin(admin.ModelAdmin):
+class BatchAdmin(OperatorPagesAdmin):
     list_display = (
         "public_id",
         "tenant",
@@ -216,16 +214,7 @@ class BatchAdmin(admin.ModelAdmin):
         ("Job", {"fields": ("job_detail", "handed_out")}),
     )
 
-    # --- Read-only: batches are the API's and the engine's --------------------------------------------
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Batch | None = None) -> bool:
-        return False
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Batch | None = None) -> list[str]:
-        return [name for _, options in self.fieldsets for name in options["fields"]]
+    # --- Read-only (OperatorPagesAdmin): batches are the API's and the engine's -----------------------
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Batch]:
         # A batch's page shows its key, job and files too: read with it, as the list reads them.
@@ -347,27 +336,7 @@ class BatchAdmin(admin.ModelAdmin):
 
     # --- The batch's page -----------------------------------------------------------------------------
 
-    def get_urls(self):
-        act = self.admin_site.admin_view(self.act_view)
-        own = path("<path:object_id>/act/<str:action>/", act, name="embeddings_batch_act")
-        return [own, *super().get_urls()]
-
-    def change_view(self, request: HttpRequest, object_id: str, form_url: str = "", extra_context=None):
-        if request.method == "POST":  # nothing here is saved: a stale copy would overwrite the engine's
-            return HttpResponseNotAllowed(["GET"])
-        batch = self.get_object(request, object_id)
-        context = dict(extra_context or {})
-        if batch is not None:
-            context |= self.batch_page_context(request, batch)
-        context |= {
-            "show_save": False,
-            "show_save_and_continue": False,
-            "show_save_and_add_another": False,
-            "show_delete": False,
-        }
-        return super().change_view(request, object_id, form_url, context)
-
-    def batch_page_context(self, request: HttpRequest, batch: Batch) -> dict:
+    def page_context(self, request: HttpRequest, batch: Batch) -> dict:
         from embeddings.services.openai_api.operator import batch_cancel_refusal
 
         now = timezone.now()
@@ -464,27 +433,7 @@ class BatchAdmin(admin.ModelAdmin):
     @admin.action(description="Cancel selected batches", permissions=["change"])
     def cancel_batches(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
         outcomes = [self._cancel(request, batch) for batch in queryset.order_by("pk")]
-        done = [outcome for outcome in outcomes if outcome.done]
-        refused = [outcome for outcome in outcomes if not outcome.done]
-        if len(outcomes) == 1:
-            self.message_user(request, outcomes[0].text, messages.SUCCESS if done else messages.WARNING)
-            return
-        if done:
-            self.message_user(
-                request, f"{len(done)} of {len(outcomes)} batches: cancelling.", messages.SUCCESS
-            )
-        for outcome in refused[:REFUSALS_LISTED]:
-            self.message_user(request, outcome.text, messages.WARNING)
-        if len(refused) > REFUSALS_LISTED:
-            self.message_user(
-                request, f"… and {len(refused) - REFUSALS_LISTED} more refused.", messages.WARNING
-            )
-
-    def changelist_view(self, request: HttpRequest, extra_context=None):
-        # Django ignores an action the user may not run ("No action selected"): refuse it instead.
-        if request.method == "POST" and "action" in request.POST and not self.has_change_permission(request):
-            raise PermissionDenied
-        return super().changelist_view(request, extra_context)
+        self.message_outcomes(request, outcomes, done_text="{done} of {total} batches: cancelling.")
 
 
 # --- Files ---------------------------------------------------------------------------------------

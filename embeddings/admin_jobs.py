@@ -14,7 +14,6 @@ page reads the job store.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
@@ -23,11 +22,12 @@ from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import OuterRef, QuerySet, Subquery
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
-from django.urls import path, reverse
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.timesince import timesince
 
+from embeddings.admin_operator import ActionOutcome, OperatorPagesAdmin
 from embeddings.models import JOB_ID_PATTERN, EmbeddingJob, JobStorageHold
 
 # The jobs wing (Redis, numpy, Celery) is imported by the views that use it, not here: every
@@ -39,8 +39,6 @@ Status = EmbeddingJob.Status
 # The changelist's "Extend expiry" action, and the job page's default.
 EXTEND_DAYS = 7
 MAX_EXTEND_DAYS = 365
-# A bulk action's refusals listed one by one up to this many, then counted.
-REFUSALS_LISTED = 10
 # The job page's buttons, in order (each an action of _perform).
 ACTION_LABELS = {
     "cancel": "Cancel the job",
@@ -48,12 +46,6 @@ ACTION_LABELS = {
     "retry": "Retry failed chunks",
     "resend_callback": "Re-send the callback",
 }
-
-
-@dataclass(frozen=True)
-class ActionOutcome:
-    done: bool
-    text: str  # what was done (logged), or why not
 
 
 def _bytes_text(count: int) -> str:
@@ -144,7 +136,7 @@ class JobKindFilter(admin.SimpleListFilter):
 
 
 @admin.register(EmbeddingJob)
-class EmbeddingJobAdmin(admin.ModelAdmin):
+class EmbeddingJobAdmin(OperatorPagesAdmin):
     # Narrow enough for a laptop's screen beside the filters: the bar and its counts share a column,
     # the kind is a filter only.
     list_display = (
@@ -227,16 +219,7 @@ class EmbeddingJobAdmin(admin.ModelAdmin):
         ),
     )
 
-    # --- Read-only: jobs are the API's and the engine's ---------------------------------------------
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: EmbeddingJob | None = None) -> bool:
-        return False
-
-    def get_readonly_fields(self, request: HttpRequest, obj: EmbeddingJob | None = None) -> list[str]:
-        return [name for _, options in self.fieldsets for name in options["fields"]]
+    # --- Read-only (OperatorPagesAdmin): jobs are the API's and the engine's ---------------------------
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[EmbeddingJob]:
         held = JobStorageHold.objects.filter(public_id=OuterRef("public_id")).values("stored_bytes")[:1]
@@ -283,27 +266,7 @@ class EmbeddingJobAdmin(admin.ModelAdmin):
 
     # --- The job's page ---------------------------------------------------------------------------------
 
-    def get_urls(self):
-        act = self.admin_site.admin_view(self.act_view)
-        own = path("<path:object_id>/act/<str:action>/", act, name="embeddings_embeddingjob_act")
-        return [own, *super().get_urls()]
-
-    def change_view(self, request: HttpRequest, object_id: str, form_url: str = "", extra_context=None):
-        if request.method == "POST":  # nothing here is saved: a stale copy would overwrite the engine's
-            return HttpResponseNotAllowed(["GET"])
-        job = self.get_object(request, object_id)
-        context = dict(extra_context or {})
-        if job is not None:
-            context |= self.job_page_context(request, job)
-        context |= {
-            "show_save": False,
-            "show_save_and_continue": False,
-            "show_save_and_add_another": False,
-            "show_delete": False,
-        }
-        return super().change_view(request, object_id, form_url, context)
-
-    def job_page_context(self, request: HttpRequest, job: EmbeddingJob) -> dict:
+    def page_context(self, request: HttpRequest, job: EmbeddingJob) -> dict:
         from embeddings.services.jobs.operator import job_inspect
 
         inspection = job_inspect(job=job)
@@ -445,19 +408,7 @@ class EmbeddingJobAdmin(admin.ModelAdmin):
 
     def _perform_each(self, request: HttpRequest, queryset: QuerySet[EmbeddingJob], action: str) -> None:
         outcomes = [self._perform(request, job, action) for job in queryset.order_by("pk")]
-        done = [outcome for outcome in outcomes if outcome.done]
-        refused = [outcome for outcome in outcomes if not outcome.done]
-        if len(outcomes) == 1:
-            self.message_user(request, outcomes[0].text, messages.SUCCESS if done else messages.WARNING)
-            return
-        if done:
-            self.message_user(request, f"{len(done)} of {len(outcomes)} jobs: done.", messages.SUCCESS)
-        for outcome in refused[:REFUSALS_LISTED]:
-            self.message_user(request, outcome.text, messages.WARNING)
-        if len(refused) > REFUSALS_LISTED:
-            self.message_user(
-                request, f"… and {len(refused) - REFUSALS_LISTED} more refused.", messages.WARNING
-            )
+        self.message_outcomes(request, outcomes, done_text="{done} of {total} jobs: done.")
 
     # `permissions=["change"]`: offered only to staff who may change jobs.
     @admin.action(description="Cancel selected jobs", permissions=["change"])
@@ -478,9 +429,3 @@ class EmbeddingJobAdmin(admin.ModelAdmin):
     @admin.action(description="Re-send callbacks of selected finished jobs", permissions=["change"])
     def resend_callbacks(self, request: HttpRequest, queryset: QuerySet[EmbeddingJob]) -> None:
         self._perform_each(request, queryset, "resend_callback")
-
-    def changelist_view(self, request: HttpRequest, extra_context=None):
-        # Django ignores an action the user may not run ("No action selected"): refuse it instead.
-        if request.method == "POST" and "action" in request.POST and not self.has_change_permission(request):
-            raise PermissionDenied
-        return super().changelist_view(request, extra_context)
