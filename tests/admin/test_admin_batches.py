@@ -452,6 +452,9 @@ def test_bulk_delete_deletes_each_file_through_the_service(admin_client, batch_s
     assert LogEntry.objects.filter(action_flag=DELETION).count() == 2
     page = admin_client.get(reverse(BATCHES)).content.decode()
     assert f'<span title="{scene.running.input_file_public_id}">input (deleted)</span>' in page
+    # Found by its deleted input file's id, which it keeps.
+    found = admin_client.get(f"{reverse(BATCHES)}?q={scene.running.input_file_public_id}").content.decode()
+    assert rows_of(found) == [scene.running.public_id]
 
 
 # --- Who may see and act ----------------------------------------------------------------------------
