@@ -20,9 +20,12 @@ after the same idle gap as between requests.
 Then, against the same Redis, the asyncio transports (embeddings.redis.transport) run the request
 path's operations back to back, interleaved, for the `tenant + key` plan: the hand-written lean
 client against redis-py's asyncio client, with its pure-Python parser and (when hiredis is
-importable) with hiredis: reserve, settle (release with usage) and status, p50/p90 in
-microseconds; and the reserve script's own time inside Redis (INFO commandstats, microseconds per
-call). Prints tables and writes bench/results/quota.json.
+importable) with hiredis: reserve, settle (release with usage), settle with the request's activity
+counters too (what every API request's settle writes since the operations overview:
+embeddings/services/quotas/activity.py; "settle" alone is what it wrote before) and status, p50/p90
+in microseconds; the reserve and settle scripts' own time inside Redis (INFO commandstats,
+microseconds per call; settle with and without the activity counters, alternated), and the Python
+time to build a request's activity counters. Prints tables and writes bench/results/quota.json.
 """
 
 from __future__ import annotations
@@ -171,6 +174,7 @@ def measure_transports(env: dict[str, str], rounds: int) -> dict:
     settings.REDIS_URL = env["REDIS_URL"]  # settings may have been read before env was set
     reset_redis_clients()
     from embeddings.callers import Caller
+    from embeddings.services.quotas.activity import activity_counters
     from embeddings.services.quotas.limits import (
         QuotaLimitValues,
         reserve_operation,
@@ -194,7 +198,8 @@ def measure_transports(env: dict[str, str], rounds: int) -> dict:
             for name, parser in parsers.items()
         }
         transports = {"lean": {}, **{name: {"client": client} for name, client in clients.items()}}
-        timings = {(op, name): [] for op in ("reserve", "settle", "status") for name in transports}
+        operations = ("reserve", "settle", "settle+activity", "status")
+        timings = {(op, name): [] for op in operations for name in transports}
         try:
             for round_number in range(rounds + rounds // 10):
                 for name, options in transports.items():
@@ -203,12 +208,20 @@ def measure_transports(env: dict[str, str], rounds: int) -> dict:
                     reserved = time.perf_counter()
                     await operation_run(settle_operation(reservation, False, usage), **options)
                     settled = time.perf_counter()
+                    reservation = await operation_run(reserve_operation(caller, 1, 1, None), **options)
+                    reserved_again = time.perf_counter()
+                    counted = settle_operation(reservation, False, usage, None, activity_counters(usage))
+                    await operation_run(counted, **options)
+                    settled_with_activity = time.perf_counter()
                     await operation_run(status_operation(caller, time.time()), **options)
                     done = time.perf_counter()
                     if round_number >= rounds // 10:  # the first tenth warms up
                         timings[("reserve", name)].append((reserved - started) * 1e6)
                         timings[("settle", name)].append((settled - reserved) * 1e6)
-                        timings[("status", name)].append((done - settled) * 1e6)
+                        timings[("settle+activity", name)].append(
+                            (settled_with_activity - reserved_again) * 1e6
+                        )
+                        timings[("status", name)].append((done - settled_with_activity) * 1e6)
         finally:
             for client in clients.values():
                 await client.aclose()
@@ -228,8 +241,34 @@ def measure_transports(env: dict[str, str], rounds: int) -> dict:
         finally:
             await client.aclose()
 
+    async def settle_script_times_in_redis(alternations: int = 4) -> dict[str, list[float]]:
+        """Microseconds per call Redis spends in the settle script, without and with the activity
+        counters, alternated (commandstats sums every EVALSHA: one kind of call per count)."""
+        client = redis.asyncio.Redis.from_url(env["REDIS_URL"])
+        times: dict[str, list[float]] = {"settle": [], "settle+activity": []}
+        try:
+            for _ in range(alternations):
+                for kind in times:
+                    activity = activity_counters(usage) if kind == "settle+activity" else ()
+                    await client.config_resetstat()
+                    for _ in range(rounds):
+                        await operation_run(settle_operation(None, False, usage, None, activity))
+                    stats = await client.info("commandstats")
+                    times[kind].append(float(stats["cmdstat_evalsha"]["usec_per_call"]))
+        finally:
+            await client.aclose()
+        return times
+
+    def activity_build_us() -> float:
+        """Python's time to build one request's activity counters (its fields cached per model)."""
+        started = time.perf_counter()
+        for _ in range(rounds * 10):
+            activity_counters(usage)
+        return (time.perf_counter() - started) * 1e6 / (rounds * 10)
+
     timings = asyncio.run(run())
     reserve_script_us = asyncio.run(script_time_in_redis())
+    settle_script_us = asyncio.run(settle_script_times_in_redis())
     rows = [
         {
             "operation": operation,
@@ -244,6 +283,8 @@ def measure_transports(env: dict[str, str], rounds: int) -> dict:
         "rounds": rounds,
         "rows": rows,
         "reserve_script_us_in_redis": reserve_script_us,
+        "settle_script_us_in_redis": settle_script_us,
+        "activity_build_us": activity_build_us(),
     }
 
 
@@ -314,11 +355,14 @@ def main() -> None:
     if not transports["hiredis"]:
         print("\nhiredis is not installed: redis-py is timed with its pure-Python parser only")
     print("\nasyncio transports, back to back, tenant + key plan:")
-    print(f"{'operation':<10} {'transport':<18} {'p50 us':>8} {'p90 us':>8}")
-    print("-" * 47)
+    print(f"{'operation':<16} {'transport':<18} {'p50 us':>8} {'p90 us':>8}")
+    print("-" * 53)
     for row in transports["rows"]:
-        print(f"{row['operation']:<10} {row['transport']:<18} {row['p50_us']:>8.1f} {row['p90_us']:>8.1f}")
+        print(f"{row['operation']:<16} {row['transport']:<18} {row['p50_us']:>8.1f} {row['p90_us']:>8.1f}")
     print(f"\nThe reserve script inside Redis: {transports['reserve_script_us_in_redis']:.1f} us per call")
+    for kind, times in transports["settle_script_us_in_redis"].items():
+        print(f"The {kind} script inside Redis: {' / '.join(f'{t:.1f}' for t in times)} us per call")
+    print(f"Building a request's activity counters: {transports['activity_build_us']:.2f} us")
     result = {
         "rows": rows,
         "transports": transports,

@@ -89,7 +89,9 @@ class ModelNotLoaded(ServiceError):
 
 class QuotaExceeded(ServiceError):
     """Refused by a quota: `reason` is "rate_limit_exceeded" (RPM, TPM, concurrency) or
-    "insufficient_quota" (the daily or monthly budget); `kind` is "requests" or "tokens"."""
+    "insufficient_quota" (the daily or monthly budget); `kind` is "requests" or "tokens".
+    `limit` names the limit the message names (a QuotaLimits field, e.g. "tokens_per_day") and
+    `level` whose it is ("tenant" or "key"); both "" where no single limit refused."""
 
     def __init__(
         self,
@@ -99,12 +101,16 @@ class QuotaExceeded(ServiceError):
         kind: str,
         retry_after_s: int,
         headers: dict[str, str] | None = None,
+        limit: str = "",
+        level: str = "",
     ) -> None:
         super().__init__(message)
         self.reason = reason
         self.kind = kind
         self.retry_after_s = retry_after_s
         self.headers = headers or {}
+        self.limit = limit
+        self.level = level
 
 
 class QuotaUnavailable(ServiceError):

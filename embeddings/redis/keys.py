@@ -24,10 +24,17 @@ Critical Redis (REDIS_URL)
     job:{<job id>}:settled                string   the job's TTL             job refund (once marker;
     job:{<job id>:retry<n>}:settled                                          a retry round's own)
     jobs:{t<tenant>}:submit               string   30 s (a redis-py Lock)    job submission lock
+    activity:models:<minute>              hash     12 minutes after it ends  quota settle (each request's
+                                                                             model counters: the admin's
+                                                                             operations overview)
+    activity:refusals:<minute>            hash     61 minutes after it ends  quota settle of a request a
+                                                                             limit refused (429)
 
 The usage hash's fields are
 "<tenant>|<key or empty>|<hour epoch>|<endpoint>|<version>|<dtype>|<metric>|<model>"
-(embeddings.services.quotas.usage). Celery's broker and the channel layer keep their own keys there.
+(embeddings.services.quotas.usage). The activity hashes' (embeddings.services.quotas.activity):
+"<metric>|<model>" and "<tenant>|<level>|<limit>"; `<minute>` is epoch seconds // 60. Celery's broker
+and the channel layer keep their own keys there.
 
 Job store (JOB_STORE_URL); the job's TTL is JOB_RESULT_TTL_S + 1 day, or a day past an expires_at
 an operator moved later (expiry deletes it first)
@@ -96,6 +103,16 @@ def quota_counter(scope: str, *, window: str, start: int) -> str:
 def quota_leases(scope: str) -> str:
     """The concurrent-requests lease set of one level."""
     return f"{scope}:concurrent"
+
+
+def activity_models(minute: int) -> str:
+    """One minute's per-model counters of every process (requests, tokens, errors, latency)."""
+    return f"activity:models:{int(minute)}"
+
+
+def activity_refusals(minute: int) -> str:
+    """One minute's requests refused by a limit, per tenant, level and limit."""
+    return f"activity:refusals:{int(minute)}"
 
 
 def usage_batch(batch_id: str) -> str:

@@ -49,18 +49,32 @@ def quota_reserve(*, plan_keys: PackedRun, head: Sequence, tail: PackedRun) -> O
     return [int(value) for value in _text(reply).split(",")]
 
 
+@dataclass(frozen=True)
+class CounterHash:
+    """Increments to one hash of counters that deletes itself at `expire_at` (epoch seconds)."""
+
+    key: str
+    expire_at: int
+    increments: Mapping[str, int]
+
+
 def quota_settle(
     *,
     refunds: Sequence[tuple[str, int]] = (),
     lease_sets: Sequence[str] = (),
     lease_member: str = "",
     usage: Mapping[str, int] | None = None,
+    counters: Sequence[CounterHash] = (),
 ) -> Operation[None]:
-    """Refund to cells (µs) and counters (tokens), drop a lease from its sets and count usage, in one
-    round trip."""
+    """Refund to cells (µs) and counters (tokens), drop a lease from its sets, count usage and add
+    to the expiring `counters` hashes, in one round trip."""
+    usage = usage or {}
     script_keys = [key for key, _ in refunds] + list(lease_sets) + [keys.LIVE_USAGE]
-    arguments = [len(refunds), lease_member, *(amount for _, amount in refunds)]
-    arguments += _increment_arguments(usage or {})
+    script_keys += [counter.key for counter in counters]
+    arguments = [len(refunds), lease_member, len(counters), *(amount for _, amount in refunds)]
+    arguments += [len(usage), *_increment_arguments(usage)]
+    for counter in counters:
+        arguments += [len(counter.increments), counter.expire_at, *_increment_arguments(counter.increments)]
     yield ScriptCall(scripts.QUOTA_SETTLE, script_keys, arguments)
 
 
@@ -100,6 +114,12 @@ def quota_state(
         counts=numbers[len(cells) : len(cells) + len(counters)],
         live=numbers[len(cells) + len(counters) :],
     )
+
+
+def counter_hashes_read(names: Sequence[str]) -> Operation[list[list[tuple]]]:
+    """Each hash's (field, value) pairs, in one round trip ([] for a hash that is gone)."""
+    replies = yield [Command.of("HGETALL", name) for name in names]
+    return [_pairs(reply) for reply in replies]
 
 
 # --- Usage -----------------------------------------------------------------------------------------

@@ -122,23 +122,40 @@ return table.concat(result, ',')
 )
 
 # Settles one request in one round trip. KEYS[1..r] token cells and counters to refund (a cell's
-# TAT moves back by the tokens' time, a counter by the tokens), KEYS[r+1..#KEYS-1] lease sets,
-# KEYS[#KEYS] the live usage hash. ARGV: r, lease member, r refund amounts, then usage field/amount
-# pairs.
+# TAT moves back by the tokens' time, a counter by the tokens), then lease sets, then the live usage
+# hash, then c hashes of counters that delete themselves (the activity of the minute:
+# embeddings.services.quotas.activity). ARGV: r, lease member, c, r refund amounts; then the usage
+# hash's field/amount pair count and its pairs; then per counter hash its pair count, when it
+# expires (epoch seconds) and its pairs.
 QUOTA_SETTLE = Script(
     "quota_settle",
     _REFUND
     + """
 local r = tonumber(ARGV[1])
+local c = tonumber(ARGV[3])
 for i = 1, r do
-  refund(KEYS[i], ARGV[2 + i])
+  refund(KEYS[i], ARGV[3 + i])
 end
-for j = r + 1, #KEYS - 1 do
+local usage_at = #KEYS - c
+for j = r + 1, usage_at - 1 do
   redis.call('ZREM', KEYS[j], ARGV[2])
 end
-local usage = KEYS[#KEYS]
-for k = 3 + r, #ARGV, 2 do
-  redis.call('HINCRBY', usage, ARGV[k], ARGV[k + 1])
+local at = 4 + r
+for h = usage_at, #KEYS do
+  local count = tonumber(ARGV[at])
+  local expire_at = nil
+  at = at + 1
+  if h > usage_at then
+    expire_at = ARGV[at]
+    at = at + 1
+  end
+  for k = at, at + 2 * count - 1, 2 do
+    redis.call('HINCRBY', KEYS[h], ARGV[k], ARGV[k + 1])
+  end
+  at = at + 2 * count
+  if expire_at and count > 0 then
+    redis.call('EXPIREAT', KEYS[h], expire_at)
+  end
 end
 return 1
 """,

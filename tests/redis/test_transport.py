@@ -85,7 +85,7 @@ async def test_an_error_reply_in_a_pipeline_leaves_the_lean_connection_in_step(s
     assert await operation_run(single(Command.of("GET", "a-string"))) == b"x"
     assert await operation_run(single([Command.of("GET", "a-string")])) == [b"x"]  # a batch of one
     assert operation_run_sync(single([Command.of("GET", "a-string")]), redis_sync()) == [b"x"]
-    call = ScriptCall(scripts.QUOTA_SETTLE, [keys.LIVE_USAGE], [0, "", "g", 5])
+    call = ScriptCall(scripts.QUOTA_SETTLE, [keys.LIVE_USAGE], [0, "", 0, 1, "g", 5])
     assert await operation_run(single(call)) == 1
     assert redis_sync().hget(keys.LIVE_USAGE, "g") == b"5"
 
@@ -117,7 +117,7 @@ async def test_concurrent_commands_share_one_connection_and_each_gets_its_reply(
     assert sorted(replies)[-1] == sum(range(1, 101)) and len(set(replies)) == 100
     scripts_and_batches = await asyncio.gather(
         operation_run(single([Command.of("GET", "counted"), Command.of("SET", "other", "x")])),
-        operation_run(single(ScriptCall(scripts.QUOTA_SETTLE, [keys.LIVE_USAGE], [0, "", "h", 2]))),
+        operation_run(single(ScriptCall(scripts.QUOTA_SETTLE, [keys.LIVE_USAGE], [0, "", 0, 1, "h", 2]))),
         operation_run(single(Command.of("GET", "other"))),
     )
     assert scripts_and_batches == [[str(sum(range(1, 101))).encode(), b"OK"], 1, b"x"]

@@ -24,9 +24,10 @@ the request stay added (the cells' new TATs, the tokens to the budget counters, 
 lease set); otherwise the script leaves everything as it was.
 So the limits hold exactly under any concurrency, across processes and machines: there is no
 read-then-write gap. `quota_release` (the settle script) frees the leases and, when inference failed,
-gives the tokens back (to the token cell and the budgets), adding the request's usage counters in the
-same round trip. A process that dies mid-request leaks nothing for long: its leases expire after
-QUOTA_LEASE_SECONDS, cells once their bucket is full again and counters after their window.
+gives the tokens back (to the token cell and the budgets), adding the request's usage counters and
+its minute's activity counters (activity.py) in the same round trip. A process that dies
+mid-request leaks nothing for long: its leases expire after QUOTA_LEASE_SECONDS, cells once their
+bucket is full again and counters after their window.
 
 Keys exist only for limits that are set (an unlimited tenant costs no Redis work for quotas), so a
 budget set in the middle of a window starts counting from zero. Budget windows are chosen from the
@@ -59,7 +60,9 @@ from embeddings.errors.service import LimitExceeded, QuotaExceeded, QuotaUnavail
 from embeddings.redis import keys as redis_keys
 from embeddings.redis import operations
 from embeddings.redis.connections import redis_sync
+from embeddings.redis.operations import CounterHash
 from embeddings.redis.transport import Operation, PackedRun, operation_run, operation_run_sync
+from embeddings.services.quotas.activity import activity_counters
 from embeddings.services.quotas.usage import Outcome, UsageEvent, usage_increments
 
 logger = logging.getLogger(__name__)
@@ -374,7 +377,13 @@ def _refusal(
             f"used {count}, requested {tokens}. It resets in {duration_text(counter.reset_at - now)}."
         )
         return QuotaExceeded(
-            message, reason="insufficient_quota", kind="tokens", retry_after_s=retry_after_s, headers=headers
+            message,
+            reason="insufficient_quota",
+            kind="tokens",
+            retry_after_s=retry_after_s,
+            headers=headers,
+            limit=counter.window.limit_name,
+            level=counter.level,
         )
     if over_rate:
         too_large = [
@@ -400,6 +409,8 @@ def _refusal(
             kind=cell.rate.kind,
             retry_after_s=retry_after_s,
             headers=headers,
+            limit=cell.rate.limit_name,
+            level=cell.level,
         )
     lease = full[0]
     message = (
@@ -407,7 +418,13 @@ def _refusal(
         "Retry when one of them has finished."
     )
     return QuotaExceeded(
-        message, reason="rate_limit_exceeded", kind="requests", retry_after_s=retry_after_s, headers=headers
+        message,
+        reason="rate_limit_exceeded",
+        kind="requests",
+        retry_after_s=retry_after_s,
+        headers=headers,
+        limit="max_concurrent_requests",
+        level=lease.level,
     )
 
 
@@ -519,16 +536,18 @@ def settle_operation(
     refund: bool,
     usage: UsageEvent | None,
     refund_tokens: int | None = None,
+    activity: Sequence[CounterHash] = (),
 ) -> Operation[None]:
     """`quota_release` as an operation, for either transport."""
     refunds = reservation.refunds(refund_tokens) if reservation is not None and refund else []
     lease_sets = [lease.key for lease in reservation.leases] if reservation is not None else []
-    if refunds or lease_sets or usage is not None:
+    if refunds or lease_sets or usage is not None or activity:
         yield from operations.quota_settle(
             refunds=refunds,
             lease_sets=lease_sets,
             lease_member=reservation.lease_member if reservation is not None else "",
             usage=usage_increments(usage) if usage is not None else None,
+            counters=activity,
         )
 
 
@@ -538,17 +557,23 @@ async def quota_release(
     refund: bool,
     usage: UsageEvent | None = None,
     refund_tokens: int | None = None,
+    activity: Sequence[CounterHash] = (),
 ) -> None:
     """Free the reservation's leases; with `refund`, give its tokens back (inference failed), or
-    only `refund_tokens` of them; count `usage` (its usage_increments) in the same round trip."""
-    await operation_run(settle_operation(reservation, refund, usage, refund_tokens))
+    only `refund_tokens` of them; count `usage` (its usage_increments) and add the request to its
+    minute's `activity` (activity.activity_counters) in the same round trip."""
+    await operation_run(settle_operation(reservation, refund, usage, refund_tokens, activity))
 
 
 def quota_release_sync(
-    *, reservation: Reservation | None, refund: bool, usage: UsageEvent | None = None
+    *,
+    reservation: Reservation | None,
+    refund: bool,
+    usage: UsageEvent | None = None,
+    activity: Sequence[CounterHash] = (),
 ) -> None:
     """`quota_release` on the blocking transport."""
-    operation_run_sync(settle_operation(reservation, refund, usage), redis_sync())
+    operation_run_sync(settle_operation(reservation, refund, usage, None, activity), redis_sync())
 
 
 def quota_refund_once(*, job_id: str, counters: list[str], tokens: int, ttl_s: int) -> bool:
@@ -616,7 +641,7 @@ class RequestQuota:
             self.reservation = await quota_reserve(caller=self.caller, inputs=inputs, tokens=tokens)
         except (LimitExceeded, QuotaExceeded) as refusal:
             self.headers = getattr(refusal, "headers", None)
-            await self._record("rejected")
+            await self._record("rejected", refusal if isinstance(refusal, QuotaExceeded) else None)
             raise
         except RedisError as error:
             if settings.QUOTA_REDIS_FAILURE == "open":
@@ -638,12 +663,14 @@ class RequestQuota:
         # A failure gives every token back; a success the cache's, where hits are not counted.
         hits_refunded = succeeded and cached_tokens > 0 and not settings.EMBEDDING_CACHE_COUNT_HITS
         refund = not succeeded or hits_refunded
+        usage = self._usage("succeeded" if succeeded else "failed")
         try:
             await quota_release(
                 reservation=self.reservation,
                 refund=refund,
-                usage=self._usage("succeeded" if succeeded else "failed"),
+                usage=usage,
                 refund_tokens=cached_tokens if hits_refunded else None,
+                activity=activity_counters(usage),
             )
         except RedisError as error:
             # Leases expire after QUOTA_LEASE_SECONDS; a lost refund stays counted.
@@ -652,9 +679,12 @@ class RequestQuota:
         if refund and self.reservation is not None and self.reservation.refunds():
             self.headers = None  # the refund changed them: the view reads them afresh
 
-    async def _record(self, outcome: Outcome) -> None:
+    async def _record(self, outcome: Outcome, refusal: QuotaExceeded | None = None) -> None:
+        usage = self._usage(outcome)
         try:
-            await quota_release(reservation=None, refund=False, usage=self._usage(outcome))
+            await quota_release(
+                reservation=None, refund=False, usage=usage, activity=activity_counters(usage, refusal)
+            )
         except RedisError as error:
             _log_redis_failure("could not record usage", error)
 
