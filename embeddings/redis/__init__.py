@@ -7,6 +7,7 @@
     scripts.py      every Lua script, a named `Script` each
     keys.py         every key: its layout, type and TTL (the docstring's table), and its name
     operations.py   the typed operations of quotas, usage and jobs
+    memory.py       a server's INFO memory and stats: what it holds against its maxmemory
 
 Nothing Django but the settings the connections read; the services hold the policy.
 """

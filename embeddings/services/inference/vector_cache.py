@@ -48,6 +48,7 @@ from embeddings.redis.connections import (
     redis_embedding_cache_lean,
     redis_embedding_cache_sync,
 )
+from embeddings.redis.memory import redis_info
 from embeddings.redis.transport import Command, Request, operation_run, operation_run_sync, single
 from embeddings.services.inference.exports import (
     EXPORT_INFO_FILENAME,
@@ -355,8 +356,6 @@ def vector_cache_redis_info() -> dict | None:
     """The cache Redis's INFO memory and stats (for /metrics), or None when it did not answer within
     EMBEDDING_CACHE_TIMEOUT_S (one round trip: a scrape never waits on a cache that is down)."""
     try:
-        with redis_embedding_cache_sync().pipeline(transaction=False) as pipeline:
-            memory, stats = pipeline.info("memory").info("stats").execute()
+        return redis_info(redis_embedding_cache_sync())
     except (RedisError, OSError):
         return None
-    return {**memory, **stats}
