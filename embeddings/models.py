@@ -306,7 +306,12 @@ class UsageBucket(models.Model):
                 name="usage_bucket_unique_without_key_variant",
             ),
         ]
-        indexes = [models.Index(fields=["tenant", "hour"])]
+        indexes = [
+            models.Index(fields=["tenant", "hour"]),
+            # Every tenant's usage since an hour (the operations overview's tokens today): the
+            # day's rows, not the table, whatever months of history it keeps.
+            models.Index(fields=["hour"], name="usage_bucket_hour"),
+        ]
 
     def __str__(self) -> str:
         model = self.model

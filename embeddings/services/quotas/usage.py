@@ -17,7 +17,8 @@ deploy, a job chunk's increments kept with its result), are still read: their va
 Fold (`usage_fold`, run by Celery beat through embeddings.tasks): the counters move into UsageBucket
 rows exactly once, whatever crashes when (see "The fold" below).
 
-Read (`usage_for_tenant`, behind GET /v1/usage): one tenant's rows plus its counters still in Redis.
+Read (`usage_for_tenant`, behind GET /v1/usage): one tenant's rows plus its counters still in Redis;
+`usage_by_tenant`, every tenant's totals alike (the admin's operations overview).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime, timedelta
-from typing import Literal
+from typing import Literal, TypeVar
 
 import redis
 from django.db import IntegrityError, transaction
@@ -50,6 +52,7 @@ MODEL_VERSION_MAX_LENGTH = UsageBucket._meta.get_field("model_version").max_leng
 MODEL_DTYPE_MAX_LENGTH = UsageBucket._meta.get_field("model_dtype").max_length
 
 Outcome = Literal["succeeded", "rejected", "failed"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -437,6 +440,38 @@ def _folds_fingerprint() -> tuple[int, int | None]:
     return folds["count"], folds["last"]
 
 
+def _with_unfolded(read_database: Callable[[], T], include_unfolded: bool) -> tuple[T, list, bool]:
+    """`read_database()`'s result, the hashes of counters not yet folded into it (the live hash and
+    every unfinished batch a committed fold has not counted), and whether they could be read.
+
+    Read so that a fold committing meanwhile is counted exactly once: the database and Redis are
+    read between two looks at the folds, and again if a fold committed in between. With Redis
+    unreadable (or include_unfolded False), no hashes and False."""
+    includes_unfolded = include_unfolded
+    live: list = []
+    batches: dict[str, list] = {}
+    for _attempt in range(_READ_ATTEMPTS):
+        folds_before = _folds_fingerprint()
+        if includes_unfolded:
+            try:
+                live, batches = _unfolded_snapshot(redis_sync())
+            except redis.exceptions.RedisError as error:
+                logger.warning("usage: Redis unreadable, reporting folded usage only: %s", error)
+                includes_unfolded = False
+                live, batches = [], {}
+        database = read_database()
+        folded_ids = set(
+            UsageFold.objects.filter(batch_id__in=list(batches)).values_list("batch_id", flat=True)
+        )
+        if _folds_fingerprint() == folds_before:
+            break
+    else:
+        logger.warning("usage: folds kept committing while reading; numbers may be off by one fold")
+    if not includes_unfolded:
+        return database, [], False
+    return database, [live, *(fields for batch, fields in batches.items() if batch not in folded_ids)], True
+
+
 def usage_for_tenant(
     *,
     tenant_id: int,
@@ -461,42 +496,22 @@ def usage_for_tenant(
         buckets = buckets.filter(api_key_id=api_key_id)
     tenant_key_ids = set(ApiKey.objects.filter(tenant_id=tenant_id).values_list("pk", flat=True))
 
-    includes_unfolded = include_unfolded
-    live: list = []
-    batches: dict[str, list] = {}
-    for _attempt in range(_READ_ATTEMPTS):
-        folds_before = _folds_fingerprint()
-        if includes_unfolded:
-            try:
-                live, batches = _unfolded_snapshot(redis_sync())
-            except redis.exceptions.RedisError as error:
-                logger.warning("usage: Redis unreadable, reporting folded usage only: %s", error)
-                includes_unfolded = False
-                live, batches = [], {}
-        by_group = _database_rows(buckets, group_by)
-        folded_ids = set(
-            UsageFold.objects.filter(batch_id__in=list(batches)).values_list("batch_id", flat=True)
-        )
-        if _folds_fingerprint() == folds_before:
-            break
-    else:
-        logger.warning("usage: folds kept committing while reading; numbers may be off by one fold")
-
-    if includes_unfolded:
-        pending = [live, *(fields for batch_id, fields in batches.items() if batch_id not in folded_ids)]
-        first_epoch, end_epoch = first_hour.timestamp(), end.timestamp()
-        for flat in pending:
-            counters, _ = counters_from_hash(flat, tenant_id=tenant_id)
-            for bucket, metrics in counters.items():
-                if not first_epoch <= bucket.hour_epoch < end_epoch:
-                    continue
-                if api_key_id is not None and bucket.api_key_id != api_key_id:
-                    continue
-                target = by_group.setdefault(
-                    _group_of(bucket, group_by, tenant_key_ids), dict.fromkeys(COUNTER_METRICS, 0)
-                )
-                for metric, amount in metrics.items():
-                    target[metric] += amount
+    by_group, pending, includes_unfolded = _with_unfolded(
+        lambda: _database_rows(buckets, group_by), include_unfolded
+    )
+    first_epoch, end_epoch = first_hour.timestamp(), end.timestamp()
+    for flat in pending:
+        counters, _ = counters_from_hash(flat, tenant_id=tenant_id)
+        for bucket, metrics in counters.items():
+            if not first_epoch <= bucket.hour_epoch < end_epoch:
+                continue
+            if api_key_id is not None and bucket.api_key_id != api_key_id:
+                continue
+            target = by_group.setdefault(
+                _group_of(bucket, group_by, tenant_key_ids), dict.fromkeys(COUNTER_METRICS, 0)
+            )
+            for metric, amount in metrics.items():
+                target[metric] += amount
 
     def order(item):
         group, counters = item
@@ -517,3 +532,39 @@ def usage_for_tenant(
         )
     }
     return TenantUsage(totals=totals, rows=rows, includes_unfolded=includes_unfolded, key_names=key_names)
+
+
+# --- Every tenant's usage (the admin's operations overview) ---------------------------------------
+
+TENANT_TOTALS = ("requests", "rejected", "tokens")
+
+
+@dataclass(frozen=True)
+class TenantsUsage:
+    """tenant id -> {requests, rejected, tokens} of each tenant with usage in the hours read."""
+
+    by_tenant: dict[int, dict[str, int]]
+    includes_unfolded: bool  # Redis's not yet folded counters are included
+
+
+def usage_by_tenant(*, start: datetime, end: datetime, include_unfolded: bool = True) -> TenantsUsage:
+    """Every tenant's requests, refusals and tokens in the hours that start in [start, end) (start
+    rounded down to its hour): one query grouped by tenant over the UsageBucket rows, plus the
+    counters still in Redis, read as usage_for_tenant reads them."""
+    first_hour = hour_floor(start)
+    buckets = UsageBucket.objects.filter(hour__gte=first_hour, hour__lt=end)
+
+    def read_database() -> dict[int, dict[str, int]]:
+        rows = buckets.values("tenant_id").annotate(**{name: Sum(name) for name in TENANT_TOTALS}).order_by()
+        return {row["tenant_id"]: {name: row[name] or 0 for name in TENANT_TOTALS} for row in rows}
+
+    by_tenant, pending, includes_unfolded = _with_unfolded(read_database, include_unfolded)
+    first_epoch, end_epoch = first_hour.timestamp(), end.timestamp()
+    for flat in pending:
+        counters, _ = counters_from_hash(flat)
+        for bucket, metrics in counters.items():
+            if first_epoch <= bucket.hour_epoch < end_epoch:
+                totals = by_tenant.setdefault(bucket.tenant_id, dict.fromkeys(TENANT_TOTALS, 0))
+                for name in TENANT_TOTALS:
+                    totals[name] += metrics[name]
+    return TenantsUsage(by_tenant=by_tenant, includes_unfolded=includes_unfolded)
