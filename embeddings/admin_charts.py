@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import date
 
 from django.utils.html import escape
@@ -33,14 +34,49 @@ def compact_number(value: int) -> str:
     return str(value)
 
 
+@dataclass(frozen=True)
+class Bar:
+    key: str  # the bar's data attribute (data-day="2026-05-03", data-minute="10:41")
+    label: str  # under the bar, where labels are shown
+    value: int
+    tooltip: str = ""  # the bar's <title> before its value; the key when empty
+
+
 def daily_bar_chart(
     *, title: str, description: str, days: Sequence[tuple[date, int]], unit: str, chart_id: str
 ) -> SafeString:
     """One bar per day, oldest left; a day without usage is a bar of height 0 (still there, still titled)."""
-    largest = max((value for _, value in days), default=0)
+    return bar_chart(
+        title=title,
+        description=description,
+        bars=[Bar(day.isoformat(), f"{day:%m-%d}", value) for day, value in days],
+        unit=unit,
+        chart_id=chart_id,
+        key_name="day",
+        axis_label="day (UTC)",
+        value_label=f"{unit} per day",
+        label_every=LABEL_EVERY_DAYS,
+    )
+
+
+def bar_chart(
+    *,
+    title: str,
+    description: str,
+    bars: Sequence[Bar],
+    unit: str,
+    chart_id: str,
+    key_name: str,
+    axis_label: str,
+    value_label: str,
+    label_every: int = 1,
+) -> SafeString:
+    """One bar per entry of `bars`, left to right, on an axis from 0 to a round number; a bar of 0
+    is still there (height 0, still titled). Labels under every `label_every`-th bar and the last."""
+    largest = max((bar.value for bar in bars), default=0)
     step = axis_step(largest)
     axis_top = max(step, -(-largest // step) * step)  # at least one step, so never a division by 0
-    slot = PLOT_WIDTH / max(1, len(days))
+    slot = PLOT_WIDTH / max(1, len(bars))
     bar_width = slot * 0.7
     baseline = TOP + PLOT_HEIGHT
 
@@ -65,31 +101,31 @@ def daily_bar_chart(
             f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end" fill="currentColor">'
             f"{compact_number(tick)}</text>"
         )
-    for index, (day, value) in enumerate(days):
+    for index, bar in enumerate(bars):
         x = LEFT + index * slot + (slot - bar_width) / 2
-        y = y_of(value)
+        y = y_of(bar.value)
         parts.append(
-            f'<rect class="bar" data-day="{day.isoformat()}" data-value="{value}" x="{x:.1f}" y="{y:.1f}" '
-            f'width="{bar_width:.1f}" height="{baseline - y:.1f}" fill="{BAR_FILL}">'
-            f"<title>{day.isoformat()}: {value:,} {escape(unit)}</title></rect>"
+            f'<rect class="bar" data-{escape(key_name)}="{escape(bar.key)}" data-value="{bar.value}" '
+            f'x="{x:.1f}" y="{y:.1f}" width="{bar_width:.1f}" height="{baseline - y:.1f}" fill="{BAR_FILL}">'
+            f"<title>{escape(bar.tooltip or bar.key)}: {bar.value:,} {escape(unit)}</title></rect>"
         )
         tick_x = LEFT + (index + 0.5) * slot
         parts.append(
             f'<line x1="{tick_x:.1f}" x2="{tick_x:.1f}" y1="{baseline}" y2="{baseline + 4}" '
             f'stroke="currentColor"/>'
         )
-        if index % LABEL_EVERY_DAYS == 0 or index == len(days) - 1:
+        if index % label_every == 0 or index == len(bars) - 1:
             parts.append(
-                f'<text class="day-label" x="{tick_x:.1f}" y="{baseline + 16}" text-anchor="middle" '
-                f'fill="currentColor">{day:%m-%d}</text>'
+                f'<text class="{escape(key_name)}-label" x="{tick_x:.1f}" y="{baseline + 16}" '
+                f'text-anchor="middle" fill="currentColor">{escape(bar.label)}</text>'
             )
     parts += [
         f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{baseline}" stroke="currentColor"/>',
         f'<line x1="{LEFT}" x2="{LEFT + PLOT_WIDTH}" y1="{baseline}" y2="{baseline}" stroke="currentColor"/>',
         f'<text x="{LEFT + PLOT_WIDTH / 2}" y="{HEIGHT - 8}" text-anchor="middle" fill="currentColor">'
-        "day (UTC)</text>",
+        f"{escape(axis_label)}</text>",
         f'<text transform="translate(14 {TOP + PLOT_HEIGHT / 2}) rotate(-90)" text-anchor="middle" '
-        f'fill="currentColor">{escape(unit)} per day</text>',
+        f'fill="currentColor">{escape(value_label)}</text>',
         "</svg>",
     ]
     return mark_safe("".join(parts))  # every interpolated text above is escaped

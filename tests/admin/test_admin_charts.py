@@ -7,7 +7,15 @@ from xml.etree import ElementTree
 
 import pytest
 
-from embeddings.admin_charts import PLOT_HEIGHT, TOP, axis_step, compact_number, daily_bar_chart
+from embeddings.admin_charts import (
+    PLOT_HEIGHT,
+    TOP,
+    Bar,
+    axis_step,
+    bar_chart,
+    compact_number,
+    daily_bar_chart,
+)
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -80,6 +88,29 @@ def test_the_chart_is_accessible_and_escapes_text():
     assert svg.find(f"{SVG}desc").text == "for 'A'"
     day_labels = [text.text for text in svg.iter(f"{SVG}text") if text.get("class") == "day-label"]
     assert day_labels == ["05-03", "05-08", "05-13", "05-18", "05-23", "05-28", "06-01"]
+
+
+def test_any_bars_keyed_labelled_and_titled_as_given():
+    """As the operations overview draws its minutes: keyed by minute, labelled every other bar."""
+    minutes = [Bar(f"10:{minute:02d}", f"10:{minute:02d}", minute % 3) for minute in range(40, 50)]
+    minutes.append(Bar("10:50", "now", 6, tooltip="10:50 UTC (so far)"))
+    svg = ElementTree.fromstring(
+        str(
+            bar_chart(
+                title="Requests <per> minute", description="d", bars=minutes, unit="requests",
+                chart_id="requests", key_name="minute", axis_label="minute (UTC)", value_label="requests",
+                label_every=2,
+            )
+        )
+    )  # fmt: skip
+    found = bars(svg)
+    assert [bar.get("data-minute") for bar in found] == [f"10:{minute}" for minute in range(40, 51)]
+    assert float(found[-1].get("height")) == pytest.approx(PLOT_HEIGHT)  # 6: a whole number of steps
+    assert float(found[1].get("height")) == pytest.approx(PLOT_HEIGHT * 2 / 6, abs=0.1)  # 10:41: 2
+    assert found[-1].find(f"{SVG}title").text == "10:50 UTC (so far): 6 requests"
+    labels = [text.text for text in svg.iter(f"{SVG}text") if text.get("class") == "minute-label"]
+    assert labels == ["10:40", "10:42", "10:44", "10:46", "10:48", "now"]
+    assert svg.find(f"{SVG}title").text == "Requests <per> minute"
 
 
 @pytest.mark.parametrize(
