@@ -731,3 +731,4 @@ class UsageBucketAdmin(admin.ModelAdmin):
 
 import embeddings.admin_batches  # noqa: E402 -- the batches and files pages register themselves
 import embeddings.admin_jobs  # noqa: E402, F401 -- the jobs pages register themselves
+from embeddings import admin_overview  # noqa: E402, F401 -- the operations overview, linked from the index

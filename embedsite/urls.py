@@ -4,6 +4,7 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
+from embeddings.admin_overview import operations_overview_view
 from embeddings.api import health, metrics_export
 from embeddings.errors.answers import json_not_found, json_server_error
 
@@ -21,6 +22,8 @@ urlpatterns = [
         SpectacularRedocView.as_view(url_name="schema", template_name="api_docs/redoc.html"),
         name="redoc",
     ),
+    # An admin page of no model: staff only, as every admin view (embeddings/admin_overview.py).
+    path("admin/operations/", operations_overview_view, name="admin-operations-overview"),
     path("admin/", admin.site.urls),
 ]
 

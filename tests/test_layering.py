@@ -64,6 +64,7 @@ WINGS_ALLOWED = {
     "inference": {"quotas"},
     "jobs": {"accounts", "quotas", "inference"},
     "openai_api": {"quotas", "inference", "jobs"},
+    "operations": {"accounts", "quotas", "inference", "jobs"},
 }
 
 

@@ -3,7 +3,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("embeddings", "0018_job_newest_first_index"),
+        ("embeddings", "0019_batch_file_admin_lists"),
     ]
 
     operations = [

@@ -7,9 +7,11 @@
     jobs/         the asynchronous job engine: submission, chunks, storage, leases, callbacks,
                   events; it knows job kinds, not the APIs built on it
     openai_api/   OpenAI's contracts: files, batches (a job kind), request lines, the embeddings body
+    operations/   what the service is doing now, for operators: the admin's operations overview
     errors.py     the errors services raise; pages.py: one page of a tenant's objects
 
-A wing imports only the wings above it in this list (accounts and quotas import no wing), the
-shared modules here, and what sits below services (models, callers, redis, triton, tokenization);
-never the API, the tooling or the tasks. tests/test_layering.py holds the house to it.
+A wing imports only the wings above it in this list (accounts and quotas import no wing; operations
+reads every wing but openai_api), the shared modules here, and what sits below services (models,
+callers, redis, triton, tokenization); never the API, the tooling or the tasks.
+tests/test_layering.py holds the house to it.
 """
