@@ -154,6 +154,7 @@ def test_scripts_run_as_readme_says(script):
         ("replicas.py", ("--shape", "--rounds")),
         ("int8_serve.py", ("--seconds", "--rounds")),
         ("variants.py", ("--dtype", "--rounds", "--threads")),
+        ("admin_overview.py", ("--tenants", "--jobs", "--days", "--rounds", "--without-hour-index")),
     ],
 )
 def test_benches_without_quick_run_as_readme_says(script, options):
