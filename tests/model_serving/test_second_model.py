@@ -88,7 +88,11 @@ def stack(
     explicit_triton, redis_server, job_store_server, repository, tmp_path_factory
 ) -> Iterator[JobStack]:
     cache_url = job_store_server.url.rsplit("/", 1)[0] + "/8"  # a database no other test uses
-    redis.Redis.from_url(cache_url).flushdb()
+    # The critical Redis in a database of its own too: stacks before this one on the same server
+    # leave usage counters unfolded, whose tenant ids name this stack's tenants once folded here.
+    critical_url = redis_server.url.rsplit("/", 1)[0] + "/9"
+    for url in (cache_url, critical_url):
+        redis.Redis.from_url(url).flushdb()
     with job_stack_running(
         triton_server=explicit_triton,
         redis_server=redis_server,
@@ -100,6 +104,7 @@ def stack(
             "MODEL_CACHE_SECONDS": "0",
             "EMBEDDING_CACHE": "true",
             "EMBEDDING_CACHE_REDIS_URL": cache_url,
+            "REDIS_URL": critical_url,
         },
     ) as stack:
         yield stack
