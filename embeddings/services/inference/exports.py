@@ -96,7 +96,7 @@ def model_export_dtype(info: dict) -> str:
 
 
 def dtype_with_article(dtype: str) -> str:
-    """"a float32", "an int8": for messages naming an export's dtype."""
+    """The dtype with its article ("a float32", "an int8"), for messages naming an export's."""
     return f"{'an' if dtype[:1].lower() in 'aeiou' else 'a'} {dtype}"
 
 
