@@ -43,7 +43,7 @@ from django.utils.safestring import mark_safe
 from django.utils.timesince import timesince, timeuntil
 
 from embeddings.admin_jobs import progress_bar, rows_done
-from embeddings.admin_operator import REFUSALS_LISTED, ActionOutcome, OperatorPagesAdmin
+from embeddings.admin_operator import REFUSALS_LISTED, ActionOutcome, OperatorPagesAdmin, StatusFilter
 from embeddings.models import Batch, EmbeddingModel, StoredFile
 
 # The Batch and Files services (Celery, the job engine) are imported by the views that use them,
@@ -118,21 +118,10 @@ def _file_expiry(stored: StoredFile, now: datetime) -> str:
 # --- Batches -------------------------------------------------------------------------------------
 
 
-class BatchStatusFilter(admin.SimpleListFilter):
-    """Status, with "active" (not final yet) first: what an operator looks for."""
-
-    title = "status"
-    parameter_name = "status"
-
-    def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin) -> list[tuple[str, str]]:
-        return [("active", "active (validating, in progress, finalizing, cancelling)"), *Status.choices]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Batch]) -> QuerySet[Batch]:
-        if self.value() == "active":
-            return queryset.filter(status__in=ACTIVE)
-        if self.value() in Status.values:
-            return queryset.filter(status=self.value())
-        return queryset
+class BatchStatusFilter(StatusFilter):
+    statuses = Status
+    active = ACTIVE
+    active_label = "active (validating, in progress, finalizing, cancelling)"
 
 
 class BatchEndpointFilter(admin.SimpleListFilter):

@@ -27,7 +27,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.timesince import timesince
 
-from embeddings.admin_operator import ActionOutcome, OperatorPagesAdmin
+from embeddings.admin_operator import ActionOutcome, OperatorPagesAdmin, StatusFilter
 from embeddings.models import JOB_ID_PATTERN, EmbeddingJob, JobStorageHold
 
 # The jobs wing (Redis, numpy, Celery) is imported by the views that use it, not here: every
@@ -105,21 +105,10 @@ def callback_state(job: EmbeddingJob) -> str:
     return f"pending ({attempts})"
 
 
-class JobStatusFilter(admin.SimpleListFilter):
-    """Status, with "active" (queued, running or cancelling) first: what a paged operator wants."""
-
-    title = "status"
-    parameter_name = "status"
-
-    def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin) -> list[tuple[str, str]]:
-        return [("active", "active (queued, running, cancelling)"), *Status.choices]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[EmbeddingJob]) -> QuerySet[EmbeddingJob]:
-        if self.value() == "active":
-            return queryset.filter(status__in=EmbeddingJob.ACTIVE)
-        if self.value() in Status.values:
-            return queryset.filter(status=self.value())
-        return queryset
+class JobStatusFilter(StatusFilter):
+    statuses = Status
+    active = EmbeddingJob.ACTIVE
+    active_label = "active (queued, running, cancelling)"
 
 
 class JobKindFilter(admin.SimpleListFilter):
