@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.admin_jobs import measure  # noqa: E402
+from bench.admin_jobs import measure_pages, migrated_admin_client  # noqa: E402
 from embeddings.tooling.triton_server import free_port  # noqa: E402
 from tests.postgres_server import PostgresServer  # noqa: E402
 
@@ -129,26 +129,13 @@ def main() -> None:
     with PostgresServer(port=free_port()) as server:
         os.environ["DATABASE_URL"] = server.create_database("bench_admin")
         os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
-        import django
-
-        django.setup()
-        from django.contrib.auth.models import User
-        from django.core.management import call_command
-        from django.test import Client
+        indexes = ("batch_newest_first", "file_newest_first")
+        client = migrated_admin_client(drop_indexes=indexes if args.without_newest_first_indexes else ())
         from django.urls import reverse
 
-        call_command("migrate", verbosity=0)
-        if args.without_newest_first_indexes:
-            from django.db import connection
-
-            with connection.cursor() as cursor:
-                cursor.execute("DROP INDEX batch_newest_first")
-                cursor.execute("DROP INDEX file_newest_first")
         started = time.perf_counter()
         facts = fill(args.batches)
         print(f"{args.batches:,} batches and their files inserted in {time.perf_counter() - started:.0f} s")
-        client = Client()
-        client.force_login(User.objects.create_superuser("root", "root@example.com", "x"))
         batches = reverse("admin:embeddings_batch_changelist")
         files = reverse("admin:embeddings_storedfile_changelist")
         newest, day = facts["newest"], facts["newest"].created_at
@@ -168,15 +155,7 @@ def main() -> None:
             "files: part of a name": f"{files}?q=output-4242",
             "files: page 1,000": f"{files}?p=1000",
         }
-        results = {}
-        for name, url in pages.items():
-            results[name] = measure(client, url, args.rounds)
-            row = results[name]
-            print(
-                f"{name:40} median {row['median_ms']:7.1f} ms  slowest {row['slowest_ms']:7.1f} ms  "
-                f"{row['queries']} queries, SQL {row['sql_median_ms']:6.1f} ms  {row['rows_shown']} rows"
-            )
-            print(f"    slowest query {row['slowest_query'][:160]}")
+        results = measure_pages(client, pages, args.rounds)
         out = ROOT / "bench" / "results" / "admin_batches.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         report = {

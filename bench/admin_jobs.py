@@ -121,6 +121,39 @@ def measure(client, url: str, rounds: int) -> dict:
     }
 
 
+def migrated_admin_client(*, drop_indexes: tuple[str, ...] = ()):
+    """Django set up on the environment's DATABASE_URL, migrated less `drop_indexes` (to measure
+    what an index buys), and a test client logged in as a new superuser."""
+    import django
+
+    django.setup()
+    from django.contrib.auth.models import User
+    from django.core.management import call_command
+    from django.db import connection
+    from django.test import Client
+
+    call_command("migrate", verbosity=0)
+    with connection.cursor() as cursor:
+        for index in drop_indexes:
+            cursor.execute(f"DROP INDEX {index}")
+    client = Client()
+    client.force_login(User.objects.create_superuser("root", "root@example.com", "x"))
+    return client
+
+
+def measure_pages(client, pages: dict[str, str], rounds: int) -> dict[str, dict]:
+    """`measure` each page (name -> URL), printing a line for each."""
+    results = {}
+    for name, url in pages.items():
+        results[name] = row = measure(client, url, rounds)
+        print(
+            f"{name:40} median {row['median_ms']:7.1f} ms  slowest {row['slowest_ms']:7.1f} ms  "
+            f"{row['queries']} queries, SQL {row['sql_median_ms']:6.1f} ms  {row['rows_shown']} rows"
+        )
+        print(f"    slowest query {row['slowest_query'][:160]}")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=100_000)
@@ -134,25 +167,14 @@ def main() -> None:
     with PostgresServer(port=free_port()) as server:
         os.environ["DATABASE_URL"] = server.create_database("bench_admin")
         os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
-        import django
-
-        django.setup()
-        from django.contrib.auth.models import User
-        from django.core.management import call_command
-        from django.test import Client
+        client = migrated_admin_client(
+            drop_indexes=("job_newest_first",) if args.without_newest_first_index else ()
+        )
         from django.urls import reverse
 
-        call_command("migrate", verbosity=0)
-        if args.without_newest_first_index:
-            from django.db import connection
-
-            with connection.cursor() as cursor:
-                cursor.execute("DROP INDEX job_newest_first")
         started = time.perf_counter()
         facts = fill(args.jobs)
         print(f"{args.jobs:,} jobs inserted in {time.perf_counter() - started:.0f} s")
-        client = Client()
-        client.force_login(User.objects.create_superuser("root", "root@example.com", "x"))
         base = reverse("admin:embeddings_embeddingjob_changelist")
         day = facts["newest"].created_at
         pages = {
@@ -167,15 +189,7 @@ def main() -> None:
             "page 1,000": f"{base}?p=1000",
             'with counts ("Show counts")': f"{base}?_facets=True",
         }
-        results = {}
-        for name, url in pages.items():
-            results[name] = measure(client, url, args.rounds)
-            row = results[name]
-            print(
-                f"{name:40} median {row['median_ms']:7.1f} ms  slowest {row['slowest_ms']:7.1f} ms  "
-                f"{row['queries']} queries, SQL {row['sql_median_ms']:6.1f} ms  {row['rows_shown']} rows"
-            )
-            print(f"    slowest query {row['slowest_query'][:160]}")
+        results = measure_pages(client, pages, args.rounds)
         out = ROOT / "bench" / "results" / "admin_jobs.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         report = {"jobs": args.jobs, "rounds": args.rounds, "index": not args.without_newest_first_index}
