@@ -39,8 +39,35 @@ class QuickPBKDF2PasswordHasher(PBKDF2PasswordHasher):
     iterations = 1_000
 
 
+def share_verifying_ssl_contexts() -> None:
+    """One verifying SSL context per test process for httpx2's and httpx's (the SDKs') clients,
+    instead of one per client: each loaded the system's CA bundle afresh, and tests make a client per
+    call (`httpx2.get` in every poll of a server's /health, an SDK client per test), which was 13 % of
+    the pytest processes' CPU. A context asked for with a client certificate or another `verify` is
+    still made afresh; nothing here mutates the shared one."""
+    import httpx._transports.default
+    import httpx2._transports.default
+
+    for transport in (httpx._transports.default, httpx2._transports.default):
+        transport.create_ssl_context = _sharing_the_default(transport.create_ssl_context)
+
+
+def _sharing_the_default(create_ssl_context):
+    made = {}
+
+    def create_or_share(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None:
+            return create_ssl_context(verify=verify, cert=cert, trust_env=trust_env)
+        if trust_env not in made:
+            made[trust_env] = create_ssl_context(verify=True, cert=None, trust_env=trust_env)
+        return made[trust_env]
+
+    return create_or_share
+
+
 def pytest_configure(config: pytest.Config) -> None:
     settings.PASSWORD_HASHERS = [f"{__name__}.QuickPBKDF2PasswordHasher", *settings.PASSWORD_HASHERS]
+    share_verifying_ssl_contexts()
 
 
 def require_exported_model(repository: Path, name: str = "minilm") -> Path:
