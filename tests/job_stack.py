@@ -7,15 +7,13 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from embeddings.management.commands.runstack import start_celery
-from embeddings.tooling.triton_server import die_with_parent, free_port
+from embeddings.tooling.triton_server import free_port
 from tests.database_backend import migrated_database_url
-from tests.processes import REPO_ROOT, DjangoShell, stop_process_groups, wait_until_healthy
+from tests.processes import DjangoShell, start_celery, start_python, stop_process_groups, wait_until_healthy
 
 
 @dataclass
@@ -61,11 +59,9 @@ def job_stack_running(
     # Both start while the setup commands run: each reads the database only once a request or a
     # task needs it, and the test sends none before the stack is up.
     with server_log.open("wb") as log:
-        server = subprocess.Popen(
-            [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--workers", "1"],
-            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=die_with_parent,
+        server = start_python(
+            ["manage.py", "serve", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     worker = start_celery("worker", worker_log, env=env)
     django = DjangoShell(env, workdir / "shell.log")

@@ -17,6 +17,8 @@ from typing import NamedTuple
 import httpx2
 import pytest
 
+from tests import forkserver
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -46,16 +48,66 @@ def children_of(pid: int) -> dict[int, str]:
     return {child.pid: child.name for child in proc_stats() if child.ppid == pid and child.state != "Z"}
 
 
+def start_python(
+    args: Sequence[str],
+    *,
+    env: dict[str, str],
+    cwd: Path | str = REPO_ROOT,
+    stdin=None,
+    stdout=None,
+    stderr=None,
+    pass_fds: Sequence[int] = (),
+    text: bool = False,
+) -> subprocess.Popen | forkserver.ForkedProcess:
+    """`python ARGS` (a script such as manage.py, `-m module` or `-c code`) in `env`, in a session of
+    its own, SIGTERMed if this test process dies: forked from this process's fork server
+    (tests/forkserver.py: the third-party modules already imported), or, with
+    EMBEDSITE_TEST_FORKSERVER=0, a fresh interpreter as `subprocess.Popen` starts it. Tests about how
+    the service starts use subprocess.Popen themselves."""
+    if forkserver.enabled():
+        return forkserver.server().start(
+            args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
+            start_new_session=True, text=text,
+        )  # fmt: skip
+    from embeddings.tooling.triton_server import die_with_parent
+
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
+        pass_fds=pass_fds, start_new_session=True, preexec_fn=die_with_parent, text=text,
+    )  # fmt: skip
+
+
+def run_python(
+    args: Sequence[str], env: dict[str, str], timeout_s: float = 120
+) -> subprocess.CompletedProcess:
+    """start_python(args), waited for: its status and what it wrote (text), as subprocess.run's
+    capture_output; SIGKILLed after timeout_s (subprocess.TimeoutExpired)."""
+    process = start_python(
+        args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+    return subprocess.CompletedProcess([sys.executable, *args], process.returncode, out, err)
+
+
+def start_celery(
+    role: str, log_path: Path, env: dict[str, str]
+) -> subprocess.Popen | forkserver.ForkedProcess:
+    """runstack's `celery -A embedsite worker|beat` (start_celery) through start_python, its output
+    appended to log_path."""
+    from embeddings.management.commands.runstack import celery_arguments
+
+    with log_path.open("ab") as log:
+        return start_python(celery_arguments(role), env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
 def manage(env: dict[str, str], *args: str) -> str:
     """Run `manage.py ARGS` in `env`; its stdout, stripped (fails the test if the command fails)."""
-    done = subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_python(["manage.py", *args], env)
     assert done.returncode == 0, f"manage.py {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout.strip()
 
@@ -86,14 +138,7 @@ _MANAGE_COMMANDS = _DJANGO_SETUP + "import sys\nCOMMANDS = sys.argv[1]\n" + _RUN
 def manage_commands(env: dict[str, str], *commands: Sequence[str]) -> list[str]:
     """Run each `manage.py NAME ARGS` in `commands`, in order, in `env`, all in one process (Django
     starts once); each one's stdout, stripped (fails the test if one fails: those after it don't run)."""
-    done = subprocess.run(
-        [sys.executable, "-c", _MANAGE_COMMANDS, json.dumps([list(command) for command in commands])],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_python(["-c", _MANAGE_COMMANDS, json.dumps([list(command) for command in commands])], env)
     listed = "; ".join(" ".join(command) for command in commands)
     assert done.returncode == 0, f"manage.py {listed} failed:\n{done.stdout}\n{done.stderr}"
     return [output.strip() for output in json.loads(done.stdout.splitlines()[-1])]
@@ -128,15 +173,13 @@ class DjangoShell:
     memory stays for the next (a module's caches, clients): give each what it needs."""
 
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        from embeddings.tooling.triton_server import die_with_parent
-
         self.log_path = log_path
         answers, answers_in_child = os.pipe()
         with log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", _DJANGO_SHELL, str(answers_in_child)],
-                cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                pass_fds=(answers_in_child,), start_new_session=True, preexec_fn=die_with_parent,
+            self.process = start_python(
+                ["-c", _DJANGO_SHELL, str(answers_in_child)],
+                env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=(answers_in_child,),
             )  # fmt: skip
         os.close(answers_in_child)
         self._answers = os.fdopen(answers, "r")

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from embeddings.management.commands.runstack import start_celery
 from embeddings.services.quotas.limits import quota_release_sync
 from embeddings.services.quotas.usage import UsageEvent
 from tests.database_backend import database_rows, migrated_database_url
-from tests.processes import manage, stop_process_group
+from tests.processes import manage, start_celery, stop_process_group
 
 FOLD_TASK = "embeddings.tasks.usage_fold_task"
 

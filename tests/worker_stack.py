@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from embeddings.management.commands.runstack import start_celery
 from embeddings.redis.connections import redis_sync
 from embeddings.services.quotas.usage import LIVE_USAGE_KEY, parse_usage_field
 from tests.database_backend import DatabaseReader, migrated_database_url
-from tests.processes import DjangoShell, stop_process_groups
+from tests.processes import DjangoShell, start_celery, stop_process_groups
 
 SUBMIT = """
 import json

@@ -264,6 +264,7 @@ def docs_server(triton_server, redis_server, tmp_path_factory) -> Iterator[LiveS
         env={"DJANGO_DEBUG": "0", "CELERY_BROKER_URL": redis_server.url.rsplit("/", 1)[0] + "/14"},
         setup=[("createsuperuser", "--noinput", "--username", "root", "--email", "root@example.com")],
         setup_env={"DJANGO_SUPERUSER_PASSWORD": "a-long-password"},
+        as_shipped=True,
     ) as server:
         yield server
 

@@ -58,6 +58,7 @@ def overview_server(triton_server, redis_pair, tmp_path_factory) -> Iterator[Liv
         env={"DJANGO_DEBUG": "0", "JOB_STORE_URL": job_store.url},
         setup=[("createsuperuser", "--noinput", "--username", "root", "--email", "root@example.com")],
         setup_env={"DJANGO_SUPERUSER_PASSWORD": "a-long-password"},
+        as_shipped=True,
     ) as server:
         server.dead_replica = dead_replica
         yield server

@@ -22,7 +22,8 @@ from embeddings.tooling.triton_server import die_with_parent, free_port
 from tests.api.raw_http import RawHttp
 from tests.conftest import TenantWithKey
 from tests.database_backend import migrated_database_url
-from tests.processes import REPO_ROOT, manage_commands, stop_process_group, wait_until_healthy
+from tests.forkserver import ForkedProcess
+from tests.processes import REPO_ROOT, manage_commands, start_python, stop_process_group, wait_until_healthy
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ class LiveServer:
     base_url: str
     api_key: str
     prometheus_dir: Path
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     # The server's environment (its database): for `manage(server.env, ...)` in tests.
     env: dict[str, str] | None = None
     log_path: Path | None = None
@@ -89,6 +90,7 @@ def live_uvicorn(
     env: dict[str, str] | None = None,
     setup: Sequence[Sequence[str]] = (),
     setup_env: dict[str, str] | None = None,
+    as_shipped: bool = False,
 ) -> Iterator[LiveServer]:
     """`manage.py serve` as runstack runs it, with its own database on the run's backend
     (tests/database_backend.py: migrated, the local model registered, tenant `live` with a key) and
@@ -96,6 +98,8 @@ def live_uvicorn(
     run after those, in the same process, with `setup_env` added to the server's settings.
 
     PROMETHEUS_MULTIPROC_DIR is set as runstack sets it, so /metrics sums the workers.
+    `as_shipped`: a fresh interpreter runs `manage.py serve`, as runstack starts it, instead of a
+    child of the fork server (tests/forkserver.py): for the tests of what `make run` serves.
     """
     prometheus_dir = workdir / "prometheus"
     prometheus_dir.mkdir()
@@ -118,14 +122,14 @@ def live_uvicorn(
     log_path = workdir / "uvicorn.log"
     log = log_path.open("wb")
     # Started before the setup commands run: a worker reads the database only when a request needs it.
-    process = subprocess.Popen(
-        [
-            sys.executable, "manage.py", "serve",
-            "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
-        ],
-        cwd=REPO_ROOT, env=process_env, stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True, preexec_fn=die_with_parent,
-    )  # fmt: skip
+    serve = ["manage.py", "serve", "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
+    if as_shipped:
+        process = subprocess.Popen(
+            [sys.executable, *serve], cwd=REPO_ROOT, env=process_env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+    else:
+        process = start_python(serve, env=process_env, stdout=log, stderr=subprocess.STDOUT)
     try:
         _, _, api_key, *_ = manage_commands(
             {**server_env, **(setup_env or {})},
@@ -159,6 +163,7 @@ def uvicorn_server(
         workdir=tmp_path_factory.mktemp("uvicorn_server"),
         triton_target=triton_server.grpc_target,
         redis_url=redis_server.url,
+        as_shipped=True,
     ) as server:
         yield server
 

@@ -21,10 +21,9 @@ import openai
 import orjson
 import pytest
 
-from embeddings.management.commands.runstack import start_celery
 from tests.api.raw_http import RawHttp
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import REPO_ROOT, process_group_paused, stop_process_group, tenant_with_key
+from tests.processes import REPO_ROOT, process_group_paused, start_celery, stop_process_group, tenant_with_key
 
 MODEL = "all-MiniLM-L6-v2"
 CHUNK_SIZE = 64

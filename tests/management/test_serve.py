@@ -224,6 +224,7 @@ def test_sigterm_under_steady_load_loses_no_accepted_request(triton_server, redi
         redis_url=redis_server.url,
         workers=2,
         env={"SHUTDOWN_DRAIN_S": str(drain_s), "SHUTDOWN_TIMEOUT_S": "60"},
+        as_shipped=True,
     ) as server:
         load = Load(server_address(server), server.api_key)
         load.start()
@@ -337,6 +338,7 @@ def test_requests_in_flight_finish_after_sigterm_until_the_timeout(triton_server
             "REQUEST_BODY_TIMEOUT_S": "600",
             "REQUEST_BODY_MIN_BYTES_PER_S": "1",
         },
+        as_shipped=True,
     ) as server:
         address = server_address(server)
         finishing, rest = send_half(address, server.api_key, 0)

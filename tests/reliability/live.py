@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,9 +15,9 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from embeddings.tooling.triton_server import die_with_parent, free_port
+from embeddings.tooling.triton_server import free_port
 from tests.database_backend import migrated_database_url
-from tests.processes import REPO_ROOT, manage_commands, stop_process_group, wait_until_healthy
+from tests.processes import manage_commands, start_python, stop_process_group, wait_until_healthy
 
 
 def site_prepared(workdir: Path, **settings_env: str) -> tuple[dict[str, str], str]:
@@ -63,11 +62,9 @@ class LiveApi:
 
     def start(self, timeout_s: float = 120) -> None:
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "manage.py", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                 "--workers", "1"],
-                cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=die_with_parent,
+            self.process = start_python(
+                ["manage.py", "serve", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"],
+                env=self.env, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         wait_until_healthy(self.process, self.base_url, self.log_path, timeout_s=timeout_s)
 

@@ -72,11 +72,8 @@ def _running(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def start_celery(role: str, log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`celery -A embedsite worker|beat` in its own session, its output appended to log_path.
-
-    Beat keeps its schedule in CELERY_BEAT_SCHEDULE_FILENAME (RUN_DIR) as the child's settings say.
-    """
+def celery_arguments(role: str) -> list[str]:
+    """Python's arguments for `celery -A embedsite worker|beat` as runstack runs it."""
     arguments = {
         # One process is plenty for the fold; solo keeps it to one.
         "worker": ["worker", "--pool", "solo", "--without-gossip", "--without-mingle"],
@@ -84,9 +81,17 @@ def start_celery(role: str, log_path: Path, env: dict[str, str] | None = None) -
     }[role]
     # No plain-text startup banner among JSON log lines.
     quiet = ["--quiet"] if settings.LOG_FORMAT == "json" else []
+    return ["-m", "celery", "-A", "embedsite", *quiet, *arguments, "--loglevel", "INFO"]
+
+
+def start_celery(role: str, log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`celery -A embedsite worker|beat` in its own session, its output appended to log_path.
+
+    Beat keeps its schedule in CELERY_BEAT_SCHEDULE_FILENAME (RUN_DIR) as the child's settings say.
+    """
     with log_path.open("ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "embedsite", *quiet, *arguments, "--loglevel", "INFO"],
+            [sys.executable, *celery_arguments(role)],
             cwd=settings.BASE_DIR,
             env=env,
             stdout=log,
