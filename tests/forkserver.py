@@ -12,9 +12,10 @@ module (`-m celery`) or code (`-c`) as Python's `__main__` would, and exits as t
 What differs from a fresh interpreter: the preloaded modules were imported before the child's
 environment was set (so none that reads it at import is preloaded: prometheus_client reads
 PROMETHEUS_MULTIPROC_DIR, DRF reads Django's settings), interpreter flags are the server's, and the
-child's parent is the server, not the test. Tests about how the service starts (`manage.py serve`'s
-signals, runstack, what Chromium draws of `make run`'s server, the multi-host run) start real
-interpreters; `EMBEDSITE_TEST_FORKSERVER=0` makes every test do so.
+child's parent is the server, not the test. A process whose environment gives Python other start-up
+settings (PYTHONPATH with a sitecustomize, for one) gets a fresh interpreter. Tests about how the
+service starts (`manage.py serve`'s signals, runstack, what Chromium draws of `make run`'s server,
+the multi-host run) start real interpreters; `EMBEDSITE_TEST_FORKSERVER=0` makes every test do so.
 
 Protocol: one SOCK_SEQPACKET message a request, JSON, descriptors alongside (SCM_RIGHTS); one
 message a reply. The server reaps its children and keeps their exit status for `poll`.
@@ -84,6 +85,12 @@ MAX_MESSAGE = 1 << 20
 
 def enabled() -> bool:
     return os.environ.get(ENABLED_VARIABLE, "1") != "0"
+
+
+def interpreter_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables Python reads as it starts (PYTHONPATH's sitecustomize, PYTHONHASHSEED, ...): a
+    forked child has the server's, so a process given others needs a fresh interpreter."""
+    return {key: value for key, value in env.items() if key.startswith("PYTHON")}
 
 
 # --- The server ------------------------------------------------------------------------------------
@@ -291,6 +298,7 @@ class ForkServer:
             cwd=repo_root, env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
         )  # fmt: skip
         theirs.close()
+        self.interpreter_settings = interpreter_settings(env)
         self._connection = ours
         self._lock = threading.Lock()
 
@@ -307,6 +315,10 @@ class ForkServer:
     def returncode(self, pid: int) -> int | None:
         return self._ask({"op": "poll", "pid": pid})["returncode"]
 
+    def can_start(self, env: Mapping[str, str]) -> bool:
+        """Whether a child with `env` starts as a fresh interpreter given `env` would."""
+        return interpreter_settings(env) == self.interpreter_settings
+
     def start(
         self,
         args: Sequence[str],
@@ -322,6 +334,8 @@ class ForkServer:
         text: bool = False,
     ) -> ForkedProcess:
         """`subprocess.Popen([sys.executable, *args], ...)`, forked from the server."""
+        env = os.environ if env is None else env
+        assert self.can_start(env), "the child needs a fresh interpreter (interpreter_settings)"
         child_fds: list[int] = []
         ours: dict[str, IO | None] = {"stdin": None, "stdout": None, "stderr": None}
         try:
@@ -340,7 +354,7 @@ class ForkServer:
                 {
                     "op": "start",
                     "args": list(args),
-                    "env": dict(os.environ if env is None else env),
+                    "env": dict(env),
                     "cwd": os.fspath(cwd or os.getcwd()),
                     "fd_targets": [0, 1, 2, *pass_fds],
                     "new_session": start_new_session,

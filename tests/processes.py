@@ -62,9 +62,10 @@ def start_python(
     """`python ARGS` (a script such as manage.py, `-m module` or `-c code`) in `env`, in a session of
     its own, SIGTERMed if this test process dies: forked from this process's fork server
     (tests/forkserver.py: the third-party modules already imported), or, with
-    EMBEDSITE_TEST_FORKSERVER=0, a fresh interpreter as `subprocess.Popen` starts it. Tests about how
+    EMBEDSITE_TEST_FORKSERVER=0 or where `env` gives Python other start-up settings (PYTHONPATH), a
+    fresh interpreter as `subprocess.Popen` starts it. Tests about how
     the service starts use subprocess.Popen themselves."""
-    if forkserver.enabled():
+    if forkserver.enabled() and forkserver.server().can_start(env):
         return forkserver.server().start(
             args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
             start_new_session=True, text=text,

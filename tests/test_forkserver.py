@@ -35,7 +35,9 @@ def server():
 
 
 def environment(**extra: str) -> dict[str, str]:
-    return {"PATH": os.environ["PATH"], **extra}
+    """A small environment, with Python's start-up settings as this process has them (else the
+    child would need a fresh interpreter)."""
+    return {"PATH": os.environ["PATH"], **forkserver.interpreter_settings(os.environ), **extra}
 
 
 def test_a_child_has_its_own_environment_directory_argv_and_session(server, tmp_path):
@@ -150,3 +152,15 @@ def test_manage_py_runs_forked(tmp_path):
     done = run_python(["manage.py", "check"], env)
     assert done.returncode == 0, done.stderr
     assert "no issues" in done.stdout
+
+
+def test_a_process_given_other_start_up_settings_gets_a_fresh_interpreter(tmp_path):
+    """PYTHONPATH naming a sitecustomize works only at an interpreter's start: not forked."""
+    (tmp_path / "sitecustomize.py").write_text("import os; os.environ['SITE_RAN'] = 'yes'")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    assert not forkserver.server().can_start(env)
+    process = start_python(
+        ["-c", "import os; print(os.environ.get('SITE_RAN'))"], env=env, stdout=subprocess.PIPE
+    )
+    assert isinstance(process, subprocess.Popen)
+    assert process.communicate(timeout=60)[0].strip() == b"yes"
