@@ -20,7 +20,7 @@ from django.contrib.auth.hashers import PBKDF2PasswordHasher
 
 from embeddings.tooling.local_redis import RedisServer
 from embeddings.tooling.triton_server import TritonServer, free_port
-from tests.database_backend import is_postgresql, run_databases
+from tests.database_backend import flush_restoring_content_types, is_postgresql, run_databases
 from tests.shared_services import SharedServices
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ def _sharing_the_default(create_ssl_context):
 def pytest_configure(config: pytest.Config) -> None:
     settings.PASSWORD_HASHERS = [f"{__name__}.QuickPBKDF2PasswordHasher", *settings.PASSWORD_HASHERS]
     share_verifying_ssl_contexts()
+    flush_restoring_content_types()
 
 
 def require_exported_model(repository: Path, name: str = "minilm") -> Path:

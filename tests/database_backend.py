@@ -306,6 +306,44 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _databases.stop()
 
 
+def flush_restoring_content_types() -> None:
+    """After each transactional test Django flushes every table, then its post_migrate signal makes
+    the content types and permissions again, querying every installed app's: 25 s of the pytest
+    processes' time a PostgreSQL pass. Here the first flush of each database runs as Django's, and
+    its content types and permissions are kept; every later flush skips the signal and puts those
+    rows back as they were, two INSERTs. Tests that set `available_apps` or a serialized rollback
+    keep Django's own teardown."""
+    from django.contrib.auth.models import Permission
+    from django.contrib.contenttypes.models import ContentType
+    from django.core.management import call_command
+    from django.db import connections
+    from django.test import testcases
+
+    djangos_teardown = testcases.TransactionTestCase._fixture_teardown
+    made: dict[tuple[str, str], tuple[list[ContentType], list[Permission]]] = {}
+
+    def _fixture_teardown(self) -> None:
+        if self.available_apps is not None or self.serialized_rollback:
+            djangos_teardown(self)
+            return
+        for alias in self._databases_names(include_mirrors=False):
+            key = (alias, connections[alias].settings_dict["NAME"])
+            if key not in made:
+                call_command("flush", verbosity=0, interactive=False, database=alias, reset_sequences=False)
+                made[key] = (list(ContentType.objects.using(alias)), list(Permission.objects.using(alias)))
+                continue
+            call_command(
+                "flush", verbosity=0, interactive=False, database=alias, reset_sequences=False,
+                inhibit_post_migrate=True,
+            )  # fmt: skip
+            content_types, permissions = made[key]
+            ContentType.objects.using(alias).bulk_create(content_types)
+            Permission.objects.using(alias).bulk_create(permissions)
+            ContentType.objects.clear_cache()
+
+    testcases.TransactionTestCase._fixture_teardown = _fixture_teardown
+
+
 def wait_for_lock_waiters(count: int, timeout_s: float = 60.0) -> None:
     """Until `count` PostgreSQL sessions wait for a lock (another transaction's row or tuple): how a
     concurrency test knows each racing transaction has reached the point it races at. The timeout is
