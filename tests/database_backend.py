@@ -265,6 +265,29 @@ def database_execute(url: str, query: str, *params: Any) -> None:
         connection.execute(query, params)
 
 
+def no_transaction_open(url: str) -> bool:
+    """Whether no other connection to the database at `url` is inside a transaction (so none holds
+    a lock a write could wait on): on SQLite, an exclusive lock is free at once; on PostgreSQL, no
+    other session is active or idle in a transaction."""
+    if url.startswith("sqlite:///"):
+        with contextlib.closing(
+            sqlite3.connect(url.removeprefix("sqlite:///"), timeout=0, isolation_level=None)
+        ) as connection:
+            try:
+                connection.execute("BEGIN EXCLUSIVE")
+            except sqlite3.OperationalError:
+                return False
+            connection.execute("ROLLBACK")
+            return True
+    (row,) = database_rows(
+        url,
+        "SELECT count(*) AS open FROM pg_stat_activity WHERE datname = current_database() "
+        "AND pid <> pg_backend_pid() AND state IN ('active', 'idle in transaction', "
+        "'idle in transaction (aborted)')",
+    )
+    return row["open"] == 0
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--database",

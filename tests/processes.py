@@ -284,6 +284,30 @@ def process_group_paused(process: subprocess.Popen) -> Iterator[None]:
         os.killpg(process.pid, signal.SIGCONT)
 
 
+@contextlib.contextmanager
+def process_group_paused_between_transactions(
+    process, database_url: str, timeout_s: float = 30
+) -> Iterator[None]:
+    """process_group_paused, taken at a moment the group holds no database transaction: paused in
+    one, a writer would keep SQLite locked (reads included) or its rows locked until resumed, and
+    the test's own writes would wait for ever. Paused and continued again until such a moment."""
+    from tests.database_backend import no_transaction_open
+
+    assert process.poll() is None, "the process is not running"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        os.killpg(process.pid, signal.SIGSTOP)
+        if no_transaction_open(database_url):
+            break
+        os.killpg(process.pid, signal.SIGCONT)
+        assert time.monotonic() < deadline, f"not once outside a transaction in {timeout_s:g} s"
+        time.sleep(0.005)
+    try:
+        yield
+    finally:
+        os.killpg(process.pid, signal.SIGCONT)
+
+
 def ctrl_c_as_in_a_terminal() -> None:
     """preexec_fn: SIGINT back to its default in the child. A shell starts background jobs (and CI
     runners often start tests) with SIGINT ignored, and a Python started that way installs no

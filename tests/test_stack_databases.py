@@ -5,12 +5,14 @@ a database of its own."""
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 
+import psycopg
 import pytest
 
-from tests.database_backend import database_execute, migrated_database_url
+from tests.database_backend import database_execute, migrated_database_url, no_transaction_open
 from tests.processes import REPO_ROOT
 
 
@@ -49,3 +51,24 @@ def test_a_stack_database_is_migrated_and_its_own(tmp_path):
     second = migrated_database_url(second_dir)
     assert second != first
     assert migrate_check(second, second_dir).returncode == 0
+
+
+@pytest.mark.integration
+def test_a_transaction_open_elsewhere_is_seen(tmp_path):
+    """no_transaction_open, which tests pause a worker by (processes.py): a connection inside a
+    writing or a reading transaction is seen on either backend, and none once it has ended."""
+    url = migrated_database_url(tmp_path)
+    assert no_transaction_open(url)
+    for statement in ("UPDATE embeddings_tenant SET name = name", "SELECT count(*) FROM embeddings_tenant"):
+        if url.startswith("sqlite:///"):
+            other = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+            other.execute("BEGIN")
+        else:
+            other = psycopg.connect(url)
+        cursor = other.execute(statement)
+        if statement.startswith("SELECT"):
+            cursor.fetchall()
+        assert not no_transaction_open(url), statement
+        other.execute("ROLLBACK") if url.startswith("sqlite:///") else other.rollback()
+        assert no_transaction_open(url), statement
+        other.close()
