@@ -24,7 +24,6 @@ message a reply. The server reaps its children and keeps their exit status for `
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import importlib
 import io
@@ -79,7 +78,6 @@ PRELOAD = (
 NOT_PRELOADED = ("prometheus_client", "rest_framework", "embedsite", "embeddings")
 
 ENABLED_VARIABLE = "EMBEDSITE_TEST_FORKSERVER"
-PR_SET_PDEATHSIG = 1
 MAX_MESSAGE = 1 << 20
 
 
@@ -94,12 +92,6 @@ def interpreter_settings(env: Mapping[str, str]) -> dict[str, str]:
 
 
 # --- The server ------------------------------------------------------------------------------------
-
-
-def _set_parent_death_signal(sig: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
 
 
 def _preload() -> None:
@@ -158,9 +150,11 @@ def _serve(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
 
 def _become(request: dict[str, Any], fds: list[int]) -> None:
     """This forked child as Popen would have started it: descriptors, session, environment."""
+    from embeddings.tooling.triton_server import die_with_parent  # the app: only now, in the child
+
     if request["new_session"]:
         os.setsid()
-    _set_parent_death_signal(signal.SIGTERM)
+    die_with_parent()
     # Out of the way of the numbers they are going to, then onto them (0, 1, 2 and pass_fds).
     held = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 256) for fd in fds]
     for fd in fds:
@@ -246,34 +240,29 @@ class ForkedProcess:
 
     def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
         """Everything the process wrote to its stdout and stderr pipes until it ended."""
-        return _communicate(self, timeout)
-
-
-def _communicate(process: ForkedProcess, timeout: float | None) -> tuple[Any, Any]:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    streams = {stream: [] for stream in (process.stdout, process.stderr) if stream is not None}
-    open_streams = list(streams)
-    while open_streams:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if left == 0.0:
-            raise subprocess.TimeoutExpired(process.args, timeout)
-        readable, _, _ = select.select(open_streams, [], [], left)
-        for stream in readable:
-            chunk = os.read(stream.fileno(), 65536)
-            if chunk:
-                streams[stream].append(chunk)
-            else:
-                open_streams.remove(stream)
-    process.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-    outputs = []
-    for stream in (process.stdout, process.stderr):
-        if stream is None:
-            outputs.append(None)
-            continue
-        data = b"".join(streams[stream])
-        outputs.append(data.decode() if isinstance(stream, io.TextIOBase) else data)
-        stream.close()
-    return outputs[0], outputs[1]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pipes = [pipe for pipe in (self.stdout, self.stderr) if pipe is not None]
+        read: dict[IO, list[bytes]] = {pipe: [] for pipe in pipes}
+        while pipes:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if left == 0.0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            for pipe in select.select(pipes, [], [], left)[0]:
+                chunk = os.read(pipe.fileno(), 65536)
+                if chunk:
+                    read[pipe].append(chunk)
+                else:
+                    pipes.remove(pipe)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        outputs = []
+        for pipe in (self.stdout, self.stderr):
+            if pipe is None:
+                outputs.append(None)
+                continue
+            data = b"".join(read[pipe])
+            outputs.append(data.decode() if isinstance(pipe, io.TextIOBase) else data)
+            pipe.close()
+        return outputs[0], outputs[1]
 
 
 def _child_descriptor(stream: Any) -> int:

@@ -58,18 +58,20 @@ def start_python(
     stderr=None,
     pass_fds: Sequence[int] = (),
     text: bool = False,
+    fresh_interpreter: bool = False,
 ) -> subprocess.Popen | forkserver.ForkedProcess:
     """`python ARGS` (a script such as manage.py, `-m module` or `-c code`) in `env`, in a session of
     its own, SIGTERMed if this test process dies: forked from this process's fork server
-    (tests/forkserver.py: the third-party modules already imported), or, with
-    EMBEDSITE_TEST_FORKSERVER=0 or where `env` gives Python other start-up settings (PYTHONPATH), a
-    fresh interpreter as `subprocess.Popen` starts it. Tests about how
-    the service starts use subprocess.Popen themselves."""
-    if forkserver.enabled() and forkserver.server().can_start(env):
-        return forkserver.server().start(
-            args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
-            start_new_session=True, text=text,
-        )  # fmt: skip
+    (tests/forkserver.py: the third-party modules already imported), or a fresh interpreter as
+    `subprocess.Popen` starts it: with `fresh_interpreter` (the tests of how the service starts),
+    EMBEDSITE_TEST_FORKSERVER=0, or where `env` gives Python other start-up settings (PYTHONPATH)."""
+    if not fresh_interpreter and forkserver.enabled():
+        server = forkserver.server()
+        if server.can_start(env):
+            return server.start(
+                args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
+                start_new_session=True, text=text,
+            )  # fmt: skip
     from embeddings.tooling.triton_server import die_with_parent
 
     return subprocess.Popen(
@@ -273,35 +275,23 @@ def wait_until_healthy(
 
 
 @contextlib.contextmanager
-def process_group_paused(process: subprocess.Popen) -> Iterator[None]:
+def process_group_paused(process, database_url: str | None = None, timeout_s: float = 30) -> Iterator[None]:
     """The process's group stopped (SIGSTOP) for the block, continued (SIGCONT) after: a server or
-    worker that holds back its work until the test has checked what it needs to see first."""
-    assert process.poll() is None, "the process is not running"
-    os.killpg(process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.killpg(process.pid, signal.SIGCONT)
+    worker that holds back its work until the test has checked what it needs to see first.
 
-
-@contextlib.contextmanager
-def process_group_paused_between_transactions(
-    process, database_url: str, timeout_s: float = 30
-) -> Iterator[None]:
-    """process_group_paused, taken at a moment the group holds no database transaction: paused in
-    one, a writer would keep SQLite locked (reads included) or its rows locked until resumed, and
-    the test's own writes would wait for ever. Paused and continued again until such a moment."""
+    With `database_url`, paused at a moment the group holds no transaction on that database (paused
+    in one, a writer keeps SQLite locked, reads included, or its rows locked, and the test's own
+    writes would wait for ever): paused and continued again until such a moment."""
     from tests.database_backend import no_transaction_open
 
     assert process.poll() is None, "the process is not running"
     deadline = time.monotonic() + timeout_s
-    while True:
-        os.killpg(process.pid, signal.SIGSTOP)
-        if no_transaction_open(database_url):
-            break
+    os.killpg(process.pid, signal.SIGSTOP)
+    while database_url is not None and not no_transaction_open(database_url):
         os.killpg(process.pid, signal.SIGCONT)
         assert time.monotonic() < deadline, f"not once outside a transaction in {timeout_s:g} s"
         time.sleep(0.005)
+        os.killpg(process.pid, signal.SIGSTOP)
     try:
         yield
     finally:

@@ -19,7 +19,7 @@ import pytest
 from tests.admin.test_admin_jobs_engine import PASSWORD, AdminSession
 from tests.database_backend import database_rows
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import process_group_paused_between_transactions
+from tests.processes import process_group_paused
 
 MODEL = "all-MiniLM-L6-v2"
 CHUNK_SIZE = 4
@@ -119,7 +119,7 @@ def test_a_batch_cancelled_from_the_admin_ends_as_the_apis_cancel_leaves_it(stac
         assert time.monotonic() < deadline, stack.logs_tail()
         time.sleep(0.05)
     pk = batch_pk(stack, public_id)
-    with process_group_paused_between_transactions(stack.worker, stack.env["DATABASE_URL"]):
+    with process_group_paused(stack.worker, stack.env["DATABASE_URL"]):
         page = operator.http.get(f"/admin/embeddings/batch/{pk}/change/").text
         assert 'value="Cancel the batch"' in page and "Not now" not in page
         response = operator.http.post(

@@ -19,7 +19,7 @@ import pytest
 from embeddings.services.jobs.callbacks import SIGNATURE_HEADER, callback_signature_valid
 from tests.database_backend import database_rows
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import process_group_paused_between_transactions
+from tests.processes import process_group_paused
 from tests.services.test_job_callbacks import Receiver, serve
 
 MODEL = "all-MiniLM-L6-v2"
@@ -141,7 +141,7 @@ def test_cancel_from_the_admin_stops_a_running_job(stack, api, operator):
     while job_row(stack, public_id)["completed"] < 2 * CHUNK_SIZE:
         assert time.monotonic() < deadline, job_row(stack, public_id)
         time.sleep(0.05)
-    with process_group_paused_between_transactions(stack.worker, stack.env["DATABASE_URL"]):
+    with process_group_paused(stack.worker, stack.env["DATABASE_URL"]):
         paused = job_row(stack, public_id)
         assert paused["status"] == "running" and paused["completed"] < 200
         said = operator.act(paused["id"], "cancel")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,12 +17,12 @@ import pytest
 from embeddings.models import EmbeddingModel
 from embeddings.services.inference.catalog import embedding_model_register_local
 from embeddings.tooling.local_redis import EMBEDDING_CACHE_EVICTION, RedisServer
-from embeddings.tooling.triton_server import die_with_parent, free_port
+from embeddings.tooling.triton_server import free_port
 from tests.api.raw_http import RawHttp
 from tests.conftest import TenantWithKey
 from tests.database_backend import migrated_database_url
 from tests.forkserver import ForkedProcess
-from tests.processes import REPO_ROOT, manage_commands, start_python, stop_process_group, wait_until_healthy
+from tests.processes import manage_commands, start_python, stop_process_group, wait_until_healthy
 
 
 @pytest.fixture
@@ -123,13 +122,9 @@ def live_uvicorn(
     log = log_path.open("wb")
     # Started before the setup commands run: a worker reads the database only when a request needs it.
     serve = ["manage.py", "serve", "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
-    if as_shipped:
-        process = subprocess.Popen(
-            [sys.executable, *serve], cwd=REPO_ROOT, env=process_env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )  # fmt: skip
-    else:
-        process = start_python(serve, env=process_env, stdout=log, stderr=subprocess.STDOUT)
+    process = start_python(
+        serve, env=process_env, stdout=log, stderr=subprocess.STDOUT, fresh_interpreter=as_shipped
+    )
     try:
         _, _, api_key, *_ = manage_commands(
             {**server_env, **(setup_env or {})},
