@@ -35,10 +35,9 @@ class TreeCpu:
     stub_seconds: float
 
 
-def tree_cpu(root: int | None = None) -> TreeCpu:
-    """CPU-seconds spent so far by `root` (this process) and every process below it, including the
-    children each of them has reaped."""
-    root = os.getpid() if root is None else root
+def tree_cpu() -> TreeCpu:
+    """CPU-seconds spent so far by this process and every process below it, including the children
+    each of them has reaped."""
     children: dict[int, list[int]] = collections.defaultdict(list)
     spent: dict[int, tuple[float, str]] = {}
     for entry in os.scandir("/proc"):
@@ -55,7 +54,7 @@ def tree_cpu(root: int | None = None) -> TreeCpu:
         children[int(fields[1])].append(pid)
         spent[pid] = (sum(int(value) for value in fields[11:15]) / CLOCK_TICKS, command)
     seconds = stub_seconds = 0.0
-    below = list(children.get(root, []))
+    below = list(children.get(os.getpid(), []))
     while below:
         pid = below.pop()
         cpu, command = spent.get(pid, (0.0, ""))
@@ -63,12 +62,9 @@ def tree_cpu(root: int | None = None) -> TreeCpu:
         if command.startswith(STUB_COMMAND_PREFIX):
             stub_seconds += cpu
         below.extend(children.get(pid, []))
-    if root == os.getpid():
-        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-            usage = resource.getrusage(who)
-            seconds += usage.ru_utime + usage.ru_stime
-    else:
-        seconds += spent.get(root, (0.0, ""))[0]
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        seconds += usage.ru_utime + usage.ru_stime
     return TreeCpu(seconds, stub_seconds)
 
 
