@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-REQUIREMENTS := requirements.txt requirements-test.txt requirements-export.txt requirements-nodeps.txt \
+REQUIREMENTS := requirements-setup.txt requirements.txt requirements-test.txt requirements-export.txt requirements-nodeps.txt \
 	requirements-deploy.txt
 MODEL_ONNX := model_repository/minilm/1/model.onnx
 PROTOCOL := embeddings/triton/protocol/grpc_service_pb2.py
@@ -155,12 +155,15 @@ SYSTEM_PACKAGES := redis-server chromium postgresql iproute2
 	dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES))
 	touch $@
 
-# --no-compile: the processes compile what they import (PYTHONDONTWRITEBYTECODE above).
-$(VENV)/.installed: $(REQUIREMENTS)
+# uv installs, from wherever this machine's pip is configured to take packages: side by side, where
+# pip went one package after another (deploy/install_packages.py). Nothing is compiled ahead: the
+# processes compile what they import (PYTHONDONTWRITEBYTECODE above).
+INSTALL := $(PY) deploy/install_packages.py
+$(VENV)/.installed: $(REQUIREMENTS) deploy/install_packages.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --no-compile -r requirements.txt -r requirements-test.txt -r requirements-export.txt \
-		-r requirements-deploy.txt
-	$(PIP) install -q --no-compile --no-deps -r requirements-nodeps.txt
+	$(PIP) install -q -r requirements-setup.txt
+	$(INSTALL) -r requirements.txt -r requirements-test.txt -r requirements-export.txt -r requirements-deploy.txt
+	$(INSTALL) --no-deps -r requirements-nodeps.txt
 	touch $@
 
 # generate.py does nothing when its outputs are newer than the protos; the touch keeps make from
