@@ -31,7 +31,7 @@ from embeddings.triton.client import TritonClient
 from tests.api.test_metrics import parse, value
 from tests.conftest import require_exported_model, start_triton
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import REPO_ROOT, manage, manage_commands, tenant_with_key
+from tests.processes import REPO_ROOT, tenant_with_key
 from tests.tiny_models import build_tiny_bert, embed_with_torch, score_with_torch
 
 MINILM = "all-MiniLM-L6-v2"
@@ -139,6 +139,14 @@ def cache_rows(http: httpx2.Client) -> dict[str, float]:
 RESULTS = ("local", "redis", "miss")
 
 
+def command(stack: JobStack, *arguments: str) -> str:
+    """`manage.py ARGUMENTS`, run as manage.py runs it (the same parser and checks) in the stack's
+    Django shell, in the stack's settings: Django and PyTorch start once for the file's exports and
+    registrations, not once for each (a new process's torch import was most of an export's CPU)."""
+    (output,) = stack.django.commands(arguments)
+    return output
+
+
 def loaded_versions(triton: TritonClient, name: str) -> set[str]:
     return {
         entry.version for entry in triton.repository_index() if entry.name == name and entry.state == "READY"
@@ -146,7 +154,7 @@ def loaded_versions(triton: TritonClient, name: str) -> set[str]:
 
 
 def test_exported_and_registered_it_is_served_next_to_minilm(http, stack, sources, repository, triton):
-    manage(stack.env, "export_model", "--source", str(sources[1]), "--name", TINY_TRITON, "--pooling", "cls")
+    command(stack, "export_model", "--source", str(sources[1]), "--name", TINY_TRITON, "--pooling", "cls")
     folder = repository / TINY_TRITON
     for path in (
         "config.pbtxt",
@@ -158,7 +166,7 @@ def test_exported_and_registered_it_is_served_next_to_minilm(http, stack, source
         assert (folder / path).is_file(), path
     assert loaded_versions(triton, TINY_TRITON) == set()  # exporting loads nothing
 
-    manage(stack.env, "register_model", "--triton-model", TINY_TRITON, "--name", TINY, "--alias", "tiny")
+    command(stack, "register_model", "--triton-model", TINY_TRITON, "--name", TINY, "--alias", "tiny")
     assert loaded_versions(triton, TINY_TRITON) == {"1"}
 
     listed = {model["id"] for model in http.get("/v1/models").json()["data"]}
@@ -210,7 +218,7 @@ def test_unloaded_it_answers_503_naming_it_while_minilm_keeps_serving(http, stac
     assert ready.json()["models"][TINY]["state"] != "READY"
 
     # Registered and enabled: the reconcile (periodic, or a register) loads it again.
-    manage(stack.env, "register_model", "--triton-model", TINY_TRITON, "--name", TINY, "--alias", "tiny")
+    command(stack, "register_model", "--triton-model", TINY_TRITON, "--name", TINY, "--alias", "tiny")
     assert embed(http, TINY).shape == (len(TEXTS), 128)
 
 
@@ -221,18 +229,18 @@ def test_a_new_export_is_a_new_version_that_serves_only_once_switched(
     cached = cache_rows(http)
     assert np.array_equal(embed(http, TINY), before)  # a repeat: every row from the cache
     assert cache_rows(http)["local"] - cached["local"] == len(TEXTS)
-    manage(stack.env, "export_model", "--source", str(sources[2]), "--name", TINY_TRITON, "--pooling", "cls")
+    command(stack, "export_model", "--source", str(sources[2]), "--name", TINY_TRITON, "--pooling", "cls")
     assert (
         stack.env and Path(stack.env["TRITON_MODEL_REPOSITORY"]) / TINY_TRITON / "2" / "model.onnx"
     ).is_file()
     # The catalog pins version 1: a tenant's vectors do not change because a new export exists,
     # nor when the model is registered again without naming a version.
     assert np.array_equal(embed(http, TINY), before)
-    manage(stack.env, "register_model", "--triton-model", TINY_TRITON)
+    command(stack, "register_model", "--triton-model", TINY_TRITON)
     assert np.array_equal(embed(http, TINY), before)
 
     cache_before = cache_rows(http)
-    manage(stack.env, "register_model", "--triton-model", TINY_TRITON, "--name", TINY, "--version", "2")
+    command(stack, "register_model", "--triton-model", TINY_TRITON, "--name", TINY, "--version", "2")
     switched = embed(http, TINY)
     # Version 1's vectors were cached; the new version's key differs, so every row is computed.
     assert cache_rows(http)["miss"] - cache_before["miss"] == len(TEXTS)
@@ -242,8 +250,8 @@ def test_a_new_export_is_a_new_version_that_serves_only_once_switched(
 
 
 def test_disabled_it_is_unloaded_and_no_longer_listed_until_registered_again(http, stack, triton):
-    manage(
-        stack.env,
+    command(
+        stack,
         "register_model",
         "--triton-model",
         TINY_TRITON,
@@ -260,7 +268,7 @@ def test_disabled_it_is_unloaded_and_no_longer_listed_until_registered_again(htt
     assert embed(http, MINILM).shape == (len(TEXTS), 384)
 
     # Registering it again means serving it again.
-    manage(stack.env, "register_model", "--triton-model", TINY_TRITON)
+    command(stack, "register_model", "--triton-model", TINY_TRITON)
     assert loaded_versions(triton, TINY_TRITON) == {"2"}
     assert embed(http, TINY).shape == (len(TEXTS), 128)
 
@@ -269,14 +277,14 @@ def test_an_int8_export_serves_beside_float32_under_a_second_name_that_says_its_
     http, stack, sources, repository, triton
 ):
     # A random BERT agrees less with its int8 graph than a trained one: the threshold only needs to pass.
-    manage(
-        stack.env, "export_model", "--source", str(sources[2]), "--name", TINY_TRITON, "--pooling", "cls",
+    command(
+        stack, "export_model", "--source", str(sources[2]), "--name", TINY_TRITON, "--pooling", "cls",
         "--dtype", "int8", "--min-cosine", "0.5",
     )  # fmt: skip
     info = json.loads((repository / TINY_TRITON / "3" / "export.json").read_text())
     assert info["dtype"] == "int8"
     # The float32 name keeps its pin (version 2); a second name pins the newest int8 export.
-    manage(stack.env, "register_model", "--triton-model", TINY_TRITON, "--name", TINY_INT8, "--dtype", "int8")
+    command(stack, "register_model", "--triton-model", TINY_TRITON, "--name", TINY_INT8, "--dtype", "int8")
     assert loaded_versions(triton, TINY_TRITON) == {"2", "3"}
 
     listed = {model["id"]: model for model in http.get("/v1/models").json()["data"]}
@@ -311,10 +319,8 @@ def test_an_int8_export_serves_beside_float32_under_a_second_name_that_says_its_
 def test_a_float16_export_serves_on_the_cpu_backend_as_close_to_float32_as_it_recorded(
     http, stack, repository, sources, triton
 ):
-    # The same source as the float32 name's version 2, at the default threshold (0.9999); one
-    # process for both commands (Django and torch start once).
-    _, registered = manage_commands(
-        stack.env,
+    # The same source as the float32 name's version 2, at the default threshold (0.9999).
+    _, registered = stack.django.commands(
         [
             "export_model",
             "--source",
@@ -381,7 +387,7 @@ def test_usage_rows_record_the_variant_that_served_before_and_after_a_switch_to_
     headers = {"Authorization": f"Bearer {tenant_with_key(stack.django, 'variants')}"}
     with httpx2.Client(base_url=stack.base_url, headers=headers, timeout=60) as http:
         float32_request, float32_job = served_tokens(http, stack)
-        manage(stack.env, "register_model", "--triton-model", TINY_TRITON, "--name", TINY, "--dtype", "int8")
+        command(stack, "register_model", "--triton-model", TINY_TRITON, "--name", TINY, "--dtype", "int8")
         int8_request, int8_job = served_tokens(http, stack)
         by_variant = http.get("/v1/usage", params={"group_by": "variant"}).json()["data"]
 
@@ -450,8 +456,8 @@ def test_cross_encoders_exported_and_registered_score_pairs_as_pytorch_does(
     http, stack, cross_encoders, triton
 ):
     for name, triton_name in RERANKERS.items():
-        output = manage(
-            stack.env,
+        output = command(
+            stack,
             "export_model",
             "--source",
             str(cross_encoders[name]),
@@ -461,7 +467,7 @@ def test_cross_encoders_exported_and_registered_score_pairs_as_pytorch_does(
             "rerank",
         )
         assert "cross-encoder, sigmoid scores" in output
-        manage(stack.env, "register_model", "--triton-model", triton_name, "--name", name)
+        command(stack, "register_model", "--triton-model", triton_name, "--name", name)
         assert loaded_versions(triton, triton_name) == {"1"}
 
         reference = score_with_torch(cross_encoders[name], QUERY, DOCUMENTS)
