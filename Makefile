@@ -61,8 +61,7 @@ test-services: setup
 # (Triton only) and admin/test_browser*.py (what Chromium draws; the admin's queries behind those
 # pages are the in-process admin tests here).
 SQLITE_TESTS ?= -m "not unit" tests/services tests/admin tests/test_tasks.py tests/api/test_jobs_end_to_end.py \
-	tests/test_stack_databases.py --ignore=tests/services/test_embedding.py --ignore=tests/admin/test_browser.py \
-	--ignore=tests/admin/test_browser_batches.py
+	tests/test_stack_databases.py --ignore=tests/services/test_embedding.py --ignore-glob='tests/admin/test_browser*.py'
 
 ## bench: client vs raw ONNX Runtime benchmark (table on stdout, JSON in bench/results/)
 bench: setup
