@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import sys
 import time
 import urllib.request
 import uuid
@@ -63,6 +64,17 @@ def _sharing_the_default(create_ssl_context):
         return made[trust_env]
 
     return create_or_share
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """PyTorch in the test processes (the exports' checks against PyTorch, the tests' references) on
+    one thread once it is imported: its OpenMP threads spin while they wait for each other, and beside
+    the other workers on two cores that cost the export tests a fifth of their CPU (208 CPU-s against
+    169 for tests/model_export with the torch backend's tests, three workers). Only this process: the
+    servers and Triton that tests start keep their own settings."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 def pytest_configure(config: pytest.Config) -> None:
