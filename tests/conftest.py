@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import sys
 import time
@@ -19,6 +20,7 @@ import pytest
 from django.conf import settings
 from django.contrib.auth.hashers import PBKDF2PasswordHasher
 
+from embeddings.tooling.export_threads import EXPORT_THREADS_VARIABLE
 from embeddings.tooling.local_redis import RedisServer
 from embeddings.tooling.triton_server import TritonServer, free_port
 from tests.database_backend import flush_restoring_content_types, is_postgresql, run_databases
@@ -71,13 +73,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     one thread once it is imported: its OpenMP threads spin while they wait for each other, and beside
     the other workers on two cores that cost the export tests a fifth of their CPU (208 CPU-s against
     169 for tests/model_export with the torch backend's tests, three workers). Only this process: the
-    servers and Triton that tests start keep their own settings."""
+    servers and Triton that tests start keep their own settings (exports excepted: EXPORT_THREADS,
+    set in pytest_configure)."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() != 1:
         torch.set_num_threads(1)
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Exports, here and in the commands tests start, on one thread (embeddings/tooling/export_threads.py).
+    os.environ.setdefault(EXPORT_THREADS_VARIABLE, "1")
     settings.PASSWORD_HASHERS = [f"{__name__}.QuickPBKDF2PasswordHasher", *settings.PASSWORD_HASHERS]
     share_verifying_ssl_contexts()
     flush_restoring_content_types()

@@ -55,6 +55,7 @@ from embeddings.services.inference.exports import (
 )
 from embeddings.services.inference.quantization import CALIBRATION_METHOD, QUANTIZATION_RECORD
 from embeddings.tooling.calibration_corpus import CALIBRATION_CORPUS, read_corpus
+from embeddings.tooling.export_threads import cpu_session, limit_torch_threads
 from embeddings.tooling.model_configs import EMBEDDING_OUTPUT, SCORE_OUTPUT, model_configs_write
 from embeddings.tooling.model_variants import embed_corpus, row_cosines, variant_min_cosine, variant_replace
 
@@ -193,6 +194,7 @@ def model_export(
         ) from error
 
     transformers_logging.disable_progress_bar()
+    limit_torch_threads(torch)
     if task == TASK_RERANK:
         pooling = None
         labels = AutoConfig.from_pretrained(str(source_dir), local_files_only=True).num_labels
@@ -709,9 +711,7 @@ def _fix_output_dims(path: Path, dims: int) -> None:
 def _verify(torch, model, tokenizer, onnx_path: Path, max_tokens: int) -> float:
     """Min cosine between ONNX Runtime (padded batch and one by one) and PyTorch (one by one, unpadded),
     on sentences of many lengths up to the truncation length (every position a request can reach)."""
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    session = cpu_session(onnx_path)
     longest = " ".join(["embedding"] * max_tokens)  # at least one token a word: truncated at max_tokens
     encodings = tokenizer.encode_batch([*VERIFICATION_SENTENCES, longest])
     input_ids = np.array([e.ids for e in encodings], dtype=np.int64)
@@ -740,9 +740,7 @@ def _verify_scores(torch, model, tokenizer, onnx_path: Path, max_tokens: int) ->
     """The largest difference between ONNX Runtime's scores (padded batch and one by one) and
     PyTorch's (one by one, unpadded), relative where a score is above 1 in size, on pairs of many
     lengths up to the truncation length."""
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    session = cpu_session(onnx_path)
     longest = " ".join(["embedding"] * max_tokens)
     documents = [*VERIFICATION_SENTENCES, longest]
     pairs = [(query, document) for query in VERIFICATION_QUERIES for document in documents]

@@ -25,6 +25,7 @@ from embeddings.services.inference.exports import (
     file_sha256,
 )
 from embeddings.tooling.calibration_corpus import HELD_OUT_CORPUS, read_corpus
+from embeddings.tooling.export_threads import cpu_session
 from embeddings.tooling.model_configs import EMBEDDING_OUTPUT
 from embeddings.tooling.model_float16 import float16_graph_write
 from embeddings.tooling.model_int8 import int8_graph_write
@@ -134,9 +135,7 @@ def recall_at_k(reference: np.ndarray, vectors: np.ndarray, k: int) -> float:
 def embed_corpus(model_path: Path, tokenizer, texts: list[str], *, batch: int = BATCH) -> np.ndarray:
     """An embedding graph's vectors of `texts` (float32 [texts, dims], in their order), as served:
     the exported tokenizer's truncation and right padding, texts of like length batched together."""
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    session = cpu_session(model_path)
     # Real lengths (all are padded to the longest here); each batch is padded on its own below.
     lengths = [sum(encoding.attention_mask) for encoding in tokenizer.encode_batch(texts)]
     order = sorted(range(len(texts)), key=lengths.__getitem__)
