@@ -81,7 +81,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Exports, here and in the commands tests start, on one thread (embeddings/tooling/export_threads.py).
+    # Exports (here and in the commands tests start) and the tests' ONNX Runtime references, which
+    # open their sessions as exports do, on one thread (embeddings/tooling/export_threads.py).
     os.environ.setdefault(EXPORT_THREADS_VARIABLE, "1")
     settings.PASSWORD_HASHERS = [f"{__name__}.QuickPBKDF2PasswordHasher", *settings.PASSWORD_HASHERS]
     share_verifying_ssl_contexts()

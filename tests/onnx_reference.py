@@ -11,6 +11,8 @@ import onnxruntime as ort
 from django.conf import settings
 from tokenizers import Tokenizer
 
+from embeddings.tooling.export_threads import cpu_session
+
 CLS, SEP = 101, 102
 # Texts the GPU backends are checked on: short, ASCII, non-ASCII, and over a hundred tokens.
 MIXED_TEXTS = [
@@ -27,7 +29,7 @@ def served_version_dir() -> Path:
 
 @cache
 def _session(model_path: str) -> ort.InferenceSession:
-    return ort.InferenceSession(model_path, providers=["CPUExecutionProvider"])
+    return cpu_session(model_path)
 
 
 def reference_session() -> ort.InferenceSession:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import onnxruntime
 import pytest
 from google.protobuf import text_format
 
+from embeddings.tooling.export_threads import cpu_session
 from embeddings.tooling.triton_server import TritonServer, free_port
 from embeddings.triton.protocol import model_config_pb2
 from tests.conftest import require_exported_model
@@ -81,9 +81,7 @@ def test_the_cpu_config_runs_the_exported_graph_on_cpu() -> None:
 
 
 def test_both_configs_match_the_exported_model() -> None:
-    session = onnxruntime.InferenceSession(
-        str(require_exported_model(REPO_ROOT / "model_repository")), providers=["CPUExecutionProvider"]
-    )
+    session = cpu_session(require_exported_model(REPO_ROOT / "model_repository"))
     onnx_types = {"tensor(int64)": model_config_pb2.TYPE_INT64, "tensor(float)": model_config_pb2.TYPE_FP32}
     graph_inputs = {tensor.name: onnx_types[tensor.type] for tensor in session.get_inputs()}
     graph_outputs = {

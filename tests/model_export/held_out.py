@@ -7,17 +7,15 @@ from pathlib import Path
 import numpy as np
 
 from embeddings.tooling.calibration_corpus import HELD_OUT_CORPUS, read_corpus
+from embeddings.tooling.export_threads import cpu_session
 
 
 def held_out_vectors(version_dir: Path) -> np.ndarray:
     """The exported graph on the held-out texts one at a time (no padding), as its tokenizer reads them."""
-    import onnxruntime
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(version_dir / "tokenizer.json"))
-    session = onnxruntime.InferenceSession(
-        str(version_dir / "model.onnx"), providers=["CPUExecutionProvider"]
-    )
+    session = cpu_session(version_dir / "model.onnx")
     rows = []
     for text in read_corpus(HELD_OUT_CORPUS):
         ids = np.array([tokenizer.encode(text).ids], dtype=np.int64)

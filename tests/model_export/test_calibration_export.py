@@ -21,6 +21,7 @@ from embeddings.services.inference.quantization import (
     quantized,
 )
 from embeddings.tooling.calibration_corpus import CALIBRATION_CORPUS, HELD_OUT_CORPUS, read_corpus
+from embeddings.tooling.export_threads import cpu_session
 from embeddings.tooling.model_export import model_export
 from tests.tiny_models import build_tiny_bert
 
@@ -46,13 +47,10 @@ def re_embedded(exported: Path) -> np.ndarray:
 
 def embedded_one_by_one(version_dir: Path, texts: list[str]) -> np.ndarray:
     """The exported graph on each text alone (no padding), tokenised by the exported tokenizer."""
-    import onnxruntime
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(version_dir / "tokenizer.json"))
-    session = onnxruntime.InferenceSession(
-        str(version_dir / "model.onnx"), providers=["CPUExecutionProvider"]
-    )
+    session = cpu_session(version_dir / "model.onnx")
     rows = []
     for text in texts:
         ids = np.array([tokenizer.encode(text).ids], dtype=np.int64)

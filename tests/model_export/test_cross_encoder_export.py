@@ -17,6 +17,7 @@ import pytest
 from django.core.management import CommandError, call_command
 from google.protobuf import text_format
 
+from embeddings.tooling.export_threads import cpu_session
 from embeddings.tooling.model_export import MAX_SCORE_DIFFERENCE, SUPPORTED_MODEL_TYPES, model_export
 from embeddings.triton.protocol import model_config_pb2
 from tests.tiny_models import build_tiny_bert, score_with_torch
@@ -36,7 +37,6 @@ DOCUMENTS = [
 def onnx_scores(version_dir: Path, query: str, documents: list[str]) -> tuple[np.ndarray, dict]:
     """The exported graph on one right-padded batch of pairs, as the exported tokenizer pairs them
     (the document truncated to fit), fed the inputs export.json lists."""
-    import onnxruntime
     from tokenizers import Tokenizer
 
     info = json.loads((version_dir / "export.json").read_text())
@@ -48,9 +48,7 @@ def onnx_scores(version_dir: Path, query: str, documents: list[str]) -> tuple[np
         "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
         "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
     }
-    session = onnxruntime.InferenceSession(
-        str(version_dir / "model.onnx"), providers=["CPUExecutionProvider"]
-    )
+    session = cpu_session(version_dir / "model.onnx")
     assert [tensor.name for tensor in session.get_inputs()] == info["inputs"]
     (scores,) = session.run(["score"], {name: arrays[name] for name in info["inputs"]})
     return scores, arrays
@@ -86,11 +84,8 @@ def test_a_bert_cross_encoder_reads_the_pairs_token_types(tmp_path):
     scores, arrays = onnx_scores(version_dir, QUERY, DOCUMENTS[1:3])
     assert set(arrays["token_type_ids"][0].tolist()) == {0, 1}
     # The same ids read as one segment score otherwise: the graph uses the types it is given.
-    import onnxruntime
 
-    session = onnxruntime.InferenceSession(
-        str(version_dir / "model.onnx"), providers=["CPUExecutionProvider"]
-    )
+    session = cpu_session(version_dir / "model.onnx")
     flat = dict(arrays, token_type_ids=np.zeros_like(arrays["token_type_ids"]))
     (untyped,) = session.run(["score"], flat)
     assert np.abs(untyped - scores).max() > 1e-4

@@ -15,6 +15,7 @@ from django.core.management import CommandError, call_command
 from embeddings.management.commands.export_model import default_source_dir
 from embeddings.services.inference.exports import ModelExportError, ModelExportMismatch, model_export_info
 from embeddings.tooling.calibration_corpus import CALIBRATION_CORPUS
+from embeddings.tooling.export_threads import cpu_session
 from embeddings.tooling.model_export import model_export, model_export_outdated
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,9 +86,8 @@ def _torch_embeddings(pooling: str, input_ids: np.ndarray, attention_mask: np.nd
 
 
 def _onnx_embeddings(model_path: Path, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-    import onnxruntime
 
-    session = onnxruntime.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    session = cpu_session(model_path)
     (embedding,) = session.run(["embedding"], {"input_ids": input_ids, "attention_mask": attention_mask})
     return embedding
 

@@ -15,6 +15,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from embeddings.services.inference.exports import file_sha256, model_export_versions
+from embeddings.tooling.export_threads import cpu_session
 from embeddings.tooling.model_export import model_export
 from embeddings.tooling.model_int8 import float32_matmuls
 from embeddings.tooling.model_variants import recall_at_k
@@ -111,9 +112,8 @@ def test_triton_serves_the_int8_version_with_the_cpu_config_as_written(repositor
             served = client.embed_tokens("tiny", input_ids, attention_mask)
     finally:
         server.stop()
-    import onnxruntime
 
-    session = onnxruntime.InferenceSession(str(int8 / "model.onnx"), providers=["CPUExecutionProvider"])
+    session = cpu_session(int8 / "model.onnx")
     direct = session.run(["embedding"], {"input_ids": input_ids, "attention_mask": attention_mask})[0]
     np.testing.assert_allclose(served, direct, atol=1e-6)
     assert np.allclose(np.linalg.norm(served, axis=1), 1.0, atol=1e-5)

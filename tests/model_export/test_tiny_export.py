@@ -21,6 +21,7 @@ from embeddings.services.inference.exports import (
     model_export_path,
     model_export_versions,
 )
+from embeddings.tooling.export_threads import cpu_session
 from embeddings.tooling.model_export import SUPPORTED_MODEL_TYPES, model_export
 from embeddings.triton.protocol import model_config_pb2
 from tests.onnx_reference import row_cosines
@@ -53,15 +54,12 @@ def other_tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def served_vectors(version_dir: Path, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """The exported graph on one right-padded batch, tokenised by the exported tokenizer.json."""
-    import onnxruntime
     from tokenizers import Tokenizer
 
     encodings = Tokenizer.from_file(str(version_dir / "tokenizer.json")).encode_batch(texts)
     input_ids = np.array([encoding.ids for encoding in encodings], dtype=np.int64)
     attention_mask = np.array([encoding.attention_mask for encoding in encodings], dtype=np.int64)
-    session = onnxruntime.InferenceSession(
-        str(version_dir / "model.onnx"), providers=["CPUExecutionProvider"]
-    )
+    session = cpu_session(version_dir / "model.onnx")
     (vectors,) = session.run(["embedding"], {"input_ids": input_ids, "attention_mask": attention_mask})
     return vectors, attention_mask
 

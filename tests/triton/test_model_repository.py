@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from django.conf import settings
 
+from embeddings.tooling.export_threads import cpu_session
 from tests.triton.statistics import settled
 
 SENTENCES = [
@@ -109,9 +110,8 @@ def tokenizer(version_dir):
 
 @pytest.fixture(scope="module")
 def onnx_session(version_dir):
-    import onnxruntime
 
-    return onnxruntime.InferenceSession(str(version_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    return cpu_session(version_dir / "model.onnx")
 
 
 def _encode(tokenizer, sentences: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnxruntime
 import pytest
 import torch
 
 from embeddings.in_triton.backends.embedsite_torch import encoder as encoder_module
 from embeddings.in_triton.backends.embedsite_torch.encoder import EncoderLoadError, load_encoder
 from embeddings.tokenization import TextTokenizer, TokenizedBatch
+from embeddings.tooling.export_threads import cpu_session
 from embeddings.tooling.model_configs import model_config_texts
 from embeddings.tooling.model_export import model_export
 from embeddings.triton.client import AsyncTritonClient
@@ -233,9 +233,7 @@ def tokenized_pairs(export: CrossEncoderExport) -> TokenizedBatch:
 
 
 def onnx_runtime_scores(export: CrossEncoderExport, batch: TokenizedBatch, token_type_ids=None) -> np.ndarray:
-    session = onnxruntime.InferenceSession(
-        str(export.version_dir / "model.onnx"), providers=["CPUExecutionProvider"]
-    )
+    session = cpu_session(export.version_dir / "model.onnx")
     inputs = {
         "input_ids": batch.input_ids,
         "attention_mask": batch.attention_mask,
