@@ -20,7 +20,7 @@ import pytest
 from django.conf import settings
 from django.contrib.auth.hashers import PBKDF2PasswordHasher
 
-from embeddings.tooling.export_threads import EXPORT_THREADS_VARIABLE
+from embeddings.tooling.export_threads import EXPORT_THREADS_VARIABLE, limit_torch_threads
 from embeddings.tooling.local_redis import RedisServer
 from embeddings.tooling.triton_server import TritonServer, free_port
 from tests.database_backend import flush_restoring_content_types, is_postgresql, run_databases
@@ -70,14 +70,13 @@ def _sharing_the_default(create_ssl_context):
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """PyTorch in the test processes (the exports' checks against PyTorch, the tests' references) on
-    one thread once it is imported: its OpenMP threads spin while they wait for each other, and beside
-    the other workers on two cores that cost the export tests a fifth of their CPU (208 CPU-s against
-    169 for tests/model_export with the torch backend's tests, three workers). Only this process: the
-    servers and Triton that tests start keep their own settings (exports excepted: EXPORT_THREADS,
-    set in pytest_configure)."""
+    EXPORT_THREADS threads, one here (pytest_configure), once it is imported: its OpenMP threads spin
+    while they wait for each other, and beside the other workers on two cores that cost the export
+    tests a fifth of their CPU (208 CPU-s against 169 for tests/model_export with the torch backend's
+    tests, three workers). Servers and Triton that tests start keep their own settings."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.get_num_threads() != 1:
-        torch.set_num_threads(1)
+    if torch is not None:
+        limit_torch_threads(torch)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -44,5 +44,5 @@ def cpu_session(model_path: Path):
 def limit_torch_threads(torch) -> None:
     """PyTorch's intra-op threads for this process at EXPORT_THREADS, when it names a number."""
     threads = export_threads()
-    if threads:
+    if threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

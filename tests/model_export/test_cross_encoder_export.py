@@ -84,7 +84,6 @@ def test_a_bert_cross_encoder_reads_the_pairs_token_types(tmp_path):
     scores, arrays = onnx_scores(version_dir, QUERY, DOCUMENTS[1:3])
     assert set(arrays["token_type_ids"][0].tolist()) == {0, 1}
     # The same ids read as one segment score otherwise: the graph uses the types it is given.
-
     session = cpu_session(version_dir / "model.onnx")
     flat = dict(arrays, token_type_ids=np.zeros_like(arrays["token_type_ids"]))
     (untyped,) = session.run(["score"], flat)

@@ -86,7 +86,6 @@ def _torch_embeddings(pooling: str, input_ids: np.ndarray, attention_mask: np.nd
 
 
 def _onnx_embeddings(model_path: Path, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-
     session = cpu_session(model_path)
     (embedding,) = session.run(["embedding"], {"input_ids": input_ids, "attention_mask": attention_mask})
     return embedding

@@ -110,7 +110,6 @@ def tokenizer(version_dir):
 
 @pytest.fixture(scope="module")
 def onnx_session(version_dir):
-
     return cpu_session(version_dir / "model.onnx")
 
 
