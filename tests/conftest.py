@@ -100,6 +100,9 @@ def require_exported_model(repository: Path, name: str = "minilm") -> Path:
 
 
 def start_triton(run_dir: Path, repositories: list[Path], *, name: str = "triton", **options) -> TritonServer:
+    """A Triton on free ports, ready. A teardown with nothing left to check ends it with
+    `stop(timeout_s=0)`: killed at once, not the 3-10 s graceful unload that
+    tests/triton/test_server_process_group.py and the runstack tests check."""
     server = TritonServer(
         model_repositories=repositories,
         run_dir=run_dir,
@@ -151,7 +154,7 @@ def triton_server(
         return
     server = start_triton(tmp_path_factory.mktemp("triton"), session_triton_repositories())
     yield server
-    server.stop()
+    server.stop(timeout_s=0)
 
 
 @pytest.fixture(scope="session")
@@ -161,7 +164,7 @@ def second_triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[T
         tmp_path_factory.mktemp("replica"), [Path(settings.TRITON_MODEL_REPOSITORY)], name="replica"
     )
     yield server
-    server.stop()
+    server.stop(timeout_s=0)
 
 
 def write_finished_export(
@@ -245,7 +248,7 @@ def explicit_triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator
         tmp_path_factory.mktemp("explicit_triton"), [repository], model_control_mode="explicit"
     )
     yield ExplicitTriton(server, repository)
-    server.stop()
+    server.stop(timeout_s=0)
 
 
 @pytest.fixture

@@ -164,20 +164,22 @@ def _wait_until_group_ends(pgid: int, deadline: float) -> bool:
 
 def end_process_group(process: subprocess.Popen, *, timeout_s: float, kill_timeout_s: float = 5.0) -> None:
     """End the process group `process` leads (started with start_new_session=True): SIGTERM to the
-    group, up to timeout_s for the leader and every member to exit, then SIGKILL to the group.
+    group, up to timeout_s for the leader and every member to exit, then SIGKILL to the group (at
+    once when timeout_s is 0).
 
     Works when the leader has died already: its group lives on while any member does, and Linux does
     not hand its number to a new process meanwhile. Regions of /dev/shm that members killed by
     SIGKILL could not remove are removed here (only those the group's own processes had mapped).
     """
     pgid = process.pid
-    _signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    # Reaping the leader matters: its stubs take a zombie for a live parent and wait on it forever.
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=timeout_s)
-    if _wait_until_group_ends(pgid, deadline):
-        return
+    if timeout_s > 0:
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        # Reaping the leader matters: its stubs take a zombie for a live parent and wait on it forever.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=timeout_s)
+        if _wait_until_group_ends(pgid, deadline):
+            return
     regions = shared_memory_regions([pgid, *process_group_members(pgid)])
     _signal_group(pgid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -224,7 +226,9 @@ class TritonProcessGroup:
         """End the group (see end_process_group); returns once it is over, whoever began it."""
         with self._lock:
             if not self._ended:
-                end_process_group(self.process, timeout_s=timeout_s or self.stop_timeout_s)
+                end_process_group(
+                    self.process, timeout_s=self.stop_timeout_s if timeout_s is None else timeout_s
+                )
                 self._ended = True
 
     def _end_when_leader_exits(self) -> None:
@@ -425,7 +429,9 @@ class TritonServer:
 
     def stop(self, timeout_s: float | None = None) -> None:
         """End Triton's whole process group (its backend stubs too), whether tritonserver is still
-        running or has died; return once none of it is left."""
+        running or has died; return once none of it is left. timeout_s (default stop_timeout_s) is
+        how long the group gets after SIGTERM; 0 kills it at once (no graceful unload: Triton takes
+        3-10 s to unload its models one poll a second), for a caller with nothing in flight."""
         group, self._group, self.process = self._group, None, None
         if group is not None:
             group.end(timeout_s)

@@ -45,7 +45,7 @@ def triton_reading(config_text: str, config_name: str, tmp_path: Path) -> str:
         # It exits by itself once the model fails to load (--exit-on-error).
         server.process.wait(timeout=120)
     finally:
-        server.stop()
+        server.stop(timeout_s=0)
     return (tmp_path / "triton.log").read_text(errors="replace")
 
 

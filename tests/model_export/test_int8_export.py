@@ -111,7 +111,7 @@ def test_triton_serves_the_int8_version_with_the_cpu_config_as_written(repositor
             assert client.model_ready("tiny", "2") and not client.model_ready("tiny", "1")
             served = client.embed_tokens("tiny", input_ids, attention_mask)
     finally:
-        server.stop()
+        server.stop(timeout_s=0)
 
     session = cpu_session(int8 / "model.onnx")
     direct = session.run(["embedding"], {"input_ids": input_ids, "attention_mask": attention_mask})[0]

@@ -163,4 +163,4 @@ def test_triton_warns_about_a_model_that_is_not_the_export_and_still_serves_it(t
         log = server.log_path.read_text(errors="replace")
         assert f"export.json records {'0' * 64}: this is not the exported model" in log
     finally:
-        server.stop()
+        server.stop(timeout_s=0)

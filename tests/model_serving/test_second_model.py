@@ -80,7 +80,7 @@ def explicit_triton(repository, tmp_path_factory):
         startup_models=["minilm"],
     )
     yield server
-    server.stop()
+    server.stop(timeout_s=0)
 
 
 @pytest.fixture(scope="module")

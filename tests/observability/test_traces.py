@@ -57,7 +57,7 @@ def traced_triton(receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFacto
         extra_args=[f"--trace-config={setting}" for setting in tracing],
     )
     yield server
-    server.stop()
+    server.stop(timeout_s=0)
 
 
 @pytest.fixture(scope="module")

@@ -134,7 +134,7 @@ def test_triton_killed_under_load(tmp_path, own_redis):
     finally:
         if api is not None:
             api.stop()
-        triton.stop()  # its whole process group: no backend stub of the killed one is left either
+        triton.stop(timeout_s=0)  # its whole process group: no backend stub of the killed one is left either
 
 
 def test_redis_killed_under_load(tmp_path, own_redis, triton_server):

@@ -178,7 +178,7 @@ def test_triton_killed_mid_call_raises_within_the_deadline(tmp_path, settings):
         # however slow this machine is (on a quiet one, in well under a second).
         assert raised_at - killed_at[0] <= settings.TRITON_TIMEOUT_S, raised_at - killed_at[0]
     finally:
-        server.stop()
+        server.stop(timeout_s=0)
         reset_clients()
 
 

@@ -333,7 +333,7 @@ async def test_triton_killed_mid_call_fails_fast_with_a_clear_error(tmp_path):
         await async_client.close()
         sync_client.close()
     finally:
-        server.stop()
+        server.stop(timeout_s=0)
 
 
 async def test_texts_reach_a_bytes_model_byte_for_byte(triton_server):

@@ -118,7 +118,7 @@ def engines_triton(tmp_path_factory):
         startup_models=["bucketed"],
     )
     yield server
-    server.stop()
+    server.stop(timeout_s=0)
 
 
 def test_the_cpu_provider_with_buckets_serves_what_it_serves_unbucketed(engines_triton, minilm_ids):

@@ -67,7 +67,7 @@ def explicit_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Triton
         run_dir, [repository], name="explicit", model_control_mode="explicit", startup_models=["bytes_length"]
     )
     yield server
-    server.stop()
+    server.stop(timeout_s=0)
 
 
 @pytest.fixture

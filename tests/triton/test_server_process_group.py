@@ -69,12 +69,15 @@ def shipped_repository() -> Path:
     return repository
 
 
-def test_a_normal_stop_leaves_no_process_and_no_shared_memory(tmp_path, shipped_repository):
+@pytest.mark.parametrize("timeout_s", [None, 0], ids=["graceful", "at-once"])
+def test_a_normal_stop_leaves_no_process_and_no_shared_memory(tmp_path, shipped_repository, timeout_s):
+    """Graceful (Triton unloads its models, its stubs remove their regions) or at once (SIGKILL, as
+    the tests' teardowns stop theirs: the regions are removed for the stubs)."""
     server = start_triton(tmp_path, [shipped_repository])
     try:
         pgid, _, regions = running(server)
     finally:
-        server.stop()
+        server.stop(timeout_s=timeout_s)
     assert server.process is None
     assert_nothing_left(pgid, regions)
 

@@ -361,7 +361,7 @@ def torch_cpu_triton(tmp_path_factory, cross_encoder, int8_export):
         stop_timeout_s=5,
     )
     yield server
-    server.stop()
+    server.stop(timeout_s=0)
 
 
 def test_triton_serves_the_torch_backend_from_the_named_config(torch_cpu_triton, minilm_ids):
