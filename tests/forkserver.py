@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import importlib
 import io
 import json
@@ -192,6 +193,10 @@ def main() -> None:
     # process; the server ends when the test process's end of the connection closes instead.
     connection = socket.socket(fileno=int(sys.argv[1]))
     _preload()
+    # What the children inherit goes to the collector's permanent generation: each child's full
+    # collections traversed all of it again (a quarter of the CPU of the processes tests start,
+    # perf over a PostgreSQL pass), and touching it copied the shared pages.
+    gc.freeze()
     sys.stdout.flush()
     request, fds = _serve(connection)
     _become(request, fds)

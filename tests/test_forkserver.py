@@ -107,6 +107,19 @@ def test_a_script_and_a_module_run_as_main(server, tmp_path):
     assert process.wait(timeout=60) == 0
 
 
+def test_what_a_child_inherits_is_frozen_and_it_collects_its_own_garbage(server):
+    """The preloaded modules are in the collector's permanent generation (a child's full
+    collections skip them); the child's collector runs, on what it makes itself."""
+    script = (
+        "import gc, numpy\n"
+        "class Cycle: pass\n"
+        "a, b = Cycle(), Cycle(); a.other, b.other = b, a; del a, b\n"
+        "print(gc.get_freeze_count() > 10_000, gc.isenabled(), gc.collect() >= 2)"
+    )
+    process = server.start(["-c", script], env=environment(), stdout=subprocess.PIPE, text=True)
+    assert process.communicate(timeout=60)[0].split() == ["True", "True", "True"]
+
+
 def test_wait_times_out_and_a_signal_ends_it(server):
     process = server.start(["-c", "import time; time.sleep(600)"], env=environment())
     with pytest.raises(subprocess.TimeoutExpired):
