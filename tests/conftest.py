@@ -3,6 +3,7 @@ two tenants (`two_tenants`) that isolation tests build on."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
@@ -571,3 +572,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not item.get_closest_marker("unit") and _needs_no_server(item):
             item.add_marker(pytest.mark.unit)
     items.sort(key=_longest_first)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported and built stays for the whole run: into the collector's permanent
+    generation, so that each full collection no longer traverses it (a tenth of the pytest
+    processes' CPU went to the collector, perf over a PostgreSQL pass)."""
+    gc.freeze()
