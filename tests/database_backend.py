@@ -334,12 +334,15 @@ def flush_restoring_content_types() -> None:
     the content types and permissions again, querying every installed app's: 25 s of the pytest
     processes' time a PostgreSQL pass. Here the first flush of each database runs as Django's, and
     its content types and permissions are kept; every later flush skips the signal and puts those
-    rows back as they were, two INSERTs. Tests that set `available_apps` or a serialized rollback
-    keep Django's own teardown."""
+    rows back as they were, two INSERTs. On PostgreSQL those later flushes DELETE every table's rows
+    (constraints deferred to the commit, as Django makes its foreign keys) rather than TRUNCATE
+    them: a TRUNCATE gives each table and index new files, 120 ms for the emptied test database
+    against 2 ms; the sequences are not reset either way. Tests that set `available_apps` or a
+    serialized rollback keep Django's own teardown."""
     from django.contrib.auth.models import Permission
     from django.contrib.contenttypes.models import ContentType
     from django.core.management import call_command
-    from django.db import connections
+    from django.db import connections, transaction
     from django.test import testcases
 
     djangos_teardown = testcases.TransactionTestCase._fixture_teardown
@@ -355,14 +358,25 @@ def flush_restoring_content_types() -> None:
                 call_command("flush", verbosity=0, interactive=False, database=alias, reset_sequences=False)
                 made[key] = (list(ContentType.objects.using(alias)), list(Permission.objects.using(alias)))
                 continue
-            call_command(
-                "flush", verbosity=0, interactive=False, database=alias, reset_sequences=False,
-                inhibit_post_migrate=True,
-            )  # fmt: skip
+            empty_every_table(alias)
             content_types, permissions = made[key]
             ContentType.objects.using(alias).bulk_create(content_types)
             Permission.objects.using(alias).bulk_create(permissions)
             ContentType.objects.clear_cache()
+
+    def empty_every_table(alias: str) -> None:
+        connection = connections[alias]
+        if connection.vendor != "postgresql":
+            call_command(
+                "flush", verbosity=0, interactive=False, database=alias, reset_sequences=False,
+                inhibit_post_migrate=True,
+            )  # fmt: skip
+            return
+        tables = connection.introspection.django_table_names(only_existing=True, include_views=False)
+        with transaction.atomic(using=alias), connection.cursor() as cursor:
+            cursor.execute("SET CONSTRAINTS ALL DEFERRED")
+            for table in tables:
+                cursor.execute(f"DELETE FROM {connection.ops.quote_name(table)}")
 
     testcases.TransactionTestCase._fixture_teardown = _fixture_teardown
 
