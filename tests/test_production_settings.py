@@ -8,7 +8,6 @@ import os
 import re
 import secrets
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import httpx2
 import pytest
 
 from tests.api.conftest import LiveServer, live_uvicorn
-from tests.processes import REPO_ROOT
+from tests.processes import REPO_ROOT, run_python
 
 PRODUCTION_BLOCK = re.compile(r"<!-- production-environment -->\s*```sh\n(.*?)```", re.DOTALL)
 PUBLIC_HOST = "embeddings.example.com"
@@ -48,10 +47,7 @@ def production_environment(tmp_path: Path) -> dict[str, str]:
 
 
 def check_deploy(environment: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
-        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    return run_python(["manage.py", "check", "--deploy", "--fail-level", "WARNING"], environment)
 
 
 def test_the_documented_environment_names_the_https_settings():
