@@ -6,6 +6,9 @@ import sys
 
 
 def main() -> None:
+    from embedsite import process_start
+
+    process_start.begin()  # Django's set-up resumes the collector (embedsite/process_start.py)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
     from django.core.management import execute_from_command_line
 

@@ -6,3 +6,8 @@ from django.apps import AppConfig
 class EmbeddingsConfig(AppConfig):
     name = "embeddings"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from embedsite import process_start
+
+        process_start.end()  # Django is set up: what start-up built is frozen, collecting resumes

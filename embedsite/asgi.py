@@ -9,13 +9,18 @@ import asyncio
 import contextlib
 import os
 
-from django.conf import settings
-from django.core.asgi import get_asgi_application
+from embedsite import process_start
+
+process_start.begin()  # resumed once the application is built, below (embedsite/process_start.py)
+
+from django.conf import settings  # noqa: E402
+from django.core.asgi import get_asgi_application  # noqa: E402
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "embedsite.settings")
 
 # Django must be set up before anything imports models.
 get_asgi_application()
+process_start.begin()  # Django's set-up resumed the collector; what follows is start-up too
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path, re_path  # noqa: E402
@@ -71,3 +76,4 @@ application = ProtocolTypeRouter(
         "lifespan": metrics.lifespan,
     }
 )
+process_start.end()
