@@ -140,9 +140,10 @@ bench-gpu: setup
 	$(PY) bench/gpu.py $(BENCH_ARGS)
 
 SETUP_STEPS := .run/.system-packages .run/secret_key $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) \
-	.run/.migrated .run/.collected-static $(COMPOSE)
+	.run/.migrated .run/.registered .run/.collected-static $(COMPOSE)
 # The steps side by side where their prerequisites allow: on a fresh machine apt downloads and
-# installs the system packages while pip installs, and the model export runs beside collectstatic.
+# installs the system packages while pip installs, and the model export runs beside collectstatic and
+# the migrations.
 setup:
 	@$(MAKE) --no-print-directory -j 3 setup-steps
 setup-steps: $(SETUP_STEPS)
@@ -191,9 +192,13 @@ $(MODEL_ONNX): $(VENV)/.installed embeddings/tooling/model_export.py embeddings/
 	HF_HUB_OFFLINE=1 $(PY) manage.py export_model --if-missing --version 1
 	touch $@
 
-.run/.migrated: $(VENV)/.installed $(PROTOCOL) $(MODEL_ONNX) $(wildcard embeddings/migrations/*.py) | .run/secret_key
+# Migrations run beside the model export; registering the local model reads its export.json.
+.run/.migrated: $(VENV)/.installed $(PROTOCOL) $(wildcard embeddings/migrations/*.py) | .run/secret_key
 	mkdir -p .run
 	$(PY) manage.py migrate --noinput
+	touch $@
+
+.run/.registered: .run/.migrated $(MODEL_ONNX) | .run/secret_key
 	$(PY) manage.py register_local_model
 	touch $@
 

@@ -317,7 +317,7 @@ def test_setup_writes_a_private_random_key_once_and_settings_read_it(project_cop
 
 
 def test_make_setup_creates_the_key_before_any_manage_py_command():
-    """Every setup step that runs manage.py (export, migrate) waits for the secret key."""
+    """Every setup step that runs manage.py (export, migrate, register) waits for the secret key."""
     plan = subprocess.run(
         ["make", "-f", str(REPO_ROOT / "Makefile"), "-p", "-n", "--no-print-directory", "-q", "setup-steps"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
@@ -325,7 +325,8 @@ def test_make_setup_creates_the_key_before_any_manage_py_command():
     rules = {
         line.split(":", 1)[0]: line for line in plan.splitlines() if ":" in line and not line.startswith("#")
     }
-    for target in ("setup-steps", ".run/.migrated", "model_repository/minilm/1/model.onnx"):
+    manage_py_steps = (".run/.migrated", ".run/.registered", "model_repository/minilm/1/model.onnx")
+    for target in ("setup-steps", *manage_py_steps):
         assert ".run/secret_key" in rules[target], rules[target]
 
 
