@@ -13,9 +13,12 @@ What differs from a fresh interpreter: the preloaded modules were imported befor
 environment was set (so none that reads it at import is preloaded: prometheus_client reads
 PROMETHEUS_MULTIPROC_DIR, DRF reads Django's settings), interpreter flags are the server's, and the
 child's parent is the server, not the test. A process whose environment gives Python other start-up
-settings (PYTHONPATH with a sitecustomize, for one) gets a fresh interpreter. Tests about how the
-service starts (`manage.py serve`'s signals, runstack, what Chromium draws of `make run`'s server,
-the multi-host run) start real interpreters; `EMBEDSITE_TEST_FORKSERVER=0` makes every test do so.
+settings gets a fresh interpreter; PYTHONPATH alone is given to a forked child's sys.path as Python
+would place it, unless one of its directories holds a sitecustomize or usercustomize (which run only
+at an interpreter's start) or a module the server has imported from elsewhere (the child would keep
+the server's). Tests about how the service starts (`manage.py serve`'s signals, runstack, what
+Chromium draws of `make run`'s server, the multi-host run) start real interpreters;
+`EMBEDSITE_TEST_FORKSERVER=0` makes every test do so.
 
 Protocol: one SOCK_SEQPACKET message a request, JSON, descriptors alongside (SCM_RIGHTS); one
 message a reply. The server reaps its children and keeps their exit status for `poll`.
@@ -87,9 +90,35 @@ def enabled() -> bool:
 
 
 def interpreter_settings(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables Python reads as it starts (PYTHONPATH's sitecustomize, PYTHONHASHSEED, ...): a
-    forked child has the server's, so a process given others needs a fresh interpreter."""
+    """The variables Python reads as it starts (PYTHONPATH, PYTHONHASHSEED, ...): a forked child has
+    the server's, so a process given others needs a fresh interpreter (PYTHONPATH alone: see
+    ForkServer.can_start)."""
     return {key: value for key, value in env.items() if key.startswith("PYTHON")}
+
+
+# Modules Python imports from sys.path as it starts, so only a fresh interpreter runs them.
+START_UP_MODULES = ("sitecustomize", "usercustomize")
+
+
+def _top_level_names(directory: str) -> set[str]:
+    """The names `import NAME` could find in `directory`: modules, extensions and packages."""
+    return {entry.name.split(".", 1)[0] for entry in os.scandir(directory)}
+
+
+def _imported_from() -> dict[str, list[str]]:
+    """Each top-level module this process has imported: the directories it was found in (none for a
+    built-in or frozen module, which sys.path cannot shadow)."""
+    found: dict[str, list[str]] = {}
+    for name, module in list(sys.modules.items()):
+        if "." in name or module is None:
+            continue
+        if getattr(module, "__path__", None) is not None:
+            found[name] = sorted({os.path.dirname(os.path.realpath(path)) for path in module.__path__})
+        elif getattr(module, "__file__", None):
+            found[name] = [os.path.dirname(os.path.realpath(module.__file__))]
+        else:
+            found[name] = []
+    return found
 
 
 # --- The server ------------------------------------------------------------------------------------
@@ -132,6 +161,9 @@ def _serve(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
         if not message:
             sys.exit(0)  # the test process has gone
         request = json.loads(message)
+        if request["op"] == "modules":
+            connection.send(json.dumps(_imported_from()).encode())
+            continue
         if request["op"] == "poll":
             reap()
             connection.send(json.dumps({"returncode": exited.get(request["pid"])}).encode())
@@ -168,6 +200,7 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    sys.path[1:1] = request["python_path"]  # where Python puts PYTHONPATH: after the script's directory
 
 
 def _run(args: list[str]) -> None:
@@ -295,6 +328,7 @@ class ForkServer:
         self.interpreter_settings = interpreter_settings(env)
         self._connection = ours
         self._lock = threading.Lock()
+        self._imported: dict[str, list[str]] | None = None  # _imported_from() of the server, once asked
 
     def _ask(self, request: dict[str, Any], fds: Sequence[int] = ()) -> dict[str, Any]:
         message = json.dumps(request).encode()
@@ -310,8 +344,27 @@ class ForkServer:
         return self._ask({"op": "poll", "pid": pid})["returncode"]
 
     def can_start(self, env: Mapping[str, str]) -> bool:
-        """Whether a child with `env` starts as a fresh interpreter given `env` would."""
-        return interpreter_settings(env) == self.interpreter_settings
+        """Whether a child with `env` starts as a fresh interpreter given `env` would: the same start-up
+        settings as the server's, or PYTHONPATH besides (the server having none) whose directories
+        hold no start-up module and none the server imported from another place."""
+        settings = interpreter_settings(env)
+        if settings == self.interpreter_settings:
+            return True
+        python_path = settings.pop("PYTHONPATH", None)
+        if python_path is None or settings != self.interpreter_settings:
+            return False
+        if self._imported is None:
+            self._imported = self._ask({"op": "modules"})
+        for entry in python_path.split(os.pathsep):
+            if not os.path.isabs(entry) or not os.path.isdir(entry):
+                return False
+            names = _top_level_names(entry)
+            if names.intersection(START_UP_MODULES):
+                return False
+            place = os.path.realpath(entry)
+            if any(self._imported[name] not in ([], [place]) for name in names.intersection(self._imported)):
+                return False
+        return True
 
     def start(
         self,
@@ -330,6 +383,11 @@ class ForkServer:
         """`subprocess.Popen([sys.executable, *args], ...)`, forked from the server."""
         env = os.environ if env is None else env
         assert self.can_start(env), "the child needs a fresh interpreter (interpreter_settings)"
+        # PYTHONPATH that the server lacks (can_start allowed it) goes into the child's sys.path.
+        python_path = (
+            [] if "PYTHONPATH" in self.interpreter_settings else env.get("PYTHONPATH", "").split(os.pathsep)
+        )
+        python_path = [entry for entry in python_path if entry]
         child_fds: list[int] = []
         ours: dict[str, IO | None] = {"stdin": None, "stdout": None, "stderr": None}
         try:
@@ -350,6 +408,7 @@ class ForkServer:
                     "args": list(args),
                     "env": dict(env),
                     "cwd": os.fspath(cwd or os.getcwd()),
+                    "python_path": python_path,
                     "fd_targets": [0, 1, 2, *pass_fds],
                     "new_session": start_new_session,
                     "sigint_default": sigint_default,

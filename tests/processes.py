@@ -81,13 +81,14 @@ def start_python(
 
 
 def run_python(
-    args: Sequence[str], env: dict[str, str], timeout_s: float = 120
+    args: Sequence[str], env: dict[str, str], timeout_s: float = 120, cwd: Path | str = REPO_ROOT
 ) -> subprocess.CompletedProcess:
-    """start_python(args), waited for: its status and what it wrote (text), as subprocess.run's
-    capture_output; SIGKILLed after timeout_s (subprocess.TimeoutExpired)."""
+    """start_python(args) in `cwd`, waited for: its status and what it wrote (text), as
+    subprocess.run's capture_output; SIGKILLed after timeout_s (subprocess.TimeoutExpired)."""
     process = start_python(
-        args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        args, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
     try:
         out, err = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

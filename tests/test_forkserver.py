@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from tests import forkserver
-from tests.processes import run_python, start_python
+from tests.processes import REPO_ROOT, run_python, start_python
 
 pytestmark = pytest.mark.unit
 
@@ -177,3 +177,39 @@ def test_a_process_given_other_start_up_settings_gets_a_fresh_interpreter(tmp_pa
     )
     assert isinstance(process, subprocess.Popen)
     assert process.communicate(timeout=60)[0].strip() == b"yes"
+
+
+SEARCH_PATH = "import json, sys, greeting; print(json.dumps([sys.path, greeting.__file__]))"
+
+
+def test_pythonpath_alone_is_forked_with_the_search_path_a_fresh_interpreter_has(tmp_path):
+    (tmp_path / "greeting.py").write_text("")
+    env = environment(PYTHONPATH=str(tmp_path))
+    assert forkserver.server().can_start(env)
+    forked = start_python(["-c", SEARCH_PATH], env=env, stdout=subprocess.PIPE, cwd=tmp_path)
+    assert isinstance(forked, forkserver.ForkedProcess)
+    fresh = start_python(
+        ["-c", SEARCH_PATH], env=env, stdout=subprocess.PIPE, cwd=tmp_path, fresh_interpreter=True
+    )
+    assert isinstance(fresh, subprocess.Popen)
+    assert json.loads(forked.communicate(timeout=60)[0]) == json.loads(fresh.communicate(timeout=60)[0])
+
+
+def test_pythonpath_shadowing_a_preloaded_module_gets_a_fresh_interpreter(tmp_path):
+    """A forked child would keep the server's numpy where a fresh Python imports this one."""
+    (tmp_path / "numpy.py").write_text("SHADOW = True")
+    env = environment(PYTHONPATH=str(tmp_path))
+    assert not forkserver.server().can_start(env)
+    process = start_python(
+        ["-c", "import numpy; print(numpy.SHADOW)"], env=env, stdout=subprocess.PIPE, cwd=tmp_path
+    )
+    assert isinstance(process, subprocess.Popen)
+    assert process.communicate(timeout=60)[0].strip() == b"True"
+
+
+def test_pythonpath_with_the_servers_own_directory_is_forked():
+    """The checkout on PYTHONPATH (tests/test_settings.py does that) holds the `tests` package the
+    server itself was imported from: the same module either way."""
+    env = environment(PYTHONPATH=str(REPO_ROOT))
+    assert forkserver.server().can_start(env)
+    assert not forkserver.server().can_start(environment(PYTHONPATH="relative/path"))

@@ -7,7 +7,6 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from embedsite.settings import (
     secret_weakness,
     triton_grpc_target,
 )
-from tests.processes import REPO_ROOT
+from tests.processes import REPO_ROOT, run_python
 
 
 @pytest.mark.parametrize(
@@ -183,21 +182,15 @@ def project_copy(tmp_path: Path) -> Path:
 def load_settings(
     project: Path, code: str = PRINT_SECRETS, **environment: str
 ) -> subprocess.CompletedProcess:
-    """`django.setup()` (then `code`) in a fresh interpreter with only `environment` as secret settings."""
+    """`django.setup()` (then `code`) in a Python of its own (forked: tests/forkserver.py gives it
+    PYTHONPATH as a fresh interpreter would have it) with only `environment` as secret settings."""
     env = {name: value for name, value in os.environ.items() if name not in SECRET_VARIABLES}
     env.update(
         environment,
         DJANGO_SETTINGS_MODULE="embedsite.settings",
         PYTHONPATH=os.pathsep.join([str(project), str(REPO_ROOT)]),
     )
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_python(["-c", code], env, cwd=project)
 
 
 def loaded_secrets(done: subprocess.CompletedProcess) -> list[str]:
