@@ -7,13 +7,12 @@ from __future__ import annotations
 import os
 import sqlite3
 import subprocess
-import sys
 
 import psycopg
 import pytest
 
 from tests.database_backend import database_execute, migrated_database_url, no_transaction_open
-from tests.processes import REPO_ROOT
+from tests.processes import run_python
 
 
 def migrate_check(url: str, workdir) -> subprocess.CompletedProcess:
@@ -24,14 +23,7 @@ def migrate_check(url: str, workdir) -> subprocess.CompletedProcess:
         "DATABASE_URL": url,
         "EMBEDSITE_RUN_DIR": str(workdir),
     }
-    return subprocess.run(
-        [sys.executable, "manage.py", "migrate", "--check", "--noinput"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_python(["manage.py", "migrate", "--check", "--noinput"], env)
 
 
 @pytest.mark.integration

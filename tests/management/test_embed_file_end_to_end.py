@@ -23,7 +23,7 @@ import orjson
 import pytest
 
 from tests.job_stack import JobStack, job_stack_running
-from tests.processes import REPO_ROOT, ctrl_c_as_in_a_terminal
+from tests.processes import REPO_ROOT, ctrl_c_as_in_a_terminal, run_python
 
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = [f"line {i} of the corpus: {'some more words ' * (i % 3)}about vectors" for i in range(10)]
@@ -62,10 +62,10 @@ def expected(job_stack) -> np.ndarray:
 def embed_file(
     stack: JobStack, input: Path, out: Path, *, key: str | None = None
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "manage.py", "embed_file", str(input), "--model", MODEL, "--out", str(out),
+    return run_python(
+        ["manage.py", "embed_file", str(input), "--model", MODEL, "--out", str(out),
          "--url", stack.base_url, "--key", key or stack.api_key, "--poll-interval", "0.2"],
-        cwd=REPO_ROOT, env=stack.env, capture_output=True, text=True, timeout=180,
+        stack.env, timeout_s=180,
     )  # fmt: skip
 
 

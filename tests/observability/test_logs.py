@@ -14,7 +14,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from embeddings.observability import context, logs, tracing
-from tests.processes import REPO_ROOT
+from tests.processes import REPO_ROOT, run_python
 
 
 def logged(formatter: logging.Formatter, emit) -> list[str]:
@@ -77,14 +77,7 @@ def test_text_lines_show_the_request_id_or_a_dash():
 
 @pytest.mark.integration
 def test_an_unknown_log_format_stops_startup():
-    done = subprocess.run(
-        [sys.executable, "manage.py", "check"],
-        cwd=REPO_ROOT,
-        env={**_environment(), "LOG_FORMAT": "xml"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_python(["manage.py", "check"], {**_environment(), "LOG_FORMAT": "xml"})
     assert done.returncode != 0
     assert "LOG_FORMAT must be text or json, not 'xml'" in done.stderr
 
