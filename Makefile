@@ -206,7 +206,7 @@ $(MODEL_ONNX): $(VENV)/.installed embeddings/tooling/model_export.py embeddings/
 # them: content-hashed names and gzip + Brotli copies. Outside DEBUG pages name the hashed files, so
 # nothing draws without this. Redone when the packages (which carry most of them), our own or the
 # settings (what is compressed) change; --clear drops what an earlier setting compressed.
-.run/.collected-static: $(VENV)/.installed $(PROTOCOL) embedsite/settings.py $(shell find embeddings -path '*/static/*' -type f) | .run/secret_key
+.run/.collected-static: $(VENV)/.installed $(PROTOCOL) embedsite/settings.py embedsite/static_files.py $(shell find embeddings -path '*/static/*' -type f) | .run/secret_key
 	$(PY) manage.py collectstatic --noinput --clear
 	touch $@
 

@@ -313,9 +313,10 @@ STATIC_ROOT = Path(env_str("DJANGO_STATIC_ROOT", str(BASE_DIR / ".run" / "static
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     # Collected files get a content hash in their name (cached for a year, immutable) and gzip and
-    # Brotli siblings WhiteNoise picks by Accept-Encoding. Outside DEBUG pages name the hashed files,
-    # so collectstatic must have run; DEBUG serves the apps' files as they are.
-    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
+    # Brotli siblings WhiteNoise picks by Accept-Encoding, each distinct content compressed once
+    # (embedsite/static_files.py). Outside DEBUG pages name the hashed files, so collectstatic must
+    # have run; DEBUG serves the apps' files as they are.
+    "staticfiles": {"BACKEND": "embedsite.static_files.CompressedOnceManifestStaticFilesStorage"},
 }
 # Source maps stay uncompressed: only a browser's developer tools fetch them, and Brotli at its
 # highest level on their 7 MB (twice: the plain and the hashed name) was half of collectstatic's time.

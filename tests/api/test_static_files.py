@@ -76,6 +76,27 @@ def test_bundles_compressed_but_their_source_maps_sent_as_they_are(uvicorn_serve
     assert not compressed_maps
 
 
+def test_every_compressed_copy_is_its_files_bytes_and_twins_are_compressed_alike():
+    """collectstatic compresses each distinct content once and copies the result to the files with
+    the same bytes (embedsite/static_files.py): each .br and .gz decompresses to its own file, and
+    files of one content have the same compressed siblings."""
+    decoders = {".br": brotli.decompress, ".gz": gzip.decompress}
+    siblings_by_content: dict[bytes, set[tuple[str, bytes]]] = {}
+    for path in settings.STATIC_ROOT.rglob("*"):
+        if not path.is_file() or path.suffix in decoders:
+            continue
+        content = path.read_bytes()
+        siblings = set()
+        for suffix, decode in decoders.items():
+            compressed = path.with_name(path.name + suffix)
+            if compressed.exists():
+                assert decode(compressed.read_bytes()) == content, compressed
+                siblings.add((suffix, compressed.read_bytes()))
+        siblings_by_content.setdefault(content, siblings)
+        assert siblings_by_content[content] == siblings, path
+    assert sum(1 for _ in settings.STATIC_ROOT.rglob("*.br")) > 100
+
+
 @pytest.mark.parametrize(
     "path",
     [
