@@ -119,7 +119,10 @@ def die_with_parent() -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-PYTHON_BACKEND_SHM_REGION = re.compile(r"/dev/shm/(triton_python_backend_shm_region_[0-9a-f-]+)")
+# Each stub of a Python-based backend maps a region named after its backend: the Python backend's own
+# (triton_python_backend_shm_region_...) and ours (triton_embedsite_onnx_backend_shm_region_..., and
+# the torch backend's), 16 MB each.
+PYTHON_BACKEND_SHM_REGION = re.compile(r"/dev/shm/(triton_[a-z0-9_]+_shm_region_[0-9a-f-]+)")
 
 
 def process_group_members(pgid: int) -> list[int]:
