@@ -54,6 +54,27 @@ def finished(http: httpx2.Client, stack: JobStack, job_id: str, timeout_s: float
     pytest.fail(f"job {job_id} did not finish: {job}\n{stack.logs_tail()}")
 
 
+# Whether a completed job's storage hold is settled: the engine marks the job completed first, then
+# frees its inputs and lowers its hold (services/jobs/engine.py job_finalize).
+HOLD_SETTLED = """
+from embeddings.models import JobStorageHold
+hold = JobStorageHold.objects.get(public_id={job_id!r})
+print(hold.stored_bytes == hold.kept_bytes + hold.result_bytes)
+"""
+
+
+def finished_and_settled(http: httpx2.Client, stack: JobStack, job_id: str, timeout_s: float = 120) -> dict:
+    """finished(), then until the completed job's hold no longer counts its inputs (a deadline
+    against hanging, not a timing): what a tenant's usage then says is what the job keeps."""
+    job = finished(http, stack, job_id, timeout_s)
+    assert job["status"] == "completed", job
+    deadline = time.monotonic() + timeout_s
+    while stack.django.run(HOLD_SETTLED.format(job_id=job_id)) != "True":
+        assert time.monotonic() < deadline, f"job {job_id}'s storage hold never settled"
+        time.sleep(0.05)
+    return job
+
+
 def synchronous(http: httpx2.Client, texts: list[str], **options) -> tuple[np.ndarray, int]:
     response = http.post("/v1/embeddings", json={"model": MODEL, "input": texts, **options})
     assert response.status_code == 200, response.text
@@ -292,8 +313,7 @@ def test_job_storage_budget_on_the_real_stack(http, job_stack):
             submitted = http.post("/v1/jobs", json={"model": MODEL, "input": TEXTS})
             assert submitted.status_code == 202, submitted.text
             at_submission = held() - before
-        job = finished(http, job_stack, submitted.json()["id"])
-        assert job["status"] == "completed", job
+        job = finished_and_settled(http, job_stack, submitted.json()["id"])
         store = redis.Redis.from_url(job_stack.env.get("JOB_STORE_URL") or job_stack.env["REDIS_URL"])
         job_keys = [key.decode() for key in store.keys(f"job:{{{job['id']}}}:*")]
         assert [key for key in job_keys if ":in:" in key] == [] and any(":out:" in key for key in job_keys)
@@ -368,8 +388,8 @@ def test_int8_and_binary_jobs_store_their_real_size_and_download_in_their_type(h
         )
         assert submitted.status_code == 202, submitted.text
         assert submitted.json()["output_dtype"] == output_dtype and submitted.json()["input_type"] is None
-        job = finished(http, job_stack, submitted.json()["id"])
-        assert job["status"] == "completed" and job["output_dtype"] == output_dtype, job
+        job = finished_and_settled(http, job_stack, submitted.json()["id"])
+        assert job["output_dtype"] == output_dtype, job
         jobs[output_dtype] = job["id"]
         holds[output_dtype] = held() - before  # the results' and ids' bytes, the inputs' given back
 
