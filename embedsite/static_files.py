@@ -27,7 +27,7 @@ class CompressedOnceManifestStaticFilesStorage(CompressedManifestStaticFilesStor
             with open(self.path(path), "rb") as file:
                 digest = hashlib.file_digest(file, "sha256").hexdigest()
             twins.setdefault(digest, []).append(path)
-        yield from super().compress_files(paths[0] for paths in twins.values())
+        yield from super().compress_files(holders[0] for holders in twins.values())
         for first, *others in twins.values():
             for suffix in COMPRESSED_SUFFIXES:
                 compressed = self.path(first) + suffix
